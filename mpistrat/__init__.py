@@ -1,0 +1,64 @@
+"""mpistrat: the tf.distribute programming model on MPI, for NumPy and CuPy arrays.
+
+>>> import mpistrat, numpy as np
+>>> strategy = mpistrat.MPIStrategy()
+>>> def step(x):
+...     ctx = mpistrat.get_replica_context()
+...     return ctx.all_reduce("sum", x)
+>>> total = strategy.run(step, args=(np.ones(3),))
+"""
+
+from mpi4py import MPI
+
+from mpistrat import nest
+from mpistrat.context import (
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from mpistrat.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ContextError,
+    InvalidArgumentError,
+    MergeCallError,
+    MpistratError,
+    UnsupportedTypeError,
+)
+from mpistrat.extended import StrategyExtended
+from mpistrat.options import CommunicationImplementation, CommunicationOptions
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.replica_context import ReplicaContext
+from mpistrat.strategy import MPIStrategy, Strategy
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MPI",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "ContextError",
+    "DistributedValues",
+    "InvalidArgumentError",
+    "MPIStrategy",
+    "MergeCallError",
+    "Mirrored",
+    "MpistratError",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "UnsupportedTypeError",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "nest",
+]

@@ -1,0 +1,379 @@
+"""Nest-level collectives over one private communicator.
+
+Every collective is numbered (a per-communicator sequence) and, while checking is
+on, opens with a *handshake*: one small fixed-size ``Allgather`` of
+``[magic, seq, kind, fingerprint, error, extras...]``. Every rank sees every
+rank's header, so a mismatch (different collective, nest structure, dtypes,
+shapes, reduce op) or bad input on any one rank is raised on every rank instead
+of deadlocking. ``all_gather`` needs the per-rank sizes anyway, so for it the
+handshake is the size exchange and costs nothing extra.
+
+>>> from mpi4py import MPI
+>>> c = Collectives(MPI.COMM_SELF.Dup())
+>>> c.all_reduce("sum", {"a": 1, "b": [40, 1]})
+{'a': np.int64(1), 'b': [np.int64(40), np.int64(1)]}
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zlib
+from typing import Any
+
+import numpy as np
+import optree
+from mpi4py import MPI
+
+from mpistrat import nest
+from mpistrat.comm import packing
+from mpistrat.comm.mpi import buffer_spec, synchronize
+from mpistrat.errors import (
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    MpistratError,
+)
+from mpistrat.options import CommunicationOptions
+from mpistrat.reduce_op import ReduceOp
+
+__all__ = ["Collectives", "check_enabled"]
+
+_MAGIC = 0x6D707374  # "mpst"
+_HEADER = 16
+_EXTRAS = _HEADER - 6  # per-leaf sizes that fit in the handshake itself
+_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+
+
+def check_enabled(options: CommunicationOptions) -> bool:
+    """Whether the handshake check runs: the option, else ``MPISTRAT_CHECK`` (default on)."""
+    if options.check is not None:
+        return options.check
+    return os.environ.get("MPISTRAT_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _code(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+class Collectives:
+    """Collectives on nests of arrays over ``comm`` (which the caller owns and has duplicated)."""
+
+    def __init__(self, comm: MPI.Intracomm, options: CommunicationOptions | None = None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.options = options or CommunicationOptions()
+        self.seq = 0
+
+    # -- the handshake ---------------------------------------------------------------
+
+    def handshake(
+        self,
+        kind: str,
+        fingerprint: int,
+        describe: Any,
+        error: MpistratError | None = None,
+        extras: list[int] | None = None,
+    ) -> np.ndarray:
+        """Agree on (seq, kind, fingerprint) with every rank; return every rank's header.
+
+        ``describe`` is a callable returning a picklable description of this rank's
+        arguments; it is only called when something disagrees, to explain what.
+        """
+        self.seq += 1
+        header = np.zeros(_HEADER, dtype=np.int64)
+        extras = extras or []
+        header[:6] = (_MAGIC, self.seq, _code(kind), fingerprint, error is not None, len(extras))
+        header[6 : 6 + min(len(extras), _EXTRAS)] = extras[:_EXTRAS]
+        table = np.empty((self.size, _HEADER), dtype=np.int64)
+        self.comm.Allgather(header, table)
+        agreed = (table[:, :4] == table[0, :4]).all() and not table[:, 4].any()
+        if not agreed:
+            self._raise_disagreement(kind, describe, error)
+        if len(extras) > _EXTRAS:
+            full = np.asarray(extras, dtype=np.int64)
+            everyone = np.empty((self.size, len(extras)), dtype=np.int64)
+            self.comm.Allgather(full, everyone)
+            return everyone
+        return table[:, 6 : 6 + len(extras)]
+
+    def _raise_disagreement(self, kind: str, describe: Any, error: MpistratError | None) -> None:
+        """Every rank is here: exchange descriptions and raise the same error everywhere."""
+        try:
+            mine = describe() if error is None else None
+        except Exception as exc:  # a description must never turn an error into a hang
+            mine = f"<undescribable: {exc}>"
+        reports = self.comm.allgather((kind, self.seq, mine, error))
+        failed = [(r, e) for r, (_, _, _, e) in enumerate(reports) if e is not None]
+        if failed:
+            rank, first = failed[0]
+            others = "" if len(failed) == 1 else f" (and ranks {[r for r, _ in failed[1:]]})"
+            raise type(first)(f"{kind}: rank {rank}{others}: {first}")
+        kinds = {(k, s) for k, s, _, _ in reports}
+        if len(kinds) > 1:
+            calls = "; ".join(f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports))
+            raise CollectiveMismatchError(
+                f"ranks are in different collectives: {calls}. Every rank must call the same "
+                "collectives in the same order."
+            )
+        raise CollectiveMismatchError(f"{kind}: {_first_difference([d for _, _, d, _ in reports])}")
+
+    # -- all_reduce ------------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        options: CommunicationOptions | None = None,
+        kind: str = "all_reduce",
+    ) -> Any:
+        """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out."""
+        opts = self.options.merge(options)
+        error, op, leaves, treespec, arrays = None, None, [], None, []
+        try:
+            op = ReduceOp.from_any(reduce_op)
+            leaves, treespec = optree.tree_flatten(value, **_NEST)
+            arrays = to_arrays(value, leaves, kind)
+        except MpistratError as exc:
+            error = exc
+        if check_enabled(opts):
+            fingerprint = _code(repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])))
+            self.handshake(kind, fingerprint, lambda: _describe(value, op), error)
+        elif error is not None:
+            raise error
+        out = self._allreduce_arrays(arrays, opts.bytes_per_pack)
+        if op is ReduceOp.MEAN:
+            out = [_divide(x, self.size) for x in out]
+        out = [o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()] for x, o in zip(leaves, out, strict=True)]
+        return optree.tree_unflatten(treespec, out)
+
+    def _allreduce_arrays(self, arrays: list[Any], bytes_per_pack: int) -> list[Any]:
+        synchronize(arrays)
+        out: list[Any] = [None] * len(arrays)
+        for p in packing.plan_packs(arrays, bytes_per_pack):
+            if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
+                i = p.indices[0]
+                recv = p.module.empty(arrays[i].shape, dtype=p.dtype)
+                self.comm.Allreduce(buffer_spec(arrays[i]), buffer_spec(recv), op=MPI.SUM)
+                out[i] = recv
+            else:
+                buf = packing.pack(arrays, p)
+                synchronize([buf])
+                self.comm.Allreduce(MPI.IN_PLACE, buffer_spec(buf), op=MPI.SUM)
+                packing.unpack(buf, arrays, p, out)
+        return out
+
+    # -- all_gather ------------------------------------------------------------------
+
+    def all_gather(
+        self,
+        value: Any,
+        axis: int,
+        options: CommunicationOptions | None = None,
+        kind: str = "all_gather",
+    ) -> Any:
+        """Concatenate every rank's arrays along ``axis``; sizes along ``axis`` may differ."""
+        opts = self.options.merge(options)
+        error, leaves, treespec, arrays, axes = None, [], None, [], []
+        try:
+            if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+                raise InvalidArgumentError(f"{kind}: axis must be an int; got {axis!r}")
+            leaves, treespec = optree.tree_flatten(value, **_NEST)
+            arrays = to_arrays(value, leaves, kind)
+            for i, arr in enumerate(arrays):
+                if arr.ndim == 0:
+                    problem = "all_gather needs arrays of rank >= 1 to concatenate; got a scalar"
+                elif not -arr.ndim <= axis < arr.ndim:
+                    problem = f"axis {axis} is out of range for shape {arr.shape}"
+                else:
+                    axes.append(int(axis) % arr.ndim)
+                    continue
+                raise InvalidArgumentError(f"{kind}: leaf {_leaf_path(value, i)}: {problem}")
+        except MpistratError as exc:
+            error, arrays, axes = exc, [], []
+        rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
+        fingerprint = _code(repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)])))
+        sizes = self.handshake(
+            kind,
+            fingerprint,
+            lambda: _describe(value, None, axis),
+            error,
+            extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
+        )
+        moved = [np_moveaxis(a, ax) for a, ax in zip(arrays, axes, strict=True)]
+        out: list[Any] = [None] * len(arrays)
+        synchronize(moved)
+        for p in packing.plan_packs(moved, opts.bytes_per_pack):
+            self._allgather_pack(moved, p, sizes, out)
+        out = [o if ax == 0 else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax)) for o, ax in zip(out, axes, strict=True)]
+        return optree.tree_unflatten(treespec, out)
+
+    def _allgather_pack(self, moved: list[Any], p: Any, sizes: np.ndarray, out: list[Any]) -> None:
+        xp = p.module
+        inner = {i: int(np.prod(moved[i].shape[1:], dtype=np.int64)) for i in p.indices}
+        counts = [int(sum(sizes[r][i] * inner[i] for i in p.indices)) for r in range(self.size)]
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        recv = xp.empty(sum(counts), dtype=p.dtype)
+        if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
+            send = moved[p.indices[0]]
+        else:
+            send = packing.pack(moved, p)
+            synchronize([send])
+        self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), [recv, counts, displs, buffer_spec(recv)[2]])
+        if len(p.indices) == 1:
+            i = p.indices[0]
+            out[i] = recv.reshape((int(sizes[:, i].sum()),) + moved[i].shape[1:])
+            return
+        for i in p.indices:
+            pieces = []
+            for r in range(self.size):
+                start = displs[r] + sum(int(sizes[r][j]) * inner[j] for j in p.indices if j < i)
+                n = int(sizes[r][i])
+                pieces.append(recv[start : start + n * inner[i]].reshape((n,) + moved[i].shape[1:]))
+            out[i] = xp.concatenate(pieces, axis=0)
+
+    # -- objects to and from rank 0 (merge_call) ------------------------------------
+
+    def gather_to_root(self, obj: Any, kind: str = "merge_call", root: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
+
+        Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
+        """
+        if check_enabled(self.options):
+            self.handshake(kind, 0, lambda: None)
+        header, data = _split_arrays(obj)
+        headers = self.comm.gather((header, data.size), root=root)
+        counts = [n for _, n in headers] if self.rank == root else None
+        recv = None
+        if self.rank == root:
+            recv = np.empty(sum(counts), dtype=np.uint8)
+            displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+            self.comm.Gatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE], root=root)
+            offsets = [0, *np.cumsum(counts).tolist()]
+            return [_join_arrays(h, recv[offsets[r] : offsets[r + 1]]) for r, (h, _) in enumerate(headers)]
+        self.comm.Gatherv([data, MPI.BYTE], None, root=root)
+        return None
+
+    def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
+        """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
+        header, data = _split_arrays(obj) if self.rank == root else (None, None)
+        header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
+        if nbytes:
+            if self.rank != root:
+                data = np.empty(nbytes, dtype=np.uint8)
+            self.comm.Bcast([data, MPI.BYTE], root=root)
+        return _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def np_moveaxis(arr: Any, axis: int) -> Any:
+    return arr if axis == 0 else packing.array_module(arr).moveaxis(arr, axis, 0)
+
+
+def _leaf_path(value: Any, index: int) -> str:
+    return nest.path_str(nest.flatten_with_paths(value)[index][0])
+
+
+def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
+    """The leaves as arrays; on bad input, an error naming the leaf's key path."""
+    try:
+        return [packing.as_array(leaf) for leaf in leaves]
+    except MpistratError:
+        for path, leaf in nest.flatten_with_paths(value):
+            packing.as_array(leaf, f"{kind}: leaf {nest.path_str(path)}")
+        raise
+
+
+def _divide(x: Any, n: int) -> Any:
+    """True division (ints become float64, as ``tf.distribute`` MEAN of ints gives 49.5)."""
+    xp = packing.array_module(x)
+    if x.dtype.kind in "fc":
+        xp.true_divide(x, n, out=x)
+        return x
+    return xp.true_divide(x, n)
+
+
+def _describe(value: Any, op: ReduceOp | None, axis: int | None = None) -> dict[str, Any]:
+    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
+    leaves = []
+    for path, leaf in nest.flatten_with_paths(value):
+        try:
+            arr = packing.as_array(leaf)
+            shape: tuple[Any, ...] = tuple(arr.shape)
+            if axis is not None and arr.ndim and -arr.ndim <= axis < arr.ndim:
+                shape = tuple("*" if d == axis % arr.ndim else n for d, n in enumerate(shape))
+            leaves.append((nest.path_str(path), str(arr.dtype), shape))
+        except MpistratError:
+            leaves.append((nest.path_str(path), type(leaf).__name__, None))
+    return {"reduce_op": None if op is None else op.value, "axis": axis, "leaves": leaves}
+
+
+def _first_difference(descriptions: list[Any]) -> str:
+    """Name the first thing that differs between ranks' descriptions, and what each passed."""
+    first = descriptions[0]
+    if not isinstance(first, dict):
+        return f"ranks passed different arguments: {descriptions}"
+    for key in ("reduce_op", "axis"):
+        seen = [d.get(key) for d in descriptions]
+        if len(set(seen)) > 1:
+            return f"ranks passed different {key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+    counts = [len(d["leaves"]) for d in descriptions]
+    for i in range(max(counts)):
+        entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
+        if any(e != entries[0] for e in entries):
+            path = next(e[0] for e in entries if e is not None)
+            what = ", ".join(
+                f"rank {r}: " + ("no leaf" if e is None else f"{e[0]} dtype={e[1]} shape={e[2]}")
+                for r, e in enumerate(entries)
+            )
+            return (
+                f"the arguments differ at leaf {path} ({what}). "
+                "Every rank must pass the same nest structure, dtypes and shapes"
+                + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
+                + "."
+            )
+    return "ranks passed different arguments: " + ", ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+
+
+class _ArrayRef:
+    """Placeholder for an array whose bytes travel separately."""
+
+    __slots__ = ("offset", "dtype", "shape")
+
+    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
+        self.offset, self.dtype, self.shape = offset, dtype, shape
+
+    def __reduce__(self):
+        return (_ArrayRef, (self.offset, self.dtype, self.shape))
+
+
+def _split_arrays(obj: Any) -> tuple[bytes, np.ndarray]:
+    """Pickle ``obj`` with its NumPy array leaves replaced by references into one byte buffer."""
+    chunks: list[np.ndarray] = []
+    offset = 0
+
+    def take(leaf: Any) -> Any:
+        nonlocal offset
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind != "O":
+            raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+            ref = _ArrayRef(offset, leaf.dtype, leaf.shape)
+            chunks.append(raw)
+            offset += raw.size
+            return ref
+        return leaf
+
+    header = pickle.dumps(optree.tree_map(take, obj, **_NEST), protocol=pickle.HIGHEST_PROTOCOL)
+    data = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
+    return header, data
+
+
+def _join_arrays(header: bytes, data: np.ndarray) -> Any:
+    def put(leaf: Any) -> Any:
+        if isinstance(leaf, _ArrayRef):
+            n = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+            return data[leaf.offset : leaf.offset + n].view(leaf.dtype).reshape(leaf.shape).copy()
+        return leaf
+
+    return optree.tree_map(put, pickle.loads(header), **_NEST)

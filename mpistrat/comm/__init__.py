@@ -1,0 +1,1 @@
+"""Transport: turning nests of arrays into buffers and moving them with MPI."""

@@ -1,0 +1,38 @@
+"""Thin helpers over mpi4py's buffer (upper-case) methods."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.errors import UnsupportedTypeError
+
+__all__ = ["mpi_datatype", "buffer_spec", "synchronize"]
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+    """The predefined MPI datatype for a NumPy dtype (reductions need a predefined one)."""
+    predefined = MPI._typedict.get(dtype.char)
+    if predefined is not None and predefined != MPI.DATATYPE_NULL:
+        return predefined
+    raise UnsupportedTypeError(f"this MPI library has no predefined datatype for dtype {dtype}")
+
+
+def buffer_spec(arr: Any, count: int | None = None) -> list[Any]:
+    """``[buffer, count, datatype]`` for mpi4py, for NumPy and CuPy arrays alike."""
+    n = arr.size if count is None else count
+    return [arr, n, mpi_datatype(arr.dtype)]
+
+
+def synchronize(arrays: list[Any]) -> None:
+    """Wait for the current CUDA stream if any array is on a device (MPI reads memory directly)."""
+    for arr in arrays:
+        if type(arr).__module__.startswith("cupy"):
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+            return

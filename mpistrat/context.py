@@ -1,0 +1,125 @@
+"""Which strategy and which context (replica or cross-replica) this thread is in.
+
+A thread-local stack of modes. Outside any scope the mode is the *default* one:
+the default single-replica strategy, in its default replica context.
+
+>>> in_cross_replica_context(), has_strategy()
+(False, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from mpistrat.errors import ContextError
+
+if TYPE_CHECKING:
+    from mpistrat.replica_context import ReplicaContext
+    from mpistrat.strategy import Strategy
+
+__all__ = [
+    "get_strategy",
+    "has_strategy",
+    "get_replica_context",
+    "get_cross_replica_context",
+    "in_cross_replica_context",
+]
+
+CROSS_REPLICA_HINT = "use get_replica_context().merge_call()"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One entry of the stack.
+
+    ``kind`` is ``"default"`` (no scope), ``"cross_replica"`` (SPMD: inside ``scope()``,
+    every rank executes), ``"replica"`` (inside ``run``), or ``"merge"`` (inside a
+    ``merge_fn``: rank 0 alone, holding every replica's values).
+    """
+
+    strategy: Strategy
+    replica_context: ReplicaContext | None
+    kind: str
+
+
+_local = threading.local()
+
+
+def _stack() -> list[Mode]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def current_mode() -> Mode:
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    from mpistrat.strategy import default_strategy
+
+    strategy = default_strategy()
+    return Mode(strategy, strategy.extended.default_replica_context, "default")
+
+
+@contextlib.contextmanager
+def push(mode: Mode) -> Iterator[Mode]:
+    stack = _stack()
+    stack.append(mode)
+    try:
+        yield mode
+    finally:
+        stack.pop()
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the one in scope, else the default single-replica strategy."""
+    return current_mode().strategy
+
+
+def has_strategy() -> bool:
+    """True inside a non-default strategy's ``scope()`` or ``run``."""
+    return bool(_stack())
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current ``ReplicaContext``; None in a cross-replica context.
+
+    Outside any scope this is the default strategy's replica context.
+    """
+    return current_mode().replica_context
+
+
+def get_cross_replica_context() -> Strategy | None:
+    """The current strategy in a cross-replica context, else None."""
+    mode = current_mode()
+    return mode.strategy if mode.replica_context is None else None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``strategy.scope()`` (but not in ``run``) or inside a ``merge_fn``."""
+    return current_mode().replica_context is None
+
+
+def require_cross_replica(method: str) -> Mode:
+    """The current mode, if it is cross-replica (or the default context); else raise."""
+    mode = current_mode()
+    if mode.replica_context is not None and mode.kind != "default":
+        raise ContextError(
+            f"{method}: Method requires being in cross-replica context, {CROSS_REPLICA_HINT}"
+        )
+    return mode
+
+
+def require_replica(method: str) -> Mode:
+    mode = current_mode()
+    if mode.replica_context is None:
+        raise ContextError(
+            f"{method}: Method requires being in replica context; "
+            "call it inside strategy.run(fn), not in cross-replica context"
+        )
+    return mode

@@ -1,0 +1,45 @@
+"""The few exception types mpistrat raises.
+
+Each subclasses the built-in that fits, so ``except ValueError`` keeps working
+for code ported from tf.distribute, and :class:`MpistratError` catches them all.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MpistratError",
+    "ContextError",
+    "InvalidArgumentError",
+    "UnsupportedTypeError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "MergeCallError",
+]
+
+
+class MpistratError(Exception):
+    """Base class of every error raised by mpistrat."""
+
+
+class ContextError(MpistratError, RuntimeError):
+    """A method was called in the wrong context (replica vs cross-replica)."""
+
+
+class InvalidArgumentError(MpistratError, ValueError):
+    """An argument has the right type but an unusable value."""
+
+
+class UnsupportedTypeError(MpistratError, TypeError):
+    """An argument has a type mpistrat cannot communicate or reduce."""
+
+
+class CollectiveMismatchError(MpistratError, ValueError):
+    """Ranks entered a collective with incompatible arguments (raised on every rank)."""
+
+
+class CollectiveTimeoutError(MpistratError, TimeoutError):
+    """A collective did not complete within its timeout."""
+
+
+class MergeCallError(MpistratError, RuntimeError):
+    """A ``merge_fn`` raised an exception that could not be re-created on every rank."""

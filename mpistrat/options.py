@@ -1,0 +1,79 @@
+"""Options for collective communication, as ``tf.distribute.experimental.CommunicationOptions``."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from mpistrat.errors import InvalidArgumentError
+
+__all__ = ["CommunicationImplementation", "CommunicationOptions"]
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which transport carries collectives.
+
+    ``AUTO`` picks the best available, ``RING`` is MPI, ``NCCL`` is NCCL (device buffers).
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How collectives are carried out.
+
+    >>> opts = CommunicationOptions(bytes_per_pack=4 << 20)
+    >>> opts.merge(CommunicationOptions(timeout_seconds=30.0)).bytes_per_pack
+    4194304
+
+    Args:
+        bytes_per_pack: split the leaves of one dtype into packs of about this many
+            bytes, one MPI call each; 0 means one pack per dtype.
+        timeout_seconds: give up on a collective that takes longer (None: wait forever).
+        implementation: the transport, see :class:`CommunicationImplementation`.
+        check: verify that every rank entered the same collective with compatible
+            arguments (None: the ``MPISTRAT_CHECK`` environment default, on).
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    check: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise InvalidArgumentError(
+                f"bytes_per_pack must be an int >= 0; got {self.bytes_per_pack!r}"
+            )
+        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
+            raise InvalidArgumentError(
+                f"timeout_seconds must be > 0 or None; got {self.timeout_seconds!r}"
+            )
+        if isinstance(self.implementation, str):
+            object.__setattr__(
+                self, "implementation", CommunicationImplementation(self.implementation.upper())
+            )
+        if not isinstance(self.implementation, CommunicationImplementation):
+            raise InvalidArgumentError(
+                "implementation must be a CommunicationImplementation; "
+                f"got {self.implementation!r}"
+            )
+
+    def merge(self, override: CommunicationOptions | None) -> CommunicationOptions:
+        """These options with the non-default fields of ``override`` taking precedence."""
+        if override is None:
+            return self
+        if not isinstance(override, CommunicationOptions):
+            raise InvalidArgumentError(
+                f"options must be a CommunicationOptions or None; got {type(override).__name__}"
+            )
+        default = CommunicationOptions()
+        changes = {
+            f.name: getattr(override, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(override, f.name) != getattr(default, f.name)
+        }
+        return dataclasses.replace(self, **changes)

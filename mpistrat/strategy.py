@@ -1,0 +1,261 @@
+"""Strategy and MPIStrategy: one MPI rank per replica."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import optree
+from mpi4py import MPI
+
+from mpistrat import context
+from mpistrat.collectives import to_arrays
+from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
+from mpistrat.extended import StrategyExtended
+from mpistrat.options import CommunicationOptions
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.replica_context import ReplicaContext
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
+
+__all__ = ["Strategy", "MPIStrategy", "default_strategy"]
+
+_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+
+
+class Strategy:
+    """A group of replicas and how to compute on them, as ``tf.distribute.Strategy``."""
+
+    def __init__(self, extended: StrategyExtended):
+        self._extended = extended
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The :class:`StrategyExtended` with additional methods."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas over which gradients are aggregated (the number of ranks)."""
+        return self._extended.size
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Select this strategy and enter its cross-replica context.
+
+        >>> import mpistrat
+        >>> strategy = mpistrat.MPIStrategy()
+        >>> with strategy.scope():
+        ...     assert mpistrat.get_strategy() is strategy
+        """
+        mode = context.current_mode()
+        if mode.kind != "default":
+            if mode.strategy is not self:
+                raise InvalidArgumentError(
+                    "Mixing different Strategy objects: a scope of another strategy is already active"
+                )
+            context.require_cross_replica("Strategy.scope")
+        self._extended.collectives  # noqa: B018 (raises if finalized)
+        with context.push(context.Mode(self, None, "cross_replica")):
+            yield self
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Call ``fn(*args, **kwargs)`` once on each rank, in that replica's context.
+
+        ``PerReplica`` arguments are unwrapped to this replica's component. Returns
+        this rank's result as is (one replica per rank).
+
+        >>> import mpistrat
+        >>> strategy = mpistrat.MPIStrategy()
+        >>> strategy.run(lambda: mpistrat.get_replica_context().replica_id_in_sync_group) == strategy.extended.rank
+        True
+        """
+        mode = context.require_cross_replica("Strategy.run")
+        if mode.kind == "merge":
+            raise ContextError(
+                "Strategy.run cannot be called inside a merge_fn: merge_fn runs on rank 0 alone"
+            )
+        self._extended.collectives  # noqa: B018 (raises if finalized)
+        rank = self._extended.rank
+        args = optree.tree_map(lambda x: self._local_component(x, rank), tuple(args), **_NEST)
+        kwargs = optree.tree_map(lambda x: self._local_component(x, rank), dict(kwargs or {}), **_NEST)
+        with self.scope(), ReplicaContext(self, rank):
+            return fn(*args, **kwargs)
+
+    experimental_run_v2 = run
+
+    def _local_component(self, value: Any, rank: int) -> Any:
+        if not isinstance(value, DistributedValues) or not isinstance(value, (PerReplica, Mirrored)):
+            return value
+        if isinstance(value, Mirrored) or len(value.values) == 1:
+            return value.values[0]
+        if len(value.values) != self.num_replicas_in_sync:
+            raise InvalidArgumentError(
+                f"run: a PerReplica argument has {len(value.values)} components; "
+                f"expected 1 or {self.num_replicas_in_sync} (one per replica)"
+            )
+        return value.values[rank]
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduce a per-replica value (or a nest of them) across replicas.
+
+        With ``axis``, each replica's value is first reduced along it; MEAN then
+        divides by the number of elements along ``axis`` over all replicas, so
+        uneven batches give the exact global mean.
+
+        >>> import mpistrat, numpy as np
+        >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+        >>> float(strategy.reduce("mean", np.array([1.0, 2.0, 6.0]), axis=0))
+        3.0
+        """
+        mode = context.require_cross_replica("Strategy.reduce")
+        op = ReduceOp.from_any(reduce_op)
+        if mode.kind == "merge":
+            return optree.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value, **_NEST)
+        local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
+        collectives = self._extended.collectives
+        if axis is None:
+            return collectives.all_reduce(op, local, kind="reduce")
+        leaves, spec = optree.tree_flatten(local, **_NEST)
+        arrays = to_arrays(local, leaves, "reduce")
+        for a in arrays:
+            if not -a.ndim <= axis < a.ndim:
+                raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
+        sums = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
+        counts = [a.shape[axis] for a in arrays]
+        total_sums, total_counts = collectives.all_reduce(ReduceOp.SUM, (sums, counts), kind="reduce")
+        if op is ReduceOp.MEAN:
+            total_sums = [s / c for s, c in zip(total_sums, total_counts, strict=True)]
+        return optree.tree_unflatten(spec, total_sums)
+
+    def _reduce_in_merge(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        """Rank 0 inside merge_fn: every replica's value is here, so reduce with NumPy."""
+        n = self.num_replicas_in_sync
+        if isinstance(value, PerReplica):
+            components = list(value.values)
+        elif isinstance(value, Mirrored):
+            components = [value.value] * n
+        elif op is ReduceOp.MEAN or n == 1:
+            components = [value]
+        else:
+            raise InvalidArgumentError(
+                "reduce: a value that is not PerReplica cannot be reduced with SUM inside merge_fn; "
+                "pass the PerReplica value merge_fn received"
+            )
+        arrays = [np.asarray(c) for c in components]
+        if axis is None:
+            total = functools.reduce(np.add, arrays)
+            return total / len(arrays) if op is ReduceOp.MEAN else total
+        total = functools.reduce(np.add, [a.sum(axis=axis, dtype=a.dtype) for a in arrays])
+        return total / sum(a.shape[axis] for a in arrays) if op is ReduceOp.MEAN else total
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate the replicas' values along ``axis`` (cross-replica context).
+
+        >>> import mpistrat, numpy as np
+        >>> mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF).gather(np.array([1, 2]), axis=0)
+        array([1, 2])
+        """
+        mode = context.require_cross_replica("Strategy.gather")
+        if mode.kind == "merge":
+            return optree.tree_map(
+                lambda v: np.concatenate([np.asarray(c) for c in self.experimental_local_results(v)], axis=axis),
+                value,
+                **_NEST,
+            )
+        local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
+        return self._extended.collectives.all_gather(local, axis, kind="gather")
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values held by this process: every component of a ``DistributedValues``, else ``(value,)``."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        return (value,)
+
+    def experimental_initialize(self) -> list[Any]:
+        """Nothing to initialize on MPI (the communicator is ready); returns ``[]``."""
+        return []
+
+    def experimental_finalize(self) -> list[Any]:
+        """Free the private communicator (collective). Using the strategy afterwards raises."""
+        self._extended.finalize()
+        return []
+
+    def update_config_proto(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of ``config`` set up for this rank.
+
+        Sets ``device_filters`` to this rank's worker task, and
+        ``experimental.collective_group_leader`` to task 0, as a multi-worker
+        tf.distribute strategy does; the input is not modified.
+
+        >>> import mpistrat
+        >>> mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF).update_config_proto({})["device_filters"]
+        ['/job:worker/task:0']
+        """
+        if not isinstance(config, Mapping):
+            raise UnsupportedTypeError(f"update_config_proto: expected a mapping; got {type(config).__name__}")
+        updated = copy.deepcopy(dict(config))
+        updated["device_filters"] = [f"/job:worker/task:{self._extended.rank}"]
+        experimental = dict(updated.get("experimental", {}))
+        experimental["collective_group_leader"] = "/job:worker/replica:0/task:0"
+        updated["experimental"] = experimental
+        return updated
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Strategy:
+        # A strategy owns a communicator; copies of objects that refer to it share it.
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+class MPIStrategy(Strategy):
+    """Synchronous data parallelism with one replica per MPI rank.
+
+    >>> import mpistrat
+    >>> strategy = mpistrat.MPIStrategy()  # every rank of COMM_WORLD is a replica
+    >>> strategy.num_replicas_in_sync == mpistrat.MPI.COMM_WORLD.Get_size()
+    True
+
+    Args:
+        comm: the intracommunicator whose ranks are the replicas (default
+            ``MPI.COMM_WORLD``); the strategy talks on a private duplicate of it.
+            Creating the strategy is collective over ``comm``.
+        communication_options: defaults for every collective.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Intracomm | None = None,
+        *,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise UnsupportedTypeError(
+                f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}"
+            )
+        options = CommunicationOptions().merge(communication_options)
+        super().__init__(StrategyExtended(self, comm.Dup(), options))
+
+
+class _DefaultStrategy(Strategy):
+    """The single-replica strategy in effect outside any scope."""
+
+    def __init__(self) -> None:
+        super().__init__(StrategyExtended(self, MPI.COMM_SELF, CommunicationOptions(), is_default=True))
+
+
+@functools.lru_cache(maxsize=1)
+def default_strategy() -> Strategy:
+    """The default single-replica strategy (what ``get_strategy()`` returns outside a scope)."""
+    return _DefaultStrategy()

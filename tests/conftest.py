@@ -1,0 +1,85 @@
+"""Fixtures shared by the suite. Every test runs serially and under ``mpiexec -n N``.
+
+Tests that communicate take ``group``: a strategy over COMM_WORLD, COMM_SELF or an
+even/odd split of COMM_WORLD (mpi4py's habit of running each test on several
+communicators), with the raw communicator its references are computed against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import mpistrat
+
+WORLD = MPI.COMM_WORLD
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if WORLD.Get_rank() > 0:  # one readable report: other ranks print failures and the summary only
+        config.option.verbose = -1
+
+
+@dataclasses.dataclass
+class Group:
+    name: str
+    comm: MPI.Intracomm
+    strategy: mpistrat.MPIStrategy
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+
+def _make(name: str) -> Group:
+    if name == "world":
+        comm = WORLD.Dup()
+    elif name == "self":
+        comm = MPI.COMM_SELF.Dup()
+    else:
+        comm = WORLD.Split(WORLD.Get_rank() % 2, WORLD.Get_rank())
+    return Group(name, comm, mpistrat.MPIStrategy(comm))
+
+
+_GROUPS: dict[str, Group] = {}
+
+
+@pytest.fixture(params=["world", "self", "split"], scope="session")
+def group(request: pytest.FixtureRequest) -> Group:
+    if request.param not in _GROUPS:
+        _GROUPS[request.param] = _make(request.param)
+    return _GROUPS[request.param]
+
+
+@pytest.fixture(scope="session")
+def world() -> Group:
+    if "world" not in _GROUPS:
+        _GROUPS["world"] = _make("world")
+    return _GROUPS["world"]
+
+
+def all_ranks_agree(comm: MPI.Intracomm, ok: bool, detail: str = "") -> None:
+    """Fail on every rank if the check failed on any rank (a lone failure would strand the others)."""
+    results = comm.allgather((bool(ok), detail))
+    bad = [(r, d) for r, (good, d) in enumerate(results) if not good]
+    assert not bad, "failed on ranks " + "; ".join(f"{r}: {d}" for r, d in bad)
+
+
+def raises_on_every_rank(comm: MPI.Intracomm, error: type[BaseException], fn: Callable[[], Any], match: str = "") -> str:
+    """Call ``fn`` on every rank; assert each rank raised ``error`` (with ``match`` in its message)."""
+    try:
+        fn()
+        got, message = None, ""
+    except BaseException as exc:  # noqa: BLE001 - reported below on every rank
+        got, message = type(exc), str(exc)
+    ok = got is not None and issubclass(got, error) and match in message
+    all_ranks_agree(comm, ok, f"expected {error.__name__} matching {match!r}; got {got and got.__name__}: {message}")
+    return message
