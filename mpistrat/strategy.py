@@ -76,7 +76,9 @@ class Strategy:
 
         >>> import mpistrat
         >>> strategy = mpistrat.MPIStrategy()
-        >>> strategy.run(lambda: mpistrat.get_replica_context().replica_id_in_sync_group) == strategy.extended.rank
+        >>> def replica_id():
+        ...     return mpistrat.get_replica_context().replica_id_in_sync_group
+        >>> strategy.run(replica_id) == strategy.extended.rank
         True
         """
         mode = context.require_cross_replica("Strategy.run")
@@ -168,7 +170,9 @@ class Strategy:
         mode = context.require_cross_replica("Strategy.gather")
         if mode.kind == "merge":
             return optree.tree_map(
-                lambda v: np.concatenate([np.asarray(c) for c in self.experimental_local_results(v)], axis=axis),
+                lambda v: np.concatenate(
+                    [np.asarray(c) for c in self.experimental_local_results(v)], axis=axis
+                ),
                 value,
                 **_NEST,
             )
@@ -202,7 +206,9 @@ class Strategy:
         ['/job:worker/task:0']
         """
         if not isinstance(config, Mapping):
-            raise UnsupportedTypeError(f"update_config_proto: expected a mapping; got {type(config).__name__}")
+            raise UnsupportedTypeError(
+                f"update_config_proto: expected a mapping; got {type(config).__name__}"
+            )
         updated = copy.deepcopy(dict(config))
         updated["device_filters"] = [f"/job:worker/task:{self._extended.rank}"]
         experimental = dict(updated.get("experimental", {}))
@@ -241,9 +247,7 @@ class MPIStrategy(Strategy):
     ):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
-            raise UnsupportedTypeError(
-                f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}"
-            )
+            raise UnsupportedTypeError(f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}")
         options = CommunicationOptions().merge(communication_options)
         super().__init__(StrategyExtended(self, comm.Dup(), options))
 
