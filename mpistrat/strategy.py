@@ -96,7 +96,7 @@ class Strategy:
     experimental_run_v2 = run
 
     def _local_component(self, value: Any, rank: int) -> Any:
-        if not isinstance(value, DistributedValues) or not isinstance(value, (PerReplica, Mirrored)):
+        if not isinstance(value, (PerReplica, Mirrored)):
             return value
         if isinstance(value, Mirrored) or len(value.values) == 1:
             return value.values[0]
@@ -123,7 +123,7 @@ class Strategy:
         op = ReduceOp.from_any(reduce_op)
         if mode.kind == "merge":
             return optree.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value, **_NEST)
-        local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
+        local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
         collectives = self._extended.collectives
         if axis is None:
             return collectives.all_reduce(op, local, kind="reduce")
@@ -176,7 +176,7 @@ class Strategy:
                 value,
                 **_NEST,
             )
-        local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
+        local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
         return self._extended.collectives.all_gather(local, axis, kind="gather")
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
