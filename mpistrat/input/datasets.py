@@ -23,8 +23,8 @@ from mpistrat.input.iterators import (
     Optional,
     PipelineIterator,
     Source,
+    SpecCell,
     SplitIterator,
-    agree_element_spec,
     wrap_user_error,
 )
 
@@ -107,7 +107,7 @@ class DistributedDatasetsFromFunction:
         extended = strategy.extended
         self._strategy = strategy
         self._options = options
-        self._spec: Any = _UNKNOWN
+        self._spec = SpecCell()
         self.input_context = InputContext(extended.size, extended.rank, extended.size)
         error, cause, source = None, None, None
         try:
@@ -129,27 +129,15 @@ class DistributedDatasetsFromFunction:
 
     @property
     def element_spec(self) -> Any:
-        """The per-replica element every pipeline agrees on; None if all are empty.
+        """The per-replica element: once an iterator took a step, the spec every pipeline agreed on.
 
-        Collective the first time: every rank must read it. It peeks at the first
-        batch of each pipeline, which the next iteration still yields.
+        Before that (no communication): the spec of this rank's first batch, or None
+        if this rank's pipeline is empty. Peeking does not lose the batch.
         """
-        if self._spec is _UNKNOWN:
-            require_spmd("element_spec")
-            error, cause, first = None, None, END
-            try:
-                first = self._source.peek()
-                first = first if first is END else examine(first, PipelineIterator.where)
-            except Exception as exc:
-                error = wrap_user_error(exc, PipelineIterator.where)
-                cause = None if isinstance(exc, MpistratError) else exc
-            try:
-                self._spec = agree_element_spec(self._strategy, first, error, PipelineIterator.where)
-            except MpistratError as exc:
-                if cause is not None:
-                    raise exc from cause
-                raise
-        return self._spec
+        if self._spec.value is not _UNKNOWN:
+            return self._spec.value
+        first = self._source.peek()
+        return None if first is END else examine(first, PipelineIterator.where).spec
 
     def __repr__(self) -> str:
         return f"DistributedDatasetsFromFunction({self.input_context!r})"

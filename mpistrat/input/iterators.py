@@ -44,6 +44,7 @@ __all__ = [
     "Optional",
     "PipelineIterator",
     "Source",
+    "SpecCell",
     "SplitIterator",
     "agree_element_spec",
 ]
@@ -272,6 +273,13 @@ class SplitIterator(DistributedIterator):
         return split_batch(batch, size, rank)
 
 
+class SpecCell:
+    """The element spec agreed at the first step, shared by a dataset and its iterators."""
+
+    def __init__(self) -> None:
+        self.value: Any = _UNKNOWN
+
+
 def agree_element_spec(strategy: Strategy, batch: Any, error: MpistratError | None, where: str) -> Any:
     """Collective: the element spec every pipeline agrees on (None when every pipeline is empty).
 
@@ -290,13 +298,13 @@ class PipelineIterator(DistributedIterator):
 
     where = "distribute_datasets_from_function"
 
-    def __init__(self, strategy: Strategy, source: Source, options: InputOptions, spec: Any = _UNKNOWN):
+    def __init__(self, strategy: Strategy, source: Source, options: InputOptions, spec: SpecCell):
         super().__init__(strategy, options)
         self._source = source
         self._it: Iterator[Any] | None = None
         self._pending: Any = _UNKNOWN
         self._exhausted = False
-        self._spec = spec
+        self._cell = spec
         self._batches = 0
         self._examples = 0
 
@@ -318,16 +326,19 @@ class PipelineIterator(DistributedIterator):
 
     @property
     def element_spec(self) -> Any:
-        """Collective the first time (every rank must read it): the pipelines agree on it."""
-        if self._spec is _UNKNOWN:
-            require_spmd("element_spec")
+        """The spec the pipelines agreed on at the first step.
+
+        Before the first step (no communication): this rank's first batch's spec,
+        None if this rank's pipeline is empty.
+        """
+        if self._cell.value is not _UNKNOWN:
+            return self._cell.value
+        if self._pending is _UNKNOWN:
             self._pending = self._pull()
-            batch, error, cause = self._pending
-            try:
-                self._spec = agree_element_spec(self._strategy, batch, error, self.where)
-            except MpistratError as exc:
-                self._finish(exc, cause)
-        return self._spec
+        batch, error, cause = self._pending
+        if error is not None:
+            raise error from cause
+        return batch.spec if isinstance(batch, Batch) else None
 
     def _step(self) -> Any:
         if self._done:
@@ -336,19 +347,32 @@ class PipelineIterator(DistributedIterator):
         collectives = self._strategy.extended.collectives
         batch, error, cause = self._pull()
         have = isinstance(batch, Batch)
+        if self._cell.value is _UNKNOWN:
+            try:
+                self._cell.value = agree_element_spec(self._strategy, batch, error, self.where)
+            except MpistratError as exc:
+                self._finish(exc, cause)
+        spec = self._cell.value
         try:
-            if self._spec is _UNKNOWN:
-                self._spec = agree_element_spec(self._strategy, batch, error, self.where)
             fingerprint = 0
-            if check_enabled(collectives.options) and self._spec is not None:
-                fingerprint = spec_fingerprint(batch.spec if have else self._spec)
+            if check_enabled(collectives.options) and spec is not None:
+                fingerprint = spec_fingerprint(batch.spec if have else spec)
             counts = [
                 batch.size if have else -1,
                 self._batches + have,
                 self._examples + (batch.size if have else 0),
             ]
             table = collectives.handshake(
-                "dataset_end", fingerprint, lambda: _describe(batch, self._spec), error, extras=counts
+                "dataset_end", fingerprint, lambda: _describe(batch, spec), error, extras=counts
+            )
+        except CollectiveMismatchError as exc:
+            self._finish(
+                CollectiveMismatchError(
+                    f"{self.where}: the ranks disagree at step {self._steps + 1} (every pipeline must yield "
+                    "the same nest structure and dtypes, and every rank must step its iterator together). "
+                    f"{exc}"
+                ),
+                cause,
             )
         except MpistratError as exc:
             self._finish(exc, cause)
@@ -361,7 +385,7 @@ class PipelineIterator(DistributedIterator):
             self._done = True
             raise InvalidArgumentError(self._uneven_message(table))
         if not have:
-            return empty_batch(self._spec)
+            return empty_batch(spec)
         self._batches += 1
         self._examples += batch.size
         return batch.value
