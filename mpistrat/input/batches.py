@@ -25,7 +25,7 @@ from mpistrat import nest
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
 
-__all__ = ["ArraySpec", "Batch", "examine", "replica_range", "split_batch", "spec_fingerprint"]
+__all__ = ["ArraySpec", "Batch", "examine", "replica_range", "split_batch", "fingerprint", "spec_fingerprint"]
 
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 
@@ -145,10 +145,29 @@ def empty_batch(spec: Any) -> Any:
     return optree.tree_map(lambda s: s.empty(), spec, **_NEST)
 
 
+_FINGERPRINTS: dict[Any, int] = {}
+
+
+def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False) -> int:
+    """A number that differs between nests of different structure or dtypes (or shapes, if asked).
+
+    ``leaves`` are arrays or :class:`ArraySpec` (both have ``dtype`` and ``shape``). Cached,
+    because an iterator computes one at every step and the answer rarely changes.
+    """
+    key = (treespec, shapes, tuple((a.dtype, tuple(a.shape) if shapes else None) for a in leaves))
+    code = _FINGERPRINTS.get(key)
+    if code is None:
+        if len(_FINGERPRINTS) > 1024:
+            _FINGERPRINTS.clear()
+        described = [(np.dtype(a.dtype).str, tuple(a.shape) if shapes else None) for a in leaves]
+        code = _FINGERPRINTS[key] = zlib.crc32(repr((treespec, described)).encode())
+    return code
+
+
 def spec_fingerprint(spec: Any) -> int:
-    """A number that differs between specs of different structure or dtypes (not shapes)."""
+    """:func:`fingerprint` of an element spec: structure and dtypes, not shapes."""
     leaves, treespec = optree.tree_flatten(spec, **_NEST)
-    return zlib.crc32(repr((treespec, [s.dtype.str for s in leaves])).encode())
+    return fingerprint(treespec, leaves)
 
 
 def agree_specs(specs: list[Any], where: str) -> Any:

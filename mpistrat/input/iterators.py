@@ -34,6 +34,9 @@ from mpistrat.input.batches import (
     spec_fingerprint,
     split_batch,
 )
+from mpistrat.input.batches import (
+    fingerprint as batch_fingerprint,
+)
 from mpistrat.input.contexts import InputOptions, require_spmd
 
 if TYPE_CHECKING:
@@ -232,9 +235,7 @@ class SplitIterator(DistributedIterator):
         if check_enabled(collectives.options):
             fingerprint = _END_CODE
             if isinstance(batch, Batch):
-                fingerprint = zlib.crc32(
-                    repr((batch.treespec, [(a.dtype.str, a.shape) for a in batch.leaves])).encode()
-                )
+                fingerprint = batch_fingerprint(batch.treespec, batch.leaves, shapes=True)
             try:
                 collectives.handshake("dataset_step", fingerprint, lambda: _describe(batch), error)
             except CollectiveMismatchError as exc:
@@ -356,7 +357,9 @@ class PipelineIterator(DistributedIterator):
         try:
             fingerprint = 0
             if check_enabled(collectives.options) and spec is not None:
-                fingerprint = spec_fingerprint(batch.spec if have else spec)
+                fingerprint = (
+                    batch_fingerprint(batch.treespec, batch.leaves) if have else spec_fingerprint(spec)
+                )
             counts = [
                 batch.size if have else -1,
                 self._batches + have,
@@ -377,11 +380,11 @@ class PipelineIterator(DistributedIterator):
         except MpistratError as exc:
             self._finish(exc, cause)
         self._steps += 1
-        sizes = table[:, 0]
-        if (sizes < 0).all() or ((sizes < 0).any() and self._options.uneven == "drop"):
+        exhausted = [int(n) < 0 for n in table[:, 0]]
+        if all(exhausted) or (any(exhausted) and self._options.uneven == "drop"):
             self._done = True
             return END
-        if (sizes < 0).any() and self._options.uneven == "error":
+        if any(exhausted) and self._options.uneven == "error":
             self._done = True
             raise InvalidArgumentError(self._uneven_message(table))
         if not have:
