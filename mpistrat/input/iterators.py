@@ -256,6 +256,8 @@ class SplitIterator(DistributedIterator):
             return END
         self._steps += 1
         size, rank = self._strategy.extended.size, self._strategy.extended.rank
+        if self._spec is _UNKNOWN:
+            self._spec = batch.spec
         counts = [stop - start for start, stop in (replica_range(batch.size, size, r) for r in range(size))]
         if batch.size and 0 in counts and self._options.uneven != "pad":
             self._done = True
@@ -265,12 +267,10 @@ class SplitIterator(DistributedIterator):
             raise InvalidArgumentError(
                 f"{self.where}: global batch {self._steps} has {batch.size} examples, which leaves "
                 f"replicas {empty} of {size} without data (split {counts}) and InputOptions(uneven='error') "
-                "was given. Use a global batch size of at least the number of replicas (drop the short last "
-                "batch when batching), or uneven='pad' (those replicas get empty batches) or 'drop' (the "
-                "epoch ends there)"
+                "was given. Use a global batch size that is a multiple of the number of replicas (and drop "
+                "the short last batch when batching), or uneven='pad' (those replicas get empty batches) or "
+                "'drop' (the epoch ends there)"
             )
-        if self._spec is _UNKNOWN:
-            self._spec = batch.spec
         return split_batch(batch, size, rank)
 
 
