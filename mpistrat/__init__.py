@@ -10,7 +10,8 @@
 
 from mpi4py import MPI
 
-from mpistrat import nest
+from mpistrat import nest, optimizers
+from mpistrat.checkpoint import Checkpoint
 from mpistrat.context import (
     get_cross_replica_context,
     get_replica_context,
@@ -33,11 +34,19 @@ from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
 from mpistrat.strategy import MPIStrategy, Strategy
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.variables import (
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MPI",
+    "Checkpoint",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicationImplementation",
@@ -48,17 +57,23 @@ __all__ = [
     "MPIStrategy",
     "MergeCallError",
     "Mirrored",
+    "MirroredVariable",
     "MpistratError",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "SyncOnReadVariable",
     "UnsupportedTypeError",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "nest",
+    "optimizers",
 ]
