@@ -119,6 +119,8 @@ class Variable:
         self._trainable = (not on_read) if trainable is None else bool(trainable)
         self._name = "Variable" if name is None else str(name)
         self._value = _initial(initial_value, dtype, self._name)
+        colocation = current_colocation()
+        self.colocated_with = None if colocation is None else colocation[1]
 
     @classmethod
     def _plain(cls, value: Any, name: str, trainable: bool) -> Variable:
@@ -308,8 +310,6 @@ class DistributedVariable(Variable, DistributedValues):
         DistributedValues.__init__(self, (self._component,))
         self._distribute_strategy = strategy
         self._extended = extended
-        colocation = current_colocation()
-        self.colocated_with = None if colocation is None else colocation[1]
         self._synced_key = extended.register_synced(self)
 
     def _local(self) -> Any:
