@@ -166,7 +166,7 @@ class Checkpoint:
             return None
         path = os.fspath(path)
         strategy = self._strategy("restore")
-        collectives = strategy.extended.collectives
+        collectives = _agree(strategy, "checkpoint.restore")
         payload: Any = None
         if strategy.extended.rank == 0:
             try:
@@ -190,6 +190,7 @@ class Checkpoint:
     def latest(self, directory: str | os.PathLike[str]) -> str | None:
         """The path of the newest checkpoint saved in ``directory``, or None (collective)."""
         strategy = self._strategy("latest")
+        collectives = _agree(strategy, "checkpoint.latest")
         found = None
         if strategy.extended.rank == 0:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -197,7 +198,15 @@ class Checkpoint:
                     latest = json.load(f)["latest"]
                 candidate = os.path.join(os.fspath(directory), os.path.basename(latest))
                 found = candidate if os.path.isfile(candidate) else None
-        return strategy.extended.collectives.broadcast_from_root(found)
+        return collectives.broadcast_from_root(found)
+
+
+def _agree(strategy: Any, kind: str) -> Any:
+    """The strategy's collectives, after checking every rank entered the same call."""
+    collectives = strategy.extended.collectives
+    if check_enabled(collectives.options):
+        collectives.handshake(kind, 0, lambda: None)
+    return collectives
 
 
 def _check_match(path: str, entries: dict[str, Variable], data: dict[str, np.ndarray], partial: bool) -> None:

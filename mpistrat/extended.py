@@ -408,11 +408,11 @@ def _reduce_op(op: Any, method: str) -> str | ReduceOp:
 
 
 def _check_destinations(destinations: Any, method: str) -> None:
-    ok = isinstance(destinations, (DistributedValues, np.ndarray, np.generic)) or hasattr(
-        destinations, "_component"
-    )
     ok = (
-        ok or hasattr(destinations, "distribute_strategy") or type(destinations).__module__.startswith("cupy")
+        isinstance(destinations, (DistributedValues, np.ndarray, np.generic))
+        or type(destinations) in (bool, int, float, complex)  # a value passed as its own destination
+        or hasattr(destinations, "distribute_strategy")  # a variable
+        or type(destinations).__module__.startswith("cupy")
     )
     if isinstance(destinations, str):
         ok = bool(destinations)

@@ -139,6 +139,15 @@ def test_reading_errors_reach_every_rank(group, tmp_path):
     assert ckpt.latest(directory) is None and ckpt.restore(None) is None
 
 
+def test_ranks_in_different_checkpoint_calls_fail_instead_of_hanging(group, tmp_path):
+    if group.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    call = (lambda: ckpt.latest(directory)) if group.rank == 0 else (lambda: ckpt.save(f"{directory}/c"))
+    raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, call, "different collectives")
+
+
 def test_context_and_argument_rules(world, tmp_path):
     w, _, _, _, opt = make_state(world)
     ckpt = mpistrat.Checkpoint(w=w)

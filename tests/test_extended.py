@@ -46,7 +46,9 @@ def test_reduce_to_only_first_replica_and_mirrored_values(group):
             VariableAggregation.ONLY_FIRST_REPLICA, local_value(group.rank), "/device:CPU:0"
         )
         mirrored_sum = ext.reduce_to("SUM", mpistrat.Mirrored((np.float64(2.0),) * group.size), "/cpu:0")
+        own = ext.reduce_to("MEAN", float(group.rank), float(group.rank))  # "pass value to destinations"
     ok = np.array_equal(first, local_value(0)) and mirrored_sum == 2.0 * group.size
+    ok = ok and own == sum(range(group.size)) / group.size
     all_ranks_agree(group.comm, ok, f"{first} {mirrored_sum}")
 
 
