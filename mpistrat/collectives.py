@@ -128,16 +128,21 @@ class Collectives:
         value: Any,
         options: CommunicationOptions | None = None,
         kind: str = "all_reduce",
+        error: MpistratError | None = None,
     ) -> Any:
-        """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out."""
+        """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out.
+
+        ``error``: a bad-input error the caller found on this rank; it is raised on every
+        rank (through the handshake) instead of stranding the others in the collective.
+        """
         opts = self.options.merge(options)
-        error, op, leaves, treespec, arrays = None, None, [], None, []
+        op, leaves, treespec, arrays = None, [], None, []
         try:
             op = ReduceOp.from_any(reduce_op)
             leaves, treespec = optree.tree_flatten(value, **_NEST)
             arrays = to_arrays(value, leaves, kind)
         except MpistratError as exc:
-            error = exc
+            error = error or exc
         if check_enabled(opts):
             fingerprint = _code(repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])))
             self.handshake(kind, fingerprint, lambda: _describe(value, op), error)
