@@ -32,6 +32,7 @@ from mpistrat.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     MpistratError,
+    UnsupportedTypeError,
 )
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
@@ -260,9 +261,9 @@ class Collectives:
 
         Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
         """
+        header, data, error = _split_or_fail(obj, f"{kind}: the arguments cannot be sent to rank {root}")
         if check_enabled(self.options):
-            self.handshake(kind, 0, lambda: None)
-        header, data = _split_arrays(obj)
+            self.handshake(kind, 0, lambda: None, error)
         headers = self.comm.gather((header, data.size), root=root)
         counts = [n for _, n in headers] if self.rank == root else None
         recv = None
@@ -277,13 +278,18 @@ class Collectives:
 
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
-        header, data = _split_arrays(obj) if self.rank == root else (None, None)
+        header, data = None, None
+        if self.rank == root:
+            header, data, _ = _split_or_fail(obj, f"the value cannot be sent from rank {root}")
         header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
         if nbytes:
             if self.rank != root:
                 data = np.empty(nbytes, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
-        return _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+        result = _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+        if isinstance(result, Unsendable):
+            raise UnsupportedTypeError(result.message)
+        return result
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -361,6 +367,21 @@ def _first_difference(descriptions: list[Any]) -> str:
     return "ranks passed different arguments: " + ", ".join(
         f"rank {r}: {d}" for r, d in enumerate(descriptions)
     )
+
+
+class Unsendable:
+    """Sent in place of an object that could not be pickled, so the receivers raise instead of hanging."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _split_or_fail(obj: Any, what: str) -> tuple[bytes, np.ndarray, UnsupportedTypeError | None]:
+    try:
+        return (*_split_arrays(obj), None)
+    except Exception as exc:
+        error = UnsupportedTypeError(f"{what}: {type(exc).__name__}: {exc}")
+        return (*_split_arrays(Unsendable(str(error))), error)
 
 
 class _ArrayRef:

@@ -11,6 +11,7 @@ import numpy as np
 import optree
 
 from mpistrat import context
+from mpistrat.collectives import Unsendable
 from mpistrat.errors import ContextError, MergeCallError, UnsupportedTypeError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
@@ -201,6 +202,8 @@ def _regroup(local: Any, gathered: list[Any]) -> Any:
     leaves, spec = optree.tree_flatten(local, **_NEST)
     per_rank = [leaves]
     for r, other in enumerate(gathered[1:], start=1):
+        if isinstance(other, Unsendable):
+            raise UnsupportedTypeError(f"rank {r}: {other.message}")
         other_leaves, other_spec = optree.tree_flatten(other, **_NEST)
         if other_spec != spec:
             raise UnsupportedTypeError(
