@@ -31,7 +31,7 @@ def buffer_spec(arr: Any, count: int | None = None) -> list[Any]:
 def synchronize(arrays: list[Any]) -> None:
     """Wait for the current CUDA stream if any array is on a device (MPI reads memory directly)."""
     for arr in arrays:
-        if type(arr).__module__.startswith("cupy"):
+        if type(arr).__module__.startswith("cupy") and hasattr(type(arr), "__cuda_array_interface__"):
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()
