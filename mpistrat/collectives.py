@@ -350,7 +350,7 @@ def _first_difference(descriptions: list[Any]) -> str:
     first = descriptions[0]
     if not isinstance(first, dict):
         return f"ranks passed different arguments: {descriptions}"
-    for key in ("reduce_op", "axis", "implementation"):
+    for key in ("reduce_op", "axis"):
         seen = [d.get(key) for d in descriptions]
         if len(set(seen)) > 1:
             return f"ranks passed different {key}: " + ", ".join(
@@ -371,6 +371,13 @@ def _first_difference(descriptions: list[Any]) -> str:
                 + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
                 + "."
             )
+    seen = [d.get("implementation") for d in descriptions]
+    if len(set(seen)) > 1:
+        return (
+            "ranks passed device arrays with different CommunicationOptions.implementation: "
+            + ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            + ". Every rank must use the same implementation."
+        )
     return "ranks passed different arguments: " + ", ".join(
         f"rank {r}: {d}" for r, d in enumerate(descriptions)
     )

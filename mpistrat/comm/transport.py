@@ -275,7 +275,7 @@ def choose_device_transport(
     if implementation is CommunicationImplementation.NCCL:
         if not usable:
             raise InvalidArgumentError(
-                f"implementation=NCCL was requested, but {caps.why_not_nccl}. Use "
+                f"implementation=NCCL was requested: {caps.why_not_nccl}. Use "
                 "CommunicationImplementation.RING or AUTO (MPI), or run one rank per GPU with "
                 "CuPy's NCCL support installed"
             )
