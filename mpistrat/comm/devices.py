@@ -134,11 +134,18 @@ def place(comm: MPI.Intracomm, env: Mapping[str, str] | None = None, *, select: 
         placement = _place_locally(local_rank, local_size, env, select)
     except InvalidArgumentError as exc:
         problem = str(exc)
-    problems = [(r, p) for r, p in enumerate(comm.allgather(problem)) if p is not None]
+    problems: dict[str, list[int]] = {}
+    for r, p in enumerate(comm.allgather(problem)):
+        if p is not None:
+            problems.setdefault(p, []).append(r)
     if problems:
-        raise InvalidArgumentError("; ".join(f"rank {r}: {p}" for r, p in problems))
+        raise InvalidArgumentError("; ".join(f"{_ranks(rs)}: {p}" for p, rs in problems.items()))
     assert placement is not None
     return placement
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _place_locally(local_rank: int, local_size: int, env: Mapping[str, str], select: bool) -> Placement:
