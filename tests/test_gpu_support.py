@@ -279,3 +279,25 @@ def test_nccl_reduce_types(dtype, want):
 @pytest.mark.parametrize(("code", "want"), [(21803, "2.18.3"), (2708, "2.7.8"), (22304, "2.23.4")])
 def test_nccl_version_string(code, want):
     assert transport.version_string(code) == want
+
+
+def test_a_later_strategy_keeps_the_device_of_the_first(world, monkeypatch):
+    """A strategy over COMM_SELF must not move the process to GPU 0 (local rank 0 in COMM_SELF)."""
+    import mpistrat
+    from mpistrat.comm import devices as placement_module
+
+    monkeypatch.setattr(placement_module, "_selected", {})
+    fake = fake_cupy.install(monkeypatch)
+    first = mpistrat.MPIStrategy(world.comm)
+    second = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    try:
+        local, _ = node_local_reference(world.comm)
+        want = f"device:GPU:{local % 8}"
+        ok = first.extended.worker_devices[0].endswith(want) and second.extended.worker_devices[0].endswith(
+            want
+        )
+        ok = ok and fake.cuda.runtime.getDevice() == local % 8
+        all_ranks_agree(world.comm, ok, f"{first.extended.worker_devices} {second.extended.worker_devices}")
+    finally:
+        first.experimental_finalize()
+        second.experimental_finalize()

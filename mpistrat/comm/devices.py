@@ -124,6 +124,9 @@ def requested_mode(env: Mapping[str, str]) -> str:
 def place(comm: MPI.Intracomm, env: Mapping[str, str] | None = None, *, select: bool = True) -> Placement:
     """Pick this rank's device (collective over ``comm``) and, with ``select``, make it current.
 
+    A process selects its GPU once, with its first strategy (create that one over all
+    ranks, as ``MPIStrategy()`` does); later strategies keep that device.
+
     With ``MPISTRAT_DEVICE=gpu`` a missing GPU on any rank raises on every rank; with
     ``auto`` that rank runs on the CPU and says why in ``Placement.reason``.
     """
@@ -165,15 +168,23 @@ def _place_locally(local_rank: int, local_size: int, env: Mapping[str, str], sel
     cupy, why = import_cupy()
     if cupy is None:
         return cpu(why)
+    if select and _selected.get("cupy") is cupy:  # a strategy of this process already chose
+        return Placement(host, local_rank, local_size, _selected["gpu"], _selected["reason"])
     count, why = gpu_count(cupy)
     gpu = choose_gpu(local_rank, count)
     if gpu is None:
         return cpu(why or "no CUDA device is visible")
-    if select:
-        cupy.cuda.Device(gpu).use()
     shown = f" (CUDA_VISIBLE_DEVICES entry {visible[gpu]})" if visible and gpu < len(visible) else ""
     reason = f"node-local rank {local_rank} of {local_size} modulo {count} visible device(s){shown}"
+    if select:
+        cupy.cuda.Device(gpu).use()
+        _selected.update(cupy=cupy, gpu=gpu, reason=f"{reason}, chosen by this process's first strategy")
     return Placement(host, local_rank, local_size, gpu, reason)
+
+
+# The device this process selected, kept for later strategies (which may be over sub-communicators,
+# where the node-local rank differs): arrays, streams and NCCL communicators stay on one device.
+_selected: dict[str, Any] = {}
 
 
 def cpu_placement(rank_in_node: int = 0, size_in_node: int = 1) -> Placement:
