@@ -219,6 +219,16 @@ class Event:
 class Stream:
     ptr = 0
 
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        self.non_blocking = non_blocking
+
+    def __enter__(self) -> Stream:
+        _streams.append(self)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _streams.pop()
+
     def synchronize(self) -> None:
         calls.append("stream.synchronize")
 
@@ -226,7 +236,7 @@ class Stream:
         return event or Event()
 
 
-_stream = Stream()
+_streams = [Stream()]
 
 
 class Device:
@@ -243,7 +253,7 @@ class Device:
 
 
 cuda.Stream, cuda.Event, cuda.Device = Stream, Event, Device
-cuda.get_current_stream = lambda: _stream
+cuda.get_current_stream = lambda: _streams[-1]
 cuda.alloc_pinned_memory = lambda nbytes: bytearray(nbytes)
 runtime.getDeviceCount = lambda: int(os.environ.get("FAKE_CUPY_DEVICES", "8"))
 runtime.getDevice = lambda: _state["device"]

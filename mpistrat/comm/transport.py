@@ -134,7 +134,7 @@ class StagedMPI(Transport):
         if self._host is None or self._host.size < nbytes:
             size = 1 << max(20, (nbytes - 1).bit_length())
             self._memory = self.cupy.cuda.alloc_pinned_memory(size)
-            self._host = np.frombuffer(self._memory, dtype=np.uint8, count=size)
+            self._host = np.ndarray((size,), dtype=np.uint8, buffer=self._memory)
         return self._host[:nbytes].view(dtype)
 
     def allreduce(self, send: Any, recv: Any) -> None:
