@@ -181,8 +181,8 @@ def run(comm: MPI.Intracomm, sizes: list[int], dtype: str, iters: int | None) ->
     try:
         for nbytes in sizes:
             count = max(1, nbytes // np.dtype(dtype).itemsize)
-            buf = cupy.ones(count, dtype=dtype)
-            host = np.ones(count, dtype=dtype)
+            buf = cupy.zeros(count, dtype=dtype)  # zeros: repeated in-place sums never overflow
+            host = np.zeros(count, dtype=dtype)
             total, warmup = _iterations(nbytes, iters)
             for name, step in bench.steps(buf, host).items():
                 seconds = _time(comm, sync, step, total, warmup)
