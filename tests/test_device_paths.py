@@ -156,3 +156,14 @@ def test_auto_falls_back_to_mpi_when_ranks_share_a_gpu(world, fake, monkeypatch)
         )
     finally:
         strategy.experimental_finalize()
+
+
+def test_a_device_buffer_never_reaches_a_host_only_mpi(fake, monkeypatch):
+    from mpistrat import UnsupportedTypeError
+    from mpistrat.comm.mpi import buffer_spec
+
+    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "0")
+    with pytest.raises(UnsupportedTypeError, match="not known to be CUDA-aware"):
+        buffer_spec(fake.ones(2))
+    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "1")
+    assert buffer_spec(fake.ones(2))[1] == 2
