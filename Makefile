@@ -38,7 +38,7 @@ install-gpu: $(VENV)/.installed-gpu
 # Two ranks may share one GPU (MPI paths); the NCCL cases then skip and say they need one GPU per rank.
 test-gpu: install-gpu
 	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -m gpu -rs tests/test_gpu.py
-	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -p no:randomly -m gpu -rs tests/test_gpu.py
+	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m gpu -rs tests/test_gpu.py
 
 # Device all-reduce bandwidth, 1 MiB to 256 MiB, per transport and against bare NCCL / raw mpi4py.
 GPU_RANKS ?= 2
