@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from mpistrat import context
 from mpistrat.collectives import Collectives
+from mpistrat.comm import devices
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
@@ -77,6 +78,8 @@ class StrategyExtended:
         self.is_default = is_default
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
+        self.placement = devices.cpu_placement() if is_default else devices.place(comm)
         # Writes to synced variables made inside a merge_fn on rank 0; broadcast with its result.
         self.merge_writes: list[tuple[int, Any]] | None = None
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
@@ -105,8 +108,8 @@ class StrategyExtended:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """The device of this rank's replica."""
-        return (f"/job:worker/replica:0/task:{self.rank}/device:CPU:0",)
+        """The device of this rank's replica (``.../device:GPU:i`` when it was placed on a GPU)."""
+        return (self.placement.device(self.rank),)
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -139,6 +142,7 @@ class StrategyExtended:
 
     def finalize(self) -> None:
         if self._comm is not None and not self.is_default:
+            self._collectives.transports.close()
             self._comm.Free()
         self._comm = None
 
