@@ -25,7 +25,7 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import nest
+from mpistrat import nest, watchdog
 from mpistrat.comm import packing
 from mpistrat.comm.mpi import buffer_spec, synchronize
 from mpistrat.errors import (
@@ -64,6 +64,7 @@ class Collectives:
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
         self.seq = 0
+        self.monitor = watchdog.watch(self)
 
     # -- the handshake ---------------------------------------------------------------
 
@@ -86,7 +87,10 @@ class Collectives:
         header[:6] = (_MAGIC, self.seq, _code(kind), fingerprint, error is not None, len(extras))
         header[6 : 6 + min(len(extras), _EXTRAS)] = extras[:_EXTRAS]
         table = np.empty((self.size, _HEADER), dtype=np.int64)
-        self.comm.Allgather(header, table)
+        if self.monitor.deadline is None:
+            self.comm.Allgather(header, table)
+        else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
+            watchdog.wait(self.monitor, self.comm.Iallgather(header, table))
         agreed = (table[:, :4] == table[0, :4]).all() and not table[:, 4].any()
         if not agreed:
             self._raise_disagreement(kind, describe, error)
@@ -120,6 +124,7 @@ class Collectives:
 
     # -- all_reduce ------------------------------------------------------------------
 
+    @watchdog.collective("all_reduce")
     def all_reduce(
         self,
         reduce_op: ReduceOp | str,
@@ -141,6 +146,8 @@ class Collectives:
             self.handshake(kind, fingerprint, lambda: _describe(value, op), error)
         elif error is not None:
             raise error
+        else:
+            self.seq += 1
         out = self._allreduce_arrays(arrays, opts.bytes_per_pack)
         if op is ReduceOp.MEAN:
             out = [_divide(x, self.size) for x in out]
@@ -165,6 +172,7 @@ class Collectives:
 
     # -- all_gather ------------------------------------------------------------------
 
+    @watchdog.collective("all_gather")
     def all_gather(
         self,
         value: Any,
@@ -234,6 +242,7 @@ class Collectives:
 
     # -- objects to and from rank 0 (merge_call) ------------------------------------
 
+    @watchdog.collective("merge_call")
     def gather_to_root(self, obj: Any, kind: str = "merge_call", root: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
 
@@ -241,6 +250,8 @@ class Collectives:
         """
         if check_enabled(self.options):
             self.handshake(kind, 0, lambda: None)
+        else:
+            self.seq += 1
         header, data = _split_arrays(obj)
         headers = self.comm.gather((header, data.size), root=root)
         counts = [n for _, n in headers] if self.rank == root else None
@@ -254,6 +265,7 @@ class Collectives:
         self.comm.Gatherv([data, MPI.BYTE], None, root=root)
         return None
 
+    @watchdog.collective("merge_call")
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
         header, data = _split_arrays(obj) if self.rank == root else (None, None)

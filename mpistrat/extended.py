@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
+from mpistrat import watchdog
 from mpistrat.collectives import Collectives
 from mpistrat.errors import ContextError
 from mpistrat.options import CommunicationOptions
@@ -91,5 +92,6 @@ class StrategyExtended:
 
     def finalize(self) -> None:
         if self._comm is not None and not self.is_default:
+            watchdog.unwatch(self._collectives.monitor)  # its thread must not touch a freed communicator
             self._comm.Free()
         self._comm = None

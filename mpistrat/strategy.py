@@ -12,7 +12,7 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import context
+from mpistrat import abort, context
 from mpistrat.collectives import to_arrays
 from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
@@ -245,6 +245,7 @@ class MPIStrategy(Strategy):
                 f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}"
             )
         options = CommunicationOptions().merge(communication_options)
+        abort.install()  # an uncaught exception on one rank now ends the job, not just that rank
         super().__init__(StrategyExtended(self, comm.Dup(), options))
 
 
