@@ -25,13 +25,13 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import nest, watchdog
+from mpistrat import mismatch, nest, watchdog
 from mpistrat.comm import packing
 from mpistrat.comm.mpi import buffer_spec, synchronize
 from mpistrat.errors import (
-    CollectiveMismatchError,
     InvalidArgumentError,
     MpistratError,
+    UnsupportedTypeError,
 )
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
@@ -103,24 +103,7 @@ class Collectives:
 
     def _raise_disagreement(self, kind: str, describe: Any, error: MpistratError | None) -> None:
         """Every rank is here: exchange descriptions and raise the same error everywhere."""
-        try:
-            mine = describe() if error is None else None
-        except Exception as exc:  # a description must never turn an error into a hang
-            mine = f"<undescribable: {exc}>"
-        reports = self.comm.allgather((kind, self.seq, mine, error))
-        failed = [(r, e) for r, (_, _, _, e) in enumerate(reports) if e is not None]
-        if failed:
-            rank, first = failed[0]
-            others = "" if len(failed) == 1 else f" (and ranks {[r for r, _ in failed[1:]]})"
-            raise type(first)(f"{kind}: rank {rank}{others}: {first}")
-        kinds = {(k, s) for k, s, _, _ in reports}
-        if len(kinds) > 1:
-            calls = "; ".join(f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports))
-            raise CollectiveMismatchError(
-                f"ranks are in different collectives: {calls}. Every rank must call the same "
-                "collectives in the same order."
-            )
-        raise CollectiveMismatchError(f"{kind}: {_first_difference([d for _, _, d, _ in reports])}")
+        mismatch.raise_disagreement(self.comm, kind, self.seq, describe, error)
 
     # -- all_reduce ------------------------------------------------------------------
 
@@ -133,9 +116,9 @@ class Collectives:
         kind: str = "all_reduce",
     ) -> Any:
         """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out."""
-        opts = self.options.merge(options)
-        error, op, leaves, treespec, arrays = None, None, [], None, []
+        opts, error, op, leaves, treespec, arrays = self.options, None, None, [], None, []
         try:
+            opts = self.options.merge(options)
             op = ReduceOp.from_any(reduce_op)
             leaves, treespec = optree.tree_flatten(value, **_NEST)
             arrays = to_arrays(value, leaves, kind)
@@ -143,7 +126,7 @@ class Collectives:
             error = exc
         if check_enabled(opts):
             fingerprint = _code(repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])))
-            self.handshake(kind, fingerprint, lambda: _describe(value, op), error)
+            self.handshake(kind, fingerprint, lambda: mismatch.describe(value, op), error)
         elif error is not None:
             raise error
         else:
@@ -181,9 +164,9 @@ class Collectives:
         kind: str = "all_gather",
     ) -> Any:
         """Concatenate every rank's arrays along ``axis``; sizes along ``axis`` may differ."""
-        opts = self.options.merge(options)
-        error, leaves, treespec, arrays, axes = None, [], None, [], []
+        opts, error, leaves, treespec, arrays, axes = self.options, None, [], None, [], []
         try:
+            opts = self.options.merge(options)
             if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
                 raise InvalidArgumentError(f"{kind}: axis must be an int; got {axis!r}")
             leaves, treespec = optree.tree_flatten(value, **_NEST)
@@ -204,7 +187,7 @@ class Collectives:
         sizes = self.handshake(
             kind,
             fingerprint,
-            lambda: _describe(value, None, axis),
+            lambda: mismatch.describe(value, None, axis),
             error,
             extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
         )
@@ -248,11 +231,17 @@ class Collectives:
 
         Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
         """
+        error = None
+        try:
+            header, data = _split_arrays(obj)
+        except Exception as exc:  # before the handshake, so every rank hears of it
+            error = UnsupportedTypeError(f"{kind}: the arguments cannot be sent to rank {root}: {exc!r}")
         if check_enabled(self.options):
-            self.handshake(kind, 0, lambda: None)
+            self.handshake(kind, 0, lambda: None, error)
+        elif error is not None:
+            raise error
         else:
             self.seq += 1
-        header, data = _split_arrays(obj)
         headers = self.comm.gather((header, data.size), root=root)
         counts = [n for _, n in headers] if self.rank == root else None
         recv = None
@@ -268,8 +257,16 @@ class Collectives:
     @watchdog.collective("merge_call")
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
-        header, data = _split_arrays(obj) if self.rank == root else (None, None)
-        header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
+        header, data, size, cause = None, None, None, None
+        if self.rank == root:
+            try:
+                header, data = _split_arrays(obj)
+                size = data.size
+            except Exception as exc:  # the others are already waiting: they must hear of it
+                cause, size = exc, UnsupportedTypeError(f"rank {root}'s value cannot be pickled: {exc!r}")
+        header, nbytes = self.comm.bcast((header, size), root=root)
+        if isinstance(nbytes, Exception):
+            raise nbytes from cause
         if nbytes:
             if self.rank != root:
                 data = np.empty(nbytes, dtype=np.uint8)
@@ -305,48 +302,6 @@ def _divide(x: Any, n: int) -> Any:
         xp.true_divide(x, n, out=x)
         return x
     return xp.true_divide(x, n)
-
-
-def _describe(value: Any, op: ReduceOp | None, axis: int | None = None) -> dict[str, Any]:
-    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
-    leaves = []
-    for path, leaf in nest.flatten_with_paths(value):
-        try:
-            arr = packing.as_array(leaf)
-            shape: tuple[Any, ...] = tuple(arr.shape)
-            if axis is not None and arr.ndim and -arr.ndim <= axis < arr.ndim:
-                shape = tuple("*" if d == axis % arr.ndim else n for d, n in enumerate(shape))
-            leaves.append((nest.path_str(path), str(arr.dtype), shape))
-        except MpistratError:
-            leaves.append((nest.path_str(path), type(leaf).__name__, None))
-    return {"reduce_op": None if op is None else op.value, "axis": axis, "leaves": leaves}
-
-
-def _first_difference(descriptions: list[Any]) -> str:
-    """Name the first thing that differs between ranks' descriptions, and what each passed."""
-    first = descriptions[0]
-    if not isinstance(first, dict):
-        return f"ranks passed different arguments: {descriptions}"
-    for key in ("reduce_op", "axis"):
-        seen = [d.get(key) for d in descriptions]
-        if len(set(seen)) > 1:
-            return f"ranks passed different {key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
-    counts = [len(d["leaves"]) for d in descriptions]
-    for i in range(max(counts)):
-        entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
-        if any(e != entries[0] for e in entries):
-            path = next(e[0] for e in entries if e is not None)
-            what = ", ".join(
-                f"rank {r}: " + ("no leaf" if e is None else f"{e[0]} dtype={e[1]} shape={e[2]}")
-                for r, e in enumerate(entries)
-            )
-            return (
-                f"the arguments differ at leaf {path} ({what}). "
-                "Every rank must pass the same nest structure, dtypes and shapes"
-                + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
-                + "."
-            )
-    return "ranks passed different arguments: " + ", ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
 
 
 class _ArrayRef:
