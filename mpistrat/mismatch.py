@@ -158,6 +158,7 @@ def raise_disagreement(
         first = failed[0][1]
         text = str(first).removeprefix(f"{kind}: ")
         raise _same_type(first, f"{name} failed on {rank_list([r for r, _ in failed])}: {text}") from error
-    where = by_rank([site for *_, site in reports])
+    sites = [site for *_, site in reports]
+    where = sites[0] if len(set(sites)) == 1 else by_rank(sites)
     detail = first_difference([d for _, _, d, _, _ in reports])
     raise CollectiveMismatchError(f"{name}, called at {where}: {detail}")
