@@ -13,8 +13,8 @@ import optree
 from mpi4py import MPI
 
 from mpistrat import abort, context
-from mpistrat.collectives import to_arrays
-from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
+from mpistrat.collectives import check_enabled, to_arrays
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
@@ -118,18 +118,24 @@ class Strategy:
         3.0
         """
         mode = context.require_cross_replica("Strategy.reduce")
-        op = ReduceOp.from_any(reduce_op)
         if mode.kind == "merge":
+            op = ReduceOp.from_any(reduce_op)
             return optree.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value, **_NEST)
         local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
         collectives = self._extended.collectives
         if axis is None:
-            return collectives.all_reduce(op, local, kind="reduce")
-        leaves, spec = optree.tree_flatten(local, **_NEST)
-        arrays = to_arrays(local, leaves, "reduce")
-        for a in arrays:
-            if not -a.ndim <= axis < a.ndim:
-                raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
+            return collectives.all_reduce(reduce_op, local, kind="reduce")
+        try:
+            op = ReduceOp.from_any(reduce_op)
+            leaves, spec = optree.tree_flatten(local, **_NEST)
+            arrays = to_arrays(local, leaves, "reduce")
+            for a in arrays:
+                if not -a.ndim <= axis < a.ndim:
+                    raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
+        except MpistratError as exc:
+            if check_enabled(collectives.options):  # the others are entering the all_reduce: tell them
+                collectives.handshake("reduce", 0, lambda: None, exc)
+            raise
         sums = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
         counts = [a.shape[axis] for a in arrays]
         total_sums, total_counts = collectives.all_reduce(ReduceOp.SUM, (sums, counts), kind="reduce")
