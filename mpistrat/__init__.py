@@ -11,6 +11,7 @@
 from mpi4py import MPI
 
 from mpistrat import nest
+from mpistrat.abort import set_abort_on_exception
 from mpistrat.context import (
     get_cross_replica_context,
     get_replica_context,
@@ -61,4 +62,5 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "nest",
+    "set_abort_on_exception",
 ]

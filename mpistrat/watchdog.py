@@ -257,7 +257,7 @@ def _where(rank: int, answer: dict[str, Any] | None, mon: Monitor) -> str:
     return f"{name} is not in a collective ({done}); it is at {answer['site']}"
 
 
-def diagnose(mon: Monitor, start: float) -> tuple[str, list[int]]:
+def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> tuple[str, list[int]]:
     """Ask every rank where it is; return (an explanation of who is missing, the waiting ranks)."""
     seq, kind = mon.seq, mon.kind
     if not mon.side:
@@ -270,7 +270,7 @@ def diagnose(mon: Monitor, start: float) -> tuple[str, list[int]]:
         for r in range(mon.size):
             if r != mon.rank:
                 _sends.append(mon.comm.isend(("query", qid), dest=r, tag=TAG))
-    end = time.monotonic() + GRACE
+    end = time.monotonic() + grace
     while time.monotonic() < end and len(mon.answers[qid]) < mon.size - 1 and mon.start == start:
         time.sleep(POLL / 5)
         _serve(mon)
