@@ -263,7 +263,8 @@ class Collectives:
                 header, data = _split_arrays(obj)
                 size = data.size
             except Exception as exc:  # the others are already waiting: they must hear of it
-                cause, size = exc, UnsupportedTypeError(f"rank {root}'s value cannot be pickled: {exc!r}")
+                cause = exc
+                size = UnsupportedTypeError(f"rank {root}'s value for every rank cannot be pickled: {exc!r}")
         header, nbytes = self.comm.bcast((header, size), root=root)
         if isinstance(nbytes, Exception):
             raise nbytes from cause
