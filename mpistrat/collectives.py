@@ -1,12 +1,13 @@
 """Nest-level collectives over one private communicator.
 
 Every collective is numbered (a per-communicator sequence) and, while checking is
-on, opens with a *handshake*: one small fixed-size ``Allgather`` of
-``[magic, seq, kind, fingerprint, error, extras...]``. Every rank sees every
-rank's header, so a mismatch (different collective, nest structure, dtypes,
-shapes, reduce op) or bad input on any one rank is raised on every rank instead
-of deadlocking. ``all_gather`` needs the per-rank sizes anyway, so for it the
-handshake is the size exchange and costs nothing extra.
+on, opens with a *handshake*: one small ``Allreduce(MAX)`` of ``[magic, seq, kind,
+fingerprint]``, their negations and an error flag. ``max(x) == -max(-x)`` exactly
+when every rank sent the same ``x``, so every rank learns at once, at a cost that
+does not grow with the number of ranks, whether all entered the same collective
+with compatible arguments (nest structure, dtypes, shapes, reduce op). A mismatch
+or bad input on any one rank is then raised on every rank instead of deadlocking.
+``all_gather`` also needs the per-rank sizes: those follow in an ``Allgather``.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())
@@ -39,8 +40,6 @@ from mpistrat.reduce_op import ReduceOp
 __all__ = ["Collectives", "check_enabled"]
 
 _MAGIC = 0x6D707374  # "mpst"
-_HEADER = 16
-_EXTRAS = _HEADER - 6  # per-leaf sizes that fit in the handshake itself
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 
 
@@ -76,30 +75,28 @@ class Collectives:
         error: MpistratError | None = None,
         extras: list[int] | None = None,
     ) -> np.ndarray:
-        """Agree on (seq, kind, fingerprint) with every rank; return every rank's header.
+        """Agree on (seq, kind, fingerprint) with every rank; return every rank's ``extras``.
 
         ``describe`` is a callable returning a picklable description of this rank's
         arguments; it is only called when something disagrees, to explain what.
+        ``extras`` are per-rank numbers (all_gather's sizes), gathered once all agree.
         """
         self.seq += 1
-        header = np.zeros(_HEADER, dtype=np.int64)
-        extras = extras or []
-        header[:6] = (_MAGIC, self.seq, _code(kind), fingerprint, error is not None, len(extras))
-        header[6 : 6 + min(len(extras), _EXTRAS)] = extras[:_EXTRAS]
-        table = np.empty((self.size, _HEADER), dtype=np.int64)
+        fields = (_MAGIC, self.seq, _code(kind), fingerprint)
+        send = np.array((*fields, *(-f for f in fields), error is not None), dtype=np.int64)
+        recv = np.empty(9, dtype=np.int64)
         if self.monitor.deadline is None:
-            self.comm.Allgather(header, table)
+            self.comm.Allreduce(send, recv, op=MPI.MAX)
         else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
-            watchdog.wait(self.monitor, self.comm.Iallgather(header, table))
-        agreed = (table[:, :4] == table[0, :4]).all() and not table[:, 4].any()
-        if not agreed:
+            watchdog.wait(self.monitor, self.comm.Iallreduce(send, recv, op=MPI.MAX))
+        top = recv.tolist()
+        if top[8] or top[:4] != [-f for f in top[4:8]]:
             self._raise_disagreement(kind, describe, error)
-        if len(extras) > _EXTRAS:
-            full = np.asarray(extras, dtype=np.int64)
-            everyone = np.empty((self.size, len(extras)), dtype=np.int64)
-            self.comm.Allgather(full, everyone)
-            return everyone
-        return table[:, 6 : 6 + len(extras)]
+        mine = np.asarray(extras or [], dtype=np.int64)
+        everyone = np.empty((self.size, mine.size), dtype=np.int64)
+        if mine.size:
+            self.comm.Allgather(mine, everyone)
+        return everyone
 
     def _raise_disagreement(self, kind: str, describe: Any, error: MpistratError | None) -> None:
         """Every rank is here: exchange descriptions and raise the same error everywhere."""
@@ -125,7 +122,7 @@ class Collectives:
         except MpistratError as exc:
             error = exc
         if check_enabled(opts):
-            fingerprint = _code(repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])))
+            fingerprint = mismatch.fingerprint(op, treespec, *[(a.dtype, a.shape) for a in arrays])
             self.handshake(kind, fingerprint, lambda: mismatch.describe(value, op), error)
         elif error is not None:
             raise error
@@ -183,7 +180,7 @@ class Collectives:
         except MpistratError as exc:
             error, arrays, axes = exc, [], []
         rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
-        fingerprint = _code(repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)])))
+        fingerprint = mismatch.fingerprint(treespec, *zip([a.dtype for a in arrays], axes, rests, strict=True))
         sizes = self.handshake(
             kind,
             fingerprint,

@@ -10,6 +10,7 @@ ranks 0, 2: float64 (3,); rank 1: float64 (4,)
 from __future__ import annotations
 
 import pickle
+import zlib
 from typing import Any, NoReturn
 
 import optree
@@ -21,9 +22,27 @@ from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratErr
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.watchdog import call_site
 
-__all__ = ["by_rank", "describe", "first_difference", "raise_disagreement", "rank_list"]
+__all__ = ["by_rank", "describe", "fingerprint", "first_difference", "raise_disagreement", "rank_list"]
 
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+_fingerprints: dict[tuple[Any, ...], int] = {}
+
+
+def fingerprint(*parts: Any) -> int:
+    """A 32-bit code of hashable ``parts`` that is the same on every rank for equal parts.
+
+    Memoized: a training loop repeats the same calls, and the cache lookup is several
+    times cheaper than formatting the parts.
+
+    >>> fingerprint("SUM", (3,)) == fingerprint("SUM", (3,)) != fingerprint("SUM", (4,))
+    True
+    """
+    code = _fingerprints.get(parts)
+    if code is None:
+        if len(_fingerprints) >= 4096:
+            _fingerprints.clear()
+        code = _fingerprints[parts] = zlib.crc32(repr(parts).encode())
+    return code
 
 
 def rank_list(ranks: list[int]) -> str:
