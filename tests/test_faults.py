@@ -111,11 +111,18 @@ def test_a_skipped_collective_times_out_naming_the_missing_rank(how):
     env = {"option": {}, "env": {"MPISTRAT_TIMEOUT": "5"}, "check off": {"MPISTRAT_CHECK": "0"}}[how]
     code, out = run_job("skip_collective.py", *(["--env"] if how == "env" else []), limit=15, env=env)
     assert code != 0, out
+    assert "all_reduce (collective #2, called at tests/faults/skip_collective.py:18 in <lambda>)" in out, out
     assert "did not complete within its timeout of 5 s" in out, out
-    assert "waiting for rank 1: rank 1 is not in a collective" in out, out
-    assert "skip_collective.py" in out, out  # the call site
+    assert "waiting for rank 1: rank 1 is not in a collective (last finished all_reduce #1" in out, out
+    assert "it is at tests/faults/skip_collective.py:19 in <module>" in out, out  # where rank 1 is
     if how != "check off":  # the handshake is polled, so the waiting ranks raise
         assert "CollectiveTimeoutError" in out, out
+
+
+def test_below_thread_multiple_a_timeout_still_ends_the_job():
+    code, out = run_job("skip_collective.py", limit=15, env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    assert code != 0, out
+    assert "CollectiveTimeoutError" in out and "which ranks are missing is unknown" in out, out
 
 
 def test_a_killed_rank_ends_the_job():
