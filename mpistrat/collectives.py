@@ -74,7 +74,7 @@ class Collectives:
         describe: Any,
         error: MpistratError | None = None,
         extras: list[int] | None = None,
-    ) -> np.ndarray:
+    ) -> np.ndarray | None:
         """Agree on (seq, kind, fingerprint) with every rank; return every rank's ``extras``.
 
         ``describe`` is a callable returning a picklable description of this rank's
@@ -82,8 +82,10 @@ class Collectives:
         ``extras`` are per-rank numbers (all_gather's sizes), gathered once all agree.
         """
         self.seq += 1
-        fields = (_MAGIC, self.seq, _code(kind), fingerprint)
-        send = np.array((*fields, *(-f for f in fields), error is not None), dtype=np.int64)
+        seq, code = self.seq, _code(kind)
+        send = np.array(
+            [_MAGIC, seq, code, fingerprint, -_MAGIC, -seq, -code, -fingerprint, error is not None], np.int64
+        )
         recv = np.empty(9, dtype=np.int64)
         if self.monitor.deadline is None:
             self.comm.Allreduce(send, recv, op=MPI.MAX)
@@ -92,7 +94,9 @@ class Collectives:
         top = recv.tolist()
         if top[8] or top[:4] != [-f for f in top[4:8]]:
             self._raise_disagreement(kind, describe, error)
-        mine = np.asarray(extras or [], dtype=np.int64)
+        if extras is None:
+            return None
+        mine = np.asarray(extras, dtype=np.int64)
         everyone = np.empty((self.size, mine.size), dtype=np.int64)
         if mine.size:
             self.comm.Allgather(mine, everyone)
