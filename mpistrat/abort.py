@@ -84,10 +84,13 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
     if not (enabled() and _in_parallel_job()):
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
-    if _previous_hook not in (None, sys.__excepthook__):
-        _previous_hook(exc_type, exc, tb)  # someone else's hook (a debugger, a logger) goes first
-    else:
+    if _previous_hook in (None, sys.__excepthook__):
         _print_with_rank(exc_type, exc, tb)
+    else:
+        try:
+            _previous_hook(exc_type, exc, tb)  # someone else's hook (a debugger, a logger) goes first
+        except BaseException:
+            _print_with_rank(exc_type, exc, tb)
     abort_job(f"uncaught {exc_type.__name__} (MPISTRAT_ABORT_ON_EXCEPTION=0 leaves the other ranks running)")
 
 

@@ -356,14 +356,14 @@ def _tend(mon: Monitor) -> None:
         _warn(mon, start, now - start)
 
 
-def _headline(mon: Monitor, start: float) -> str:
+def _headline(mon: Monitor) -> str:
     frame = sys._current_frames().get(mon.thread) if mon.thread else None
     site = call_site(frame) if frame is not None else "<unknown>"
     return f"{mon.kind} (collective #{mon.seq}, called at {site})"
 
 
 def _warn(mon: Monitor, start: float, waited: float) -> None:
-    headline = _headline(mon, start)
+    headline = _headline(mon)
     explanation, waiting = diagnose(mon, start)
     if mon.start != start:
         return  # it completed while we asked
@@ -377,7 +377,7 @@ def _warn(mon: Monitor, start: float, waited: float) -> None:
 
 
 def _time_out(mon: Monitor, start: float, timeout: float) -> None:
-    headline = _headline(mon, start)
+    headline = _headline(mon)
     explanation, _ = diagnose(mon, start)
     if mon.start != start:
         return
