@@ -184,7 +184,8 @@ class Collectives:
         except MpistratError as exc:
             error, arrays, axes = exc, [], []
         rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
-        fingerprint = mismatch.fingerprint(treespec, *zip([a.dtype for a in arrays], axes, rests, strict=True))
+        dtypes = [a.dtype for a in arrays]
+        fingerprint = mismatch.fingerprint(treespec, *zip(dtypes, axes, rests, strict=True))
         sizes = self.handshake(
             kind,
             fingerprint,
