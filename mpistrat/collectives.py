@@ -8,6 +8,8 @@ does not grow with the number of ranks, whether all entered the same collective
 with compatible arguments (nest structure, dtypes, shapes, reduce op). A mismatch
 or bad input on any one rank is then raised on every rank instead of deadlocking.
 ``all_gather`` also needs the per-rank sizes: those follow in an ``Allgather``.
+A new collective opens with ``handshake`` (its own ``kind``) and is decorated with
+``@watchdog.collective(kind)``, so stalls in it are diagnosed and timeouts apply.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())
