@@ -11,6 +11,7 @@
 from mpi4py import MPI
 
 from mpistrat import nest, optimizers
+from mpistrat.abort import set_abort_on_exception
 from mpistrat.checkpoint import Checkpoint
 from mpistrat.context import (
     get_cross_replica_context,
@@ -100,4 +101,5 @@ __all__ = [
     "in_cross_replica_context",
     "nest",
     "optimizers",
+    "set_abort_on_exception",
 ]

@@ -1,12 +1,15 @@
 """Nest-level collectives over one private communicator.
 
 Every collective is numbered (a per-communicator sequence) and, while checking is
-on, opens with a *handshake*: one small fixed-size ``Allgather`` of
-``[magic, seq, kind, fingerprint, error, extras...]``. Every rank sees every
-rank's header, so a mismatch (different collective, nest structure, dtypes,
-shapes, reduce op) or bad input on any one rank is raised on every rank instead
-of deadlocking. ``all_gather`` needs the per-rank sizes anyway, so for it the
-handshake is the size exchange and costs nothing extra.
+on, opens with a *handshake*: one small ``Allreduce(MAX)`` of ``[magic, seq, kind,
+fingerprint]``, their negations and an error flag. ``max(x) == -max(-x)`` exactly
+when every rank sent the same ``x``, so every rank learns at once, at a cost that
+does not grow with the number of ranks, whether all entered the same collective
+with compatible arguments (nest structure, dtypes, shapes, reduce op). A mismatch
+or bad input on any one rank is then raised on every rank instead of deadlocking.
+``all_gather`` also needs the per-rank sizes: those follow in an ``Allgather``.
+A new collective opens with ``handshake`` (its own ``kind``) and is decorated with
+``@watchdog.collective(kind)``, so stalls in it are diagnosed and timeouts apply.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())
@@ -25,11 +28,10 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import nest
+from mpistrat import mismatch, nest, watchdog
 from mpistrat.comm import packing
 from mpistrat.comm.transport import Transports
 from mpistrat.errors import (
-    CollectiveMismatchError,
     InvalidArgumentError,
     MpistratError,
     UnsupportedTypeError,
@@ -40,8 +42,6 @@ from mpistrat.reduce_op import ReduceOp
 __all__ = ["Collectives", "check_enabled"]
 
 _MAGIC = 0x6D707374  # "mpst"
-_HEADER = 16
-_EXTRAS = _HEADER - 6  # per-leaf sizes that fit in the handshake itself
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 
 
@@ -66,6 +66,7 @@ class Collectives:
         self.options = options or CommunicationOptions()
         self.seq = 0
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
+        self.monitor = watchdog.watch(self)
 
     # -- the handshake ---------------------------------------------------------------
 
@@ -76,54 +77,41 @@ class Collectives:
         describe: Any,
         error: MpistratError | None = None,
         extras: list[int] | None = None,
-    ) -> np.ndarray:
-        """Agree on (seq, kind, fingerprint) with every rank; return every rank's header.
+    ) -> np.ndarray | None:
+        """Agree on (seq, kind, fingerprint) with every rank; return every rank's ``extras``.
 
         ``describe`` is a callable returning a picklable description of this rank's
         arguments; it is only called when something disagrees, to explain what.
+        ``extras`` are per-rank numbers (all_gather's sizes), gathered once all agree.
         """
         self.seq += 1
-        header = np.zeros(_HEADER, dtype=np.int64)
-        extras = extras or []
-        header[:6] = (_MAGIC, self.seq, _code(kind), fingerprint, error is not None, len(extras))
-        header[6 : 6 + min(len(extras), _EXTRAS)] = extras[:_EXTRAS]
-        table = np.empty((self.size, _HEADER), dtype=np.int64)
-        self.comm.Allgather(header, table)
-        agreed = (table[:, :4] == table[0, :4]).all() and not table[:, 4].any()
-        if not agreed:
+        seq, code = self.seq, _code(kind)
+        send = np.array(
+            [_MAGIC, seq, code, fingerprint, -_MAGIC, -seq, -code, -fingerprint, error is not None], np.int64
+        )
+        recv = np.empty(9, dtype=np.int64)
+        if self.monitor.deadline is None:
+            self.comm.Allreduce(send, recv, op=MPI.MAX)
+        else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
+            watchdog.wait(self.monitor, self.comm.Iallreduce(send, recv, op=MPI.MAX))
+        top = recv.tolist()
+        if top[8] or top[:4] != [-f for f in top[4:8]]:
             self._raise_disagreement(kind, describe, error)
-        if len(extras) > _EXTRAS:
-            full = np.asarray(extras, dtype=np.int64)
-            everyone = np.empty((self.size, len(extras)), dtype=np.int64)
-            self.comm.Allgather(full, everyone)
-            return everyone
-        return table[:, 6 : 6 + len(extras)]
+        if extras is None:
+            return None
+        mine = np.asarray(extras, dtype=np.int64)
+        everyone = np.empty((self.size, mine.size), dtype=np.int64)
+        if mine.size:
+            self.comm.Allgather(mine, everyone)
+        return everyone
 
     def _raise_disagreement(self, kind: str, describe: Any, error: MpistratError | None) -> None:
         """Every rank is here: exchange descriptions and raise the same error everywhere."""
-        try:
-            mine = describe() if error is None else None
-        except Exception as exc:  # a description must never turn an error into a hang
-            mine = f"<undescribable: {exc}>"
-        reports = self.comm.allgather((kind, self.seq, mine, error))
-        failed = [(r, e) for r, (_, _, _, e) in enumerate(reports) if e is not None]
-        if failed:
-            rank, first = failed[0]
-            others = "" if len(failed) == 1 else f" (and ranks {[r for r, _ in failed[1:]]})"
-            raise type(first)(f"{kind}: rank {rank}{others}: {first}")
-        kinds = {(k, s) for k, s, _, _ in reports}
-        if len(kinds) > 1:
-            calls = "; ".join(
-                f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports)
-            )
-            raise CollectiveMismatchError(
-                f"ranks are in different collectives: {calls}. Every rank must call the same "
-                "collectives in the same order."
-            )
-        raise CollectiveMismatchError(f"{kind}: {_first_difference([d for _, _, d, _ in reports])}")
+        mismatch.raise_disagreement(self.comm, kind, self.seq, describe, error)
 
     # -- all_reduce ------------------------------------------------------------------
 
+    @watchdog.collective("all_reduce")
     def all_reduce(
         self,
         reduce_op: ReduceOp | str,
@@ -137,9 +125,9 @@ class Collectives:
         ``error``: a bad-input error the caller found on this rank; it is raised on every
         rank (through the handshake) instead of stranding the others in the collective.
         """
-        opts = self.options.merge(options)
-        op, leaves, treespec, arrays = None, [], None, []
+        opts, op, leaves, treespec, arrays = self.options, None, [], None, []
         try:
+            opts = self.options.merge(options)
             op = ReduceOp.from_any(reduce_op)
             leaves, treespec = optree.tree_flatten(value, **_NEST)
             arrays = to_arrays(value, leaves, kind)
@@ -148,10 +136,14 @@ class Collectives:
         if check_enabled(opts):
             impl = _device_implementation(arrays, opts)
             leaves_key = [(packing.dtype_name(a), a.shape) for a in arrays]
-            fingerprint = _code(repr((op, impl, treespec, leaves_key)))
-            self.handshake(kind, fingerprint, lambda: _describe(value, op, implementation=impl), error)
+            fingerprint = mismatch.fingerprint(op, impl, treespec, *leaves_key)
+            self.handshake(
+                kind, fingerprint, lambda: mismatch.describe(value, op, implementation=impl), error
+            )
         elif error is not None:
             raise error
+        else:
+            self.seq += 1
         out = self._allreduce_arrays(arrays, opts.bytes_per_pack, opts.implementation)
         if op is ReduceOp.MEAN:
             out = [_divide(x, self.size) for x in out]
@@ -183,6 +175,7 @@ class Collectives:
 
     # -- all_gather ------------------------------------------------------------------
 
+    @watchdog.collective("all_gather")
     def all_gather(
         self,
         value: Any,
@@ -191,9 +184,9 @@ class Collectives:
         kind: str = "all_gather",
     ) -> Any:
         """Concatenate every rank's arrays along ``axis``; sizes along ``axis`` may differ."""
-        opts = self.options.merge(options)
-        error, leaves, treespec, arrays, axes = None, [], None, [], []
+        opts, error, leaves, treespec, arrays, axes = self.options, None, [], None, [], []
         try:
+            opts = self.options.merge(options)
             if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
                 raise InvalidArgumentError(f"{kind}: axis must be an int; got {axis!r}")
             leaves, treespec = optree.tree_flatten(value, **_NEST)
@@ -214,11 +207,11 @@ class Collectives:
         ]
         impl = _device_implementation(arrays, opts)
         leaves_key = [(packing.dtype_name(a), ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]
-        fingerprint = _code(repr((impl, treespec, leaves_key)))
+        fingerprint = mismatch.fingerprint(impl, treespec, *leaves_key)
         sizes = self.handshake(
             kind,
             fingerprint,
-            lambda: _describe(value, None, axis, impl),
+            lambda: mismatch.describe(value, None, axis, implementation=impl),
             error,
             extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
         )
@@ -266,14 +259,19 @@ class Collectives:
 
     # -- objects to and from rank 0 (merge_call) ------------------------------------
 
+    @watchdog.collective("merge_call")
     def gather_to_root(self, obj: Any, kind: str = "merge_call", root: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
 
         Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
         """
-        header, data, error = _split_or_fail(obj, f"{kind}: the arguments cannot be sent to rank {root}")
+        header, data, error = _split_or_fail(
+            obj, f"{kind}: the arguments cannot be pickled to send to rank {root}"
+        )
         if check_enabled(self.options):
             self.handshake(kind, 0, lambda: None, error)
+        else:
+            self.seq += 1
         headers = self.comm.gather((header, data.size), root=root)
         counts = [n for _, n in headers] if self.rank == root else None
         recv = None
@@ -286,11 +284,12 @@ class Collectives:
         self.comm.Gatherv([data, MPI.BYTE], None, root=root)
         return None
 
+    @watchdog.collective("merge_call")
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
         header, data = None, None
         if self.rank == root:
-            header, data, _ = _split_or_fail(obj, f"the value cannot be sent from rank {root}")
+            header, data, _ = _split_or_fail(obj, f"rank {root}'s value for every rank cannot be pickled")
         header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
         if nbytes:
             if self.rank != root:
@@ -335,63 +334,6 @@ def _divide(x: Any, n: int) -> Any:
 def _device_implementation(arrays: list[Any], opts: CommunicationOptions) -> str | None:
     """The implementation option when it matters (device arrays present): ranks must agree on it."""
     return opts.implementation.value if any(packing.is_device_array(a) for a in arrays) else None
-
-
-def _describe(
-    value: Any, op: ReduceOp | None, axis: int | None = None, implementation: str | None = None
-) -> dict[str, Any]:
-    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
-    leaves = []
-    for path, leaf in nest.flatten_with_paths(value):
-        try:
-            arr = packing.as_array(leaf)
-            dims = [str(n) for n in arr.shape]
-            if axis is not None and arr.ndim and -arr.ndim <= axis < arr.ndim:
-                dims[axis % arr.ndim] = "*"
-            shape = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
-            leaves.append((nest.path_str(path), packing.dtype_name(arr), shape))
-        except MpistratError:
-            leaves.append((nest.path_str(path), type(leaf).__name__, None))
-    reduce_op = None if op is None else op.value
-    return {"reduce_op": reduce_op, "axis": axis, "implementation": implementation, "leaves": leaves}
-
-
-def _first_difference(descriptions: list[Any]) -> str:
-    """Name the first thing that differs between ranks' descriptions, and what each passed."""
-    first = descriptions[0]
-    if not isinstance(first, dict):
-        return f"ranks passed different arguments: {descriptions}"
-    for key in ("reduce_op", "axis"):
-        seen = [d.get(key) for d in descriptions]
-        if len(set(seen)) > 1:
-            return f"ranks passed different {key}: " + ", ".join(
-                f"rank {r}: {v!r}" for r, v in enumerate(seen)
-            )
-    counts = [len(d["leaves"]) for d in descriptions]
-    for i in range(max(counts)):
-        entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
-        if any(e != entries[0] for e in entries):
-            path = next(e[0] for e in entries if e is not None)
-            what = ", ".join(
-                f"rank {r}: " + ("no leaf" if e is None else f"{e[0]} dtype={e[1]} shape={e[2]}")
-                for r, e in enumerate(entries)
-            )
-            return (
-                f"the arguments differ at leaf {path} ({what}). "
-                "Every rank must pass the same nest structure, dtypes and shapes"
-                + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
-                + "."
-            )
-    seen = [d.get("implementation") for d in descriptions]
-    if len(set(seen)) > 1:
-        return (
-            "ranks passed device arrays with different CommunicationOptions.implementation: "
-            + ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
-            + ". Every rank must use the same implementation."
-        )
-    return "ranks passed different arguments: " + ", ".join(
-        f"rank {r}: {d}" for r, d in enumerate(descriptions)
-    )
 
 
 class Unsendable:

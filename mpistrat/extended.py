@@ -30,7 +30,7 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import context
+from mpistrat import context, watchdog
 from mpistrat.collectives import Collectives
 from mpistrat.comm import devices
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -143,6 +143,7 @@ class StrategyExtended:
     def finalize(self) -> None:
         if self._comm is not None and not self.is_default:
             self._collectives.transports.close()
+            watchdog.unwatch(self._collectives.monitor)  # its thread must not touch a freed communicator
             self._comm.Free()
         self._comm = None
 

@@ -46,8 +46,15 @@ class CommunicationOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
             raise InvalidArgumentError(f"bytes_per_pack must be an int >= 0; got {self.bytes_per_pack!r}")
-        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
-            raise InvalidArgumentError(f"timeout_seconds must be > 0 or None; got {self.timeout_seconds!r}")
+        timeout = self.timeout_seconds
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise InvalidArgumentError(
+                f"timeout_seconds must be a number of seconds > 0, or None; got {timeout!r}"
+            )
+        if self.check not in (None, True, False):
+            raise InvalidArgumentError(f"check must be True, False or None; got {self.check!r}")
         if isinstance(self.implementation, str):
             object.__setattr__(
                 self, "implementation", CommunicationImplementation(self.implementation.upper())

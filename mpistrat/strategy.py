@@ -12,10 +12,10 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import context
-from mpistrat.collectives import to_arrays
+from mpistrat import abort, context
+from mpistrat.collectives import check_enabled, to_arrays
 from mpistrat.comm import packing
-from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
 from mpistrat.input import datasets as _datasets
 from mpistrat.input.contexts import (
@@ -129,18 +129,24 @@ class Strategy:
         3.0
         """
         mode = context.require_cross_replica("Strategy.reduce")
-        op = ReduceOp.from_any(reduce_op)
         if mode.kind == "merge":
+            op = ReduceOp.from_any(reduce_op)
             return optree.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value, **_NEST)
         local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
         collectives = self._extended.collectives
         if axis is None:
-            return collectives.all_reduce(op, local, kind="reduce")
-        leaves, spec = optree.tree_flatten(local, **_NEST)
-        arrays = to_arrays(local, leaves, "reduce")
-        for a in arrays:
-            if not -a.ndim <= axis < a.ndim:
-                raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
+            return collectives.all_reduce(reduce_op, local, kind="reduce")
+        try:
+            op = ReduceOp.from_any(reduce_op)
+            leaves, spec = optree.tree_flatten(local, **_NEST)
+            arrays = to_arrays(local, leaves, "reduce")
+            for a in arrays:
+                if not -a.ndim <= axis < a.ndim:
+                    raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
+        except MpistratError as exc:
+            if check_enabled(collectives.options):  # the others are entering the all_reduce: tell them
+                collectives.handshake("reduce", 0, lambda: None, exc)
+            raise
         sums = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
         counts = [a.shape[axis] for a in arrays]
         total_sums, total_counts = collectives.all_reduce(ReduceOp.SUM, (sums, counts), kind="reduce")
@@ -302,6 +308,7 @@ class MPIStrategy(Strategy):
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise UnsupportedTypeError(f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}")
         options = CommunicationOptions().merge(communication_options)
+        abort.install()  # an uncaught exception on one rank now ends the job, not just that rank
         super().__init__(StrategyExtended(self, comm.Dup(), options))
 
 

@@ -18,6 +18,9 @@ import mpistrat
 
 WORLD = MPI.COMM_WORLD
 
+# Scripts that tests launch under their own mpiexec: never import them here.
+collect_ignore = ["faults", "checkpoint_job.py"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if WORLD.Get_rank() > 0:  # one readable report: other ranks print failures and the summary only

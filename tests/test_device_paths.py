@@ -137,7 +137,7 @@ def test_ranks_disagreeing_on_implementation_get_an_error(world, fake):
             lambda: strategy.run(
                 lambda: mpistrat.get_replica_context().all_reduce("sum", fake.ones(2), options)
             ),
-            match="different CommunicationOptions.implementation: rank 0: RING, rank 1: NCCL",
+            match="different CommunicationOptions.implementation: rank 0: RING; rank",
         )
     finally:
         strategy.experimental_finalize()

@@ -190,7 +190,7 @@ def test_merge_call_with_unpicklable_arguments_or_result_raises_everywhere(group
 
     if group.size > 1:
         raises_on_every_rank(group.comm, TypeError, lambda: strategy.run(bad_args), match=f"rank {last}")
-    raises_on_every_rank(group.comm, TypeError, lambda: strategy.run(bad_result), match="cannot be sent")
+    raises_on_every_rank(group.comm, TypeError, lambda: strategy.run(bad_result), match="cannot be pickled")
     after = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
     all_ranks_agree(group.comm, after == group.size)
     strategy.experimental_finalize()

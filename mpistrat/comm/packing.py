@@ -71,6 +71,12 @@ def as_array(leaf: Any, where: str = "value") -> Any:
         raise UnsupportedTypeError(
             f"{where}: expected a numeric dtype (int, uint, float, complex); got dtype {arr.dtype}"
         )
+    if isinstance(arr, np.ma.MaskedArray):
+        raise UnsupportedTypeError(
+            f"{where}: a masked array would lose its mask; pass arr.filled(value) or arr.data"
+        )
+    if not arr.dtype.isnative:  # MPI reads memory in the machine's byte order
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     return arr
 
 

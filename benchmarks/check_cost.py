@@ -1,0 +1,75 @@
+"""What the consistency check costs: all_reduce of a small array, check on vs off, vs raw mpi4py.
+
+    mpiexec -n 2 python benchmarks/check_cost.py [--size 8] [--iters 2000] [--repeats 15]
+
+Prints microseconds per call (median and best of the repeats) on rank 0 for:
+raw ``comm.Allreduce`` and ``Iallreduce``; ``ReplicaContext.all_reduce`` with the check
+off; with the check on (the default); with the check on and a timeout (the handshake is
+then a polled ``Iallreduce``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpistrat
+
+
+def timed(comm: MPI.Intracomm, call, iters: int, repeats: int) -> tuple[float, float]:
+    for _ in range(max(iters // 10, 10)):  # warm up
+        call()
+    per_call = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)  # the slowest rank
+        per_call.append(elapsed / iters * 1e6)
+    return statistics.median(per_call), min(per_call)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=8, help="float64 elements per all_reduce")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    strategy = mpistrat.MPIStrategy(world)
+    x = np.ones(args.size)
+    out = np.empty_like(x)
+    variants = {
+        "raw comm.Allreduce": lambda: comm.Allreduce(x, out, op=MPI.SUM),
+        "raw comm.Iallreduce + Wait": lambda: comm.Iallreduce(x, out, op=MPI.SUM).Wait(),
+        "all_reduce, check off": mpistrat.CommunicationOptions(check=False),
+        "all_reduce, check on (default)": mpistrat.CommunicationOptions(check=True),
+        "all_reduce, check on + timeout": mpistrat.CommunicationOptions(check=True, timeout_seconds=600),
+    }
+    results = {}
+    for name, variant in variants.items():
+        if callable(variant):
+            results[name] = timed(comm, variant, args.iters, args.repeats)
+            continue
+
+        def loop(options: mpistrat.CommunicationOptions = variant) -> tuple[float, float]:
+            ctx = mpistrat.get_replica_context()
+            return timed(comm, lambda: ctx.all_reduce("sum", x, options), args.iters, args.repeats)
+
+        results[name] = strategy.run(loop)
+    if world.Get_rank() == 0:
+        print(f"{world.Get_size()} ranks, {args.size} float64, {args.iters} calls x {args.repeats} repeats")
+        print(f"{'variant':34s} {'median us':>10s} {'best us':>9s}")
+        for name, (median, best) in results.items():
+            print(f"{name:34s} {median:10.1f} {best:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""End the whole MPI job when one rank fails, instead of leaving the others waiting.
+
+An uncaught exception on one rank would otherwise end that process only, and the
+other ranks would wait in their next collective until the wall-clock limit. The
+hook installed by :func:`install` (when an ``MPIStrategy`` is created) prints the
+traceback with every line prefixed by the rank, then calls ``MPI_Abort``, so
+``mpiexec``/``srun`` exit non-zero at once. It covers ``threading`` too. Turn it off
+with ``MPISTRAT_ABORT_ON_EXCEPTION=0`` or :func:`set_abort_on_exception`.
+
+>>> set_abort_on_exception(True)
+>>> enabled()
+True
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import traceback
+from typing import Any, NoReturn
+
+from mpi4py import MPI
+
+from mpistrat.log import world_rank
+
+__all__ = ["abort_job", "abort_later", "enabled", "install", "set_abort_on_exception"]
+
+_enabled: bool | None = None  # None: the environment decides
+_installed = False
+_previous_hook: Any = None
+_previous_thread_hook: Any = None
+_doomed: str | None = None
+
+
+def set_abort_on_exception(enabled: bool) -> None:
+    """Turn on/off aborting the MPI job on an uncaught exception (overrides the environment)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    """Whether an uncaught exception aborts the job: the setting, else ``MPISTRAT_ABORT_ON_EXCEPTION``."""
+    if _enabled is not None:
+        return _enabled
+    raw = os.environ.get("MPISTRAT_ABORT_ON_EXCEPTION", "1")
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _in_parallel_job() -> bool:
+    try:
+        return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
+    except Exception:
+        return False
+
+
+def install() -> None:
+    """Install the hooks (idempotent); they decide at call time whether to abort."""
+    global _installed, _previous_hook, _previous_thread_hook
+    if _installed:
+        return
+    _installed = True
+    _previous_hook, sys.excepthook = sys.excepthook, _excepthook
+    _previous_thread_hook, threading.excepthook = threading.excepthook, _thread_excepthook
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _print_with_rank(exc_type: type[BaseException], exc: BaseException, tb: Any, where: str = "") -> None:
+    prefix = f"[rank {world_rank()}] "
+    lines = traceback.format_exception(exc_type, exc, tb)
+    text = "".join(lines)
+    _write((prefix + where if where else "") + "".join(prefix + line for line in text.splitlines(True)))
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    if not (enabled() and _in_parallel_job()):
+        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    if _previous_hook in (None, sys.__excepthook__):
+        _print_with_rank(exc_type, exc, tb)
+    else:
+        try:
+            _previous_hook(exc_type, exc, tb)  # someone else's hook (a debugger, a logger) goes first
+        except BaseException:
+            _print_with_rank(exc_type, exc, tb)
+    abort_job(f"uncaught {exc_type.__name__} (MPISTRAT_ABORT_ON_EXCEPTION=0 leaves the other ranks running)")
+
+
+def _thread_excepthook(args: Any) -> None:
+    if args.exc_type is SystemExit or not (enabled() and _in_parallel_job()):
+        (_previous_thread_hook or threading.__excepthook__)(args)
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    _print_with_rank(args.exc_type, args.exc_value, args.exc_traceback, f"Exception in thread {name}:\n")
+    abort_job(f"uncaught {args.exc_type.__name__} in thread {name}")
+
+
+def abort_job(message: str, code: int = 1) -> NoReturn:
+    """Print ``message`` with the rank, then end every process of the job (``MPI_Abort``)."""
+    prefix = f"[rank {world_rank()}] mpistrat:"
+    _write(f"{prefix} {message}\n{prefix} calling MPI_Abort to end the job\n")
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.COMM_WORLD.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def abort_later(seconds: float, message: str) -> None:
+    """Abort the job after ``seconds`` (or at once if the program exits first): it cannot go on.
+
+    Used after a collective timed out: the exception reaches the caller, who may catch
+    it to clean up, but the communicator is left mid-operation, so the job must end.
+    """
+    global _doomed
+    if _doomed is not None:
+        return
+    _doomed = message
+    atexit.register(_at_exit)
+    timer = threading.Timer(seconds, abort_job, args=(message,))
+    timer.daemon = True
+    timer.start()
+
+
+def _at_exit() -> None:
+    if _doomed is not None:
+        abort_job(_doomed)

@@ -1,0 +1,93 @@
+"""The ``mpistrat`` logger: every record carries the rank; warnings come from rank 0 only.
+
+Records get a ``rank`` attribute (the ``COMM_WORLD`` rank). Below ERROR, only rank 0's
+records pass, so a warning every rank hits is printed once; a record logged with
+``extra=ANY_RANK`` (a stall seen by whichever rank is waiting), and every ERROR, passes
+on any rank. ``MPISTRAT_LOG_ALL_RANKS=1`` or ``configure(all_ranks=True)`` lets every
+rank's warnings through.
+
+>>> import logging
+>>> logger.name
+'mpistrat'
+>>> logger.warning("stalled")  # printed to stderr as "[mpistrat rank 0] WARNING: stalled"
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from mpi4py import MPI
+
+__all__ = ["ANY_RANK", "configure", "logger", "world_rank"]
+
+ANY_RANK = {"any_rank": True}
+FORMAT = "[mpistrat rank %(rank)s] %(levelname)s: %(message)s"
+
+_all_ranks: bool | None = None  # None: the environment decides
+
+
+def world_rank() -> int:
+    """This process's rank in ``COMM_WORLD`` (0 before MPI is initialized or after it is finalized)."""
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            return MPI.COMM_WORLD.Get_rank()
+    except Exception:  # a logger must never fail
+        pass
+    return 0
+
+
+def _everyone() -> bool:
+    if _all_ranks is not None:
+        return _all_ranks
+    return os.environ.get("MPISTRAT_LOG_ALL_RANKS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class RankFilter(logging.Filter):
+    """Stamp ``record.rank``; drop records below ERROR from ranks other than 0 unless allowed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = world_rank()
+        return (
+            record.rank == 0
+            or record.levelno >= logging.ERROR
+            or getattr(record, "any_rank", False)
+            or _everyone()
+        )
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (test runners swap it)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def configure(*, all_ranks: bool | None = None, level: int | str | None = None) -> logging.Logger:
+    """Let every rank's warnings through (``all_ranks=True``) and/or set the level; returns the logger.
+
+    >>> configure(level="WARNING").level == logging.WARNING
+    True
+    """
+    global _all_ranks
+    if all_ranks is not None:
+        _all_ranks = bool(all_ranks)
+    if level is not None:
+        logger.setLevel(level)
+    return logger
+
+
+logger = logging.getLogger("mpistrat")
+logger.addFilter(RankFilter())
+if not logger.handlers:
+    _handler = _StderrHandler()
+    _handler.setFormatter(logging.Formatter(FORMAT))
+    logger.addHandler(_handler)
+    # One line per message: the handler above prints it; the root logger would print it again.
+    logger.propagate = False

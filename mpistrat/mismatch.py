@@ -1,0 +1,192 @@
+"""Explain a failed handshake: which collective, which leaf, and what each rank passed.
+
+Runs only after the handshake found a disagreement, on every rank at once: one
+``allgather`` of each rank's description, then the same exception everywhere.
+
+>>> print(by_rank(["float64 (3,)", "float64 (4,)", "float64 (3,)"]))
+ranks 0, 2: float64 (3,); rank 1: float64 (4,)
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from typing import Any, NoReturn
+
+import optree
+from mpi4py import MPI
+
+from mpistrat import nest
+from mpistrat.comm import packing
+from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.watchdog import call_site
+
+__all__ = ["by_rank", "describe", "fingerprint", "first_difference", "raise_disagreement", "rank_list"]
+
+_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+_fingerprints: dict[tuple[Any, ...], int] = {}
+
+
+def fingerprint(*parts: Any) -> int:
+    """A 32-bit code of hashable ``parts`` that is the same on every rank for equal parts.
+
+    Memoized: a training loop repeats the same calls, and the cache lookup is several
+    times cheaper than formatting the parts.
+
+    >>> fingerprint("SUM", (3,)) == fingerprint("SUM", (3,)) != fingerprint("SUM", (4,))
+    True
+    """
+    code = _fingerprints.get(parts)
+    if code is None:
+        if len(_fingerprints) >= 4096:
+            _fingerprints.clear()
+        code = _fingerprints[parts] = zlib.crc32(repr(parts).encode())
+    return code
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5`` (runs of consecutive ranks shortened).
+
+    >>> rank_list([0, 1, 2, 5])
+    'ranks 0-2, 5'
+    """
+    ranks = sorted(ranks)
+    runs: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        if start == prev:
+            runs.append(str(start))
+        else:
+            runs.append(f"{start}, {prev}" if prev == start + 1 else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def by_rank(values: list[str]) -> str:
+    """What each rank had, ranks with the same value grouped (short even with many ranks)."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{rank_list(ranks)}: {v}" for v, ranks in groups.items())
+
+
+def _shape(shape: tuple[Any, ...] | None) -> str:
+    if shape is None:
+        return ""
+    inner = ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "")
+    return f" shape ({inner})"
+
+
+def describe(
+    value: Any, op: ReduceOp | None, axis: Any = None, implementation: str | None = None
+) -> dict[str, Any]:
+    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
+    leaves = []
+    for path, leaf in nest.flatten_with_paths(value):
+        try:
+            arr = packing.as_array(leaf)
+            shape: tuple[Any, ...] = tuple(arr.shape)
+            if isinstance(axis, int) and arr.ndim and -arr.ndim <= axis < arr.ndim:
+                shape = tuple("*" if d == axis % arr.ndim else n for d, n in enumerate(shape))
+            leaves.append((nest.path_str(path), packing.dtype_name(arr), shape))
+        except MpistratError:
+            leaves.append((nest.path_str(path), type(leaf).__name__, None))
+    return {
+        "reduce_op": None if op is None else op.value,
+        "axis": axis,
+        "implementation": implementation,
+        "leaves": leaves,
+        "structure": str(optree.tree_structure(value, **_NEST)),
+    }
+
+
+def first_difference(descriptions: list[Any]) -> str:
+    """Name the first thing that differs between ranks' descriptions, and what each rank passed."""
+    if not all(isinstance(d, dict) for d in descriptions):
+        return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
+    for key in ("reduce_op", "axis"):
+        seen = [repr(d.get(key)) for d in descriptions]
+        if len(set(seen)) > 1:
+            return f"ranks passed different {key}: {by_rank(seen)}. Every rank must pass the same {key}."
+    gather = descriptions[0].get("axis") is not None
+    for i in range(max(len(d["leaves"]) for d in descriptions)):
+        entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
+        if any(e != entries[0] for e in entries):
+            path = next(e[0] for e in entries if e is not None)
+            what = by_rank(["no such leaf" if e is None else f"{e[0]} {e[1]}{_shape(e[2])}" for e in entries])
+            return (
+                f"the arguments differ at leaf {path}: {what}. Every rank must pass the same nest "
+                "structure, dtypes and shapes" + (" (all dims but axis)." if gather else ".")
+            )
+    implementations = [str(d.get("implementation")) for d in descriptions]
+    if len(set(implementations)) > 1:
+        return (
+            "ranks passed device arrays with different CommunicationOptions.implementation: "
+            f"{by_rank(implementations)}. Every rank must use the same implementation."
+        )
+    structures = [d.get("structure", "") for d in descriptions]
+    if len(set(structures)) > 1:
+        return f"the nest structures differ: {by_rank(structures)}. Every rank must pass the same structure."
+    return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """The error if it pickles as itself, else a ``MergeCallError`` that says what it was."""
+    if error is None:
+        return None
+    try:
+        clone = pickle.loads(pickle.dumps(error))
+        if type(clone) is type(error):
+            return error
+    except Exception:
+        pass
+    return MergeCallError(f"{type(error).__module__}.{type(error).__qualname__}: {error}")
+
+
+def _same_type(error: BaseException, message: str) -> BaseException:
+    try:
+        return type(error)(message)
+    except Exception:
+        return MergeCallError(f"{type(error).__qualname__}: {message}")
+
+
+def raise_disagreement(
+    comm: MPI.Intracomm, kind: str, seq: int, describe: Any, error: BaseException | None
+) -> NoReturn:
+    """Every rank is here after a failed handshake: exchange descriptions, raise the same error everywhere.
+
+    Order of blame: ranks in different collectives, then a rank's own bad input, then
+    the first differing argument.
+    """
+    try:
+        mine = describe() if error is None else None
+    except Exception as exc:  # a description must never turn an error into a hang
+        mine = f"<undescribable: {exc}>"
+    reports = comm.allgather((kind, seq, mine, _portable(error), call_site()))
+    name = f"{kind} (collective #{seq})"
+    if len({(k, s) for k, s, *_ in reports}) > 1:
+        calls = by_rank([f"{k} (collective #{s}) at {site}" for k, s, _, _, site in reports])
+        skipped = len({s for _, s, *_ in reports}) > 1
+        raise CollectiveMismatchError(
+            f"ranks are in different collectives: {calls}. "
+            + (
+                "Some ranks have made more collective calls than others (one skipped or repeated one). "
+                if skipped
+                else ""
+            )
+            + "Every rank must call the same collectives in the same order."
+        )
+    failed = [(r, e) for r, (_, _, _, e, _) in enumerate(reports) if e is not None]
+    if failed:
+        first = failed[0][1]
+        text = str(first).removeprefix(f"{kind}: ")
+        raise _same_type(first, f"{name} failed on {rank_list([r for r, _ in failed])}: {text}") from error
+    sites = [site for *_, site in reports]
+    where = sites[0] if len(set(sites)) == 1 else by_rank(sites)
+    detail = first_difference([d for _, _, d, _, _ in reports])
+    raise CollectiveMismatchError(f"{name}, called at {where}: {detail}")

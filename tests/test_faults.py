@@ -1,0 +1,151 @@
+"""Fault injection: real ``mpiexec -n 3`` jobs that fail on purpose (serial pass only).
+
+Each job has a hard wall-clock limit (the bound the guarantee promises, start-up included);
+a job that outlives it is killed, with all its processes, and the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = Path(__file__).resolve().parent / "faults"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+RANKS = 3
+
+pytestmark = [
+    pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own mpiexec: serial pass only"),
+    pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}"),
+    pytest.mark.slow,
+]
+
+_LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_")
+
+
+def run_job(script: str, *args: str, limit: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``tests/faults/<script>`` under ``mpiexec -n 3``; return (exit code, stdout + stderr)."""
+    child = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    child = {k: v for k, v in child.items() if not k.startswith("MPISTRAT_")}
+    child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    child.update(env or {})
+    cmd = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(FAULTS / script), *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=child,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script} still running after {limit} s (hung); output:\n{out}")
+    return proc.returncode, out
+
+
+def on_every_rank(out: str, text: str) -> bool:
+    """Whether each rank printed ``rank <r> <text>`` (lines of different ranks may interleave)."""
+    return all(f"rank {r} {text}" in out for r in range(RANKS))
+
+
+def test_exception_in_run_ends_the_job_with_that_ranks_traceback():
+    code, out = run_job("raise_in_run.py", limit=10)
+    assert code != 0, out
+    assert "[rank 1] Traceback (most recent call last):" in out, out
+    assert "[rank 1] RuntimeError: boom on rank 1" in out, out
+    assert "calling MPI_Abort" in out, out
+
+
+def test_exception_in_a_thread_ends_the_job():
+    code, out = run_job("thread_raises.py", limit=10)
+    assert code != 0, out
+    assert "[rank 1] Exception in thread loader:" in out, out
+    assert "[rank 1] OSError: loader thread failed on rank 1" in out, out
+
+
+def test_abort_on_exception_can_be_turned_off():
+    # Without the hook the others wait for rank 1 until their timeout ends the job.
+    code, out = run_job(
+        "raise_in_run.py", limit=4 + 10, env={"MPISTRAT_ABORT_ON_EXCEPTION": "0", "MPISTRAT_TIMEOUT": "4"}
+    )
+    assert code != 0, out
+    assert "[rank 1] Traceback" not in out and "RuntimeError: boom on rank 1" in out, out
+    assert "CollectiveTimeoutError" in out and "waiting for rank 1" in out, out
+
+
+def test_mismatched_arguments_raise_on_every_rank_with_the_key_path():
+    code, out = run_job("mismatch_args.py", limit=30)
+    assert code == 0, out
+    for case in ("shape", "structure", "dtype", "reduce op", "all_gather dims"):
+        assert on_every_rank(out, f"case {case}: ok"), out
+    assert on_every_rank(out, "after: ok"), out
+
+
+def test_collectives_in_different_orders_raise_instead_of_mixing_data():
+    code, out = run_job("wrong_order.py", limit=30)
+    assert code == 0, out
+    message = (
+        "ranks are in different collectives: rank 0: all_gather (collective #1) at "
+        "tests/faults/wrong_order.py:14 in step; ranks 1, 2: all_reduce (collective #1) at "
+        "tests/faults/wrong_order.py:15 in step."
+    )
+    assert on_every_rank(out, f"mismatch: {message}"), out
+    assert on_every_rank(out, "after: ok"), out
+
+
+@pytest.mark.parametrize("how", ["option", "env", "check off"])
+def test_a_skipped_collective_times_out_naming_the_missing_rank(how):
+    env = {"option": {}, "env": {"MPISTRAT_TIMEOUT": "5"}, "check off": {"MPISTRAT_CHECK": "0"}}[how]
+    code, out = run_job("skip_collective.py", *(["--env"] if how == "env" else []), limit=15, env=env)
+    assert code != 0, out
+    assert "all_reduce (collective #2, called at tests/faults/skip_collective.py:18 in <lambda>)" in out, out
+    assert "did not complete within its timeout of 5 s" in out, out
+    assert "waiting for rank 1: rank 1 is not in a collective (last finished all_reduce #1" in out, out
+    assert "it is at tests/faults/skip_collective.py:19 in <module>" in out, out  # where rank 1 is
+    if how != "check off":  # the handshake is polled, so the waiting ranks raise
+        assert "CollectiveTimeoutError" in out, out
+
+
+def test_below_thread_multiple_a_timeout_still_ends_the_job():
+    code, out = run_job("skip_collective.py", limit=15, env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    assert code != 0, out
+    assert "CollectiveTimeoutError" in out and "which ranks are missing is unknown" in out, out
+
+
+def test_a_killed_rank_ends_the_job():
+    code, out = run_job("kill_rank.py", limit=5 + 10)
+    assert code != 0, out
+    assert "signal 9" in out or "Killed" in out or "timed out" in out, out
+
+
+def test_a_frozen_rank_is_named_as_not_answering():
+    code, out = run_job("freeze_rank.py", limit=5 + 10)
+    assert code != 0, out
+    assert "waiting for rank 1: rank 1 did not answer" in out, out
+
+
+def test_merge_fn_error_reaches_every_rank_and_the_strategy_goes_on():
+    code, out = run_job("merge_fn_raises.py", limit=30)
+    assert code == 0, out
+    assert on_every_rank(out, "raised StepFailed: merge_fn saw 3 replicas"), out
+    assert on_every_rank(out, "after: ok"), out
+
+
+def test_a_late_rank_gets_a_stall_warning_naming_it():
+    code, out = run_job("stall_warning.py", limit=30, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"})
+    assert code == 0, out
+    assert out.count("WARNING: all_reduce (collective #2") == 1, out  # from the lowest waiting rank only
+    assert "[mpistrat rank 0] WARNING" in out, out
+    assert "has waited 1 s: waiting for rank 2: rank 2 is not in a collective" in out, out
+    assert on_every_rank(out, "finished"), out

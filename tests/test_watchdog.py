@@ -1,0 +1,165 @@
+"""The watchdog, the abort hook and the rank-aware logger, in process (the faults: test_faults.py)."""
+
+import logging
+import sys
+
+import numpy as np
+import pytest
+
+import mpistrat
+from mpistrat import CommunicationOptions, InvalidArgumentError, abort, watchdog
+from mpistrat.log import RankFilter, logger
+from tests.conftest import all_ranks_agree, raises_on_every_rank
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(None, 60.0), ("", 60.0), ("5", 5.0), ("0.5", 0.5), ("0", None), ("off", None), ("inf", None)],
+)
+def test_seconds_from_env(monkeypatch, raw, expected):
+    if raw is None:
+        monkeypatch.delenv("MPISTRAT_X", raising=False)
+    else:
+        monkeypatch.setenv("MPISTRAT_X", raw)
+    assert watchdog.seconds_from_env("MPISTRAT_X", 60.0) == expected
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
+def test_bad_seconds_in_env_are_refused(monkeypatch, raw):
+    monkeypatch.setenv("MPISTRAT_X", raw)
+    with pytest.raises(InvalidArgumentError, match="MPISTRAT_X must be a number of seconds"):
+        watchdog.seconds_from_env("MPISTRAT_X", None)
+
+
+def test_bad_timeout_env_fails_strategy_creation_on_every_rank(world, monkeypatch):
+    monkeypatch.setenv("MPISTRAT_TIMEOUT", "ten")
+    raises_on_every_rank(world.comm, InvalidArgumentError, lambda: mpistrat.MPIStrategy(world.comm), "ten")
+
+
+def test_timeout_that_does_not_expire_changes_nothing(group):
+    """With a timeout the opening handshake is polled; the results are the same."""
+    options = CommunicationOptions(timeout_seconds=60)
+    strategy = group.strategy
+
+    def step():
+        ctx = mpistrat.get_replica_context()
+        reduced = ctx.all_reduce("sum", {"a": np.arange(3.0), "b": group.rank}, options)
+        gathered = ctx.all_gather(np.array([group.rank]), axis=0, options=options)
+        merged = ctx.merge_call(lambda s, v: s.reduce("sum", v), args=(np.ones(2),))
+        return reduced, gathered, merged
+
+    reduced, gathered, merged = strategy.run(step)
+    n = group.size
+    ok = (
+        np.array_equal(reduced["a"], np.arange(3.0) * n)
+        and int(reduced["b"]) == n * (n - 1) // 2
+        and gathered.tolist() == list(range(n))
+        and merged.tolist() == [n, n]
+    )
+    all_ranks_agree(group.comm, ok, f"{reduced} {gathered} {merged}")
+
+
+def test_timeout_from_env_applies_to_new_strategies(world, monkeypatch):
+    monkeypatch.setenv("MPISTRAT_TIMEOUT", "30")
+    strategy = mpistrat.MPIStrategy(world.comm)
+    assert strategy.extended.collectives.monitor.env_timeout == 30.0
+    got = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1.0))
+    all_ranks_agree(world.comm, got == world.size)
+    strategy.experimental_finalize()
+
+
+def test_monitor_marks_the_collective_while_it_runs(world):
+    monitor = world.strategy.extended.collectives.monitor
+    seen = {}
+
+    def merge_fn(strategy):
+        seen["inside"] = monitor.start  # rank 0, between the gather and the broadcast
+
+    world.strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn))
+    assert monitor.start is None
+    if world.size > 1:
+        assert monitor.watched and monitor.last[0] == "merge_call"
+    if world.rank == 0:
+        assert seen["inside"] is None
+
+
+def test_single_rank_strategies_are_not_watched():
+    strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    assert not strategy.extended.collectives.monitor.watched
+
+
+def test_call_site_is_the_first_frame_outside_mpistrat():
+    assert watchdog.call_site().startswith("tests/test_watchdog.py:")
+    assert watchdog.call_site().endswith("in test_call_site_is_the_first_frame_outside_mpistrat")
+
+
+def test_diagnose_asks_every_rank_where_it_is(world):
+    """Every rank asks at once (each answers the others meanwhile): nobody is in a collective."""
+    if world.size < 2:
+        pytest.skip("needs 2 ranks")
+    monitor = world.strategy.extended.collectives.monitor
+    world.comm.Barrier()
+    explanation, waiting = watchdog.diagnose(monitor, start=monitor.start, grace=30.0)
+    world.comm.Barrier()
+    others = [r for r in range(world.size) if r != world.rank]
+    ok = waiting == [world.rank] and all(f"rank {r} is not in a collective" in explanation for r in others)
+    all_ranks_agree(world.comm, ok, explanation)
+
+
+def test_finalize_stops_watching(world):
+    strategy = mpistrat.MPIStrategy(world.comm)
+    monitor = strategy.extended.collectives.monitor
+    strategy.experimental_finalize()
+    assert not monitor.watched and monitor not in watchdog._registry
+
+
+# -- abort on exception -----------------------------------------------------------
+
+
+def test_abort_hook_is_installed_and_can_be_turned_off(monkeypatch):
+    mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    assert sys.excepthook is abort._excepthook
+    monkeypatch.setattr(abort, "_enabled", None)
+    monkeypatch.setenv("MPISTRAT_ABORT_ON_EXCEPTION", "0")
+    assert not abort.enabled()
+    monkeypatch.setenv("MPISTRAT_ABORT_ON_EXCEPTION", "1")
+    assert abort.enabled()
+    mpistrat.set_abort_on_exception(False)
+    assert not abort.enabled()
+
+
+def test_disabled_hook_hands_over_to_the_previous_one(monkeypatch):
+    calls = []
+    monkeypatch.setattr(abort, "_previous_hook", lambda *args: calls.append(args[0]))
+    monkeypatch.setattr(abort, "_enabled", False)
+    abort._excepthook(KeyError, KeyError("x"), None)
+    assert calls == [KeyError]
+
+
+# -- logging ----------------------------------------------------------------------
+
+
+def make_record(level, **extra):
+    record = logging.LogRecord("mpistrat", level, __file__, 1, "message", None, None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_records_carry_the_rank_and_warnings_come_from_rank_0(world, monkeypatch):
+    monkeypatch.delenv("MPISTRAT_LOG_ALL_RANKS", raising=False)
+    rank_filter = RankFilter()
+    warning, error = make_record(logging.WARNING), make_record(logging.ERROR)
+    assert rank_filter.filter(warning) == (world.rank == 0)
+    assert warning.rank == mpistrat.MPI.COMM_WORLD.Get_rank()
+    assert rank_filter.filter(error)
+    assert rank_filter.filter(make_record(logging.WARNING, any_rank=True))
+    monkeypatch.setenv("MPISTRAT_LOG_ALL_RANKS", "1")
+    assert rank_filter.filter(make_record(logging.WARNING))
+
+
+def test_logger_prints_with_the_rank(capsys):
+    logger.error("something broke")
+    assert (
+        f"[mpistrat rank {mpistrat.MPI.COMM_WORLD.Get_rank()}] ERROR: something broke"
+        in capsys.readouterr().err
+    )
