@@ -111,7 +111,9 @@ class Collectives:
             raise type(first)(f"{kind}: rank {rank}{others}: {first}")
         kinds = {(k, s) for k, s, _, _ in reports}
         if len(kinds) > 1:
-            calls = "; ".join(f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports))
+            calls = "; ".join(
+                f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports)
+            )
             raise CollectiveMismatchError(
                 f"ranks are in different collectives: {calls}. Every rank must call the same "
                 "collectives in the same order."
@@ -144,7 +146,10 @@ class Collectives:
         out = self._allreduce_arrays(arrays, opts.bytes_per_pack)
         if op is ReduceOp.MEAN:
             out = [_divide(x, self.size) for x in out]
-        out = [o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()] for x, o in zip(leaves, out, strict=True)]
+        out = [
+            o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
+            for x, o in zip(leaves, out, strict=True)
+        ]
         return optree.tree_unflatten(treespec, out)
 
     def _allreduce_arrays(self, arrays: list[Any], bytes_per_pack: int) -> list[Any]:
@@ -191,8 +196,12 @@ class Collectives:
                 raise InvalidArgumentError(f"{kind}: leaf {_leaf_path(value, i)}: {problem}")
         except MpistratError as exc:
             error, arrays, axes = exc, [], []
-        rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
-        fingerprint = _code(repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)])))
+        rests = [
+            tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)
+        ]
+        fingerprint = _code(
+            repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]))
+        )
         sizes = self.handshake(
             kind,
             fingerprint,
@@ -205,7 +214,12 @@ class Collectives:
         synchronize(moved)
         for p in packing.plan_packs(moved, opts.bytes_per_pack):
             self._allgather_pack(moved, p, sizes, out)
-        out = [o if ax == 0 else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax)) for o, ax in zip(out, axes, strict=True)]
+        out = [
+            o
+            if ax == 0
+            else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax))
+            for o, ax in zip(out, axes, strict=True)
+        ]
         return optree.tree_unflatten(treespec, out)
 
     def _allgather_pack(self, moved: list[Any], p: Any, sizes: np.ndarray, out: list[Any]) -> None:
@@ -219,17 +233,19 @@ class Collectives:
         else:
             send = packing.pack(moved, p)
             synchronize([send])
-        self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), [recv, counts, displs, buffer_spec(recv)[2]])
+        self.comm.Allgatherv(
+            buffer_spec(send, counts[self.rank]), [recv, counts, displs, buffer_spec(recv)[2]]
+        )
         if len(p.indices) == 1:
             i = p.indices[0]
-            out[i] = recv.reshape((int(sizes[:, i].sum()),) + moved[i].shape[1:])
+            out[i] = recv.reshape((int(sizes[:, i].sum()), *moved[i].shape[1:]))
             return
         for i in p.indices:
             pieces = []
             for r in range(self.size):
                 start = displs[r] + sum(int(sizes[r][j]) * inner[j] for j in p.indices if j < i)
                 n = int(sizes[r][i])
-                pieces.append(recv[start : start + n * inner[i]].reshape((n,) + moved[i].shape[1:]))
+                pieces.append(recv[start : start + n * inner[i]].reshape((n, *moved[i].shape[1:])))
             out[i] = xp.concatenate(pieces, axis=0)
 
     # -- objects to and from rank 0 (merge_call) ------------------------------------
@@ -301,9 +317,10 @@ def _describe(value: Any, op: ReduceOp | None, axis: int | None = None) -> dict[
     for path, leaf in nest.flatten_with_paths(value):
         try:
             arr = packing.as_array(leaf)
-            shape: tuple[Any, ...] = tuple(arr.shape)
+            dims = [str(n) for n in arr.shape]
             if axis is not None and arr.ndim and -arr.ndim <= axis < arr.ndim:
-                shape = tuple("*" if d == axis % arr.ndim else n for d, n in enumerate(shape))
+                dims[axis % arr.ndim] = "*"
+            shape = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
             leaves.append((nest.path_str(path), str(arr.dtype), shape))
         except MpistratError:
             leaves.append((nest.path_str(path), type(leaf).__name__, None))
@@ -318,7 +335,9 @@ def _first_difference(descriptions: list[Any]) -> str:
     for key in ("reduce_op", "axis"):
         seen = [d.get(key) for d in descriptions]
         if len(set(seen)) > 1:
-            return f"ranks passed different {key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+            return f"ranks passed different {key}: " + ", ".join(
+                f"rank {r}: {v!r}" for r, v in enumerate(seen)
+            )
     counts = [len(d["leaves"]) for d in descriptions]
     for i in range(max(counts)):
         entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
@@ -334,13 +353,15 @@ def _first_difference(descriptions: list[Any]) -> str:
                 + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
                 + "."
             )
-    return "ranks passed different arguments: " + ", ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+    return "ranks passed different arguments: " + ", ".join(
+        f"rank {r}: {d}" for r, d in enumerate(descriptions)
+    )
 
 
 class _ArrayRef:
     """Placeholder for an array whose bytes travel separately."""
 
-    __slots__ = ("offset", "dtype", "shape")
+    __slots__ = ("dtype", "offset", "shape")
 
     def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
         self.offset, self.dtype, self.shape = offset, dtype, shape

@@ -109,9 +109,7 @@ def require_cross_replica(method: str) -> Mode:
     """The current mode, if it is cross-replica (or the default context); else raise."""
     mode = current_mode()
     if mode.replica_context is not None and mode.kind != "default":
-        raise ContextError(
-            f"{method}: Method requires being in cross-replica context, {CROSS_REPLICA_HINT}"
-        )
+        raise ContextError(f"{method}: Method requires being in cross-replica context, {CROSS_REPLICA_HINT}")
     return mode
 
 

@@ -45,21 +45,16 @@ class CommunicationOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
-            raise InvalidArgumentError(
-                f"bytes_per_pack must be an int >= 0; got {self.bytes_per_pack!r}"
-            )
+            raise InvalidArgumentError(f"bytes_per_pack must be an int >= 0; got {self.bytes_per_pack!r}")
         if self.timeout_seconds is not None and not self.timeout_seconds > 0:
-            raise InvalidArgumentError(
-                f"timeout_seconds must be > 0 or None; got {self.timeout_seconds!r}"
-            )
+            raise InvalidArgumentError(f"timeout_seconds must be > 0 or None; got {self.timeout_seconds!r}")
         if isinstance(self.implementation, str):
             object.__setattr__(
                 self, "implementation", CommunicationImplementation(self.implementation.upper())
             )
         if not isinstance(self.implementation, CommunicationImplementation):
             raise InvalidArgumentError(
-                "implementation must be a CommunicationImplementation; "
-                f"got {self.implementation!r}"
+                f"implementation must be a CommunicationImplementation; got {self.implementation!r}"
             )
 
     def merge(self, override: CommunicationOptions | None) -> CommunicationOptions:

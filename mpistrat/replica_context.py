@@ -144,10 +144,15 @@ class ReplicaContext:
             )
 
     def __repr__(self) -> str:
-        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        return (
+            f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
 
 
-def _merge_call_mpi(strategy: Strategy, rank: int, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _merge_call_mpi(
+    strategy: Strategy, rank: int, merge_fn: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
     extended = strategy.extended
     collectives = extended.collectives
     local = (tuple(args), kwargs)

@@ -76,7 +76,9 @@ class Strategy:
 
         >>> import mpistrat
         >>> strategy = mpistrat.MPIStrategy()
-        >>> strategy.run(lambda: mpistrat.get_replica_context().replica_id_in_sync_group) == strategy.extended.rank
+        >>> def replica_id():
+        ...     return mpistrat.get_replica_context().replica_id_in_sync_group
+        >>> strategy.run(replica_id) == strategy.extended.rank
         True
         """
         mode = context.require_cross_replica("Strategy.run")
@@ -94,7 +96,7 @@ class Strategy:
     experimental_run_v2 = run
 
     def _local_component(self, value: Any, rank: int) -> Any:
-        if not isinstance(value, DistributedValues) or not isinstance(value, (PerReplica, Mirrored)):
+        if not isinstance(value, (PerReplica, Mirrored)):
             return value
         if isinstance(value, Mirrored) or len(value.values) == 1:
             return value.values[0]
@@ -121,7 +123,7 @@ class Strategy:
         op = ReduceOp.from_any(reduce_op)
         if mode.kind == "merge":
             return optree.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value, **_NEST)
-        local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
+        local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
         collectives = self._extended.collectives
         if axis is None:
             return collectives.all_reduce(op, local, kind="reduce")
@@ -168,11 +170,13 @@ class Strategy:
         mode = context.require_cross_replica("Strategy.gather")
         if mode.kind == "merge":
             return optree.tree_map(
-                lambda v: np.concatenate([np.asarray(c) for c in self.experimental_local_results(v)], axis=axis),
+                lambda v: np.concatenate(
+                    [np.asarray(c) for c in self.experimental_local_results(v)], axis=axis
+                ),
                 value,
                 **_NEST,
             )
-        local = optree.tree_map(lambda x: self._local_component(x, 0), value, **_NEST)
+        local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
         return self._extended.collectives.all_gather(local, axis, kind="gather")
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
@@ -202,7 +206,9 @@ class Strategy:
         ['/job:worker/task:0']
         """
         if not isinstance(config, Mapping):
-            raise UnsupportedTypeError(f"update_config_proto: expected a mapping; got {type(config).__name__}")
+            raise UnsupportedTypeError(
+                f"update_config_proto: expected a mapping; got {type(config).__name__}"
+            )
         updated = copy.deepcopy(dict(config))
         updated["device_filters"] = [f"/job:worker/task:{self._extended.rank}"]
         experimental = dict(updated.get("experimental", {}))
@@ -241,9 +247,7 @@ class MPIStrategy(Strategy):
     ):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
-            raise UnsupportedTypeError(
-                f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}"
-            )
+            raise UnsupportedTypeError(f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}")
         options = CommunicationOptions().merge(communication_options)
         super().__init__(StrategyExtended(self, comm.Dup(), options))
 

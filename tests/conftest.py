@@ -73,13 +73,17 @@ def all_ranks_agree(comm: MPI.Intracomm, ok: bool, detail: str = "") -> None:
     assert not bad, "failed on ranks " + "; ".join(f"{r}: {d}" for r, d in bad)
 
 
-def raises_on_every_rank(comm: MPI.Intracomm, error: type[BaseException], fn: Callable[[], Any], match: str = "") -> str:
+def raises_on_every_rank(
+    comm: MPI.Intracomm, error: type[BaseException], fn: Callable[[], Any], match: str = ""
+) -> str:
     """Call ``fn`` on every rank; assert each rank raised ``error`` (with ``match`` in its message)."""
     try:
         fn()
         got, message = None, ""
-    except BaseException as exc:  # noqa: BLE001 - reported below on every rank
+    except BaseException as exc:
         got, message = type(exc), str(exc)
     ok = got is not None and issubclass(got, error) and match in message
-    all_ranks_agree(comm, ok, f"expected {error.__name__} matching {match!r}; got {got and got.__name__}: {message}")
+    all_ranks_agree(
+        comm, ok, f"expected {error.__name__} matching {match!r}; got {got and got.__name__}: {message}"
+    )
     return message

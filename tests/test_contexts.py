@@ -59,7 +59,11 @@ def test_replica_context_as_context_manager(world):
 def test_replica_methods_in_cross_replica_context_raise(world):
     with world.strategy.scope():
         ctx = mpistrat.ReplicaContext(world.strategy, world.rank)
-        for call in (lambda: ctx.all_reduce("sum", 1), lambda: ctx.all_gather(np.ones(1), 0), lambda: ctx.merge_call(print)):
+        for call in (
+            lambda: ctx.all_reduce("sum", 1),
+            lambda: ctx.all_gather(np.ones(1), 0),
+            lambda: ctx.merge_call(print),
+        ):
             with pytest.raises(ContextError, match="replica context"):
                 call()
 
@@ -126,7 +130,9 @@ def test_experimental_run_v2_is_run(world):
 
 def test_run_unwraps_per_replica_arguments(group):
     per_replica = mpistrat.PerReplica(tuple(range(100, 100 + group.size)))
-    got = group.strategy.run(lambda x, y: (x, y), args=(per_replica,), kwargs={"y": mpistrat.Mirrored((7,) * group.size)})
+    got = group.strategy.run(
+        lambda x, y: (x, y), args=(per_replica,), kwargs={"y": mpistrat.Mirrored((7,) * group.size)}
+    )
     assert got == (100 + group.rank, 7)
 
 

@@ -48,7 +48,9 @@ def test_nested_all_reduce(group, op):
 def test_all_reduce_scalar_and_batched(group):
     def step():
         ctx = mpistrat.get_replica_context()
-        return ctx.all_reduce(ReduceOp.SUM, np.float32(1.0)), ctx.all_reduce("SUM", [np.float32(1.0), np.float32(2.0)])
+        return ctx.all_reduce(ReduceOp.SUM, np.float32(1.0)), ctx.all_reduce(
+            "SUM", [np.float32(1.0), np.float32(2.0)]
+        )
 
     single, batched = group.strategy.run(step)
     n = group.size
@@ -97,7 +99,10 @@ def test_all_gather_along_middle_axis_as_the_seed_describes(group):
         return local, mpistrat.get_replica_context().all_gather(local, axis=-2)
 
     _, got = group.strategy.run(step)
-    parts = [np.arange(9 if r % 2 else 6, dtype=np.float64).reshape(1, 3 if r % 2 else 2, 3) + 100 * r for r in range(group.size)]
+    parts = [
+        np.arange(9 if r % 2 else 6, dtype=np.float64).reshape(1, 3 if r % 2 else 2, 3) + 100 * r
+        for r in range(group.size)
+    ]
     all_ranks_agree(group.comm, np.array_equal(got, np.concatenate(parts, axis=1)), f"{got}")
 
 
@@ -160,6 +165,8 @@ def test_merge_call_exception_reaches_every_rank_and_the_next_collective_works(g
     def step():
         return mpistrat.get_replica_context().merge_call(merge_fn, args=(np.ones(2),))
 
-    raises_on_every_rank(group.comm, KeyError, lambda: group.strategy.run(step), match=f"bad key {group.size}")
+    raises_on_every_rank(
+        group.comm, KeyError, lambda: group.strategy.run(step), match=f"bad key {group.size}"
+    )
     after = group.strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
     all_ranks_agree(group.comm, after == group.size)

@@ -13,7 +13,7 @@ from mpistrat.errors import UnsupportedTypeError
 __all__ = ["mpi_datatype", "buffer_spec", "synchronize"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     """The predefined MPI datatype for a NumPy dtype (reductions need a predefined one)."""
     predefined = MPI._typedict.get(dtype.char)

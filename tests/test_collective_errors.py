@@ -1,0 +1,134 @@
+"""Bad input to the core collectives is an error on every rank, never a hang."""
+
+import numpy as np
+import pytest
+
+import mpistrat
+from mpistrat import CollectiveMismatchError, InvalidArgumentError, UnsupportedTypeError
+from tests.conftest import all_ranks_agree, raises_on_every_rank
+
+
+def run_replica(group, fn):
+    return lambda: group.strategy.run(lambda: fn(mpistrat.get_replica_context(), group.rank))
+
+
+def test_all_gather_of_a_scalar_on_one_rank(group):
+    def fn(ctx, rank):
+        return ctx.all_gather(np.float32(1) if rank == group.size - 1 else np.ones(1, np.float32), axis=0)
+
+    raises_on_every_rank(group.comm, InvalidArgumentError, run_replica(group, fn), match="rank >= 1")
+
+
+def test_all_gather_with_a_disagreeing_non_axis_dim(group):
+    if group.size < 2:
+        pytest.skip("needs two replicas to disagree")
+
+    def fn(ctx, rank):
+        return ctx.all_gather({"x": np.zeros((rank + 1, 2 + rank % 2))}, axis=0)
+
+    message = raises_on_every_rank(group.comm, CollectiveMismatchError, run_replica(group, fn), match="['x']")
+    assert "shape=(*, 2)" in message and "shape=(*, 3)" in message
+
+
+def test_all_gather_axis_out_of_range(group):
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        run_replica(group, lambda ctx, r: ctx.all_gather(np.ones((2, 2)), axis=2)),
+        match="axis 2",
+    )
+
+
+def test_all_reduce_of_an_object_on_one_rank(group):
+    def fn(ctx, rank):
+        return ctx.all_reduce("sum", {"a": "text" if rank == 0 else 1.0})
+
+    raises_on_every_rank(group.comm, UnsupportedTypeError, run_replica(group, fn), match="['a']")
+
+
+@pytest.mark.parametrize("bad", [np.array(["x"]), np.array([True]), np.array([object()], dtype=object)])
+def test_all_reduce_refuses_non_numeric_dtypes(group, bad):
+    raises_on_every_rank(
+        group.comm, TypeError, run_replica(group, lambda ctx, r: ctx.all_reduce("sum", [bad])), match="dtype"
+    )
+
+
+def test_all_reduce_with_different_shapes(group):
+    if group.size < 2:
+        pytest.skip("needs two replicas to disagree")
+
+    def fn(ctx, rank):
+        return ctx.all_reduce("sum", {"w": np.ones(3), "b": np.ones(2 if rank == 1 else 1)})
+
+    message = raises_on_every_rank(group.comm, CollectiveMismatchError, run_replica(group, fn), match="['b']")
+    assert "rank 1" in message
+
+
+def test_all_reduce_with_different_reduce_ops(group):
+    if group.size < 2:
+        pytest.skip("needs two replicas to disagree")
+    fn = lambda ctx, rank: ctx.all_reduce("sum" if rank else "mean", np.ones(2))  # noqa: E731
+    raises_on_every_rank(group.comm, CollectiveMismatchError, run_replica(group, fn), match="reduce_op")
+
+
+def test_collectives_called_in_different_orders(group):
+    if group.size < 2:
+        pytest.skip("needs two replicas to disagree")
+
+    def fn(ctx, rank):
+        if rank == 0:
+            return ctx.all_gather(np.ones(2), axis=0)
+        return ctx.all_reduce("sum", np.ones(2))
+
+    raises_on_every_rank(
+        group.comm, CollectiveMismatchError, run_replica(group, fn), match="different collectives"
+    )
+    after = group.strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(2)))
+    all_ranks_agree(group.comm, np.array_equal(after, np.full(2, group.size)))
+
+
+def test_unknown_reduce_op(group):
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        run_replica(group, lambda ctx, r: ctx.all_reduce("max", 1.0)),
+        match="'SUM', 'MEAN'",
+    )
+
+
+def test_inputs_are_never_modified(group):
+    single = np.arange(4, dtype=np.float32)
+    nest_in = {"a": np.arange(3.0), "b": [np.ones((2, 2), order="F"), np.arange(6)[::2]]}
+    copies = (single.copy(), mpistrat.nest.map_structure(np.copy, nest_in))
+
+    def fn(ctx, rank):
+        ctx.all_reduce("mean", single)
+        ctx.all_reduce("mean", nest_in)
+        ctx.all_gather(nest_in["b"], axis=0)
+
+    group.strategy.run(lambda: fn(mpistrat.get_replica_context(), group.rank))
+    same = np.array_equal(single, copies[0]) and all(
+        np.array_equal(x, y)
+        for x, y in zip(mpistrat.nest.flatten(nest_in), mpistrat.nest.flatten(copies[1]), strict=True)
+    )
+    all_ranks_agree(group.comm, same)
+
+
+def test_bytes_per_pack_splits_without_changing_results(group):
+    options = mpistrat.CommunicationOptions(bytes_per_pack=16)
+    values = [np.full(3, float(i)) for i in range(5)]
+
+    got = group.strategy.run(
+        lambda: mpistrat.get_replica_context().all_reduce("sum", values, options=options)
+    )
+    all_ranks_agree(
+        group.comm, all(np.array_equal(g, v * group.size) for g, v in zip(got, values, strict=True))
+    )
+
+
+def test_check_disabled_still_reduces_correctly(group):
+    options = mpistrat.CommunicationOptions(check=False)
+    got = group.strategy.run(
+        lambda: mpistrat.get_replica_context().all_reduce("mean", [1, np.ones(2)], options=options)
+    )
+    all_ranks_agree(group.comm, got[0] == 1.0 and np.array_equal(got[1], np.ones(2)))
