@@ -36,8 +36,8 @@ test: install test-serial $(addprefix test-,$(SIZES))
 test-serial: install
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST)
 
-test-%: install
-	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $* $(PYTEST) --with-mpi -p no:randomly
+$(addprefix test-,$(SIZES)): test-%: install
+	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $* $(PYTEST) --with-mpi
 
 lint: install
 	$(PY) -m ruff check mpistrat tests tools
