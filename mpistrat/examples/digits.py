@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--checkpoint-dir",
         default="digits-checkpoints",
-        help="where a checkpoint is written after every epoch (digits-checkpoints); '' for none",
+        help="where the checkpoint is saved after every epoch (digits-checkpoints); '' for none",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="NumPy (cpu) or CuPy (gpu)")
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         with strategy.scope():
             epoch.assign(np.int64(e + 1))
         if args.checkpoint_dir:
-            checkpoint.save(os.path.join(args.checkpoint_dir, f"ckpt-{e + 1}"))
+            # One file, replaced atomically: a job killed mid-save still has the previous epoch's.
+            checkpoint.save(os.path.join(args.checkpoint_dir, "ckpt"))
 
     correct = 0
     for x, y in strategy.experimental_distribute_dataset(list(global_batches(x_test, y_test, 256, None))):
