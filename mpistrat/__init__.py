@@ -28,6 +28,19 @@ from mpistrat.errors import (
     UnsupportedTypeError,
 )
 from mpistrat.extended import StrategyExtended
+from mpistrat.input import (
+    ArrayDataset,
+    ArraySpec,
+    DistributedDataset,
+    DistributedDatasetsFromFunction,
+    DistributedIterator,
+    InputContext,
+    InputIterator,
+    InputOptions,
+    InputReplicationMode,
+    ValueContext,
+)
+from mpistrat.losses import compute_average_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
@@ -38,12 +51,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MPI",
+    "ArrayDataset",
+    "ArraySpec",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicationImplementation",
     "CommunicationOptions",
     "ContextError",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
     "DistributedValues",
+    "InputContext",
+    "InputIterator",
+    "InputOptions",
+    "InputReplicationMode",
     "InvalidArgumentError",
     "MPIStrategy",
     "MergeCallError",
@@ -55,6 +77,8 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "UnsupportedTypeError",
+    "ValueContext",
+    "compute_average_loss",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,14 @@ from mpistrat import context
 from mpistrat.collectives import to_arrays
 from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
+from mpistrat.input import datasets as _datasets
+from mpistrat.input.contexts import (
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    ValueContext,
+    distribute_values_from_function,
+)
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
@@ -178,6 +186,51 @@ class Strategy:
             )
         local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
         return self._extended.collectives.all_gather(local, axis, kind="gather")
+
+    # -- input: thin delegations to mpistrat.input ------------------------------------
+
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> _datasets.DistributedDataset:
+        """Split each global batch of ``dataset`` across the replicas, in rank order.
+
+        Every rank iterates ``dataset`` itself, so it must yield the same global
+        batches on every rank. See ``docs/input.md``.
+
+        >>> import mpistrat, numpy as np
+        >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+        >>> [x.tolist() for x in strategy.experimental_distribute_dataset([np.arange(3)])]
+        [[0, 1, 2]]
+        """
+        return _datasets.distribute_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> _datasets.DistributedDatasetsFromFunction:
+        """One input pipeline per rank: ``dataset_fn(InputContext)`` yields this replica's batches.
+
+        Collective. Pipelines may differ in length; ``InputOptions.uneven`` says what
+        happens when some run out first (default: empty batches, nothing lost).
+        """
+        return _datasets.distribute_datasets_from_function(self, dataset_fn, options)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def make_dataset_iterator(self, dataset: Iterable[Any]) -> _datasets.InputIterator:
+        """An iterator (``initialize()``, ``get_next()``) over ``dataset``'s global batches, split."""
+        return _datasets.make_dataset_iterator(self, dataset)
+
+    def make_input_fn_iterator(
+        self,
+        input_fn: Callable[[InputContext], Iterable[Any]],
+        replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
+    ) -> _datasets.InputIterator:
+        """An iterator (``initialize()``, ``get_next()``) over one ``input_fn`` pipeline per rank."""
+        return _datasets.make_input_fn_iterator(self, input_fn, replication_mode)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """This replica's ``value_fn(ValueContext(rank, num_replicas))``, to pass to ``run``."""
+        return distribute_values_from_function(self, value_fn)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values held by this process: every component of a ``DistributedValues``, else ``(value,)``."""

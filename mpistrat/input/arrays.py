@@ -1,0 +1,128 @@
+"""ArrayDataset: batches of in-memory arrays, shuffled with a seed every rank shares.
+
+>>> import numpy as np
+>>> [b.tolist() for b in ArrayDataset(np.arange(5), batch_size=2)]
+[[0, 1], [2, 3], [4]]
+>>> [b.tolist() for b in ArrayDataset(np.arange(5), batch_size=2).shard(2, 1)]
+[[1, 3]]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import optree
+
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.input.batches import examine
+
+__all__ = ["ArrayDataset"]
+
+
+def _positive(name: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgumentError(f"ArrayDataset: {name} must be an int >= {low}; got {value!r}")
+    return int(value)
+
+
+class ArrayDataset:
+    """Global (or, after :meth:`shard`, per-pipeline) batches of a nest of arrays.
+
+    Each pass (each ``iter()``) reshuffles when ``shuffle`` is set, from
+    ``(seed, pass number)``: every rank that builds it with the same ``seed`` gets
+    the same order, so splitting a global batch across replicas, or sharding the
+    examples across pipelines, stays a partition of the data.
+
+    Args:
+        data: a nest of arrays sharing a leading dimension (the examples).
+        batch_size: examples per batch; the last batch may be shorter.
+        shuffle: visit the examples in a new random order at every pass.
+        seed: the shuffling seed; it must be the same on every rank.
+        drop_remainder: leave out a last batch shorter than ``batch_size``.
+        num_shards, shard_index: keep only examples ``shard_index::num_shards`` of
+            each pass's order (as ``tf.data.Dataset.shard``), then batch.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_remainder: bool = False,
+        num_shards: int = 1,
+        shard_index: int = 0,
+    ):
+        self._data = examine(data, "ArrayDataset")
+        self.batch_size = _positive("batch_size", batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = _positive("seed", seed, 0)
+        self.drop_remainder = bool(drop_remainder)
+        self.num_shards = _positive("num_shards", num_shards)
+        if not 0 <= shard_index < self.num_shards or isinstance(shard_index, bool):
+            raise InvalidArgumentError(
+                f"ArrayDataset: shard_index must be in [0, {self.num_shards}); got {shard_index!r}"
+            )
+        self.shard_index = int(shard_index)
+        self._passes = 0
+
+    def shard(self, num_shards: int, index: int) -> ArrayDataset:
+        """A copy that keeps every ``num_shards``-th example starting at ``index``.
+
+        With ``distribute_datasets_from_function``, shard by the input context:
+        ``dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)``.
+        """
+        if self.num_shards != 1:
+            raise InvalidArgumentError("ArrayDataset.shard: this dataset is already sharded")
+        out = copy.copy(self)
+        out.num_shards = _positive("num_shards", num_shards)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < num_shards:
+            raise InvalidArgumentError(
+                f"ArrayDataset.shard: index must be in [0, {num_shards}); got {index!r}"
+            )
+        out.shard_index = int(index)
+        out._passes = 0
+        return out
+
+    @property
+    def num_examples(self) -> int:
+        """Examples per pass, after sharding."""
+        n = self._data.size
+        return max(0, -(-(n - self.shard_index) // self.num_shards))
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_examples, self.batch_size)
+        return full + (rest > 0 and not self.drop_remainder)
+
+    def _order(self, n: int) -> np.ndarray | None:
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self._passes]).permutation(n)
+        elif self.num_shards == 1:
+            return None
+        else:
+            order = np.arange(n)
+        return order[self.shard_index :: self.num_shards]
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self._order(self._data.size)  # fixed now, not at the first next()
+        self._passes += 1
+        return self._batches(order)
+
+    def _batches(self, order: np.ndarray | None) -> Iterator[Any]:
+        leaves, treespec = self._data.leaves, self._data.treespec
+        for b in range(len(self)):
+            lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.num_examples)
+            if order is None:
+                yield optree.tree_unflatten(treespec, [a[lo:hi] for a in leaves])
+            else:
+                yield optree.tree_unflatten(treespec, [a[order[lo:hi]] for a in leaves])
+
+    def __repr__(self) -> str:
+        return (
+            f"ArrayDataset({self._data.size} examples, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"shard {self.shard_index} of {self.num_shards})"
+        )

@@ -1,0 +1,185 @@
+"""Batches: checking them, splitting a global batch across replicas, and empty batches.
+
+A batch is a nest (dicts, lists, tuples, namedtuples) of arrays that share a
+leading batch dimension. A global batch of ``b`` examples is split the way
+tf.distribute splits it: each replica in rank order takes the next ``ceil(b / R)``
+examples until the batch runs out; replicas past the end get ``(0, ...)`` arrays.
+
+>>> import numpy as np
+>>> [replica_range(4, 3, r) for r in range(3)]
+[(0, 2), (2, 4), (4, 4)]
+>>> split_batch({"x": np.arange(2)}, 3, 2)
+{'x': array([], dtype=int64)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import numpy as np
+import optree
+
+from mpistrat import nest
+from mpistrat.comm.packing import array_module
+from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
+
+__all__ = ["ArraySpec", "Batch", "examine", "replica_range", "split_batch", "fingerprint", "spec_fingerprint"]
+
+_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """The type of one leaf of a per-replica element, as ``tf.TensorSpec``.
+
+    ``shape[0]`` is None: the batch dimension varies (short last batches, empty replicas).
+
+    >>> import numpy as np
+    >>> spec = ArraySpec((None, 3), np.dtype("float32"))
+    >>> spec.empty().shape
+    (0, 3)
+    """
+
+    shape: tuple[int | None, ...]
+    dtype: np.dtype
+    module: str = "numpy"
+
+    def empty(self) -> Any:
+        """An array of this spec with no examples."""
+        if self.module == "cupy":
+            import cupy as xp
+        else:
+            xp = np
+        return xp.empty((0, *self.shape[1:]), dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return f"ArraySpec(shape={self.shape}, dtype={self.dtype.name})"
+
+
+@dataclasses.dataclass
+class Batch:
+    """A checked batch: its leaves as arrays, its structure and its number of examples."""
+
+    leaves: list[Any]
+    treespec: Any
+    size: int
+
+    @property
+    def value(self) -> Any:
+        return optree.tree_unflatten(self.treespec, self.leaves)
+
+    @property
+    def spec(self) -> Any:
+        """The element spec: the same nest with an :class:`ArraySpec` per leaf."""
+        specs = [
+            ArraySpec((None, *a.shape[1:]), a.dtype, "cupy" if array_module(a) is not np else "numpy")
+            for a in self.leaves
+        ]
+        return optree.tree_unflatten(self.treespec, specs)
+
+
+def _as_batch_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray) or array_module(leaf) is not np:
+        return leaf
+    return np.asarray(leaf)
+
+
+def examine(batch: Any, where: str) -> Batch:
+    """Check that ``batch`` is a nest of arrays sharing a leading dimension.
+
+    >>> examine({"a": np.arange(2), "b": np.zeros((2, 3))}, "dataset").size
+    2
+    """
+    leaves, treespec = optree.tree_flatten(batch, **_NEST)
+    if not leaves:
+        raise InvalidArgumentError(
+            f"{where}: a batch has no arrays in it (got {batch!r}); yield a nest of arrays"
+        )
+    paths = None
+    arrays = []
+    for i, leaf in enumerate(leaves):
+        try:
+            arr = _as_batch_leaf(leaf)
+        except Exception as exc:
+            paths = paths or nest.flatten_with_paths(batch)
+            raise InvalidArgumentError(
+                f"{where}: leaf {nest.path_str(paths[i][0])} of a batch cannot be made an array: {exc}"
+            ) from exc
+        if arr.ndim == 0:
+            paths = paths or nest.flatten_with_paths(batch)
+            raise InvalidArgumentError(
+                f"{where}: leaf {nest.path_str(paths[i][0])} of a batch is a scalar ({leaf!r}); every leaf "
+                "needs a leading batch dimension (batch the dataset before distributing it; a list is a "
+                "nest, so turn a batch given as a list into an array with np.asarray)"
+            )
+        arrays.append(arr)
+    sizes = [int(a.shape[0]) for a in arrays]
+    if len(set(sizes)) > 1:
+        paths = nest.flatten_with_paths(batch)
+        found = ", ".join(f"{nest.path_str(p)}: {n}" for (p, _), n in zip(paths, sizes, strict=True))
+        raise InvalidArgumentError(
+            f"{where}: the leaves of a batch have different leading (batch) dimensions ({found}); "
+            "every leaf must hold the same number of examples"
+        )
+    return Batch(arrays, treespec, sizes[0])
+
+
+def replica_range(batch_size: int, num_replicas: int, replica: int) -> tuple[int, int]:
+    """The examples ``[start, stop)`` of a global batch that ``replica`` takes."""
+    per = -(-batch_size // num_replicas)
+    start = min(replica * per, batch_size)
+    return start, min(start + per, batch_size)
+
+
+def split_batch(batch: Any, num_replicas: int, replica: int) -> Any:
+    """This replica's part of a global batch (views, no copies)."""
+    checked = batch if isinstance(batch, Batch) else examine(batch, "split_batch")
+    start, stop = replica_range(checked.size, num_replicas, replica)
+    return optree.tree_unflatten(checked.treespec, [a[start:stop] for a in checked.leaves])
+
+
+def empty_batch(spec: Any) -> Any:
+    """A batch with no examples, of the structure, dtypes and inner shapes of ``spec``."""
+    return optree.tree_map(lambda s: s.empty(), spec, **_NEST)
+
+
+_FINGERPRINTS: dict[Any, int] = {}
+
+
+def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False) -> int:
+    """A number that differs between nests of different structure or dtypes (or shapes, if asked).
+
+    ``leaves`` are arrays or :class:`ArraySpec` (both have ``dtype`` and ``shape``). Cached,
+    because an iterator computes one at every step and the answer rarely changes.
+    """
+    key = (treespec, shapes, tuple((a.dtype, tuple(a.shape) if shapes else None) for a in leaves))
+    code = _FINGERPRINTS.get(key)
+    if code is None:
+        if len(_FINGERPRINTS) > 1024:
+            _FINGERPRINTS.clear()
+        described = [(np.dtype(a.dtype).str, tuple(a.shape) if shapes else None) for a in leaves]
+        code = _FINGERPRINTS[key] = zlib.crc32(repr((treespec, described)).encode())
+    return code
+
+
+def spec_fingerprint(spec: Any) -> int:
+    """:func:`fingerprint` of an element spec: structure and dtypes, not shapes."""
+    leaves, treespec = optree.tree_flatten(spec, **_NEST)
+    return fingerprint(treespec, leaves)
+
+
+def agree_specs(specs: list[Any], where: str) -> Any:
+    """The first rank's spec, after checking every rank's (None: no data) has its structure and dtypes."""
+    known = [(r, s) for r, s in enumerate(specs) if s is not None]
+    if not known:
+        return None
+    first_rank, first = known[0]
+    for rank, spec in known[1:]:
+        if spec_fingerprint(spec) != spec_fingerprint(first):
+            raise CollectiveMismatchError(
+                f"{where}: the input pipelines yield different elements: rank {first_rank} yields {first}, "
+                f"rank {rank} yields {spec}. Every pipeline must yield the same nest structure and dtypes"
+            )
+    return first

@@ -1,0 +1,225 @@
+"""The distributed datasets of ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``.
+
+>>> import mpistrat, numpy as np
+>>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+>>> dist = strategy.experimental_distribute_dataset([np.arange(4), np.arange(4, 6)])
+>>> [x.tolist() for x in dist]
+[[0, 1, 2, 3], [4, 5]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from mpistrat import context
+from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.input.batches import examine
+from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, require_spmd
+from mpistrat.input.iterators import (
+    _UNKNOWN,
+    END,
+    DistributedIterator,
+    Optional,
+    PipelineIterator,
+    Source,
+    SpecCell,
+    SplitIterator,
+    wrap_user_error,
+)
+
+if TYPE_CHECKING:
+    from mpistrat.strategy import Strategy
+
+__all__ = [
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "InputIterator",
+    "distribute_dataset",
+    "distribute_datasets_from_function",
+    "make_dataset_iterator",
+    "make_input_fn_iterator",
+]
+
+
+def _options(options: InputOptions | None, where: str) -> InputOptions:
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise InvalidArgumentError(
+            f"{where}: options must be an InputOptions or None; got {type(options).__name__}"
+        )
+    return options
+
+
+def _require_cross_replica(where: str) -> None:
+    require_spmd(where)
+    context.require_cross_replica(where)
+
+
+class DistributedDataset:
+    """Global batches split across replicas; iterate it on every rank together.
+
+    Every rank reads the whole dataset and keeps its part of each global batch,
+    so the dataset must yield the same global batches, in the same order, on every
+    rank (a deterministic loader, or one shuffled with a seed all ranks share).
+    """
+
+    def __init__(self, strategy: Strategy, dataset: Iterable[Any], options: InputOptions):
+        self._strategy = strategy
+        self._options = options
+        self._source = Source(dataset, SplitIterator.where)
+        self._spec: Any = _UNKNOWN
+
+    def __iter__(self) -> DistributedIterator:
+        require_spmd("iter(distributed dataset)")
+        return SplitIterator(self._strategy, self._source, self._options)
+
+    @property
+    def element_spec(self) -> Any:
+        """This replica's element: the global batch's nest with an ``ArraySpec`` per leaf (no communication).
+
+        None for an empty dataset. Reading it peeks at the first global batch, which
+        the next iteration still yields.
+        """
+        if self._spec is _UNKNOWN:
+            first = self._source.peek()
+            self._spec = None if first is END else examine(first, SplitIterator.where).spec
+        return self._spec
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDataset({self._source.iterable!r}, replicas={self._strategy.num_replicas_in_sync})"
+        )
+
+
+class DistributedDatasetsFromFunction:
+    """One input pipeline per rank, made by ``dataset_fn(input_context)``; lengths may differ."""
+
+    def __init__(
+        self, strategy: Strategy, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions
+    ):
+        where = PipelineIterator.where
+        if not callable(dataset_fn):
+            raise InvalidArgumentError(
+                f"{where}: dataset_fn must be callable; got {type(dataset_fn).__name__}"
+            )
+        extended = strategy.extended
+        self._strategy = strategy
+        self._options = options
+        self._spec = SpecCell()
+        self.input_context = InputContext(extended.size, extended.rank, extended.size)
+        error, cause, source = None, None, None
+        try:
+            source = Source(dataset_fn(self.input_context), where)
+        except Exception as exc:
+            error, cause = wrap_user_error(exc, where), (None if isinstance(exc, MpistratError) else exc)
+        # Every rank learns whether dataset_fn failed anywhere, so none goes on to wait for it.
+        try:
+            extended.collectives.handshake(where, 0, lambda: None, error)
+        except MpistratError as exc:
+            if cause is not None:
+                raise exc from cause
+            raise
+        self._source = source
+
+    def __iter__(self) -> DistributedIterator:
+        require_spmd("iter(distributed dataset)")
+        return PipelineIterator(self._strategy, self._source, self._options, self._spec)
+
+    @property
+    def element_spec(self) -> Any:
+        """The per-replica element: once an iterator took a step, the spec every pipeline agreed on.
+
+        Before that (no communication): the spec of this rank's first batch, or None
+        if this rank's pipeline is empty. Peeking does not lose the batch.
+        """
+        if self._spec.value is not _UNKNOWN:
+            return self._spec.value
+        first = self._source.peek()
+        return None if first is END else examine(first, PipelineIterator.where).spec
+
+    def __repr__(self) -> str:
+        return f"DistributedDatasetsFromFunction({self.input_context!r})"
+
+
+class InputIterator:
+    """The iterator of ``make_dataset_iterator`` / ``make_input_fn_iterator``.
+
+    ``initialize()`` starts (or restarts) a pass over the input and returns ``[]``;
+    ``get_next()`` initializes on first use if needed.
+    """
+
+    def __init__(self, dataset: DistributedDataset | DistributedDatasetsFromFunction):
+        self._dataset = dataset
+        self._iterator: DistributedIterator | None = None
+
+    def initialize(self) -> list[Any]:
+        """Start a new pass over the input (no communication). Returns ``[]`` (no ops to run)."""
+        self._iterator = iter(self._dataset)
+        return []
+
+    def _current(self) -> DistributedIterator:
+        if self._iterator is None:
+            self.initialize()
+        assert self._iterator is not None
+        return self._iterator
+
+    def get_next(self) -> Any:
+        """This replica's next batch; ``StopIteration`` at the end of the data."""
+        return self._current().get_next()
+
+    def get_next_as_optional(self) -> Optional:
+        return self._current().get_next_as_optional()
+
+    def __iter__(self) -> InputIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self.get_next()
+
+    @property
+    def element_spec(self) -> Any:
+        return self._dataset.element_spec
+
+
+def distribute_dataset(
+    strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None
+) -> DistributedDataset:
+    """``Strategy.experimental_distribute_dataset``: split each global batch across replicas."""
+    where = SplitIterator.where
+    _require_cross_replica(where)
+    opts = _options(options, where)
+    if opts.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+        raise InvalidArgumentError(
+            f"{where}: InputReplicationMode.PER_REPLICA is only supported in "
+            "distribute_datasets_from_function"
+        )
+    return DistributedDataset(strategy, dataset, opts)
+
+
+def distribute_datasets_from_function(
+    strategy: Strategy,
+    dataset_fn: Callable[[InputContext], Iterable[Any]],
+    options: InputOptions | None = None,
+) -> DistributedDatasetsFromFunction:
+    """``Strategy.distribute_datasets_from_function``: one pipeline per rank (collective)."""
+    where = PipelineIterator.where
+    _require_cross_replica(where)
+    return DistributedDatasetsFromFunction(strategy, dataset_fn, _options(options, where))
+
+
+def make_dataset_iterator(strategy: Strategy, dataset: Iterable[Any]) -> InputIterator:
+    """``Strategy.make_dataset_iterator``: an :class:`InputIterator` over split global batches."""
+    return InputIterator(distribute_dataset(strategy, dataset))
+
+
+def make_input_fn_iterator(
+    strategy: Strategy,
+    input_fn: Callable[[InputContext], Iterable[Any]],
+    replication_mode: InputReplicationMode | str = InputReplicationMode.PER_WORKER,
+) -> InputIterator:
+    """``Strategy.make_input_fn_iterator``: an :class:`InputIterator`, one pipeline per rank (collective)."""
+    mode = InputReplicationMode.from_any(replication_mode)
+    options = InputOptions(experimental_replication_mode=mode)
+    return InputIterator(distribute_datasets_from_function(strategy, input_fn, options))
