@@ -1,12 +1,14 @@
-"""Griffe extension for the docs build: show doctest examples in docstrings as code.
+"""Griffe extension for the docs build: docstrings written for ``help()`` read well as Markdown.
 
 Markdown would read ``>>>`` as nested block quotes and ``[...]`` in the output
 as links, so each doctest block (a ``>>>`` line and what follows it up to a
-blank line) is wrapped in a ``pycon`` fence before mkdocstrings renders it.
+blank line) is wrapped in a ``pycon`` fence before mkdocstrings renders it; and
+Sphinx roles such as ``:class:`X` `` become plain code.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import griffe
@@ -38,9 +40,21 @@ def fence_doctests(text: str) -> str:
     return "\n".join(out)
 
 
+_ROLE = re.compile(r":(?:class|meth|func|attr|mod|exc|data|obj):`(~?)([^`]+)`")
+
+
+def strip_roles(text: str) -> str:
+    """Sphinx cross-reference roles as inline code (``~`` keeps the last name only, as in Sphinx).
+
+    >>> strip_roles("The :class:`~mpistrat.Strategy` and :meth:`Strategy.run`.")
+    'The `Strategy` and `Strategy.run`.'
+    """
+    return _ROLE.sub(lambda m: f"`{m[2].rpartition('.')[2] if m[1] else m[2]}`", text)
+
+
 class DoctestFences(griffe.Extension):
-    """Rewrite every docstring's doctest blocks as fenced code."""
+    """Fence every docstring's doctest blocks and turn its Sphinx roles into code."""
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
-        if obj.docstring is not None and ">>>" in obj.docstring.value:
-            obj.docstring.value = fence_doctests(obj.docstring.value)
+        if obj.docstring is not None:
+            obj.docstring.value = strip_roles(fence_doctests(obj.docstring.value))
