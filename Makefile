@@ -8,7 +8,7 @@ RUN_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q
 SIZES  ?= 2 3 4
 
-.PHONY: install demo docs test test-serial lint format clean $(addprefix test-,$(SIZES))
+.PHONY: install install-gpu demo docs test test-serial test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,27 @@ test-serial: install
 
 $(addprefix test-,$(SIZES)): test-%: install
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $* $(PYTEST) --with-mpi
+
+# GPU machines: the `cuda` extra (CuPy) on top of the usual install.
+$(VENV)/.installed-gpu: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[cuda]"
+	touch $@
+
+install-gpu: $(VENV)/.installed-gpu
+
+# The collective suite over CuPy arrays at 1 and 2 ranks; no GPU or no CuPy fails here instead of skipping.
+# Two ranks may share one GPU (MPI paths); the NCCL cases then skip and say they need one GPU per rank.
+test-gpu: install-gpu
+	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -m gpu -rs tests/test_gpu.py
+	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m gpu -rs tests/test_gpu.py
+
+# Device all-reduce bandwidth, 1 MiB to 256 MiB, per transport and against bare NCCL / raw mpi4py.
+GPU_RANKS ?= 2
+bench-gpu: install-gpu
+	mkdir -p results
+	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat info
+	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat.bench_gpu \
+		--json results/bench-gpu-$(GPU_RANKS).json
 
 lint: install
 	$(PY) -m ruff check mpistrat tests tools

@@ -10,7 +10,8 @@
 
 from mpi4py import MPI
 
-from mpistrat import nest
+from mpistrat import nest, optimizers
+from mpistrat.checkpoint import Checkpoint
 from mpistrat.context import (
     get_cross_replica_context,
     get_replica_context,
@@ -46,6 +47,13 @@ from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
 from mpistrat.strategy import MPIStrategy, Strategy
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.variables import (
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+)
 
 __version__ = "0.1.0"
 
@@ -53,6 +61,7 @@ __all__ = [
     "MPI",
     "ArrayDataset",
     "ArraySpec",
+    "Checkpoint",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicationImplementation",
@@ -70,14 +79,19 @@ __all__ = [
     "MPIStrategy",
     "MergeCallError",
     "Mirrored",
+    "MirroredVariable",
     "MpistratError",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "SyncOnReadVariable",
     "UnsupportedTypeError",
     "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
     "compute_average_loss",
     "get_cross_replica_context",
     "get_replica_context",
@@ -85,4 +99,5 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "nest",
+    "optimizers",
 ]

@@ -27,13 +27,14 @@ from mpi4py import MPI
 
 from mpistrat import nest
 from mpistrat.comm import packing
-from mpistrat.comm.mpi import buffer_spec, synchronize
+from mpistrat.comm.transport import Transports
 from mpistrat.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
     MpistratError,
+    UnsupportedTypeError,
 )
-from mpistrat.options import CommunicationOptions
+from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 __all__ = ["Collectives", "check_enabled"]
@@ -64,6 +65,7 @@ class Collectives:
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
         self.seq = 0
+        self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
 
     # -- the handshake ---------------------------------------------------------------
 
@@ -128,22 +130,29 @@ class Collectives:
         value: Any,
         options: CommunicationOptions | None = None,
         kind: str = "all_reduce",
+        error: MpistratError | None = None,
     ) -> Any:
-        """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out."""
+        """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out.
+
+        ``error``: a bad-input error the caller found on this rank; it is raised on every
+        rank (through the handshake) instead of stranding the others in the collective.
+        """
         opts = self.options.merge(options)
-        error, op, leaves, treespec, arrays = None, None, [], None, []
+        op, leaves, treespec, arrays = None, [], None, []
         try:
             op = ReduceOp.from_any(reduce_op)
             leaves, treespec = optree.tree_flatten(value, **_NEST)
             arrays = to_arrays(value, leaves, kind)
         except MpistratError as exc:
-            error = exc
+            error = error or exc
         if check_enabled(opts):
-            fingerprint = _code(repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])))
-            self.handshake(kind, fingerprint, lambda: _describe(value, op), error)
+            impl = _device_implementation(arrays, opts)
+            leaves_key = [(packing.dtype_name(a), a.shape) for a in arrays]
+            fingerprint = _code(repr((op, impl, treespec, leaves_key)))
+            self.handshake(kind, fingerprint, lambda: _describe(value, op, implementation=impl), error)
         elif error is not None:
             raise error
-        out = self._allreduce_arrays(arrays, opts.bytes_per_pack)
+        out = self._allreduce_arrays(arrays, opts.bytes_per_pack, opts.implementation)
         if op is ReduceOp.MEAN:
             out = [_divide(x, self.size) for x in out]
         out = [
@@ -152,19 +161,23 @@ class Collectives:
         ]
         return optree.tree_unflatten(treespec, out)
 
-    def _allreduce_arrays(self, arrays: list[Any], bytes_per_pack: int) -> list[Any]:
-        synchronize(arrays)
+    def _allreduce_arrays(
+        self,
+        arrays: list[Any],
+        bytes_per_pack: int,
+        implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
+    ) -> list[Any]:
         out: list[Any] = [None] * len(arrays)
         for p in packing.plan_packs(arrays, bytes_per_pack):
+            transport = self.transports.get(p.module, implementation, p.dtype, "allreduce")
             if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
                 i = p.indices[0]
                 recv = p.module.empty(arrays[i].shape, dtype=p.dtype)
-                self.comm.Allreduce(buffer_spec(arrays[i]), buffer_spec(recv), op=MPI.SUM)
+                transport.allreduce(arrays[i], recv)
                 out[i] = recv
             else:
                 buf = packing.pack(arrays, p)
-                synchronize([buf])
-                self.comm.Allreduce(MPI.IN_PLACE, buffer_spec(buf), op=MPI.SUM)
+                transport.allreduce(buf, buf)
                 packing.unpack(buf, arrays, p, out)
         return out
 
@@ -199,21 +212,20 @@ class Collectives:
         rests = [
             tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)
         ]
-        fingerprint = _code(
-            repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]))
-        )
+        impl = _device_implementation(arrays, opts)
+        leaves_key = [(packing.dtype_name(a), ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]
+        fingerprint = _code(repr((impl, treespec, leaves_key)))
         sizes = self.handshake(
             kind,
             fingerprint,
-            lambda: _describe(value, None, axis),
+            lambda: _describe(value, None, axis, impl),
             error,
             extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
         )
         moved = [np_moveaxis(a, ax) for a, ax in zip(arrays, axes, strict=True)]
         out: list[Any] = [None] * len(arrays)
-        synchronize(moved)
         for p in packing.plan_packs(moved, opts.bytes_per_pack):
-            self._allgather_pack(moved, p, sizes, out)
+            self._allgather_pack(moved, p, sizes, out, opts.implementation)
         out = [
             o
             if ax == 0
@@ -222,7 +234,14 @@ class Collectives:
         ]
         return optree.tree_unflatten(treespec, out)
 
-    def _allgather_pack(self, moved: list[Any], p: Any, sizes: np.ndarray, out: list[Any]) -> None:
+    def _allgather_pack(
+        self,
+        moved: list[Any],
+        p: Any,
+        sizes: np.ndarray,
+        out: list[Any],
+        implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
+    ) -> None:
         xp = p.module
         inner = {i: int(np.prod(moved[i].shape[1:], dtype=np.int64)) for i in p.indices}
         counts = [int(sum(sizes[r][i] * inner[i] for i in p.indices)) for r in range(self.size)]
@@ -232,10 +251,7 @@ class Collectives:
             send = moved[p.indices[0]]
         else:
             send = packing.pack(moved, p)
-            synchronize([send])
-        self.comm.Allgatherv(
-            buffer_spec(send, counts[self.rank]), [recv, counts, displs, buffer_spec(recv)[2]]
-        )
+        self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
         if len(p.indices) == 1:
             i = p.indices[0]
             out[i] = recv.reshape((int(sizes[:, i].sum()), *moved[i].shape[1:]))
@@ -255,9 +271,9 @@ class Collectives:
 
         Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
         """
+        header, data, error = _split_or_fail(obj, f"{kind}: the arguments cannot be sent to rank {root}")
         if check_enabled(self.options):
-            self.handshake(kind, 0, lambda: None)
-        header, data = _split_arrays(obj)
+            self.handshake(kind, 0, lambda: None, error)
         headers = self.comm.gather((header, data.size), root=root)
         counts = [n for _, n in headers] if self.rank == root else None
         recv = None
@@ -272,13 +288,18 @@ class Collectives:
 
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
-        header, data = _split_arrays(obj) if self.rank == root else (None, None)
+        header, data = None, None
+        if self.rank == root:
+            header, data, _ = _split_or_fail(obj, f"the value cannot be sent from rank {root}")
         header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
         if nbytes:
             if self.rank != root:
                 data = np.empty(nbytes, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
-        return _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+        result = _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+        if isinstance(result, Unsendable):
+            raise UnsupportedTypeError(result.message)
+        return result
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -311,7 +332,14 @@ def _divide(x: Any, n: int) -> Any:
     return xp.true_divide(x, n)
 
 
-def _describe(value: Any, op: ReduceOp | None, axis: int | None = None) -> dict[str, Any]:
+def _device_implementation(arrays: list[Any], opts: CommunicationOptions) -> str | None:
+    """The implementation option when it matters (device arrays present): ranks must agree on it."""
+    return opts.implementation.value if any(packing.is_device_array(a) for a in arrays) else None
+
+
+def _describe(
+    value: Any, op: ReduceOp | None, axis: int | None = None, implementation: str | None = None
+) -> dict[str, Any]:
     """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
     leaves = []
     for path, leaf in nest.flatten_with_paths(value):
@@ -321,10 +349,11 @@ def _describe(value: Any, op: ReduceOp | None, axis: int | None = None) -> dict[
             if axis is not None and arr.ndim and -arr.ndim <= axis < arr.ndim:
                 dims[axis % arr.ndim] = "*"
             shape = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
-            leaves.append((nest.path_str(path), str(arr.dtype), shape))
+            leaves.append((nest.path_str(path), packing.dtype_name(arr), shape))
         except MpistratError:
             leaves.append((nest.path_str(path), type(leaf).__name__, None))
-    return {"reduce_op": None if op is None else op.value, "axis": axis, "leaves": leaves}
+    reduce_op = None if op is None else op.value
+    return {"reduce_op": reduce_op, "axis": axis, "implementation": implementation, "leaves": leaves}
 
 
 def _first_difference(descriptions: list[Any]) -> str:
@@ -353,33 +382,61 @@ def _first_difference(descriptions: list[Any]) -> str:
                 + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
                 + "."
             )
+    seen = [d.get("implementation") for d in descriptions]
+    if len(set(seen)) > 1:
+        return (
+            "ranks passed device arrays with different CommunicationOptions.implementation: "
+            + ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            + ". Every rank must use the same implementation."
+        )
     return "ranks passed different arguments: " + ", ".join(
         f"rank {r}: {d}" for r, d in enumerate(descriptions)
     )
 
 
+class Unsendable:
+    """Sent in place of an object that could not be pickled, so the receivers raise instead of hanging."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _split_or_fail(obj: Any, what: str) -> tuple[bytes, np.ndarray, UnsupportedTypeError | None]:
+    try:
+        return (*_split_arrays(obj), None)
+    except Exception as exc:
+        error = UnsupportedTypeError(f"{what}: {type(exc).__name__}: {exc}")
+        return (*_split_arrays(Unsendable(str(error))), error)
+
+
 class _ArrayRef:
-    """Placeholder for an array whose bytes travel separately."""
+    """Placeholder for an array whose bytes travel separately (``device``: a CuPy array)."""
 
-    __slots__ = ("dtype", "offset", "shape")
+    __slots__ = ("device", "dtype", "offset", "shape")
 
-    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
-        self.offset, self.dtype, self.shape = offset, dtype, shape
+    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], device: bool = False):
+        self.offset, self.dtype, self.shape, self.device = offset, dtype, shape, device
 
     def __reduce__(self):
-        return (_ArrayRef, (self.offset, self.dtype, self.shape))
+        return (_ArrayRef, (self.offset, self.dtype, self.shape, self.device))
 
 
 def _split_arrays(obj: Any) -> tuple[bytes, np.ndarray]:
-    """Pickle ``obj`` with its NumPy array leaves replaced by references into one byte buffer."""
+    """Pickle ``obj`` with its array leaves replaced by references into one byte buffer.
+
+    CuPy arrays travel through host memory (``get`` on the current stream) and are
+    put back on the receiver's current device.
+    """
     chunks: list[np.ndarray] = []
     offset = 0
 
     def take(leaf: Any) -> Any:
         nonlocal offset
-        if isinstance(leaf, np.ndarray) and leaf.dtype.kind != "O":
-            raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-            ref = _ArrayRef(offset, leaf.dtype, leaf.shape)
+        device = packing.is_device_array(leaf)
+        if device or (isinstance(leaf, np.ndarray) and leaf.dtype.kind != "O"):
+            host = leaf.get() if device else leaf
+            raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+            ref = _ArrayRef(offset, host.dtype, host.shape, device)
             chunks.append(raw)
             offset += raw.size
             return ref
@@ -394,7 +451,12 @@ def _join_arrays(header: bytes, data: np.ndarray) -> Any:
     def put(leaf: Any) -> Any:
         if isinstance(leaf, _ArrayRef):
             n = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
-            return data[leaf.offset : leaf.offset + n].view(leaf.dtype).reshape(leaf.shape).copy()
+            host = data[leaf.offset : leaf.offset + n].view(leaf.dtype).reshape(leaf.shape).copy()
+            if leaf.device:
+                import cupy
+
+                return cupy.asarray(host)
+            return host
         return leaf
 
     return optree.tree_map(put, pickle.loads(header), **_NEST)

@@ -1,20 +1,59 @@
-"""StrategyExtended: the communicator, devices and lower-level APIs behind a Strategy."""
+"""StrategyExtended: the communicator, devices and lower-level APIs behind a Strategy.
+
+Two cross-replica contexts meet here. In the SPMD one (inside ``strategy.scope()``,
+every rank executing) ``reduce_to`` and ``batch_reduce_to`` are MPI collectives
+over each rank's local value. In a ``merge_fn`` (rank 0 alone, ``PerReplica``
+arguments holding every replica's value) they are local array arithmetic, and
+writes to variables travel back with merge_call's broadcast.
+
+>>> import mpistrat, numpy as np
+>>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+>>> with strategy.scope():
+...     v = mpistrat.Variable(1.0)
+...     total = strategy.extended.reduce_to("sum", np.float64(2.0), destinations=v)
+...     _ = strategy.extended.update(v, lambda var, t: var.assign_add(t), args=(total,))
+>>> float(v.numpy())
+3.0
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import optree
 from mpi4py import MPI
 
+from mpistrat import context
 from mpistrat.collectives import Collectives
-from mpistrat.errors import ContextError
+from mpistrat.comm import devices
+from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
     from mpistrat.replica_context import ReplicaContext
     from mpistrat.strategy import Strategy
 
-__all__ = ["StrategyExtended"]
+__all__ = ["StrategyExtended", "current_colocation"]
+
+_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
+
+_colocation = threading.local()
+
+
+def current_colocation() -> tuple[StrategyExtended, Any] | None:
+    """The innermost ``colocate_vars_with`` block of this thread: ``(extended, target)``, or None."""
+    stack = getattr(_colocation, "stack", None)
+    return stack[-1] if stack else None
 
 
 class StrategyExtended:
@@ -39,9 +78,13 @@ class StrategyExtended:
         self.is_default = is_default
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
+        self.placement = devices.cpu_placement() if is_default else devices.place(comm)
         # Writes to synced variables made inside a merge_fn on rank 0; broadcast with its result.
         self.merge_writes: list[tuple[int, Any]] | None = None
-        self._synced: dict[int, Any] = {}
+        # Weak, so variables a program drops are freed; keys come from a counter, never reused.
+        self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._synced_keys = itertools.count()
         from mpistrat.replica_context import ReplicaContext
 
         self.default_replica_context: ReplicaContext = ReplicaContext(container_strategy, 0)
@@ -65,8 +108,8 @@ class StrategyExtended:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """The device of this rank's replica."""
-        return (f"/job:worker/replica:0/task:{self.rank}/device:CPU:0",)
+        """The device of this rank's replica (``.../device:GPU:i`` when it was placed on a GPU)."""
+        return (self.placement.device(self.rank),)
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -78,18 +121,353 @@ class StrategyExtended:
         """False: all_gather and distributed datasets handle varying shapes."""
         return False
 
+    # -- synced objects (variables) and the writes a merge_fn makes to them -----------
+
     def register_synced(self, obj: Any) -> int:
         """Give ``obj`` a key that is the same on every rank (objects are created in the same order)."""
-        key = len(self._synced)
+        key = next(self._synced_keys)
         self._synced[key] = obj
         return key
+
+    def synced(self, key: int) -> Any:
+        """The object registered under ``key`` (None if it was freed)."""
+        return self._synced.get(key)
 
     def apply_merge_writes(self, writes: list[tuple[int, Any]]) -> None:
         """Replay on this rank the writes rank 0's merge_fn made to synced objects."""
         for key, payload in writes:
-            self._synced[key].apply_merge_write(payload)
+            obj = self._synced.get(key)
+            if obj is not None:
+                obj.apply_merge_write(payload)
 
     def finalize(self) -> None:
         if self._comm is not None and not self.is_default:
+            self._collectives.transports.close()
             self._comm.Free()
         self._comm = None
+
+    # -- context rules ------------------------------------------------------------------
+
+    def _require_cross_replica(self, method: str) -> context.Mode:
+        """Cross-replica context of this strategy, or the default context; else raise as tf does."""
+        mode = context.current_mode()
+        if mode.kind == "default":
+            return mode
+        self._require_scope(method, mode)
+        if mode.replica_context is not None:
+            raise ContextError(
+                f"{method}: Method requires being in cross-replica context, {context.CROSS_REPLICA_HINT}"
+            )
+        return mode
+
+    def _require_scope(self, method: str, mode: context.Mode | None = None) -> None:
+        mode = mode or context.current_mode()
+        if mode.strategy is self._container_strategy:
+            return
+        if mode.kind == "default":
+            raise ContextError(
+                f'{method}: Need to be inside "with strategy.scope()" for {self._container_strategy}'
+            )
+        raise ContextError(
+            f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self._container_strategy}"
+        )
+
+    @contextlib.contextmanager
+    def _enter(self, mode: context.Mode) -> Iterator[None]:
+        """Enter this strategy's scope when called from the default context (as tf does)."""
+        if mode.kind == "default" and not self.is_default:
+            with self._container_strategy.scope():
+                yield
+        else:
+            yield
+
+    # -- reductions ---------------------------------------------------------------------
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
+        """Combine (sum or mean) a per-replica ``value`` across replicas, copied to ``destinations``.
+
+        In the SPMD cross-replica context this is one all-reduce of every rank's
+        local value and returns this rank's copy of the result; inside a
+        ``merge_fn`` ``value`` is a ``PerReplica`` holding every replica's value,
+        it is reduced locally and a ``Mirrored`` is returned.
+
+        Args:
+            reduce_op: ``ReduceOp`` or its name; ``VariableAggregation.SUM``/``MEAN``/
+                ``ONLY_FIRST_REPLICA`` are accepted too.
+            value: a per-replica value (a nest of arrays and numbers).
+            destinations: a variable, a distributed value or a device string:
+                where the result is wanted (every replica here).
+        """
+        mode = self._require_cross_replica("reduce_to")
+        op = _reduce_op(reduce_op, "reduce_to")
+        _check_destinations(destinations, "reduce_to")
+        if mode.kind == "merge" or self.is_default:
+            return self._mirrored(self._reduce_locally(op, value, "reduce_to"))
+        return self._all_reduce(op, _local(value, self.rank), "reduce_to")
+
+    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any) -> list[Any]:
+        """Several ``reduce_to`` calls in one: a single fused all-reduce for the whole batch.
+
+        Returns one result per ``(value, destinations)`` pair, in order.
+        """
+        mode = self._require_cross_replica("batch_reduce_to")
+        op = _reduce_op(reduce_op, "batch_reduce_to")
+        pairs = _pairs(value_destination_pairs)
+        if mode.kind == "merge" or self.is_default:
+            return [self._mirrored(self._reduce_locally(op, v, "batch_reduce_to")) for v, _ in pairs]
+        return list(self._all_reduce(op, [_local(v, self.rank) for v, _ in pairs], "batch_reduce_to"))
+
+    def _mirrored(self, value: Any) -> Any:
+        """A merge_fn's reduced value, mirrored to every replica (the default strategy: the value)."""
+        return value if self.is_default else Mirrored((value,) * self.size)
+
+    def _all_reduce(self, op: str | ReduceOp, local: Any, kind: str) -> Any:
+        if op == ONLY_FIRST_REPLICA:  # replica 0's value, as a sum with zeros elsewhere
+            if self.rank != 0:
+                local = optree.tree_map(np.zeros_like, local, **_NEST)
+            op = ReduceOp.SUM
+        return self.collectives.all_reduce(op, local, kind=kind)
+
+    def _reduce_locally(self, op: str | ReduceOp, value: Any, method: str) -> Any:
+        """Rank 0 in a merge_fn holds every replica's value: reduce with array arithmetic."""
+        n = self.size
+        if isinstance(value, DistributedValues) and hasattr(value, "_component"):  # a mirrored variable
+            value = Mirrored((value.value(),) * n)
+        if isinstance(value, PerReplica):
+            if len(value.values) not in (1, n):
+                raise InvalidArgumentError(
+                    f"{method}: a PerReplica value has {len(value.values)} components; expected {n}"
+                )
+            parts = list(value.values) * (n if len(value.values) == 1 else 1)
+        elif isinstance(value, Mirrored):
+            parts = [value.values[0]] * n
+        elif op != ReduceOp.SUM or n == 1:
+            parts = [value] * n
+        else:
+            raise InvalidArgumentError(
+                f"{method}: a value that is not a DistributedValues cannot be reduced with SUM across "
+                f"{n} replicas inside merge_fn; pass the PerReplica value merge_fn received"
+            )
+        if op == ONLY_FIRST_REPLICA:
+            return parts[0]
+        total = functools.reduce(lambda a, b: optree.tree_map(np.add, a, b, **_NEST), parts)
+        if op == ReduceOp.MEAN:
+            return optree.tree_map(lambda t: np.true_divide(t, n), total, **_NEST)
+        return total
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copy rank 0's ``tensor`` to every replica (``destinations``: a variable or device string).
+
+        In the SPMD context every rank gets rank 0's value (a collective); inside a
+        ``merge_fn`` the value is wrapped as ``Mirrored``.
+        """
+        mode = self._require_cross_replica("broadcast_to")
+        _check_destinations(destinations, "broadcast_to")
+        if mode.kind == "merge" or self.is_default:
+            return self._mirrored(tensor)
+        return self._all_reduce(ONLY_FIRST_REPLICA, tensor, "broadcast_to")
+
+    # -- updates ------------------------------------------------------------------------
+
+    def update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run ``fn(v, *args, **kwargs)`` on this rank's copy ``v`` of ``var``.
+
+        Mirrored arguments (``Mirrored`` values, variables) are unwrapped to this
+        rank's copy; per-replica ones are an error (reduce them first with
+        ``reduce_to``). Inside a ``merge_fn`` the writes reach every rank with the
+        merge_call broadcast. With ``group=False`` each leaf of the result becomes a
+        tuple of the values held here (one per local replica).
+        """
+        mode = self._require_cross_replica("update")
+        with self._enter(mode):
+            a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update")
+            if self.is_default:
+                result = fn(var, *a, **kw)
+            else:
+                component = getattr(var, "_component", None)
+                if (
+                    component is None
+                    or getattr(var, "distribute_strategy", None) is not self._container_strategy
+                ):
+                    raise InvalidArgumentError(
+                        f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
+                        "Create it inside `with strategy.scope():`"
+                    )
+                result = fn(component, *a, **kw)
+        return result if group else _ungroup(result)
+
+    def update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` where the non-slot variables live.
+
+        ``colocate_with`` is what :meth:`non_slot_devices` returned. Writes ``fn``
+        makes to mirrored variables reach every rank, as with :meth:`update`.
+        """
+        mode = self._require_cross_replica("update_non_slot")
+        if not isinstance(colocate_with, tuple) or colocate_with != self.parameter_devices:
+            raise InvalidArgumentError(
+                f"update_non_slot: colocate_with must be the tuple non_slot_devices(var_list) returned "
+                f"({self.parameter_devices}); got {colocate_with!r}"
+            )
+        with self._enter(mode):
+            a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
+            result = fn(*a, **kw)
+        return result if group else _ungroup(result)
+
+    def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
+        """Devices for non-slot variables (an optimizer's step counter): every parameter device.
+
+        Pass the result to :meth:`colocate_vars_with` when creating them and to
+        :meth:`update_non_slot` when updating them.
+        """
+        return self.parameter_devices
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
+        """Scope in which variables are created on the same devices as ``colocate_with_variable``.
+
+        Only inside ``self.scope()``. The target is a variable created in this
+        strategy's scope, or the value of :meth:`non_slot_devices`. On MPI every
+        variable lives on every replica, so this records the relation only.
+
+        >>> import mpistrat
+        >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+        >>> with strategy.scope():
+        ...     var1 = mpistrat.Variable(1.0)
+        ...     with strategy.extended.colocate_vars_with(var1):
+        ...         var2 = mpistrat.Variable(0.0)
+        >>> var2.colocated_with is var1
+        True
+        """
+        if not self.is_default:
+            self._require_scope("colocate_vars_with")
+            owned = getattr(colocate_with_variable, "distribute_strategy", None) is self._container_strategy
+            if not owned and colocate_with_variable != self.parameter_devices:
+                raise InvalidArgumentError(
+                    "colocate_vars_with must only be passed a variable created in this strategy's scope() "
+                    f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
+                )
+        return self._colocation_block(colocate_with_variable)
+
+    @contextlib.contextmanager
+    def _colocation_block(self, target: Any) -> Iterator[None]:
+        stack = getattr(_colocation, "stack", None)
+        if stack is None:
+            stack = _colocation.stack = []
+        stack.append((self, target))
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable ``value`` (a per-rank copy) belongs to, else ``value`` itself."""
+        owner = getattr(value, "_owner", None)
+        return value if owner is None else owner
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """True if ``v`` was created while this strategy's ``scope()`` was active.
+
+        For the default strategy: True for variables created outside any scope.
+        """
+        if not hasattr(v, "distribute_strategy"):
+            raise InvalidArgumentError(
+                f"variable_created_in_scope: expected a Variable; got {type(v).__name__}"
+            )
+        if self.is_default:
+            return v.distribute_strategy is None
+        return v.distribute_strategy is self._container_strategy
+
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run ``fn`` once per replica, in replica context (as ``Strategy.run``)."""
+        self._require_cross_replica("call_for_each_replica")
+        return self._container_strategy.run(fn, args=args, kwargs=kwargs)
+
+
+def _reduce_op(op: Any, method: str) -> str | ReduceOp:
+    """A ReduceOp, or ONLY_FIRST_REPLICA, from a ReduceOp, a VariableAggregation or a name."""
+    name = getattr(op, "name", op)
+    if isinstance(name, str) and name.upper() == ONLY_FIRST_REPLICA:
+        return ONLY_FIRST_REPLICA
+    if isinstance(name, str) and name.upper() in ("SUM", "MEAN"):
+        return ReduceOp[name.upper()]
+    raise InvalidArgumentError(
+        f"{method}: reduce_op must be ReduceOp.SUM/MEAN, VariableAggregation.SUM/MEAN/ONLY_FIRST_REPLICA "
+        f"or one of their names; got {op!r}"
+    )
+
+
+def _check_destinations(destinations: Any, method: str) -> None:
+    ok = (
+        isinstance(destinations, (DistributedValues, np.ndarray, np.generic))
+        or type(destinations) in (bool, int, float, complex)  # a value passed as its own destination
+        or hasattr(destinations, "distribute_strategy")  # a variable
+        or type(destinations).__module__.startswith("cupy")
+    )
+    if isinstance(destinations, str):
+        ok = bool(destinations)
+    if not ok:
+        raise InvalidArgumentError(
+            f"{method}: destinations must be a variable, a distributed value or a device string "
+            f"(not a list, tuple or None); got {destinations!r}"
+        )
+
+
+def _pairs(value_destination_pairs: Any) -> list[tuple[Any, Any]]:
+    pairs = list(value_destination_pairs)
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgumentError(
+                f"batch_reduce_to: value_destination_pairs[{i}] must be a (value, destinations) pair; "
+                f"got {pair!r}"
+            )
+        _check_destinations(pair[1], "batch_reduce_to")
+    return [tuple(p) for p in pairs]
+
+
+def _local(value: Any, rank: int) -> Any:
+    """This rank's component of a distributed value (SPMD context)."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            return x.values[rank] if len(x.values) > 1 else x.values[0]
+        if isinstance(x, Mirrored):
+            return x.values[0]
+        if isinstance(x, DistributedValues) and hasattr(x, "_component"):
+            return x.value()
+        return x
+
+    return optree.tree_map(one, value, **_NEST)
+
+
+def _unwrap_mirrored(nest: Any, method: str) -> Any:
+    def one(x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            raise InvalidArgumentError(
+                f"{method}: args and kwargs may not contain per-replica values; reduce them first with "
+                f"strategy.extended.reduce_to or batch_reduce_to; got {x!r}"
+            )
+        if isinstance(x, Mirrored):
+            return x.values[0]
+        component = getattr(x, "_component", None)
+        return x if component is None else component
+
+    return optree.tree_map(one, nest, **_NEST)
+
+
+def _ungroup(result: Any) -> Any:
+    return optree.tree_map(lambda x: (x,), result, **_NEST)

@@ -11,10 +11,11 @@ import numpy as np
 import optree
 
 from mpistrat import context
+from mpistrat.collectives import Unsendable
 from mpistrat.errors import ContextError, MergeCallError, UnsupportedTypeError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, PerReplica
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
     from mpistrat.strategy import Strategy
@@ -30,6 +31,10 @@ _Parts = collections.namedtuple("_Parts", "values")
 
 class _SameEverywhere:
     """Stands in for a value every rank already holds (a mirrored value or variable)."""
+
+
+# A distributed variable in a merge_fn result: each rank takes its own object with that key.
+_Synced = collections.namedtuple("_Synced", "key")
 
 
 class ReplicaContext:
@@ -179,7 +184,10 @@ def _merge_call_mpi(
     if rank != 0:
         extended.apply_merge_writes(writes)
     return optree.tree_map(
-        lambda x: _take_component(x, rank), result, is_leaf=lambda x: isinstance(x, _Parts), **_NEST
+        lambda x: _take_component(x, rank, extended),
+        result,
+        is_leaf=lambda x: isinstance(x, (_Parts, _Synced)),
+        **_NEST,
     )
 
 
@@ -194,6 +202,8 @@ def _regroup(local: Any, gathered: list[Any]) -> Any:
     leaves, spec = optree.tree_flatten(local, **_NEST)
     per_rank = [leaves]
     for r, other in enumerate(gathered[1:], start=1):
+        if isinstance(other, Unsendable):
+            raise UnsupportedTypeError(f"rank {r}: {other.message}")
         other_leaves, other_spec = optree.tree_flatten(other, **_NEST)
         if other_spec != spec:
             raise UnsupportedTypeError(
@@ -227,10 +237,19 @@ def _all_equal(values: list[Any]) -> bool:
 
 
 def _split_per_replica(leaf: Any) -> Any:
-    return _Parts(tuple(leaf.values)) if isinstance(leaf, PerReplica) else leaf
+    if isinstance(leaf, PerReplica):
+        return _Parts(tuple(leaf.values))
+    if isinstance(leaf, Mirrored):  # each replica gets the value, as tf's select_replica does
+        return _Parts(leaf.values[:1])
+    key = getattr(leaf, "_synced_key", None)
+    if isinstance(leaf, DistributedValues) and key is not None:
+        return _Synced(key)
+    return leaf
 
 
-def _take_component(leaf: Any, rank: int) -> Any:
+def _take_component(leaf: Any, rank: int, extended: Any) -> Any:
+    if isinstance(leaf, _Synced):
+        return extended.synced(leaf.key)
     if not isinstance(leaf, _Parts):
         return leaf
     if len(leaf.values) == 1:

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from mpistrat import context
 from mpistrat.collectives import to_arrays
+from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
 from mpistrat.input import datasets as _datasets
@@ -179,11 +180,12 @@ class Strategy:
                 "reduce: a value that is not PerReplica cannot be reduced with SUM inside merge_fn; "
                 "pass the PerReplica value merge_fn received"
             )
-        arrays = [np.asarray(c) for c in components]
+        xp = _common_module(components)
+        arrays = [xp.asarray(c) for c in components]
         if axis is None:
-            total = functools.reduce(np.add, arrays)
+            total = functools.reduce(xp.add, arrays)
             return total / len(arrays) if op is ReduceOp.MEAN else total
-        total = functools.reduce(np.add, [a.sum(axis=axis, dtype=a.dtype) for a in arrays])
+        total = functools.reduce(xp.add, [a.sum(axis=axis, dtype=a.dtype) for a in arrays])
         return total / sum(a.shape[axis] for a in arrays) if op is ReduceOp.MEAN else total
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -196,9 +198,7 @@ class Strategy:
         mode = context.require_cross_replica("Strategy.gather")
         if mode.kind == "merge":
             return optree.tree_map(
-                lambda v: np.concatenate(
-                    [np.asarray(c) for c in self.experimental_local_results(v)], axis=axis
-                ),
+                lambda v: _concatenate(self.experimental_local_results(v), axis),
                 value,
                 **_NEST,
             )
@@ -328,6 +328,19 @@ class _DefaultStrategy(Strategy):
 
     def __init__(self) -> None:
         super().__init__(StrategyExtended(self, MPI.COMM_SELF, CommunicationOptions(), is_default=True))
+
+
+def _common_module(components: Any) -> Any:
+    """``cupy`` if any component is a CuPy array (the rest are then copied to the device), else ``numpy``."""
+    for c in components:
+        if packing.is_device_array(c):
+            return packing.array_module(c)
+    return np
+
+
+def _concatenate(components: Any, axis: int) -> Any:
+    xp = _common_module(components)
+    return xp.concatenate([xp.asarray(c) for c in components], axis=axis)
 
 
 @functools.lru_cache(maxsize=1)

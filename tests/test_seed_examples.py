@@ -170,3 +170,27 @@ def test_merge_call_exception_reaches_every_rank_and_the_next_collective_works(g
     )
     after = group.strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
     all_ranks_agree(group.comm, after == group.size)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_merge_call_with_unpicklable_arguments_or_result_raises_everywhere(group, check):
+    from tests.conftest import raises_on_every_rank
+
+    opts = mpistrat.CommunicationOptions(check=check)
+    strategy = mpistrat.MPIStrategy(group.comm, communication_options=opts)
+    last = group.size - 1
+
+    def bad_args():
+        r = mpistrat.get_replica_context().replica_id_in_sync_group
+        arg = (lambda: r) if r == last else r  # a lambda cannot be pickled
+        return mpistrat.get_replica_context().merge_call(lambda s, x: 0, args=(arg,))
+
+    def bad_result():
+        return mpistrat.get_replica_context().merge_call(lambda s: lambda: None)
+
+    if group.size > 1:
+        raises_on_every_rank(group.comm, TypeError, lambda: strategy.run(bad_args), match=f"rank {last}")
+    raises_on_every_rank(group.comm, TypeError, lambda: strategy.run(bad_result), match="cannot be sent")
+    after = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
+    all_ranks_agree(group.comm, after == group.size)
+    strategy.experimental_finalize()

@@ -23,7 +23,21 @@ def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
 
 
 def buffer_spec(arr: Any, count: int | None = None) -> list[Any]:
-    """``[buffer, count, datatype]`` for mpi4py, for NumPy and CuPy arrays alike."""
+    """``[buffer, count, datatype]`` for mpi4py, for NumPy and CuPy arrays alike.
+
+    A CuPy array is refused unless the MPI library is known to be CUDA-aware: a device
+    pointer in a host-only MPI is a segmentation fault, so this is the last guard.
+    """
+    if type(arr).__module__.startswith("cupy") and hasattr(type(arr), "__cuda_array_interface__"):
+        from mpistrat.comm.cuda import cuda_awareness
+
+        awareness = cuda_awareness()
+        if not awareness.aware:
+            raise UnsupportedTypeError(
+                "a CuPy array was about to be handed to an MPI library that is not known to be "
+                f"CUDA-aware ({awareness.how}); device buffers must go through "
+                "mpistrat.comm.transport (which stages them through host memory)"
+            )
     n = arr.size if count is None else count
     return [arr, n, mpi_datatype(arr.dtype)]
 
@@ -31,7 +45,7 @@ def buffer_spec(arr: Any, count: int | None = None) -> list[Any]:
 def synchronize(arrays: list[Any]) -> None:
     """Wait for the current CUDA stream if any array is on a device (MPI reads memory directly)."""
     for arr in arrays:
-        if type(arr).__module__.startswith("cupy"):
+        if type(arr).__module__.startswith("cupy") and hasattr(type(arr), "__cuda_array_interface__"):
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()

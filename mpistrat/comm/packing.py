@@ -19,19 +19,38 @@ import numpy as np
 
 from mpistrat.errors import UnsupportedTypeError
 
-__all__ = ["Pack", "as_array", "plan_packs", "pack", "unpack", "array_module"]
+__all__ = [
+    "Pack",
+    "array_module",
+    "as_array",
+    "dtype_name",
+    "is_device_array",
+    "pack",
+    "plan_packs",
+    "unpack",
+]
 
 # dtype kinds that MPI can move and reduce: signed, unsigned, float, complex.
 _NUMERIC_KINDS = "iufc"
 
 
+def is_device_array(x: Any) -> bool:
+    """Whether ``x`` is a CuPy array (checked without importing CuPy)."""
+    return type(x).__module__.startswith("cupy") and hasattr(type(x), "__cuda_array_interface__")
+
+
 def array_module(x: Any) -> Any:
     """``cupy`` for a CuPy array, else ``numpy``."""
-    if type(x).__module__.startswith("cupy"):
+    if is_device_array(x):
         import cupy
 
         return cupy
     return np
+
+
+def dtype_name(arr: Any) -> str:
+    """The dtype as shown in messages and fingerprints: ``float32``, or ``cupy:float32`` on a device."""
+    return f"cupy:{arr.dtype}" if is_device_array(arr) else str(arr.dtype)
 
 
 def as_array(leaf: Any, where: str = "value") -> Any:
@@ -39,7 +58,7 @@ def as_array(leaf: Any, where: str = "value") -> Any:
 
     Python and NumPy scalars become 0-d NumPy arrays.
     """
-    if type(leaf).__module__.startswith("cupy") or isinstance(leaf, np.ndarray):
+    if isinstance(leaf, np.ndarray) or is_device_array(leaf):
         arr = leaf
     elif isinstance(leaf, (bool, int, float, complex, np.generic)):
         arr = np.asarray(leaf)

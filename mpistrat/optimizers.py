@@ -1,0 +1,253 @@
+"""Optimizers that update distributed variables the tf.distribute way.
+
+``apply_gradients`` is called in replica context (inside ``strategy.run``) with
+this replica's gradients. It performs steps 2 to 4 of the variable-update pattern:
+``merge_call``; one ``batch_reduce_to`` summing every gradient across replicas in a
+single fused reduction; then ``extended.update`` per variable. Slot variables
+(momentum, Adam's moments) are created with ``colocate_vars_with`` their variable;
+the step counter ``iterations`` is a non-slot variable updated through
+``update_non_slot``. Scale each replica's loss by the *global* batch size, so the
+summed gradients are those of the global mean loss.
+
+>>> import mpistrat, numpy as np
+>>> w = mpistrat.Variable(np.array([1.0, 2.0]))
+>>> opt = mpistrat.optimizers.SGD(learning_rate=0.5)
+>>> _ = opt.apply_gradients([(np.array([1.0, 1.0]), w)])
+>>> w.numpy(), int(opt.iterations.numpy())
+(array([0.5, 1.5]), 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from mpistrat import context
+from mpistrat.comm import packing
+from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.variables import Variable, VariableAggregation
+
+__all__ = ["Optimizer", "SGD", "Adam"]
+
+
+class Optimizer:
+    """Base class: slot bookkeeping, the step counter and the distributed apply.
+
+    Subclasses name their slots in ``slot_names`` and implement
+    ``_apply_dense(var, grad, lr, step, *slots)``, which writes ``var`` and its
+    slots (this rank's copies) given the summed gradient.
+    """
+
+    slot_names: tuple[str, ...] = ()
+
+    def __init__(self, learning_rate: float | Callable[[int], float], name: str):
+        if not callable(learning_rate) and not isinstance(
+            learning_rate, (int, float, np.floating, np.integer)
+        ):
+            raise InvalidArgumentError(
+                f"{name}: learning_rate must be a number or a callable of the step; got {learning_rate!r}"
+            )
+        self._learning_rate = learning_rate
+        self._name = name
+        self._strategy = context.get_strategy() if context.has_strategy() else None
+        self._iterations: Variable | None = None
+        self._slots: dict[int, tuple[Variable, dict[str, Variable]]] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def iterations(self) -> Variable:
+        """Steps applied so far (an int64 variable; created on first use, collectively)."""
+        if self._iterations is None:
+            with self._creation_scope():
+                extended = context.get_strategy().extended
+                with extended.colocate_vars_with(extended.non_slot_devices([])):
+                    self._iterations = Variable(
+                        np.int64(0),
+                        trainable=False,
+                        name=f"{self._name}/iter",
+                        aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+                    )
+        return self._iterations
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate at ``step`` (the callable's value, or the constant)."""
+        lr = self._learning_rate
+        return float(lr(step) if callable(lr) else lr)
+
+    def get_slot(self, var: Variable, slot_name: str) -> Variable:
+        """The slot variable ``slot_name`` of ``var``."""
+        entry = self._slots.get(id(var))
+        if entry is None or slot_name not in entry[1]:
+            raise InvalidArgumentError(
+                f"{self._name}: no slot {slot_name!r} for variable {var.name!r}; slots exist after the first "
+                f"apply_gradients or build([var]); this optimizer's slots are {list(self.slot_names)}"
+            )
+        return entry[1][slot_name]
+
+    def variables(self) -> list[Variable]:
+        """The step counter and every slot variable."""
+        out = [self.iterations]
+        for _, slots in self._slots.values():
+            out.extend(slots[n] for n in self.slot_names)
+        return out
+
+    def build(self, var_list: list[Variable]) -> None:
+        """Create the step counter and the slots of ``var_list`` (collective: every rank calls it)."""
+        for var in var_list:
+            self._adopt(var)
+        self.iterations  # noqa: B018 (creates it)
+        for var in var_list:
+            if id(var) in self._slots:
+                continue
+            with self._creation_scope():
+                extended = context.get_strategy().extended
+                with extended.colocate_vars_with(var):
+                    xp = packing.array_module(var._local())
+                    slots = {
+                        n: Variable(
+                            xp.zeros(var.shape, dtype=var.dtype), trainable=False, name=f"{var.name}/{n}"
+                        )
+                        for n in self.slot_names
+                    }
+            self._slots[id(var)] = (var, slots)
+
+    def _adopt(self, var: Variable) -> None:
+        """The optimizer's strategy is its variables' (or the one in scope when it was made)."""
+        owner = var.distribute_strategy
+        if self._strategy is None and self._iterations is None:
+            self._strategy = owner
+        if owner is not self._strategy:
+            raise InvalidArgumentError(
+                f"{self._name}: variable {var.name!r} belongs to {owner}, but this optimizer's "
+                f"variables belong to {self._strategy}; use one optimizer per strategy"
+            )
+
+    @contextlib.contextmanager
+    def _creation_scope(self) -> Iterator[None]:
+        """Enter the variables' strategy from the default context; refuse inside merge_fn."""
+        mode = context.current_mode()
+        if mode.kind == "merge":
+            raise ContextError(
+                f"{self._name}: cannot create slot variables inside merge_fn (rank 0 alone); call "
+                "optimizer.build(var_list) in strategy.scope() first"
+            )
+        if self._strategy is not None and mode.kind == "default":
+            with self._strategy.scope():
+                yield
+        else:
+            yield
+
+    def apply_gradients(self, grads_and_vars: Any) -> Variable:
+        """Apply one step from ``(gradient, variable)`` pairs, in replica context.
+
+        Gradients are summed across replicas with one ``batch_reduce_to``; pairs
+        whose gradient is None are skipped. Returns ``iterations``.
+        """
+        if context.in_cross_replica_context():
+            raise ContextError(
+                f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
+                "strategy.run(fn) to enter replica context"
+            )
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            raise InvalidArgumentError(
+                f"{self._name}.apply_gradients: no gradients provided for any variable"
+            )
+        for _, v in pairs:
+            if not isinstance(v, Variable):
+                raise InvalidArgumentError(
+                    f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; "
+                    f"got a {type(v).__name__}"
+                )
+        self.build([v for _, v in pairs])
+        context.get_replica_context().merge_call(self._distributed_apply, args=(pairs,))
+        return self.iterations
+
+    def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
+        extended = strategy.extended
+        summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
+        step = int(self.iterations.value())
+        lr = self.learning_rate(step)
+        for grad, (_, var) in zip(summed, pairs, strict=True):
+            slots = self._slots[id(var)][1]
+            extended.update(
+                var, self._apply_dense, args=(grad, lr, step, *(slots[n] for n in self.slot_names))
+            )
+        extended.update_non_slot(
+            extended.non_slot_devices([v for _, v in pairs]), self.iterations.assign_add, (1,)
+        )
+
+    def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """Gradient descent with optional (Nesterov) momentum, as ``tf.keras.optimizers.SGD``.
+
+    ``velocity = momentum * velocity - lr * g``; ``w += velocity`` (Nesterov:
+    ``w += momentum * velocity - lr * g``); plain ``w -= lr * g`` when momentum is 0.
+    """
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        name: str = "SGD",
+    ):
+        super().__init__(learning_rate, name)
+        if not 0.0 <= momentum <= 1.0:
+            raise InvalidArgumentError(f"{name}: momentum must be in [0, 1]; got {momentum!r}")
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.slot_names = ("momentum",) if momentum else ()
+
+    def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+        if not slots:
+            var.assign_sub(lr * grad)
+            return
+        (velocity,) = slots
+        velocity.assign(self.momentum * velocity.value() - lr * grad)
+        var.assign_add(self.momentum * velocity.value() - lr * grad if self.nesterov else velocity.value())
+
+
+class Adam(Optimizer):
+    """Adam, as ``tf.keras.optimizers.Adam`` (bias correction folded into the step size).
+
+    With ``t = step + 1``: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+    ``w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)``.
+    """
+
+    slot_names = ("m", "v")
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        name: str = "Adam",
+    ):
+        super().__init__(learning_rate, name)
+        for what, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0.0 <= beta < 1.0:
+                raise InvalidArgumentError(f"{name}: {what} must be in [0, 1); got {beta!r}")
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+
+    def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+        m, v = slots
+        t = step + 1
+        b1, b2 = self.beta_1, self.beta_2
+        lr_t = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        m.assign(m.value() + (grad - m.value()) * (1.0 - b1))
+        v.assign(v.value() + (grad * grad - v.value()) * (1.0 - b2))
+        xp = packing.array_module(v.value())
+        var.assign_sub(lr_t * m.value() / (xp.sqrt(v.value()) + self.epsilon))

@@ -1,0 +1,513 @@
+"""Variables: plain, mirrored and sync-on-read, as ``tf.Variable`` under ``tf.distribute``.
+
+``Variable(...)`` outside any strategy scope is a plain variable. Inside
+``strategy.scope()`` (or ``strategy.run``) it is a :class:`MirroredVariable`
+(synchronization AUTO/ON_WRITE), whose initial value is rank 0's, broadcast at
+creation, or a :class:`SyncOnReadVariable` (ON_READ). Either holds one copy per
+rank. Writes in replica context are aggregated across replicas as ``aggregation``
+says; writes in cross-replica context apply on every rank.
+
+>>> import mpistrat, numpy as np
+>>> v = mpistrat.Variable(np.zeros(2))
+>>> v.assign_add([1.0, 2.0]).numpy()
+array([1., 2.])
+>>> (v * 2).tolist()
+[2.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mpistrat import context
+from mpistrat.comm import packing
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
+from mpistrat.extended import current_colocation
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
+
+__all__ = [
+    "Variable",
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "VariableSynchronization",
+    "VariableAggregation",
+]
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable is synchronized, as ``tf.VariableSynchronization``."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How replica-context updates (or sync-on-read reads) combine, as ``tf.VariableAggregation``."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    names = ", ".join(cls.__members__)
+    raise InvalidArgumentError(f"{what} must be a {cls.__name__} or one of {names}; got {value!r}")
+
+
+_AGGREGATION_HELP = (
+    "You must specify an aggregation method to update a {kind} in replica context: pass e.g. "
+    "`mpistrat.Variable(..., aggregation=mpistrat.VariableAggregation.SUM)` (SUM, MEAN or "
+    "ONLY_FIRST_REPLICA). Mirrored variables are kept in sync, so a replica-context write must say how "
+    "the replicas' values combine. Alternatively update it in cross-replica context: call "
+    "`mpistrat.get_replica_context().merge_call(merge_fn)` and, in merge_fn, "
+    "`strategy.extended.update(var, fn)`."
+)
+
+
+class Variable:
+    """A mutable array: NumPy or CuPy, with ``assign``/``assign_add``/``assign_sub``.
+
+    Args:
+        initial_value: an array, a number, or a callable returning one.
+        trainable: whether optimizers should update it (default: True unless ON_READ).
+        name: a name for messages and ``repr``.
+        dtype: convert the initial value to this dtype.
+        synchronization: ``VariableSynchronization`` (distributed variables only).
+        aggregation: ``VariableAggregation`` (distributed variables only).
+    """
+
+    _owner: DistributedVariable | None = None  # the distributed variable this copy belongs to
+    _distribute_strategy: Any = None
+    colocated_with: Any = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
+        if cls is Variable:
+            cls = _class_to_create(kwargs.get("synchronization", VariableSynchronization.AUTO))
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        initial_value: Any,
+        *,
+        trainable: bool | None = None,
+        name: str | None = None,
+        dtype: Any = None,
+        synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+    ):
+        self._synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
+        self._aggregation = _enum(VariableAggregation, aggregation, "aggregation")
+        on_read = self._synchronization is VariableSynchronization.ON_READ
+        if on_read and trainable:
+            raise InvalidArgumentError(
+                "synchronization=ON_READ is only for non-trainable variables; you passed trainable=True. "
+                "Pass trainable=False (the default for ON_READ)"
+            )
+        self._trainable = (not on_read) if trainable is None else bool(trainable)
+        self._name = "Variable" if name is None else str(name)
+        self._value = _initial(initial_value, dtype, self._name)
+        colocation = current_colocation()
+        self.colocated_with = None if colocation is None else colocation[1]
+
+    @classmethod
+    def _plain(cls, value: Any, name: str, trainable: bool) -> Variable:
+        var = object.__new__(Variable)
+        var._synchronization, var._aggregation = VariableSynchronization.NONE, VariableAggregation.NONE
+        var._trainable, var._name, var._value = trainable, name, value
+        return var
+
+    # -- properties -------------------------------------------------------------------
+
+    name = property(lambda self: self._name, doc="The variable's name.")
+    trainable = property(lambda self: self._trainable, doc="Whether optimizers update it.")
+    synchronization = property(lambda self: self._synchronization)
+    aggregation = property(lambda self: self._aggregation)
+    distribute_strategy = property(lambda self: self._distribute_strategy, doc="Owning strategy, or None.")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._local().dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._local().shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _local(self) -> Any:
+        """This rank's copy, never communicating (for metadata and ``repr``)."""
+        return self._value
+
+    # -- reads ------------------------------------------------------------------------
+
+    def value(self) -> Any:
+        """The current value as an array (a NumPy or CuPy array; do not modify it in place)."""
+        return self._value
+
+    def read_value(self) -> Any:
+        """The current value (as :meth:`value`)."""
+        return self.value()
+
+    def numpy(self) -> np.ndarray:
+        """A NumPy copy of the current value."""
+        return _to_numpy(self.value()).copy()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        arr = _to_numpy(self.value())
+        return arr.astype(dtype) if dtype is not None else (arr.copy() if copy else arr)
+
+    # -- writes -----------------------------------------------------------------------
+
+    def assign(self, value: Any) -> Variable:
+        """Set the value (same shape; a same-kind dtype); returns the variable."""
+        self._write("assign", value)
+        return self
+
+    def assign_add(self, delta: Any) -> Variable:
+        """Add ``delta``; returns the variable."""
+        self._write("assign_add", delta)
+        return self
+
+    def assign_sub(self, delta: Any) -> Variable:
+        """Subtract ``delta``; returns the variable."""
+        self._write("assign_sub", delta)
+        return self
+
+    def _write(self, how: str, value: Any) -> None:
+        self._set(_combine(how, self._value, self._coerce(value, how)))
+
+    def _set(self, new: Any) -> None:
+        self._value = new
+        if self._owner is not None:
+            self._owner._note_write(new)
+
+    def _coerce(self, value: Any, how: str) -> Any:
+        """``value`` as an array of this variable's dtype, shape and array module, or raise."""
+        local = self._local()
+        if isinstance(value, Variable):
+            value = value.value()
+        elif isinstance(value, Mirrored):
+            value = value.values[0]
+        elif isinstance(value, PerReplica):
+            raise InvalidArgumentError(
+                f"{self._name}.{how}: got a PerReplica value; reduce it first (strategy.reduce or "
+                "strategy.extended.reduce_to), or write in replica context inside strategy.run"
+            )
+        xp = packing.array_module(local)
+        if type(value) in (bool, int, float, complex):
+            kind = {bool: "b", int: "i", float: "f", complex: "c"}[type(value)]
+            ok = kind in "bi" or (kind == "f" and local.dtype.kind in "fc") or local.dtype.kind == "c"
+            arr = np.asarray(value)
+        else:
+            if xp is np and packing.array_module(value) is not np:
+                value = value.get()
+            arr = xp.asarray(value)
+            ok = np.can_cast(arr.dtype, local.dtype, casting="same_kind")
+        if not ok:
+            raise InvalidArgumentError(
+                f"{self._name}.{how}: cannot write a {arr.dtype} value into a {local.dtype} variable "
+                f"without losing information; cast it first (e.g. value.astype({local.dtype.name!r}))"
+            )
+        if arr.shape != local.shape:
+            raise InvalidArgumentError(
+                f"{self._name}.{how}: expected a value of shape {tuple(local.shape)}; "
+                f"got shape {tuple(arr.shape)}"
+            )
+        return xp.array(arr, dtype=local.dtype, copy=True)
+
+    # -- Python and NumPy protocols -----------------------------------------------------
+
+    def __repr__(self) -> str:
+        local = _to_numpy(self._local())
+        shown = local.item() if local.ndim == 0 else local
+        return f"<mpistrat.Variable {self._name!r} shape={local.shape} dtype={local.dtype}, numpy={shown!r}>"
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_plain, (_to_numpy(self._local()), self._name, self._trainable))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError(f"len() of a scalar variable {self._name!r}")
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.value()[key]
+
+    def __bool__(self) -> bool:
+        return bool(self.value())
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    __hash__ = object.__hash__  # identity, so variables can key dicts; == compares values
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[[Variable, Any], Any]:
+    def method(self: Variable, other: Any) -> Any:
+        other = other.value() if isinstance(other, Variable) else other
+        return op(other, self.value()) if reflected else op(self.value(), other)
+
+    return method
+
+
+for _name, _op in {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "pow": operator.pow,
+    "matmul": operator.matmul,
+}.items():
+    setattr(Variable, f"__{_name}__", _binary(_op))
+    setattr(Variable, f"__r{_name}__", _binary(_op, reflected=True))
+for _name, _op in {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+                   "eq": operator.eq, "ne": operator.ne}.items():  # fmt: skip
+    setattr(Variable, f"__{_name}__", _binary(_op))
+for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
+    setattr(Variable, f"__{_name}__", lambda self, _op=_op: _op(self.value()))
+del _name, _op
+
+
+class DistributedVariable(Variable, DistributedValues):
+    """A variable with one copy per replica; this rank holds its own copy (``values[0]``)."""
+
+    def __init__(self, initial_value: Any, **kwargs: Any):
+        super().__init__(initial_value, **kwargs)
+        if self._synchronization is VariableSynchronization.NONE:
+            raise InvalidArgumentError(
+                f"synchronization=NONE is not supported for a variable created in a strategy's scope "
+                f"(variable {self._name!r}); use AUTO, ON_WRITE or ON_READ"
+            )
+        mode = context.current_mode()
+        strategy = mode.strategy
+        extended = strategy.extended
+        value = _broadcast_initial(
+            extended, self._value, self._name, self._synchronization, self._aggregation
+        )
+        del self._value
+        self._component = Variable._plain(value, self._name, self._trainable)
+        self._component._owner = self
+        DistributedValues.__init__(self, (self._component,))
+        self._distribute_strategy = strategy
+        self._extended = extended
+        self._synced_key = extended.register_synced(self)
+
+    def _local(self) -> Any:
+        return self._component._value
+
+    @property
+    def device(self) -> str:
+        return self._extended.parameter_devices[0]
+
+    def _note_write(self, new: Any) -> None:
+        """A write to this rank's copy; inside rank 0's merge_fn it must reach the other ranks."""
+        if self._extended.merge_writes is not None:
+            self._extended.merge_writes.append((self._synced_key, new))
+
+    def apply_merge_write(self, payload: Any) -> None:
+        xp = packing.array_module(self._local())
+        self._component._value = xp.asarray(payload)
+
+    def _mode(self, method: str) -> context.Mode:
+        """The current mode; a different strategy's scope is an error."""
+        mode = context.current_mode()
+        if mode.kind != "default" and mode.strategy is not self._distribute_strategy:
+            raise ContextError(
+                f"{self._name}.{method}: this variable belongs to {self._distribute_strategy}, but the "
+                f"current strategy is {mode.strategy}; use it inside its own strategy's scope()"
+            )
+        return mode
+
+    def _aggregate(
+        self, op: VariableAggregation, local: Any, kind: str, error: MpistratError | None = None
+    ) -> Any:
+        """One collective combining every rank's ``local`` as ``op`` says."""
+        if op is VariableAggregation.ONLY_FIRST_REPLICA:
+            xp = packing.array_module(local)
+            send, reduce_op = (local if self._extended.rank == 0 else xp.zeros_like(local)), ReduceOp.SUM
+        else:
+            send, reduce_op = local, ReduceOp[op.name]
+        out = self._extended.collectives.all_reduce(
+            reduce_op, send, kind=f"{kind}({self._name})", error=error
+        )
+        return out.astype(self.dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}:{{\n  {self._extended.rank}: {self._component!r}\n}}"
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"a distributed variable ({self._name!r}) cannot be pickled: it is one copy of a variable that "
+            "lives on every rank; pass its value (var.numpy()) instead"
+        )
+
+
+class MirroredVariable(DistributedVariable):
+    """Kept identical on every rank: created from rank 0's value, written only through aggregation."""
+
+    def value(self) -> Any:
+        self._mode("value")
+        return self._component._value
+
+    def _write(self, how: str, value: Any) -> None:
+        mode = self._mode(how)
+        if mode.kind == "replica":
+            self._write_in_replica(how, value)
+            return
+        self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
+
+    def _write_in_replica(self, how: str, value: Any) -> None:
+        agg = self._aggregation
+        if agg is VariableAggregation.NONE:
+            raise InvalidArgumentError(
+                f"{self._name}.{how}: " + _AGGREGATION_HELP.format(kind="MirroredVariable")
+            )
+        if agg is VariableAggregation.MEAN and self.dtype.kind not in "fc":
+            raise InvalidArgumentError(
+                f"{self._name}.{how}: cannot update a non-float ({self.dtype}) variable with MEAN "
+                "aggregation in replica context; make the variable float, or update it in cross-replica "
+                "context"
+            )
+        error, local = None, None
+        try:
+            local = self._coerce(value, how)
+        except MpistratError as exc:
+            error = exc
+        if local is None:
+            local = packing.array_module(self._local()).zeros_like(self._local())
+        combined = self._aggregate(agg, local, "variable_aggregation", error)
+        self._component._value = _combine(how, self._component._value, combined)
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """Each replica updates its own copy; reading in cross-replica context aggregates the copies."""
+
+    def value(self) -> Any:
+        mode = self._mode("value")
+        local = self._component._value
+        if mode.kind == "replica":
+            return local
+        agg = self._aggregation
+        if agg is VariableAggregation.NONE:
+            raise InvalidArgumentError(
+                f"{self._name}: a sync-on-read variable with aggregation NONE cannot be read in "
+                "cross-replica context (there is no way to combine the replicas' copies); create it with "
+                "aggregation SUM, MEAN or ONLY_FIRST_REPLICA, or read it in replica context"
+            )
+        if mode.kind == "merge":
+            if agg is VariableAggregation.ONLY_FIRST_REPLICA:
+                return local  # merge_fn runs on rank 0, which holds replica 0's copy
+            raise ContextError(
+                f"{self._name}: a {agg.name} sync-on-read variable cannot be read inside merge_fn, which "
+                "runs on rank 0 alone; read it in strategy.scope() on every rank, or pass its local value "
+                "to merge_call"
+            )
+        return self._aggregate(agg, local, "sync_on_read")
+
+    def _write(self, how: str, value: Any) -> None:
+        mode = self._mode(how)
+        if mode.kind == "replica":
+            self._component._write(how, value)
+            return
+        if how != "assign":
+            raise ContextError(
+                f"{self._name}.{how}: sync-on-read variables cannot be updated with {how} in cross-replica "
+                "context; update each replica's copy inside strategy.run, or set the aggregated value with "
+                "assign"
+            )
+        new = self._coerce(value, how)
+        if self._aggregation is VariableAggregation.SUM:  # the copies must sum to the value
+            new = (new / self._extended.size).astype(self.dtype, copy=False)
+        self._component._set(new)
+
+
+def _class_to_create(synchronization: Any) -> type[Variable]:
+    """Which variable ``Variable(...)`` makes here: plain outside a scope, else mirrored or sync-on-read."""
+    mode = context.current_mode()
+    extended = mode.strategy.extended
+    colocation = current_colocation()
+    if colocation is not None and colocation[0] is not extended:
+        raise ContextError(
+            "creating a variable inside colocate_vars_with() of a strategy whose scope is not active; "
+            f'need to be inside "with strategy.scope()" for {colocation[0]._container_strategy}'
+        )
+    if extended.is_default:
+        return Variable
+    if mode.kind == "merge":
+        raise ContextError(
+            "cannot create a distributed variable inside merge_fn: it runs on rank 0 alone and creation is "
+            "collective; create variables in strategy.scope() or in replica context before merge_call"
+        )
+    sync = _enum(VariableSynchronization, synchronization, "synchronization")
+    return SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable
+
+
+def _initial(initial_value: Any, dtype: Any, name: str) -> Any:
+    if callable(initial_value) and not isinstance(initial_value, Variable):
+        initial_value = initial_value()
+    if isinstance(initial_value, Variable):
+        initial_value = initial_value.value()
+    if isinstance(initial_value, DistributedValues):
+        raise InvalidArgumentError(
+            f"Variable {name!r}: initial_value must be an array or number; got {initial_value!r}"
+        )
+    xp = packing.array_module(initial_value)
+    try:
+        arr = xp.array(initial_value, dtype=None if dtype is None else np.dtype(dtype), copy=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"Variable {name!r}: cannot make an array of {initial_value!r}: {exc}"
+        ) from None
+    return packing.as_array(arr, f"Variable {name!r}")
+
+
+def _broadcast_initial(extended: Any, value: Any, name: str, sync: Any, agg: Any) -> Any:
+    """Rank 0's initial value on every rank; a rank with a different shape/dtype/kind fails everywhere."""
+    collectives = extended.collectives
+    described = (f"{name} ({sync.name}, {agg.name})", str(value.dtype), tuple(value.shape))
+    from mpistrat.collectives import _code, check_enabled
+
+    if check_enabled(collectives.options):
+        collectives.handshake(
+            f"variable_creation({name})",
+            _code(repr(described)),
+            lambda: {"reduce_op": None, "axis": None, "leaves": [described]},
+        )
+    xp = packing.array_module(value)
+    received = collectives.broadcast_from_root(_to_numpy(value))
+    return received if xp is np else xp.asarray(received)
+
+
+def _combine(how: str, old: Any, value: Any) -> Any:
+    if how == "assign":
+        return value
+    new = old + value if how == "assign_add" else old - value
+    return new.astype(old.dtype, copy=False)
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    return np.asarray(arr) if packing.array_module(arr) is np else arr.get()
+
+
+def _rebuild_plain(value: np.ndarray, name: str, trainable: bool) -> Variable:
+    return Variable._plain(value, name, trainable)

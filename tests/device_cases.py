@@ -1,0 +1,158 @@
+"""Collective checks over device (CuPy) arrays, shared by the GPU suite and the CPU suite's fake CuPy.
+
+Each case takes ``(xp, strategy, comm)``: the CuPy module (real or fake), a fresh
+strategy over ``comm``, and ``comm`` itself. References are serial NumPy
+computations of every rank's data; every check is agreed on by all ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import mpistrat
+from mpistrat import CollectiveMismatchError, CommunicationOptions, ReduceOp
+from tests.conftest import all_ranks_agree, raises_on_every_rank
+
+
+def host(x: Any) -> np.ndarray:
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+
+
+def on_device(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy") and not isinstance(x, np.ndarray)
+
+
+def local(rank: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    values = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + 10 * rank
+    return values.astype(dtype)
+
+
+def agree_close(comm: Any, got: Any, want: np.ndarray, what: str, device: bool = True) -> None:
+    ok = on_device(got) == device and host(got).dtype == want.dtype and host(got).shape == want.shape
+    ok = ok and np.allclose(host(got), want)
+    all_ranks_agree(comm, ok, f"{what}: got {type(got).__name__} {host(got)!r}, want {want!r}")
+
+
+def case_all_reduce_sum(xp: Any, strategy: Any, comm: Any) -> None:
+    n, rank = comm.Get_size(), comm.Get_rank()
+    for dtype in ("float32", "float64", "int64", "int16", "complex64"):
+        x = xp.asarray(local(rank, (3, 5), dtype))
+        got = strategy.run(lambda v: mpistrat.get_replica_context().all_reduce("sum", v), args=(x,))
+        want = sum(local(r, (3, 5), dtype) for r in range(n)).astype(dtype)
+        agree_close(comm, got, want, f"sum {dtype}")
+        agree_close(comm, x, local(rank, (3, 5), dtype), "input unchanged")
+
+
+def case_all_reduce_mixed_nest(xp: Any, strategy: Any, comm: Any) -> None:
+    """NumPy and CuPy leaves in one nest, several dtypes, small packs: each kind stays where it was."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    value = {
+        "w": xp.asarray(local(rank, (4, 3), "float32")),
+        "b": xp.asarray(local(rank, (3,), "float32")),
+        "steps": xp.asarray(local(rank, (2,), "int32")),
+        "host": local(rank, (2, 2), "float64"),
+        "count": rank + 1,
+    }
+    options = CommunicationOptions(bytes_per_pack=16)
+
+    def step(v: Any) -> Any:
+        return mpistrat.get_replica_context().all_reduce(ReduceOp.MEAN, v, options=options)
+
+    got = strategy.run(step, args=(value,))
+    mean = lambda shape, dtype: sum(local(r, shape, dtype) for r in range(n)) / n  # noqa: E731
+    agree_close(comm, got["w"], mean((4, 3), "float32").astype("float32"), "w")
+    agree_close(comm, got["b"], mean((3,), "float32").astype("float32"), "b")
+    agree_close(comm, got["steps"], mean((2,), "int32"), "steps (ints give float64)")
+    agree_close(comm, got["host"], mean((2, 2), "float64"), "host leaf", device=False)
+    all_ranks_agree(comm, float(got["count"]) == (n + 1) / 2, f"count {got['count']}")
+
+
+def case_all_gather_uneven(xp: Any, strategy: Any, comm: Any) -> None:
+    """Uneven sizes along axis, zero on some ranks, two leaves packed together, a moved axis."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    rows = lambda r: r % 3 + 1  # noqa: E731
+    some = lambda r: 0 if r % 2 else 2  # noqa: E731
+    value = (
+        xp.asarray(local(rank, (rows(rank), 3), "float32")),
+        xp.asarray(local(rank, (some(rank), 2), "float32")),
+        xp.asarray(local(rank, (2,), "int8")),
+    )
+    got = strategy.run(lambda v: mpistrat.get_replica_context().all_gather(v, axis=0), args=(value,))
+    agree_close(
+        comm, got[0], np.concatenate([local(r, (rows(r), 3), "float32") for r in range(n)]), "packed 0"
+    )
+    agree_close(
+        comm, got[1], np.concatenate([local(r, (some(r), 2), "float32") for r in range(n)]), "packed 1"
+    )
+    agree_close(comm, got[2], np.concatenate([local(r, (2,), "int8") for r in range(n)]), "int8")
+    x = xp.asarray(local(rank, (2, some(rank)), "float64"))
+    got = strategy.run(lambda v: mpistrat.get_replica_context().all_gather(v, axis=-1), args=(x,))
+    want = np.concatenate([local(r, (2, some(r)), "float64") for r in range(n)], axis=1)
+    agree_close(comm, got, want, "axis -1 with empty parts")
+
+
+def case_merge_call(xp: Any, strategy: Any, comm: Any) -> None:
+    """Device arrays reach merge_fn as PerReplica of device arrays; the result comes back on the device."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+
+    def merge_fn(strat: Any, value: Any, scale: Any) -> Any:
+        kinds = [on_device(v) for v in value.values]
+        total = strat.reduce("sum", value)
+        return total * scale, mpistrat.PerReplica(tuple(xp.asarray([float(i)]) for i in range(n))), kinds
+
+    def step(x: Any) -> Any:
+        return mpistrat.get_replica_context().merge_call(merge_fn, args=(x, 2.0))
+
+    total, mine, kinds = strategy.run(step, args=(xp.asarray(local(rank, (3,), "float64")),))
+    want = 2.0 * sum(local(r, (3,), "float64") for r in range(n))
+    agree_close(comm, total, want, "merge result")
+    agree_close(comm, mine, np.array([float(rank)]), "PerReplica component")
+    all_ranks_agree(comm, kinds == [True] * n, f"merge_fn saw device arrays: {kinds}")
+
+
+def case_strategy_reduce_and_gather(xp: Any, strategy: Any, comm: Any) -> None:
+    """MEAN over uneven batches is the exact global mean; gather concatenates in rank order."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    batch = xp.asarray(local(rank, (rank + 1, 2), "float64"))
+    with strategy.scope():
+        mean = strategy.reduce("mean", batch, axis=0)
+        gathered = strategy.gather(batch, axis=0)
+    everything = np.concatenate([local(r, (r + 1, 2), "float64") for r in range(n)])
+    agree_close(comm, mean, everything.mean(axis=0), "reduce mean axis 0")
+    agree_close(comm, gathered, everything, "gather")
+
+
+def case_mixed_kinds_mismatch(xp: Any, strategy: Any, comm: Any) -> None:
+    """A rank passing NumPy where the others pass CuPy is an error on every rank, not a hang."""
+    if comm.Get_size() == 1:
+        return
+    rank = comm.Get_rank()
+    x = local(rank, (3,), "float32")
+    value = x if rank == 0 else xp.asarray(x)
+    raises_on_every_rank(
+        comm,
+        CollectiveMismatchError,
+        lambda: strategy.run(lambda v: mpistrat.get_replica_context().all_reduce("sum", v), args=(value,)),
+        match="cupy:float32",
+    )
+
+
+def case_devices_reported(xp: Any, strategy: Any, comm: Any) -> None:
+    device = strategy.run(lambda: mpistrat.get_replica_context().devices)[0]
+    placement = strategy.extended.placement
+    ok = placement.gpu is not None and device.endswith(f"/device:GPU:{placement.gpu}")
+    ok = ok and device.startswith(f"/job:worker/replica:0/task:{comm.Get_rank()}/")
+    all_ranks_agree(comm, ok, f"device {device}, placement {placement}")
+
+
+CASES = [
+    case_all_reduce_sum,
+    case_all_reduce_mixed_nest,
+    case_all_gather_uneven,
+    case_merge_call,
+    case_strategy_reduce_and_gather,
+    case_mixed_kinds_mismatch,
+    case_devices_reported,
+]

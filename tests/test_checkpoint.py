@@ -1,0 +1,241 @@
+"""Checkpoints: round trips at every size, clear errors, atomic saves, and restoring at another size."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mpistrat
+import mpistrat.checkpoint as checkpoint_module
+from mpistrat import ContextError, InvalidArgumentError
+from mpistrat.optimizers import SGD
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.test_optimizers import CONFIGS, numpy_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+serial_only = pytest.mark.skipif(
+    WORLD.Get_size() > 1, reason="spawns its own mpiexec; runs in the serial pass"
+)
+
+
+def shared_dir(group, tmp_path):
+    """One directory for the whole group: its rank 0's."""
+    return group.comm.bcast(str(tmp_path) if group.rank == 0 else None, root=0)
+
+
+def make_state(group):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.arange(3.0), name="w")
+        total = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+        mean = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="MEAN")
+        step = mpistrat.Variable(np.int64(0))
+        opt = SGD(0.5, momentum=0.9)
+    return w, total, mean, step, opt
+
+
+def test_round_trip(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    w, total, mean, step, opt = make_state(group)
+
+    def train():
+        rid = mpistrat.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(np.ones(3), w)])
+        total.assign_add(rid + 1.0)
+        mean.assign_add(rid + 1.0)
+
+    group.strategy.run(train)
+    ckpt = mpistrat.Checkpoint(model={"w": w}, optimizer=opt, step=step, stats=[total, mean])
+    with group.strategy.scope():
+        step.assign(7)
+        expected = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
+        path = ckpt.save(os.path.join(directory, "ckpt-7"))
+        for var in (w, total, mean, opt.get_slot(w, "momentum")):
+            var.assign(np.zeros(var.shape))
+        step.assign(0)
+        restored = ckpt.restore(ckpt.latest(directory))
+        got = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
+        iterations, step_value = int(opt.iterations.numpy()), int(step.numpy())
+    n = group.size
+    ok = restored == path and step_value == 7 and iterations == 1
+    ok = ok and expected[1] == n * (n + 1) / 2 and expected[2] == (n + 1) / 2
+    ok = ok and all(np.allclose(g, e) for g, e in zip(got, expected, strict=True))
+    all_ranks_agree(group.comm, ok, f"{got} != {expected}")
+
+
+def test_restore_creates_optimizer_slots(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    w, _, _, _, opt = make_state(group)
+    group.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
+    mpistrat.Checkpoint(w=w, opt=opt).save(os.path.join(directory, "a"))
+    w2, _, _, _, fresh = make_state(group)
+    mpistrat.Checkpoint(w=w2, opt=fresh).restore(os.path.join(directory, "a"))
+    slot = fresh.get_slot(w2, "momentum")
+    ok = np.allclose(slot.numpy(), -0.5 * group.size) and int(fresh.iterations.numpy()) == 1
+    all_ranks_agree(group.comm, ok and np.allclose(w2.numpy(), w.numpy()), repr(slot))
+
+
+def test_missing_and_mismatched_entries_are_named(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        a, c = mpistrat.Variable(np.zeros(2)), mpistrat.Variable(np.int64(3))
+    path = mpistrat.Checkpoint(a=a, c=c).save(os.path.join(directory, "ab"))
+    with group.strategy.scope():
+        wrong, b = mpistrat.Variable(np.zeros(3)), mpistrat.Variable(1.0)
+    message = raises_on_every_rank(
+        group.comm, InvalidArgumentError, lambda: mpistrat.Checkpoint(a=wrong, b=b, c=c).restore(path)
+    )
+    assert (
+        "missing from the checkpoint: b" in message
+        and "a (checkpoint: float64[2], here: float64[3])" in message
+    )
+    message = raises_on_every_rank(
+        group.comm, InvalidArgumentError, lambda: mpistrat.Checkpoint(c=c).restore(path)
+    )
+    assert "not tracked here: a" in message
+    c.assign(0)
+    assert mpistrat.Checkpoint(c=c).restore(path, expect_partial=True) == path and int(c.numpy()) == 3
+    assert float(b.numpy()) == 1.0 and wrong.numpy().tolist() == [0.0] * 3  # nothing was assigned
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeypatch):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4.0))
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.save(os.path.join(directory, "ckpt"))
+
+    def crash(tmp, target):
+        assert os.path.getsize(tmp) > 0
+        raise OSError("no space left on device (simulated)")
+
+    monkeypatch.setattr(checkpoint_module, "_before_rename", crash)
+    with group.strategy.scope():
+        v.assign(np.full(4, -1.0))
+    raises_on_every_rank(group.comm, OSError, lambda: ckpt.save(path), "simulated")
+    monkeypatch.undo()
+    ckpt.restore(ckpt.latest(directory))
+    leftovers = [f for f in os.listdir(directory) if ".tmp" in f]
+    all_ranks_agree(group.comm, v.numpy().tolist() == [0, 1, 2, 3] and not leftovers, f"{v!r} {leftovers}")
+
+
+def test_reading_errors_reach_every_rank(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "nope")))
+    if group.rank == 0:
+        np.savez(os.path.join(directory, "foreign.npz"), v=np.zeros(3))
+    group.comm.Barrier()
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: ckpt.restore(os.path.join(directory, "foreign.npz")),
+        "not an mpistrat checkpoint",
+    )
+    assert ckpt.latest(directory) is None and ckpt.restore(None) is None
+
+
+def test_ranks_in_different_checkpoint_calls_fail_instead_of_hanging(group, tmp_path):
+    if group.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    call = (lambda: ckpt.latest(directory)) if group.rank == 0 else (lambda: ckpt.save(f"{directory}/c"))
+    raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, call, "different collectives")
+
+
+def test_context_and_argument_rules(world, tmp_path):
+    w, _, _, _, opt = make_state(world)
+    ckpt = mpistrat.Checkpoint(w=w)
+    with pytest.raises(ContextError, match="cross-replica"):
+        world.strategy.run(lambda: ckpt.save(str(tmp_path / "x")))
+    with pytest.raises(InvalidArgumentError, match="must be a Variable"):
+        mpistrat.Checkpoint(w="not a variable")
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        mpistrat.Checkpoint(__mpistrat__=w)
+    world.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
+    with pytest.raises(InvalidArgumentError, match="does not track"):
+        mpistrat.Checkpoint(opt=opt).save(str(tmp_path / "y"))
+    with pytest.raises(InvalidArgumentError, match="index file"):
+        ckpt.save(str(tmp_path / "checkpoint"))
+
+
+# -- separate jobs (serial pass only) --------------------------------------------------------
+
+
+def child_env():
+    """This environment without the variables of the MPI job pytest may itself be part of."""
+    prefixes = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "MPICH_INTERFACE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def mpiexec(n, *args):
+    launcher = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(launcher), "-n", str(n), sys.executable, str(ROOT / "tests" / "checkpoint_job.py"), *args]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@serial_only
+def test_save_on_two_ranks_restore_on_three(tmp_path):
+    mpiexec(2, "save", str(tmp_path), "4")
+    assert os.listdir(tmp_path) and (tmp_path / "ckpt-4").is_file()
+    mpiexec(3, "restore", str(tmp_path), "3", str(tmp_path / "out.json"))
+    report = json.loads((tmp_path / "out.json").read_text())
+    cfg = CONFIGS["adam"][1]
+    after_save = numpy_reference(cfg, lambda k: cfg["lr"], steps=4)
+    final_w, final_b = numpy_reference(cfg, lambda k: cfg["lr"], steps=7)
+    restored = report["restored"]
+    assert restored["path"] == str(tmp_path / "ckpt-4") and restored["iterations"] == 4
+    assert np.allclose(restored["w"], after_save[0], rtol=1e-10) and restored["seen"] == 40.0
+    assert report["ranks"] == 3 and report["step"] == 7 and report["iterations"] == 7
+    assert np.allclose(report["w"], final_w, rtol=1e-10) and np.isclose(report["b"], final_b, rtol=1e-10)
+    assert report["seen"] == 70.0
+
+
+KILLED_SAVE = """
+import sys, time
+import numpy as np
+import mpistrat, mpistrat.checkpoint as ck
+
+directory = sys.argv[1]
+v = mpistrat.Variable(np.arange(4.0))
+ckpt = mpistrat.Checkpoint(v=v)
+ckpt.save(directory + "/ckpt")
+v.assign(np.full(4, -1.0))
+
+def hang(tmp, path):
+    if path.endswith("ckpt"):
+        print("WRITTEN", tmp, flush=True)
+        time.sleep(100)
+
+ck._before_rename = hang
+ckpt.save(directory + "/ckpt")
+"""
+
+
+@serial_only
+def test_killed_save_leaves_the_old_checkpoint_loadable(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], env=child_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "WRITTEN", f"the job ended before the hook: {line}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert Path(line[1]).is_file()  # the new checkpoint was written, never renamed
+    v = mpistrat.Variable(np.zeros(4))
+    ckpt = mpistrat.Checkpoint(v=v)
+    assert ckpt.restore(ckpt.latest(tmp_path)) == str(tmp_path / "ckpt")
+    assert v.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
