@@ -48,6 +48,18 @@ def test_an_empty_batch_gives_zero_loss_and_gradients():
     assert all(g.shape == p.shape and not g.any() for g, p in zip(grads, params, strict=True))
 
 
+@SERIAL_ONLY
+def test_the_bundled_file_is_what_load_digits_returns():
+    from sklearn.datasets import load_digits
+
+    from mpistrat.examples.digits import bundled_digits
+
+    x, y = bundled_digits()
+    want_x, want_y = load_digits(return_X_y=True)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(y, want_y)
+
+
 def train(ranks: int, tmp_path: Path, tag: str, *options: str) -> dict[str, np.ndarray]:
     """Run the example under ``mpiexec -n ranks``; the final weights and test accuracy."""
     mpiexec = Path(sys.executable).with_name("mpiexec")
