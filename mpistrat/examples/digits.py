@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     for x, y in strategy.experimental_distribute_dataset(list(global_batches(x_test, y_test, 256, None))):
         correct += int(strategy.reduce("sum", strategy.run(eval_step, args=(x, y))))
     accuracy = correct / len(y_test)
-    say(f"test accuracy {accuracy:.4f} ({correct}/{len(y_test)}) after {int(epoch.numpy())} epochs")
+    done = int(epoch.numpy())
+    say(f"test accuracy {accuracy:.4f} ({correct}/{len(y_test)}) after {done} epoch{'s' * (done != 1)}")
     if steps:
         say(
             f"{seen / train_time:,.0f} examples/s, {1e3 * train_time / steps:.2f} ms/step "
