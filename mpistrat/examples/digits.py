@@ -101,8 +101,9 @@ def global_batches(
 ) -> Iterator[tuple[Any, Any]]:
     """``(x, y)`` global batches in a shuffled order (``rng``) or in order (``None``)."""
     order = np.arange(len(y)) if rng is None else rng.permutation(len(y))
+    xp = mlp.array_module(x)  # the order is drawn with NumPy on every device, so runs agree
     for start in range(0, len(y), batch_size):
-        idx = order[start : start + batch_size]
+        idx = xp.asarray(order[start : start + batch_size])
         yield x[idx], y[idx]
 
 
