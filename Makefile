@@ -8,15 +8,27 @@ RUN_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q
 SIZES  ?= 2 3 4
 
-.PHONY: install install-gpu test test-serial test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
+.PHONY: install install-gpu demo docs test test-serial test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[mpich,test,dev]"
+	$(PY) -m pip install -q -e ".[mpich,test,dev,examples]"
 	touch $@
 
 install: $(VENV)/.installed
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+# Train the digits classifier data-parallel on 2 ranks: the first thing to run.
+demo: install
+	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n 2 $(PY) -m mpistrat.examples.digits
+
+# The documentation site in site/; any warning fails the build.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The whole suite serially, then under mpiexec at each size; any failing rank fails the run.
 test: install test-serial $(addprefix test-,$(SIZES))
@@ -49,12 +61,12 @@ bench-gpu: install-gpu
 		--json results/bench-gpu-$(GPU_RANKS).json
 
 lint: install
-	$(PY) -m ruff check mpistrat tests
-	$(PY) -m ruff format --check mpistrat tests
+	$(PY) -m ruff check mpistrat tests tools
+	$(PY) -m ruff format --check mpistrat tests tools
 
 format: install
-	$(PY) -m ruff format mpistrat tests
-	$(PY) -m ruff check --fix mpistrat tests
+	$(PY) -m ruff format mpistrat tests tools
+	$(PY) -m ruff check --fix mpistrat tests tools
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache results site

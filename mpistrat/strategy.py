@@ -104,6 +104,24 @@ class Strategy:
 
     experimental_run_v2 = run
 
+    def experimental_run(self, fn: Callable[..., Any], input_iterator: Any = None) -> Any:
+        """Call ``fn`` on each rank with its part of the next input, as tf.distribute's older ``run``.
+
+        ``fn(input_iterator.get_next())``, or ``fn()`` without an iterator, in the
+        replica context; returns this rank's result. The iterator is one from
+        :meth:`make_dataset_iterator` or :meth:`make_input_fn_iterator`.
+
+        >>> import mpistrat, numpy as np
+        >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+        >>> iterator = strategy.make_dataset_iterator([np.arange(4)])
+        >>> _ = iterator.initialize()
+        >>> int(strategy.experimental_run(lambda batch: batch.sum(), iterator))
+        6
+        """
+        if input_iterator is None:
+            return self.run(fn)
+        return self.run(fn, args=(input_iterator.get_next(),))
+
     def _local_component(self, value: Any, rank: int) -> Any:
         if not isinstance(value, (PerReplica, Mirrored)):
             return value

@@ -42,8 +42,10 @@ class ArrayDataset:
         shuffle: visit the examples in a new random order at every pass.
         seed: the shuffling seed; it must be the same on every rank.
         drop_remainder: leave out a last batch shorter than ``batch_size``.
-        num_shards, shard_index: keep only examples ``shard_index::num_shards`` of
-            each pass's order (as ``tf.data.Dataset.shard``), then batch.
+        num_shards: keep only every ``num_shards``-th example of each pass's order
+            (as ``tf.data.Dataset.shard``), then batch.
+        shard_index: which of the ``num_shards`` shards to keep: examples
+            ``shard_index::num_shards``.
     """
 
     def __init__(

@@ -1,0 +1,1 @@
+"""Runnable examples: ``mpiexec -n 2 python -m mpistrat.examples.digits``."""
