@@ -16,6 +16,8 @@ handshake is the size exchange and costs nothing extra.
 
 from __future__ import annotations
 
+import itertools
+import math
 import operator
 import os
 import pickle
@@ -40,6 +42,10 @@ from mpistrat.reduce_op import ReduceOp
 __all__ = ["Collectives", "check_enabled"]
 
 _MAGIC = 0x6D707374  # "mpst"
+# Array bytes up to this size travel inside gather_to_root/broadcast_from_root's pickled
+# message: one collective instead of two, which is what small merge_call arguments cost.
+_INLINE_BYTES = 1 << 16
+_ARRAYS_TAG = 0x6D70
 _HEADER = 16
 _EXTRAS = _HEADER - 6  # per-leaf sizes that fit in the handshake itself
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
@@ -196,8 +202,10 @@ class Collectives:
                 raise InvalidArgumentError(f"{kind}: leaf {_leaf_path(value, i)}: {problem}")
         except MpistratError as exc:
             error, arrays, axes = exc, [], []
-        rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
-        fingerprint = _code(repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)])))
+        fingerprint = _cached_code(
+            ("all_gather", treespec, *axes, *map(_DTYPE_SHAPE, arrays)),
+            lambda: repr((treespec, [(a.dtype.str, x, _rest(a.shape, x)) for a, x in _pairs(arrays, axes)])),
+        )
         sizes = self.handshake(
             kind,
             fingerprint,
@@ -207,7 +215,8 @@ class Collectives:
         )
         moved = [np_moveaxis(a, ax) for a, ax in zip(arrays, axes, strict=True)]
         out: list[Any] = [None] * len(arrays)
-        synchronize(moved)
+        if not packing.all_numpy(moved):
+            synchronize(moved)
         for p in packing.plan_packs(moved, opts.bytes_per_pack):
             self._allgather_pack(moved, p, sizes, out)
         out = [o if ax == 0 else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax)) for o, ax in zip(out, axes, strict=True)]
@@ -215,9 +224,10 @@ class Collectives:
 
     def _allgather_pack(self, moved: list[Any], p: Any, sizes: np.ndarray, out: list[Any]) -> None:
         xp = p.module
-        inner = {i: int(np.prod(moved[i].shape[1:], dtype=np.int64)) for i in p.indices}
-        counts = [int(sum(sizes[r][i] * inner[i] for i in p.indices)) for r in range(self.size)]
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        rows = sizes.tolist()  # plain ints: this is per-call overhead, NumPy scalars cost more here
+        inner = {i: math.prod(moved[i].shape[1:]) for i in p.indices}
+        counts = [sum(row[i] * inner[i] for i in p.indices) for row in rows]
+        displs = [0, *itertools.accumulate(counts[:-1])]
         recv = xp.empty(sum(counts), dtype=p.dtype)
         if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
             send = moved[p.indices[0]]
@@ -227,13 +237,13 @@ class Collectives:
         self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), [recv, counts, displs, buffer_spec(recv)[2]])
         if len(p.indices) == 1:
             i = p.indices[0]
-            out[i] = recv.reshape((int(sizes[:, i].sum()),) + moved[i].shape[1:])
+            out[i] = recv.reshape((sum(row[i] for row in rows), *moved[i].shape[1:]))
             return
         for i in p.indices:
             pieces = []
             for r in range(self.size):
-                start = displs[r] + sum(int(sizes[r][j]) * inner[j] for j in p.indices if j < i)
-                n = int(sizes[r][i])
+                start = displs[r] + sum(rows[r][j] * inner[j] for j in p.indices if j < i)
+                n = rows[r][i]
                 pieces.append(recv[start : start + n * inner[i]].reshape((n,) + moved[i].shape[1:]))
             out[i] = xp.concatenate(pieces, axis=0)
 
@@ -242,32 +252,48 @@ class Collectives:
     def gather_to_root(self, obj: Any, kind: str = "merge_call", root: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
 
-        Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
+        The rest is pickled into one ``gather``. A rank's array bytes ride in that
+        message up to ``_INLINE_BYTES``; above, they follow as one raw message to root
+        (root learns which from the gathered headers, so no rank has to agree first).
         """
         if check_enabled(self.options):
             self.handshake(kind, 0, lambda: None)
         header, data = _split_arrays(obj)
-        headers = self.comm.gather((header, data.size), root=root)
-        counts = [n for _, n in headers] if self.rank == root else None
-        recv = None
-        if self.rank == root:
-            recv = np.empty(sum(counts), dtype=np.uint8)
-            displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-            self.comm.Gatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE], root=root)
-            offsets = [0, *np.cumsum(counts).tolist()]
-            return [_join_arrays(h, recv[offsets[r] : offsets[r + 1]]) for r, (h, _) in enumerate(headers)]
-        self.comm.Gatherv([data, MPI.BYTE], None, root=root)
-        return None
+        inline = data.size <= _INLINE_BYTES
+        messages = self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
+        if self.rank != root:
+            if not inline:
+                self.comm.Send([data, MPI.BYTE], dest=root, tag=_ARRAYS_TAG)
+            return None
+        gathered = []
+        for r, (h, payload) in enumerate(messages):
+            if isinstance(payload, bytes):
+                buf = np.frombuffer(payload, dtype=np.uint8)
+            elif r == root:
+                buf = data
+            else:
+                buf = np.empty(payload, dtype=np.uint8)
+                self.comm.Recv([buf, MPI.BYTE], source=r, tag=_ARRAYS_TAG)
+            gathered.append(_join_arrays(h, buf))
+        return gathered
 
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
-        """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
-        header, data = _split_arrays(obj) if self.rank == root else (None, None)
-        header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
-        if nbytes:
-            if self.rank != root:
-                data = np.empty(nbytes, dtype=np.uint8)
+        """``obj`` from ``root`` on every rank: pickled, with arrays as raw bytes inside the
+        message up to ``_INLINE_BYTES`` and as one raw ``Bcast`` above."""
+        if self.rank == root:
+            header, data = _split_arrays(obj)
+            inline = data.size <= _INLINE_BYTES
+            self.comm.bcast((header, data.tobytes() if inline else data.size), root=root)
+            if not inline:
+                self.comm.Bcast([data, MPI.BYTE], root=root)
+            return _join_arrays(header, data)
+        header, payload = self.comm.bcast(None, root=root)
+        if isinstance(payload, bytes):
+            data = np.frombuffer(payload, dtype=np.uint8)
+        else:
+            data = np.empty(payload, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
-        return _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+        return _join_arrays(header, data)
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -295,16 +321,32 @@ _FINGERPRINTS: dict[tuple[Any, ...], int] = {}
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 
 
-def _fingerprint(op: ReduceOp | None, treespec: Any, arrays: list[Any]) -> int:
-    """A code for (op, structure, dtypes, shapes) that is the same on every rank; cached per process."""
-    key = (op, treespec, *map(_DTYPE_SHAPE, arrays))
+def _cached_code(key: tuple[Any, ...], text: Any) -> int:
+    """``_code(text())``, computed once per process for each ``key`` (a hashable stand-in for it)."""
     code = _FINGERPRINTS.get(key)
     if code is None:
-        code = _code(repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])))
+        code = _code(text())
         if len(_FINGERPRINTS) >= 1024:
             _FINGERPRINTS.clear()
         _FINGERPRINTS[key] = code
     return code
+
+
+def _fingerprint(op: ReduceOp | None, treespec: Any, arrays: list[Any]) -> int:
+    """A code for (op, structure, dtypes, shapes) that is the same on every rank."""
+    return _cached_code(
+        (op, treespec, *map(_DTYPE_SHAPE, arrays)),
+        lambda: repr((op, treespec, [(a.dtype.str, a.shape) for a in arrays])),
+    )
+
+
+def _pairs(arrays: list[Any], axes: list[int]) -> list[tuple[Any, int]]:
+    return list(zip(arrays, axes, strict=True))
+
+
+def _rest(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """The shape without ``axis`` (all_gather's ranks must agree on it)."""
+    return tuple(s for d, s in enumerate(shape) if d != axis)
 
 
 def _agreed(table: np.ndarray) -> bool:
@@ -402,7 +444,7 @@ def _split_arrays(obj: Any) -> tuple[bytes, np.ndarray]:
 def _join_arrays(header: bytes, data: np.ndarray) -> Any:
     def put(leaf: Any) -> Any:
         if isinstance(leaf, _ArrayRef):
-            n = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+            n = math.prod(leaf.shape) * leaf.dtype.itemsize
             return data[leaf.offset : leaf.offset + n].view(leaf.dtype).reshape(leaf.shape).copy()
         return leaf
 
