@@ -233,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [load(path) for path in args.results]
         plt = _pyplot()
+        ops = _ops(runs, args.ops)
         kind = args.kind
         if kind == "auto":
             kind = "scaling" if len({run["meta"]["ranks"] for run in runs}) > 1 else "bandwidth"
         if kind == "scaling":
             fig = _scaling(plt, runs, args.op, args.size)
         else:
-            fig = _per_size(plt, runs, _ops(runs, args.ops), kind, args.metric)
+            fig = _per_size(plt, runs, ops, kind, args.metric)
     except InvalidArgumentError as exc:
         print(f"mpistrat plot: {exc}", file=sys.stderr)
         return 2
