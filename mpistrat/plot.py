@@ -199,11 +199,16 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
             for side in entry:
                 entry[side].append(rows[0][side]["time_us"]["avg"])
         ranks = sorted(by_ranks)
-        for side in ("mpistrat", "raw"):
-            times = [sum(by_ranks[n][side]) / len(by_ranks[n][side]) for n in ranks]
+        # repeated runs at one rank count: their mean
+        means = {
+            side: [sum(by_ranks[n][side]) / len(by_ranks[n][side]) for n in ranks]
+            for side in ("mpistrat", "raw")
+        }
+        unit, scale = ("ms", 1e-3) if max(means["mpistrat"] + means["raw"]) > 1e4 else ("us", 1.0)
+        for side, times in means.items():
             speedup, efficiency = speedup_efficiency(mode, ranks, times)
             label = "mpistrat" if side == "mpistrat" else "raw mpi4py"
-            for ax, y in zip(row_axes, (times, speedup, efficiency), strict=True):
+            for ax, y in zip(row_axes, ([t * scale for t in times], speedup, efficiency), strict=True):
                 ax.plot(
                     ranks,
                     y,
@@ -215,7 +220,7 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
         ideal_speedup = [n / ranks[0] for n in ranks]
         row_axes[1].plot(ranks, ideal_speedup, color="0.6", lw=0.8, label="ideal")
         row_axes[2].plot(ranks, [1.0] * len(ranks), color="0.6", lw=0.8, label="ideal")
-        titles = ("time per call (us)", "speed-up", "parallel efficiency")
+        titles = (f"time per call ({unit})", "speed-up", "parallel efficiency")
         for ax, title in zip(row_axes, titles, strict=True):
             ax.set_xscale("log", base=2)
             ax.set_xticks(ranks, [str(n) for n in ranks])
