@@ -5,6 +5,7 @@ holds, and a serial sum over every rank's (reproducible) nest for all_reduce.
 """
 
 import numpy as np
+import optree
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -125,3 +126,36 @@ def test_all_reduce_results_do_not_alias_the_inputs(group):
     got["a"][:] = -1
     ok = np.array_equal(x["a"], np.ones(3)) and np.array_equal(got["b"], np.ones(2))
     all_ranks_agree(group.comm, ok, f"{x} {got}")
+
+
+@st.composite
+def containers(draw):
+    kind = draw(st.sampled_from(["list", "tuple", "dict", "nested", "array"]))
+    n = draw(st.integers(0, 5))
+    values = [np.full(draw(st.integers(0, 3)), i, dtype=draw(st.sampled_from(DTYPES))) for i in range(n)]
+    if draw(st.booleans()) and values:  # sometimes not all arrays: a number, None
+        values[draw(st.integers(0, n - 1))] = draw(st.sampled_from([1.5, None, 7]))
+    if kind == "list":
+        return values
+    if kind == "tuple":
+        return tuple(values)
+    if kind == "array":
+        return values[0] if values and isinstance(values[0], np.ndarray) else np.zeros(2)
+    keys = draw(st.permutations(["w", "b", "a", "kernel", "z"]))[:n]
+    d = dict(zip(keys, values, strict=True))
+    return {"outer": d, "x": np.ones(1)} if kind == "nested" else d
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=containers())
+def test_fast_flatten_is_optree_flatten(value):
+    from mpistrat.collectives import _flatten
+
+    want_leaves, want_spec = optree.tree_flatten(value, none_is_leaf=True, namespace="mpistrat")
+    for _ in range(2):  # the second call may come from the remembered structure
+        leaves, spec = _flatten(value)
+        assert spec == want_spec
+        assert len(leaves) == len(want_leaves) and all(
+            a is b for a, b in zip(leaves, want_leaves, strict=True)
+        )
+        assert optree.tree_unflatten(spec, leaves) is not None

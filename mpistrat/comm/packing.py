@@ -25,7 +25,17 @@ import numpy as np
 
 from mpistrat.errors import UnsupportedTypeError
 
-__all__ = ["Pack", "as_array", "as_arrays", "all_numpy", "plan_packs", "pack", "unpack", "array_module"]
+__all__ = [
+    "Pack",
+    "all_numpy",
+    "array_module",
+    "as_array",
+    "as_arrays",
+    "pack",
+    "plan_packs",
+    "signature",
+    "unpack",
+]
 
 # dtype kinds that MPI can move and reduce: signed, unsigned, float, complex.
 _NUMERIC_KINDS = "iufc"
@@ -79,10 +89,19 @@ def as_array(leaf: Any, where: str = "value") -> Any:
 
 
 def as_arrays(leaves: list[Any], where: str = "value") -> list[Any]:
-    """``as_array`` of every leaf; plain NumPy arrays of numeric dtypes pass with one check."""
+    """``as_array`` of every leaf.
+
+    Plain NumPy arrays of numeric dtypes pass with one check and the same list comes
+    back (``as_arrays(x) is x`` tells a caller that every leaf is a NumPy array).
+    """
     if all_numpy(leaves) and all(dt.kind in _NUMERIC_KINDS for dt in set(map(_DTYPE, leaves))):
-        return list(leaves)
+        return leaves
     return [as_array(leaf, where) for leaf in leaves]
+
+
+def signature(arrays: list[Any]) -> tuple[tuple[np.dtype, tuple[int, ...]], ...] | None:
+    """Every array's (dtype, shape) when all are plain NumPy arrays, else None (the plans' cache key)."""
+    return tuple(map(_DTYPE_SHAPE, arrays)) if all_numpy(arrays) else None
 
 
 @dataclasses.dataclass
@@ -90,7 +109,8 @@ class Pack:
     """Leaves (by index into the flat list) that travel together in one buffer.
 
     ``views`` (cached plans only): ``(index, slice, shape)`` per leaf, ``shape`` None
-    where the slice already has the leaf's shape; ``size`` the pack's element count.
+    where the slice already has the leaf's shape; ``size`` the pack's element count;
+    ``slices`` the slices alone when the pack holds every leaf, each already shaped.
     """
 
     dtype: np.dtype
@@ -98,18 +118,22 @@ class Pack:
     module: Any = np
     views: tuple[tuple[int, slice, tuple[int, ...] | None], ...] = ()
     size: int = -1
+    slices: tuple[slice, ...] = ()
 
 
-def plan_packs(arrays: list[Any], bytes_per_pack: int = 0) -> list[Pack]:
+def plan_packs(arrays: list[Any], bytes_per_pack: int = 0, sig: tuple[Any, ...] | None = None) -> list[Pack]:
     """Group arrays by (array module, dtype), in first-seen order.
 
     With ``bytes_per_pack > 0`` a group is split, between leaves, into packs of
     about that many bytes; a leaf larger than that travels alone. For plain NumPy
-    arrays the plan is cached and shared: callers must not modify it.
+    arrays the plan is cached and shared: callers must not modify it. ``sig``:
+    ``signature(arrays)`` if the caller has it already.
     """
-    if not all_numpy(arrays):
-        return _plan(arrays, bytes_per_pack)
-    key = (bytes_per_pack, *map(_DTYPE_SHAPE, arrays))
+    if sig is None:
+        sig = signature(arrays)
+        if sig is None:
+            return _plan(arrays, bytes_per_pack)
+    key = (bytes_per_pack, sig)
     packs = _PLANS.get(key)
     if packs is None:
         packs = [_with_views(p, arrays) for p in _plan(arrays, bytes_per_pack)]
@@ -125,7 +149,9 @@ def _with_views(p: Pack, arrays: list[Any]) -> Pack:
         n, shape = arrays[i].size, arrays[i].shape
         views.append((i, slice(offset, offset + n), None if shape == (n,) else shape))
         offset += n
-    return dataclasses.replace(p, views=tuple(views), size=offset)
+    whole = len(p.indices) == len(arrays) and all(shape is None for _, _, shape in views)
+    slices = tuple(part for _, part, _ in views) if whole else ()
+    return dataclasses.replace(p, views=tuple(views), size=offset, slices=slices)
 
 
 def _plan(arrays: list[Any], bytes_per_pack: int) -> list[Pack]:
@@ -174,6 +200,9 @@ def pack(arrays: list[Any], p: Pack) -> Any:
 
 def unpack(buf: Any, arrays: list[Any], p: Pack, out: list[Any]) -> None:
     """Write views of ``buf`` shaped like the pack's leaves into ``out``."""
+    if p.slices:  # every leaf, all 1-D: the slices are the leaves
+        out[:] = map(buf.__getitem__, p.slices)
+        return
     if p.views:
         for i, part, shape in p.views:
             out[i] = buf[part] if shape is None else buf[part].reshape(shape)
