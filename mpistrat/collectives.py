@@ -72,6 +72,14 @@ def _code(text: str) -> int:
 _REDUCE_OPS: dict[Any, ReduceOp] = {}
 
 
+def _known_reduce_op(value: Any) -> ReduceOp | None:
+    """The ReduceOp for a name or member already seen, else None."""
+    try:
+        return _REDUCE_OPS.get(value)
+    except TypeError:
+        return None
+
+
 def _reduce_op(value: ReduceOp | str) -> ReduceOp:
     """``ReduceOp.from_any``, remembered for the (few) names and members that are valid."""
     try:
@@ -156,6 +164,10 @@ class Collectives:
         kind: str = "all_reduce",
     ) -> Any:
         """Reduce a nest of arrays/numbers across ranks; same structure, dtype (SUM) out."""
+        if options is None and type(value) is np.ndarray:
+            op = _known_reduce_op(reduce_op)
+            if op is not None and value.dtype.kind in "iufc":
+                return self._all_reduce_array(op, value, kind)
         opts = self.options.merge(options)
         error, op, leaves, treespec, arrays = None, None, [], None, []
         try:
@@ -164,20 +176,18 @@ class Collectives:
             arrays = to_arrays(value, leaves, kind)
         except MpistratError as exc:
             error = exc
-        divisor = self.size if op is ReduceOp.MEAN else None
         numpy_only = arrays is leaves  # to_arrays passes lists of plain NumPy arrays through
-        sig = packing.signature(arrays) if numpy_only else None
+        fingerprint, packs = 0, None
+        if numpy_only:
+            fingerprint, packs = _numpy_plan(op, treespec, arrays, opts.bytes_per_pack)
         if check_enabled(opts):
-            payload = _inline_payload(arrays) if numpy_only else None
-            fingerprint = _fingerprint(op, treespec, arrays, sig)
-            rows = self.handshake(kind, fingerprint, lambda: _describe(value, op), error, payload)
-            out = _sum_inline(rows, arrays, divisor) if payload else None
-            if out is None:  # not every rank could inline its values
-                out = self._allreduce_arrays(arrays, opts.bytes_per_pack, divisor, sig)
+            if not numpy_only:
+                fingerprint = _fingerprint(op, treespec, arrays)
+            self.handshake(kind, fingerprint, lambda: _describe(value, op), error)
         elif error is not None:
             raise error
-        else:
-            out = self._allreduce_arrays(arrays, opts.bytes_per_pack, divisor, sig)
+        divisor = self.size if op is ReduceOp.MEAN else None
+        out = self._allreduce_arrays(arrays, opts.bytes_per_pack, divisor, packs)
         if not numpy_only:  # numbers come back as NumPy scalars
             out = [
                 o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
@@ -185,20 +195,29 @@ class Collectives:
             ]
         return optree.tree_unflatten(treespec, out)
 
+    def _all_reduce_array(self, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
+        """``all_reduce`` of one valid NumPy array: the same steps without the nest bookkeeping."""
+        fingerprint, packs = _numpy_plan(op, _LEAF_SPEC, [x], self.options.bytes_per_pack)
+        if check_enabled(self.options):
+            self.handshake(kind, fingerprint, lambda: _describe(x, op))
+        divisor = self.size if op is ReduceOp.MEAN else None
+        return self._allreduce_arrays([x], self.options.bytes_per_pack, divisor, packs)[0]
+
     def _allreduce_arrays(
-        self, arrays: list[Any], bytes_per_pack: int, divisor: int | None = None, sig: Any = None
+        self, arrays: list[Any], bytes_per_pack: int, divisor: int | None = None, packs: Any = None
     ) -> list[Any]:
         """Sum across ranks, one MPI call per pack; a ``divisor`` divides each pack once (MEAN).
 
-        ``sig``: ``packing.signature(arrays)`` when the caller has it (plain NumPy arrays).
+        ``packs``: the plan for plain NumPy ``arrays`` if the caller has it (``_numpy_plan``).
         """
-        if sig is None:
+        if packs is None:
             synchronize(arrays)
+            packs = packing.plan_packs(arrays, bytes_per_pack)
         out: list[Any] = [None] * len(arrays)
-        for p in packing.plan_packs(arrays, bytes_per_pack, sig):
+        for p in packs:
             if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
                 i = p.indices[0]
-                recv = p.module.empty(arrays[i].shape, dtype=p.dtype)
+                recv = packing.empty(arrays[i].shape, p.dtype, p.module)
                 self.comm.Allreduce(buffer_spec(arrays[i]), buffer_spec(recv), op=MPI.SUM)
                 out[i] = recv if divisor is None else _divide(recv, divisor)
             else:
@@ -262,7 +281,7 @@ class Collectives:
         inner = {i: math.prod(moved[i].shape[1:]) for i in p.indices}
         counts = [sum(row[i] * inner[i] for i in p.indices) for row in rows]
         displs = [0, *itertools.accumulate(counts[:-1])]
-        recv = xp.empty(sum(counts), dtype=p.dtype)
+        recv = packing.empty((sum(counts),), p.dtype, xp)
         if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
             send = moved[p.indices[0]]
         else:
@@ -378,6 +397,25 @@ def _pairs(arrays: list[Any], axes: list[int]) -> list[tuple[Any, int]]:
     return list(zip(arrays, axes, strict=True))
 
 
+# The last plan per structure: a training loop reduces the same nests every step, and
+# comparing a signature costs less than hashing it (twice) for the caches below.
+_LAST_PLAN: dict[Any, tuple[Any, ...]] = {}
+
+
+def _numpy_plan(op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int) -> tuple[int, Any]:
+    """(fingerprint, pack plan) for plain NumPy ``arrays``."""
+    sig = tuple(map(_DTYPE_SHAPE, arrays))
+    last = _LAST_PLAN.get(treespec)
+    if last is not None and last[0] is op and last[1] == bytes_per_pack and last[2] == sig:
+        return last[3], last[4]
+    fingerprint = _fingerprint(op, treespec, arrays, sig)
+    packs = packing.plan_packs(arrays, bytes_per_pack, sig)
+    if len(_LAST_PLAN) >= 256:
+        _LAST_PLAN.clear()
+    _LAST_PLAN[treespec] = (op, bytes_per_pack, sig, fingerprint, packs)
+    return fingerprint, packs
+
+
 def _rest(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     """The shape without ``axis`` (all_gather's ranks must agree on it)."""
     return tuple(s for d, s in enumerate(shape) if d != axis)
@@ -386,8 +424,10 @@ def _rest(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 def _agreed(table: np.ndarray, header: np.ndarray) -> bool:
     """Every rank's (magic, seq, kind, fingerprint, error flag) equals this rank's error-free header.
 
-    (One bytes comparison: several tiny NumPy operations cost more than the Allgather.)
+    (Bytes comparisons: several tiny NumPy operations would cost more than the Allgather.)
     """
+    if table.tobytes() == header.tobytes() * len(table):  # the usual case: identical headers
+        return True
     return table[:, :5].tobytes() == header[:5].tobytes() * len(table)
 
 
@@ -422,45 +462,6 @@ def _flatten(value: Any) -> tuple[list[Any], Any]:
             _FLAT.clear()
         _FLAT[key] = (spec, order)
     return leaves, spec
-
-
-# A small all_reduce rides in the handshake's spare slots: each rank's values in every
-# rank's table, summed locally in rank order (the same on every rank), no second collective.
-_INLINE_MARK = 0x6D70696E  # "mpin": this rank's slots hold its values
-_INLINE_WORDS = _EXTRAS - 1
-
-
-def _inline_payload(arrays: list[Any]) -> list[int] | None:
-    """``[mark, words...]``: the arrays' bytes as int64 words if they fit in the handshake.
-
-    ``arrays`` are plain NumPy arrays.
-    """
-    if len(arrays) > _INLINE_WORDS:
-        return None
-    words = 0
-    for a in arrays:
-        if not a.dtype.isnative:
-            return None
-        words += (a.nbytes + 7) // 8
-    if words > _INLINE_WORDS:
-        return None
-    raw = b"".join(a.tobytes().ljust((a.nbytes + 7) // 8 * 8, b"\0") for a in arrays)
-    return [_INLINE_MARK, *np.frombuffer(raw, dtype=np.int64).tolist()]
-
-
-def _sum_inline(rows: np.ndarray, arrays: list[Any], divisor: int | None) -> list[Any] | None:
-    """Every rank's inline values summed (then divided: MEAN), or None if a rank had none."""
-    if not (rows[:, 0] == _INLINE_MARK).all():
-        return None
-    data = np.ascontiguousarray(rows[:, 1:])
-    out, start = [], 0
-    for a in arrays:
-        words = (a.nbytes + 7) // 8
-        values = data[:, start : start + words].view(np.uint8)[:, : a.nbytes].view(a.dtype)
-        total = values.sum(axis=0, dtype=a.dtype).reshape(a.shape)
-        out.append(total if divisor is None else _divide(total, divisor))
-        start += words
-    return out
 
 
 def _divide(x: Any, n: int) -> Any:

@@ -159,3 +159,36 @@ def test_fast_flatten_is_optree_flatten(value):
             a is b for a, b in zip(leaves, want_leaves, strict=True)
         )
         assert optree.tree_unflatten(spec, leaves) is not None
+
+
+def test_large_buffers_are_recycled_only_when_nothing_refers_to_them():
+    shape = (packing._POOL_MIN_BYTES // 4 + 7,)  # a size no other test uses
+    a = packing.empty(shape, np.float32)
+    first = id(a)
+    del a
+    b = packing.empty(shape, np.float32)
+    assert id(b) == first  # dropped by its holder: reused
+    held = [packing.empty(shape, np.float32) for _ in range(2)]
+    assert all(h is not b for h in held) and held[0] is not held[1]
+    view, exported = b[1:3], memoryview(held[0])
+    del b
+    fresh = packing.empty(shape, np.float32)
+    assert id(fresh) not in (first, id(held[0]), id(held[1]))  # a view or an export keeps it busy
+    del view, exported
+
+
+def test_all_reduce_results_stay_valid_when_the_next_call_reuses_memory(group):
+    big = np.arange(packing._POOL_MIN_BYTES // 4, dtype=np.float32)
+
+    def step():
+        ctx = mpistrat.get_replica_context()
+        kept = ctx.all_reduce("sum", big)
+        kept_view = ctx.all_reduce("sum", big * 2)[:10]
+        for _ in range(3):
+            ctx.all_reduce("sum", big * 3)  # dropped at once: its buffer is recycled
+        return kept, kept_view
+
+    kept, kept_view = group.strategy.run(step)
+    n = group.size
+    ok = np.array_equal(kept, big * n) and np.array_equal(kept_view, big[:10] * 2 * n)
+    all_ranks_agree(group.comm, ok, f"{kept[:4]} {kept_view[:4]}")
