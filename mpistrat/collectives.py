@@ -311,42 +311,42 @@ class Collectives:
         """
         if check_enabled(self.options):
             self.handshake(kind, 0, lambda: None)
-        header, data = _split_arrays(obj)
+        header, sizes, data = _split_arrays(obj)
         inline = data.size <= _INLINE_BYTES
-        messages = self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
+        messages = self.comm.gather((header, sizes, data.tobytes() if inline else data.size), root=root)
         if self.rank != root:
             if not inline:
                 self.comm.Send([data, MPI.BYTE], dest=root, tag=_ARRAYS_TAG)
             return None
         gathered = []
-        for r, (h, payload) in enumerate(messages):
+        for r, (h, n, payload) in enumerate(messages):
             if isinstance(payload, bytes):
-                buf = np.frombuffer(payload, dtype=np.uint8)
+                buf = np.frombuffer(bytearray(payload), dtype=np.uint8) if n else _NO_BYTES
             elif r == root:
                 buf = data
             else:
                 buf = np.empty(payload, dtype=np.uint8)
                 self.comm.Recv([buf, MPI.BYTE], source=r, tag=_ARRAYS_TAG)
-            gathered.append(_join_arrays(h, buf))
+            gathered.append(_join_arrays(h, n, buf))
         return gathered
 
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: pickled, with arrays as raw bytes inside the
         message up to ``_INLINE_BYTES`` and as one raw ``Bcast`` above."""
         if self.rank == root:
-            header, data = _split_arrays(obj)
+            header, sizes, data = _split_arrays(obj)
             inline = data.size <= _INLINE_BYTES
-            self.comm.bcast((header, data.tobytes() if inline else data.size), root=root)
+            self.comm.bcast((header, sizes, data.tobytes() if inline else data.size), root=root)
             if not inline:
                 self.comm.Bcast([data, MPI.BYTE], root=root)
-            return _join_arrays(header, data)
-        header, payload = self.comm.bcast(None, root=root)
+            return _join_arrays(header, sizes, data)
+        header, sizes, payload = self.comm.bcast(None, root=root)
         if isinstance(payload, bytes):
-            data = np.frombuffer(payload, dtype=np.uint8)
+            data = np.frombuffer(bytearray(payload), dtype=np.uint8) if sizes else _NO_BYTES
         else:
             data = np.empty(payload, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
-        return _join_arrays(header, data)
+        return _join_arrays(header, sizes, data)
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -402,7 +402,9 @@ def _pairs(arrays: list[Any], axes: list[int]) -> list[tuple[Any, int]]:
 _LAST_PLAN: dict[Any, tuple[Any, ...]] = {}
 
 
-def _numpy_plan(op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int) -> tuple[int, Any]:
+def _numpy_plan(
+    op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int
+) -> tuple[int, Any]:
     """(fingerprint, pack plan) for plain NumPy ``arrays``."""
     sig = tuple(map(_DTYPE_SHAPE, arrays))
     last = _LAST_PLAN.get(treespec)
@@ -515,43 +517,26 @@ def _first_difference(descriptions: list[Any]) -> str:
     return "ranks passed different arguments: " + ", ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
 
 
-class _ArrayRef:
-    """Placeholder for an array whose bytes travel separately."""
-
-    __slots__ = ("offset", "dtype", "shape")
-
-    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
-        self.offset, self.dtype, self.shape = offset, dtype, shape
-
-    def __reduce__(self):
-        return (_ArrayRef, (self.offset, self.dtype, self.shape))
+_NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
-def _split_arrays(obj: Any) -> tuple[bytes, np.ndarray]:
-    """Pickle ``obj`` with its NumPy array leaves replaced by references into one byte buffer."""
-    chunks: list[np.ndarray] = []
-    offset = 0
+def _split_arrays(obj: Any) -> tuple[bytes, list[int], np.ndarray]:
+    """Pickle ``obj`` with the bytes of its contiguous NumPy arrays out of band (protocol 5).
 
-    def take(leaf: Any) -> Any:
-        nonlocal offset
-        if isinstance(leaf, np.ndarray) and leaf.dtype.kind != "O":
-            raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-            ref = _ArrayRef(offset, leaf.dtype, leaf.shape)
-            chunks.append(raw)
-            offset += raw.size
-            return ref
-        return leaf
-
-    header = pickle.dumps(optree.tree_map(take, obj, **_NEST), protocol=pickle.HIGHEST_PROTOCOL)
-    data = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
-    return header, data
+    Returns the pickle, each out-of-band buffer's size, and those buffers joined in one
+    fresh byte array (what travels raw). Object arrays and non-NumPy data stay in the pickle.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    header = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    if not buffers:
+        return header, [], _NO_BYTES
+    raws = [np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers]
+    return header, [r.size for r in raws], np.concatenate(raws)
 
 
-def _join_arrays(header: bytes, data: np.ndarray) -> Any:
-    def put(leaf: Any) -> Any:
-        if isinstance(leaf, _ArrayRef):
-            n = math.prod(leaf.shape) * leaf.dtype.itemsize
-            return data[leaf.offset : leaf.offset + n].view(leaf.dtype).reshape(leaf.shape).copy()
-        return leaf
-
-    return optree.tree_map(put, pickle.loads(header), **_NEST)
+def _join_arrays(header: bytes, sizes: list[int], data: np.ndarray) -> Any:
+    """Unpickle what ``_split_arrays`` made; arrays become views of ``data`` (keep it private)."""
+    if not sizes:
+        return pickle.loads(header)
+    bounds = [0, *itertools.accumulate(sizes)]
+    return pickle.loads(header, buffers=[data[a:b] for a, b in itertools.pairwise(bounds)])
