@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from mpistrat import nest
 from mpistrat.comm import packing
-from mpistrat.comm.mpi import buffer_spec, synchronize
+from mpistrat.comm.mpi import buffer_spec, mpi_datatype, synchronize
 from mpistrat.errors import (
     CollectiveMismatchError,
     InvalidArgumentError,
@@ -237,12 +237,14 @@ class Collectives:
         kind: str = "all_gather",
     ) -> Any:
         """Concatenate every rank's arrays along ``axis``; sizes along ``axis`` may differ."""
+        if options is None and type(value) is np.ndarray and type(axis) is int and _gatherable(value, axis):
+            return self._all_gather_array(value, axis, kind)
         opts = self.options.merge(options)
         error, leaves, treespec, arrays, axes = None, [], None, [], []
         try:
             if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
                 raise InvalidArgumentError(f"{kind}: axis must be an int; got {axis!r}")
-            leaves, treespec = optree.tree_flatten(value, **_NEST)
+            leaves, treespec = _flatten(value)
             arrays = to_arrays(value, leaves, kind)
             for i, arr in enumerate(arrays):
                 if arr.ndim == 0:
@@ -255,10 +257,7 @@ class Collectives:
                 raise InvalidArgumentError(f"{kind}: leaf {_leaf_path(value, i)}: {problem}")
         except MpistratError as exc:
             error, arrays, axes = exc, [], []
-        fingerprint = _cached_code(
-            ("all_gather", treespec, *axes, *map(_DTYPE_SHAPE, arrays)),
-            lambda: repr((treespec, [(a.dtype.str, x, _rest(a.shape, x)) for a, x in _pairs(arrays, axes)])),
-        )
+        fingerprint = _gather_fingerprint(treespec, arrays, axes)
         sizes = self.handshake(
             kind,
             fingerprint,
@@ -275,6 +274,17 @@ class Collectives:
         out = [o if ax == 0 else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax)) for o, ax in zip(out, axes, strict=True)]
         return optree.tree_unflatten(treespec, out)
 
+    def _all_gather_array(self, x: np.ndarray, axis: int, kind: str) -> np.ndarray:
+        """``all_gather`` of one valid NumPy array: the same steps without the nest bookkeeping."""
+        ax = axis % x.ndim
+        fingerprint = _gather_fingerprint(_LEAF_SPEC, [x], [ax])
+        sizes = self.handshake(kind, fingerprint, lambda: _describe(x, None, axis), None, [x.shape[ax]])
+        moved = [x if ax == 0 else np.moveaxis(x, ax, 0)]
+        out: list[Any] = [None]
+        for p in packing.plan_packs(moved, self.options.bytes_per_pack):
+            self._allgather_pack(moved, p, sizes, out)
+        return out[0] if ax == 0 else np.ascontiguousarray(np.moveaxis(out[0], 0, ax))
+
     def _allgather_pack(self, moved: list[Any], p: Any, sizes: np.ndarray, out: list[Any]) -> None:
         xp = p.module
         rows = sizes.tolist()  # plain ints: this is per-call overhead, NumPy scalars cost more here
@@ -287,7 +297,8 @@ class Collectives:
         else:
             send = packing.pack(moved, p)
             synchronize([send])
-        self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), [recv, counts, displs, buffer_spec(recv)[2]])
+        recv_spec = [recv, counts, displs, mpi_datatype(recv.dtype)]
+        self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), recv_spec)
         if len(p.indices) == 1:
             i = p.indices[0]
             out[i] = recv.reshape((sum(row[i] for row in rows), *moved[i].shape[1:]))
@@ -393,8 +404,17 @@ def _fingerprint(op: ReduceOp | None, treespec: Any, arrays: list[Any], sig: Any
     )
 
 
-def _pairs(arrays: list[Any], axes: list[int]) -> list[tuple[Any, int]]:
-    return list(zip(arrays, axes, strict=True))
+def _gather_fingerprint(treespec: Any, arrays: list[Any], axes: list[int]) -> int:
+    """all_gather's code for (structure, dtypes, axes, shapes but the axis) — what ranks must share."""
+    rests = [_rest(a.shape, ax) for a, ax in zip(arrays, axes, strict=True)]
+    parts = list(zip(arrays, axes, rests, strict=True))
+    key = ("all_gather", treespec, *[(a.dtype, ax, r) for a, ax, r in parts])
+    return _cached_code(key, lambda: repr((treespec, [(a.dtype.str, ax, r) for a, ax, r in parts])))
+
+
+def _gatherable(x: np.ndarray, axis: int) -> bool:
+    """A numeric array of rank >= 1 that has ``axis`` (else the generic path explains the error)."""
+    return x.dtype.kind in "iufc" and x.ndim > 0 and -x.ndim <= axis < x.ndim
 
 
 # The last plan per structure: a training loop reduces the same nests every step, and
@@ -420,7 +440,7 @@ def _numpy_plan(
 
 def _rest(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     """The shape without ``axis`` (all_gather's ranks must agree on it)."""
-    return tuple(s for d, s in enumerate(shape) if d != axis)
+    return shape[:axis] + shape[axis + 1 :]
 
 
 def _agreed(table: np.ndarray, header: np.ndarray) -> bool:
