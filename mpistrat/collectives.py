@@ -297,8 +297,11 @@ class Collectives:
         else:
             send = packing.pack(moved, p)
             synchronize([send])
-        recv_spec = [recv, counts, displs, mpi_datatype(recv.dtype)]
-        self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), recv_spec)
+        if counts.count(counts[0]) == len(counts):  # even: every rank saw the same counts
+            self.comm.Allgather(buffer_spec(send, counts[self.rank]), [recv, mpi_datatype(recv.dtype)])
+        else:
+            recv_spec = [recv, counts, displs, mpi_datatype(recv.dtype)]
+            self.comm.Allgatherv(buffer_spec(send, counts[self.rank]), recv_spec)
         if len(p.indices) == 1:
             i = p.indices[0]
             out[i] = recv.reshape((sum(row[i] for row in rows), *moved[i].shape[1:]))
