@@ -66,7 +66,8 @@ def empty(shape: tuple[int, ...], dtype: Any, module: Any = np) -> Any:
     """
     if module is not np:
         return module.empty(shape, dtype=dtype)
-    dtype = np.dtype(dtype)
+    if not isinstance(dtype, np.dtype):  # the collectives pass dtypes: no conversion then
+        dtype = np.dtype(dtype)
     if math.prod(shape) * dtype.itemsize < _POOL_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
     shape = tuple(shape)
