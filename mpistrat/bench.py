@@ -95,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: iterations / 5)")
     p.add_argument("--no-check", action="store_true", help="turn off mpistrat's consistency handshake")
     p.add_argument(
+        "--bytes-per-pack",
+        type=parse_size,
+        default=0,
+        help="CommunicationOptions.bytes_per_pack (default 0: one pack)",
+    )
+    p.add_argument(
         "--scaling",
         choices=("strong", "weak"),
         default="weak",
@@ -255,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ops = _validate(args, parser)
     world = MPI.COMM_WORLD
     comm = world.Dup()
-    options = mpistrat.CommunicationOptions(check=False) if args.no_check else None
+    options = mpistrat.CommunicationOptions(
+        bytes_per_pack=args.bytes_per_pack, check=False if args.no_check else None
+    )
     strategy = mpistrat.MPIStrategy(world, communication_options=options)
     rank = comm.Get_rank()
     meta = _metadata(comm, strategy, args, argv)
