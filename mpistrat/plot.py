@@ -121,6 +121,8 @@ def _legend(fig: Any, runs: list[dict[str, Any]], sides: list[str], colours: lis
 
 
 def _per_size(plt: Any, runs: list[dict[str, Any]], ops: list[str], kind: str, metric: str) -> Any:
+    import matplotlib.ticker as ticker
+
     from mpistrat.bench_ops import OPS
 
     fig, axes = _grid(plt, len(ops))
@@ -148,6 +150,8 @@ def _per_size(plt: Any, runs: list[dict[str, Any]], ops: list[str], kind: str, m
         ax.set_title(title, fontsize=9)
         if kind == "ratio":
             ax.axhline(1.0, color="0.5", lw=0.8)
+            ax.set_yscale("log", base=2)  # 0.25 and 4 are as far from parity
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
             ax.set_ylabel("time mpistrat / raw")
         else:
             ax.set_yscale("log")
