@@ -147,7 +147,9 @@ class Collectives:
             raise type(first)(f"{kind}: rank {rank}{others}: {first}")
         kinds = {(k, s) for k, s, _, _ in reports}
         if len(kinds) > 1:
-            calls = "; ".join(f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports))
+            calls = "; ".join(
+                f"rank {r} called {k} (collective #{s})" for r, (k, s, _, _) in enumerate(reports)
+            )
             raise CollectiveMismatchError(
                 f"ranks are in different collectives: {calls}. Every rank must call the same "
                 "collectives in the same order."
@@ -271,7 +273,12 @@ class Collectives:
             synchronize(moved)
         for p in packing.plan_packs(moved, opts.bytes_per_pack):
             self._allgather_pack(moved, p, sizes, out)
-        out = [o if ax == 0 else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax)) for o, ax in zip(out, axes, strict=True)]
+        out = [
+            o
+            if ax == 0
+            else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax))
+            for o, ax in zip(out, axes, strict=True)
+        ]
         return optree.tree_unflatten(treespec, out)
 
     def _all_gather_array(self, x: np.ndarray, axis: int, kind: str) -> np.ndarray:
@@ -311,7 +318,7 @@ class Collectives:
             for r in range(self.size):
                 start = displs[r] + sum(rows[r][j] * inner[j] for j in p.indices if j < i)
                 n = rows[r][i]
-                pieces.append(recv[start : start + n * inner[i]].reshape((n,) + moved[i].shape[1:]))
+                pieces.append(recv[start : start + n * inner[i]].reshape((n, *moved[i].shape[1:])))
             out[i] = xp.concatenate(pieces, axis=0)
 
     # -- objects to and from rank 0 (merge_call) ------------------------------------
@@ -521,7 +528,9 @@ def _first_difference(descriptions: list[Any]) -> str:
     for key in ("reduce_op", "axis"):
         seen = [d.get(key) for d in descriptions]
         if len(set(seen)) > 1:
-            return f"ranks passed different {key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+            return f"ranks passed different {key}: " + ", ".join(
+                f"rank {r}: {v!r}" for r, v in enumerate(seen)
+            )
     counts = [len(d["leaves"]) for d in descriptions]
     for i in range(max(counts)):
         entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
@@ -537,7 +546,9 @@ def _first_difference(descriptions: list[Any]) -> str:
                 + (" (all_gather: all dims but axis)" if first.get("axis") is not None else "")
                 + "."
             )
-    return "ranks passed different arguments: " + ", ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+    return "ranks passed different arguments: " + ", ".join(
+        f"rank {r}: {d}" for r, d in enumerate(descriptions)
+    )
 
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)

@@ -107,9 +107,7 @@ def as_array(leaf: Any, where: str = "value") -> Any:
 
     Python and NumPy scalars become 0-d NumPy arrays.
     """
-    if type(leaf).__module__.startswith("cupy"):
-        arr = leaf
-    elif isinstance(leaf, np.ndarray):
+    if type(leaf).__module__.startswith("cupy") or isinstance(leaf, np.ndarray):
         arr = leaf
     elif isinstance(leaf, (bool, int, float, complex, np.generic)):
         arr = np.asarray(leaf)
