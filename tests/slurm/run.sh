@@ -97,7 +97,7 @@ CPUS=$(nproc)
 PORT=$((20000 + RANDOM % 20000))
 cat > "$WORK/slurm.conf" << EOF
 ClusterName=mpistrat-test
-SlurmctldHost=$HOST
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=$PORT
@@ -122,13 +122,18 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MinJobAge=600
-${node[*]} CPUs=$CPUS State=UNKNOWN
+${node[*]} NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=test Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
 export SLURM_CONF=$WORK/slurm.conf
 
+KEY=/etc/munge/munge.key
+if [ ! -r "$KEY" ]; then  # the package normally creates it
+    KEY="$WORK/munge.key"
+    dd if=/dev/urandom of="$KEY" bs=1024 count=1 status=none && chmod 400 "$KEY"
+fi
 say "starting munged, slurmctld, slurmd on $HOST (ports $PORT-$((PORT + 1)), $WORK)"
-munged --foreground --force --socket="$WORK/munge.socket" --pid-file="$WORK/munged.pid" \
+munged --foreground --force --key-file="$KEY" --socket="$WORK/munge.socket" --pid-file="$WORK/munged.pid" \
     --log-file="$WORK/munged.log" --seed-file="$WORK/munged.seed" > "$WORK/munged.out" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 50); do [ -S "$WORK/munge.socket" ] && break; sleep 0.1; done
