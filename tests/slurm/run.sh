@@ -159,12 +159,21 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 bench=$(BENCH_ARGS="--max 64KiB --iters 20 --min-iters 5" sbatch --parsable --ntasks=2 \
     --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
 say "submitted jobs/bench.sbatch: job $bench"
+# The documented variant: the MPI's own mpiexec inside the allocation.
+MPIEXEC=$(dirname "$PYTHON")/mpiexec
+[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || true)
+viampiexec=""
+if [ -n "$MPIEXEC" ]; then
+    viampiexec=$(MPI_LAUNCH="$MPIEXEC" PLOT=0 BENCH_ARGS="--ops all_reduce,all_gather_uneven --max 1KiB --iters 5" \
+        sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
+    say "submitted jobs/bench.sbatch with MPI_LAUNCH=$MPIEXEC: job $viampiexec"
+fi
 series=$(BENCH_ARGS="--ops train_step,all_reduce --min 256KiB --max 256KiB --iters 5 --min-iters 5 --batch 64" \
     jobs/scaling.sh strong 1 2)
 echo "$series"
 collect=$(echo "$series" | sed -n 's/^submitted collect: job \([0-9]*\).*/\1/p')
 mapfile -t members < <(echo "$series" | sed -n 's/^submitted bench on .*: job \([0-9]*\)$/\1/p')
-ids=("$bench" "${members[@]}" "$collect")
+ids=("$bench" "${members[@]}" "$collect" ${viampiexec:+"$viampiexec"})
 train=""
 if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
     train=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
@@ -191,10 +200,10 @@ for id in "${ids[@]}"; do
 done
 [ $fail -eq 0 ] || exit 1
 
-"$PYTHON" - "$WORK/results" "$bench" "$collect" << 'PY'
+"$PYTHON" - "$WORK/results" "$bench" "$collect" "$viampiexec" << 'PY'
 import json, os, sys
 
-results, bench, collect = sys.argv[1:]
+results, bench, collect, viampiexec = sys.argv[1:]
 sys.path.insert(0, os.getcwd())
 from mpistrat.bench_report import load
 
@@ -220,6 +229,9 @@ for path in (f"{bench}/bandwidth.png", f"{bench}/ratio.png", f"{collect}/scaling
         assert f.read(8) == png, f"{path} is not a PNG"
 lines = open(f"{results}/{collect}/all.csv").read().splitlines()
 assert lines[0].startswith("op,bytes") and len(lines) == 1 + 2 * 2, lines[:3]
+if viampiexec:
+    other = load(f"{results}/{viampiexec}/bench.json")
+    assert other["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] for r in other["results"]), other["meta"]
 print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}; plots are PNGs)")
 PY
 if [ -n "$train" ]; then
