@@ -28,7 +28,7 @@ test-serial: install
 test-slurm: install
 	PYTHON=$(abspath $(PY)) timeout -k 10 $(RUN_TIMEOUT) bash tests/slurm/run.sh
 
-test-%: install
+$(addprefix test-,$(SIZES)): test-%: install
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $* $(PYTEST) --with-mpi -p no:randomly
 
 lint: install
