@@ -8,7 +8,7 @@ RUN_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q
 SIZES  ?= 2 3 4
 
-.PHONY: install install-gpu demo docs test test-serial test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
+.PHONY: install install-gpu demo docs test test-serial test-slurm test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: install test-serial $(addprefix test-,$(SIZES))
 
 test-serial: install
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST)
+
+# The jobs/ scripts on a single-node Slurm it installs and starts (root only; skips otherwise).
+test-slurm: install
+	PYTHON=$(abspath $(PY)) timeout -k 10 $(RUN_TIMEOUT) bash tests/slurm/run.sh
 
 $(addprefix test-,$(SIZES)): test-%: install
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $* $(PYTEST) --with-mpi

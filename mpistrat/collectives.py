@@ -19,6 +19,10 @@ A new collective opens with ``handshake`` (its own ``kind``) and is decorated wi
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import operator
 import os
 import pickle
 import zlib
@@ -43,13 +47,22 @@ __all__ = ["Collectives", "check_enabled"]
 
 _MAGIC = 0x6D707374  # "mpst"
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+# Array bytes up to this size travel inside gather_to_root/broadcast_from_root's pickled
+# message: one collective instead of two, which is what small merge_call arguments cost.
+_INLINE_BYTES = 1 << 16
+_ARRAYS_TAG = 0x6D70  # raw array bytes to root on the private communicator (watchdog uses 0x6D73)
 
 
 def check_enabled(options: CommunicationOptions) -> bool:
     """Whether the handshake check runs: the option, else ``MPISTRAT_CHECK`` (default on)."""
     if options.check is not None:
         return options.check
-    return os.environ.get("MPISTRAT_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env_flag(os.environ.get("MPISTRAT_CHECK", "1"))
+
+
+@functools.lru_cache(maxsize=16)
+def _env_flag(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def _code(text: str) -> int:
@@ -125,18 +138,26 @@ class Collectives:
         ``error``: a bad-input error the caller found on this rank; it is raised on every
         rank (through the handshake) instead of stranding the others in the collective.
         """
+        if options is None and error is None and type(value) is np.ndarray and _plain(value.dtype):
+            op = _known_reduce_op(reduce_op)
+            if op is not None:
+                return self._all_reduce_array(op, value, kind)
         opts, op, leaves, treespec, arrays = self.options, None, [], None, []
         try:
             opts = self.options.merge(options)
-            op = ReduceOp.from_any(reduce_op)
-            leaves, treespec = optree.tree_flatten(value, **_NEST)
+            op = _reduce_op(reduce_op)
+            leaves, treespec = _flatten(value)
             arrays = to_arrays(value, leaves, kind)
         except MpistratError as exc:
             error = error or exc
+        numpy_only = arrays is leaves  # to_arrays passes lists of plain NumPy arrays through
+        packs = None
+        if numpy_only and error is None:
+            fingerprint, packs = _numpy_plan(op, treespec, arrays, opts.bytes_per_pack)
         if check_enabled(opts):
             impl = _device_implementation(arrays, opts)
-            leaves_key = [(packing.dtype_name(a), a.shape) for a in arrays]
-            fingerprint = mismatch.fingerprint(op, impl, treespec, *leaves_key)
+            if packs is None:
+                fingerprint = _fingerprint(op, impl, treespec, arrays)
             self.handshake(
                 kind, fingerprint, lambda: mismatch.describe(value, op, implementation=impl), error
             )
@@ -144,33 +165,51 @@ class Collectives:
             raise error
         else:
             self.seq += 1
-        out = self._allreduce_arrays(arrays, opts.bytes_per_pack, opts.implementation)
-        if op is ReduceOp.MEAN:
-            out = [_divide(x, self.size) for x in out]
-        out = [
-            o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
-            for x, o in zip(leaves, out, strict=True)
-        ]
+        divisor = self.size if op is ReduceOp.MEAN else None
+        out = self._allreduce_arrays(arrays, opts.bytes_per_pack, opts.implementation, divisor, packs)
+        if not numpy_only:  # numbers come back as NumPy scalars
+            out = [
+                o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
+                for x, o in zip(leaves, out, strict=True)
+            ]
         return optree.tree_unflatten(treespec, out)
+
+    def _all_reduce_array(self, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
+        """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
+        fingerprint, packs = _numpy_plan(op, _LEAF_SPEC, [x], self.options.bytes_per_pack)
+        if check_enabled(self.options):
+            self.handshake(kind, fingerprint, lambda: mismatch.describe(x, op))
+        else:
+            self.seq += 1
+        divisor = self.size if op is ReduceOp.MEAN else None
+        return self._allreduce_arrays([x], 0, self.options.implementation, divisor, packs)[0]
 
     def _allreduce_arrays(
         self,
         arrays: list[Any],
         bytes_per_pack: int,
         implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
+        divisor: int | None = None,
+        packs: list[packing.Pack] | None = None,
     ) -> list[Any]:
+        """Sum across ranks, one transport call per pack; ``divisor`` divides each pack once (MEAN).
+
+        ``packs``: the cached plan for plain NumPy ``arrays`` if the caller has it.
+        """
+        if packs is None:
+            packs = packing.plan_packs(arrays, bytes_per_pack)
         out: list[Any] = [None] * len(arrays)
-        for p in packing.plan_packs(arrays, bytes_per_pack):
+        for p in packs:
             transport = self.transports.get(p.module, implementation, p.dtype, "allreduce")
             if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
                 i = p.indices[0]
-                recv = p.module.empty(arrays[i].shape, dtype=p.dtype)
+                recv = packing.empty(arrays[i].shape, p.dtype, p.module)
                 transport.allreduce(arrays[i], recv)
-                out[i] = recv
+                out[i] = recv if divisor is None else _divide(recv, divisor)
             else:
                 buf = packing.pack(arrays, p)
                 transport.allreduce(buf, buf)
-                packing.unpack(buf, arrays, p, out)
+                packing.unpack(buf if divisor is None else _divide(buf, divisor), arrays, p, out)
         return out
 
     # -- all_gather ------------------------------------------------------------------
@@ -236,10 +275,11 @@ class Collectives:
         implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
     ) -> None:
         xp = p.module
-        inner = {i: int(np.prod(moved[i].shape[1:], dtype=np.int64)) for i in p.indices}
-        counts = [int(sum(sizes[r][i] * inner[i] for i in p.indices)) for r in range(self.size)]
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-        recv = xp.empty(sum(counts), dtype=p.dtype)
+        rows = sizes.tolist()  # plain ints: NumPy scalars cost more in this per-call arithmetic
+        inner = {i: math.prod(moved[i].shape[1:]) for i in p.indices}
+        counts = [sum(row[i] * inner[i] for i in p.indices) for row in rows]
+        displs = [0, *itertools.accumulate(counts[:-1])]
+        recv = packing.empty((sum(counts),), p.dtype, xp)
         if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
             send = moved[p.indices[0]]
         else:
@@ -247,13 +287,13 @@ class Collectives:
         self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
         if len(p.indices) == 1:
             i = p.indices[0]
-            out[i] = recv.reshape((int(sizes[:, i].sum()), *moved[i].shape[1:]))
+            out[i] = recv.reshape((sum(row[i] for row in rows), *moved[i].shape[1:]))
             return
         for i in p.indices:
             pieces = []
             for r in range(self.size):
-                start = displs[r] + sum(int(sizes[r][j]) * inner[j] for j in p.indices if j < i)
-                n = int(sizes[r][i])
+                start = displs[r] + sum(rows[r][j] * inner[j] for j in p.indices if j < i)
+                n = rows[r][i]
                 pieces.append(recv[start : start + n * inner[i]].reshape((n, *moved[i].shape[1:])))
             out[i] = xp.concatenate(pieces, axis=0)
 
@@ -263,7 +303,9 @@ class Collectives:
     def gather_to_root(self, obj: Any, kind: str = "merge_call", root: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
 
-        Arrays travel as raw bytes in one ``Gatherv``; everything else is pickled.
+        Everything is pickled into one ``gather``; a rank's array bytes ride in that
+        message up to ``_INLINE_BYTES`` and above follow as one raw message to root
+        (root learns which from the gathered headers, so no rank has to agree first).
         """
         header, data, error = _split_or_fail(
             obj, f"{kind}: the arguments cannot be pickled to send to rank {root}"
@@ -272,30 +314,42 @@ class Collectives:
             self.handshake(kind, 0, lambda: None, error)
         else:
             self.seq += 1
-        headers = self.comm.gather((header, data.size), root=root)
-        counts = [n for _, n in headers] if self.rank == root else None
-        recv = None
-        if self.rank == root:
-            recv = np.empty(sum(counts), dtype=np.uint8)
-            displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-            self.comm.Gatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE], root=root)
-            offsets = [0, *np.cumsum(counts).tolist()]
-            return [_join_arrays(h, recv[offsets[r] : offsets[r + 1]]) for r, (h, _) in enumerate(headers)]
-        self.comm.Gatherv([data, MPI.BYTE], None, root=root)
-        return None
+        inline = data.size <= _INLINE_BYTES
+        messages = self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
+        if self.rank != root:
+            if not inline:
+                self.comm.Send([data, MPI.BYTE], dest=root, tag=_ARRAYS_TAG)
+            return None
+        gathered = []
+        for r, (h, payload) in enumerate(messages):
+            if isinstance(payload, bytes):
+                buf = np.frombuffer(payload, dtype=np.uint8)
+            elif r == root:
+                buf = data
+            else:
+                buf = np.empty(payload, dtype=np.uint8)
+                self.comm.Recv([buf, MPI.BYTE], source=r, tag=_ARRAYS_TAG)
+            gathered.append(_join_arrays(h, buf))
+        return gathered
 
     @watchdog.collective("merge_call")
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
-        """``obj`` from ``root`` on every rank: arrays as one raw ``Bcast``, the rest pickled."""
+        """``obj`` from ``root`` on every rank: pickled, with array bytes inside the message up
+        to ``_INLINE_BYTES`` and as one raw ``Bcast`` above."""
         header, data = None, None
         if self.rank == root:
             header, data, _ = _split_or_fail(obj, f"rank {root}'s value for every rank cannot be pickled")
-        header, nbytes = self.comm.bcast((header, None if data is None else data.size), root=root)
-        if nbytes:
+        payload = None
+        if self.rank == root:
+            payload = data.tobytes() if data.size <= _INLINE_BYTES else data.size
+        header, payload = self.comm.bcast((header, payload), root=root)
+        if isinstance(payload, bytes):
+            data = np.frombuffer(payload, dtype=np.uint8)
+        else:
             if self.rank != root:
-                data = np.empty(nbytes, dtype=np.uint8)
+                data = np.empty(payload, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
-        result = _join_arrays(header, data if nbytes else np.empty(0, np.uint8))
+        result = _join_arrays(header, data)
         if isinstance(result, Unsendable):
             raise UnsupportedTypeError(result.message)
         return result
@@ -320,6 +374,106 @@ def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
         for path, leaf in nest.flatten_with_paths(value):
             packing.as_array(leaf, f"{kind}: leaf {nest.path_str(path)}")
         raise
+
+
+# -- per-call bookkeeping, cached: a training loop repeats the same calls every step ---------
+
+_REDUCE_OPS: dict[Any, ReduceOp] = {}
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+_LEAF_SPEC = optree.tree_structure(0, **_NEST)
+
+
+def _plain(dtype: np.dtype) -> bool:
+    """A numeric dtype in the machine's byte order (what the one-array fast path takes)."""
+    return dtype.kind in "iufc" and dtype.isnative
+
+
+def _known_reduce_op(value: Any) -> ReduceOp | None:
+    """The ReduceOp for a name or member already seen, else None."""
+    try:
+        return _REDUCE_OPS.get(value)
+    except TypeError:
+        return None
+
+
+def _reduce_op(value: ReduceOp | str) -> ReduceOp:
+    """``ReduceOp.from_any``, remembered for the (few) valid names and members."""
+    op = _known_reduce_op(value)
+    if op is None:
+        op = ReduceOp.from_any(value)
+        if isinstance(value, (str, ReduceOp)):
+            _REDUCE_OPS[value] = op
+    return op
+
+
+def _fingerprint(
+    op: ReduceOp | None, impl: str | None, treespec: Any, arrays: list[Any], sig: Any = None
+) -> int:
+    """A code for (op, implementation, structure, dtypes, shapes), the same on every rank.
+
+    ``sig`` (plain NumPy arrays: their (dtype, shape) pairs) is only a cheaper cache key:
+    the code itself comes from the same text either way, so both paths agree.
+    """
+    key = (
+        op,
+        impl,
+        treespec,
+        sig if sig is not None else tuple((packing.dtype_name(a), a.shape) for a in arrays),
+    )
+    return mismatch.cached_code(
+        key, lambda: repr((op, impl, str(treespec), [(packing.dtype_name(a), a.shape) for a in arrays]))
+    )
+
+
+# The last plan per structure: comparing a signature costs less than hashing it.
+_LAST_PLAN: dict[Any, tuple[Any, ...]] = {}
+
+
+def _numpy_plan(
+    op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int
+) -> tuple[int, list[packing.Pack]]:
+    """(fingerprint, pack plan) for plain NumPy ``arrays``."""
+    sig = tuple(map(_DTYPE_SHAPE, arrays))
+    last = _LAST_PLAN.get(treespec)
+    if last is not None and last[0] is op and last[1] == bytes_per_pack and last[2] == sig:
+        return last[3], last[4]
+    fingerprint = _fingerprint(op, None, treespec, arrays, sig)
+    packs = packing.plan_packs(arrays, bytes_per_pack, sig)
+    if len(_LAST_PLAN) >= 256:
+        _LAST_PLAN.clear()
+    _LAST_PLAN[treespec] = (op, bytes_per_pack, sig, fingerprint, packs)
+    return fingerprint, packs
+
+
+# Flat lists, tuples and dicts of NumPy arrays (gradients, metrics) are flattened from
+# remembered structures: optree spends ~0.2 us per leaf deciding that an array is a leaf.
+_FLAT: dict[Any, tuple[Any, tuple[Any, ...] | None]] = {}
+
+
+def _flatten(value: Any) -> tuple[list[Any], Any]:
+    """``optree.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays."""
+    kind = type(value)
+    if kind is np.ndarray:
+        return [value], _LEAF_SPEC
+    flat = kind is list or kind is tuple or kind is dict
+    if flat:
+        key = (kind, tuple(value) if kind is dict else len(value))
+        known = _FLAT.get(key)
+        if known is not None:
+            spec, order = known
+            leaves = list(map(value.__getitem__, order)) if order is not None else list(value)
+            if packing.all_numpy(leaves):
+                return leaves, spec
+    leaves, spec = optree.tree_flatten(value, **_NEST)
+    children = list(value.values()) if kind is dict else value
+    if flat and packing.all_numpy(children) and len(leaves) == len(value):  # each child is a leaf
+        order = None
+        if kind is dict:  # the keys in optree's leaf order
+            order = tuple(path[0] for path in optree.tree_paths(value, **_NEST))
+        if len(_FLAT) >= 256:
+            _FLAT.clear()
+        _FLAT[key] = (spec, order)
+    return leaves, spec
 
 
 def _divide(x: Any, n: int) -> Any:

@@ -22,7 +22,15 @@ from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratErr
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.watchdog import call_site
 
-__all__ = ["by_rank", "describe", "fingerprint", "first_difference", "raise_disagreement", "rank_list"]
+__all__ = [
+    "by_rank",
+    "cached_code",
+    "describe",
+    "fingerprint",
+    "first_difference",
+    "raise_disagreement",
+    "rank_list",
+]
 
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 _fingerprints: dict[tuple[Any, ...], int] = {}
@@ -42,6 +50,16 @@ def fingerprint(*parts: Any) -> int:
         if len(_fingerprints) >= 4096:
             _fingerprints.clear()
         code = _fingerprints[parts] = zlib.crc32(repr(parts).encode())
+    return code
+
+
+def cached_code(key: Any, text: Any) -> int:
+    """``crc32(text())`` computed once per process for each hashable ``key`` standing in for it."""
+    code = _fingerprints.get(key)
+    if code is None:
+        if len(_fingerprints) >= 4096:
+            _fingerprints.clear()
+        code = _fingerprints[key] = zlib.crc32(text().encode())
     return code
 
 

@@ -4,6 +4,11 @@ A nest's leaves are grouped by dtype; each group is copied into one contiguous
 1-D buffer (a *pack*) so a whole nest costs one MPI call per dtype. A single
 contiguous array skips the copy.
 
+Leaves that are all plain NumPy arrays take a fast path: the plan for a given
+list of (dtype, shape) is computed once and cached with the views ``unpack``
+cuts, and ``pack`` is one ``np.concatenate`` call, so a nest of many small
+leaves costs microseconds, not a Python loop per leaf.
+
 >>> import numpy as np
 >>> packs = plan_packs([np.ones(2, "f4"), np.ones(3, "i8"), np.ones(1, "f4")])
 >>> [(p.dtype.name, p.indices) for p in packs]
@@ -13,6 +18,9 @@ contiguous array skips the copy.
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+import sys
 from typing import Any
 
 import numpy as np
@@ -21,17 +29,70 @@ from mpistrat.errors import UnsupportedTypeError
 
 __all__ = [
     "Pack",
+    "all_numpy",
     "array_module",
     "as_array",
+    "as_arrays",
     "dtype_name",
+    "empty",
     "is_device_array",
     "pack",
     "plan_packs",
+    "signature",
     "unpack",
 ]
 
 # dtype kinds that MPI can move and reduce: signed, unsigned, float, complex.
 _NUMERIC_KINDS = "iufc"
+_NUMPY_ONLY = frozenset({np.ndarray})
+_DTYPE = operator.attrgetter("dtype")
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+# Cached plans of all-NumPy leaf lists, by (bytes_per_pack, (dtype, shape)...); cleared when full.
+_PLANS: dict[tuple[Any, ...], list[Pack]] = {}
+_MAX_PLANS = 256
+
+
+# Large NumPy results reuse buffers handed out earlier that nobody references any more: a
+# fresh allocation that size is mmap'ed, and faulting its pages in costs several times the
+# Allreduce itself (2 ranks, 1 MiB: ~990 us with a fresh receive buffer, ~265 us without).
+_POOL: list[np.ndarray] = []
+_POOL_MIN_BYTES = 128 << 10
+_POOL_SIZE = 4
+
+
+def empty(shape: tuple[int, ...], dtype: Any, module: Any = np) -> Any:
+    """An uninitialized array, like ``module.empty``; large NumPy ones may be recycled.
+
+    A recycled array is one this function returned before whose only remaining reference
+    is the pool's (no caller holds it, a view of it, or a buffer exported from it).
+    """
+    if module is not np:
+        return module.empty(shape, dtype=dtype)
+    if not isinstance(dtype, np.dtype):  # the collectives pass dtypes: no conversion then
+        dtype = np.dtype(dtype)
+    if math.prod(shape) * dtype.itemsize < _POOL_MIN_BYTES:
+        return np.empty(shape, dtype=dtype)
+    shape = tuple(shape)
+    for i in range(len(_POOL)):
+        arr = _POOL[i]
+        # three references: the pool's list, ``arr`` here, getrefcount's argument
+        if sys.getrefcount(arr) == 3 and arr.shape == shape and arr.dtype == dtype:
+            _POOL.append(_POOL.pop(i))  # most recently used last
+            return arr
+    arr = np.empty(shape, dtype=dtype)
+    if len(_POOL) >= _POOL_SIZE:
+        _POOL.pop(0)
+    _POOL.append(arr)
+    return arr
+
+
+def all_numpy(values: list[Any]) -> bool:
+    """Whether every value is exactly a NumPy ``ndarray`` (not a subclass, not CuPy).
+
+    >>> all_numpy([np.ones(2), np.zeros(())]), all_numpy([np.ones(2), 1.0])
+    (True, False)
+    """
+    return _NUMPY_ONLY.issuperset(map(type, values))
 
 
 def is_device_array(x: Any) -> bool:
@@ -80,21 +141,75 @@ def as_array(leaf: Any, where: str = "value") -> Any:
     return arr
 
 
+def as_arrays(leaves: list[Any], where: str = "value") -> list[Any]:
+    """``as_array`` of every leaf.
+
+    Plain NumPy arrays of numeric dtypes pass with one check and the same list comes
+    back (``as_arrays(x) is x`` tells a caller that every leaf is a NumPy array).
+    """
+    if all_numpy(leaves) and all(
+        dt.kind in _NUMERIC_KINDS and dt.isnative for dt in set(map(_DTYPE, leaves))
+    ):
+        return leaves
+    return [as_array(leaf, where) for leaf in leaves]
+
+
+def signature(arrays: list[Any]) -> tuple[tuple[np.dtype, tuple[int, ...]], ...] | None:
+    """Every array's (dtype, shape) when all are plain NumPy arrays, else None (the plans' cache key)."""
+    return tuple(map(_DTYPE_SHAPE, arrays)) if all_numpy(arrays) else None
+
+
 @dataclasses.dataclass
 class Pack:
-    """Leaves (by index into the flat list) that travel together in one buffer."""
+    """Leaves (by index into the flat list) that travel together in one buffer.
+
+    ``views`` (cached plans only): ``(index, slice, shape)`` per leaf, ``shape`` None
+    where the slice already has the leaf's shape; ``size`` the pack's element count;
+    ``slices`` the slices alone when the pack holds every leaf, each already shaped.
+    """
 
     dtype: np.dtype
     indices: list[int]
     module: Any = np
+    views: tuple[tuple[int, slice, tuple[int, ...] | None], ...] = ()
+    size: int = -1
+    slices: tuple[slice, ...] = ()
 
 
-def plan_packs(arrays: list[Any], bytes_per_pack: int = 0) -> list[Pack]:
+def plan_packs(arrays: list[Any], bytes_per_pack: int = 0, sig: tuple[Any, ...] | None = None) -> list[Pack]:
     """Group arrays by (array module, dtype), in first-seen order.
 
     With ``bytes_per_pack > 0`` a group is split, between leaves, into packs of
-    about that many bytes; a leaf larger than that travels alone.
+    about that many bytes; a leaf larger than that travels alone. For plain NumPy
+    arrays the plan is cached and shared: callers must not modify it. ``sig``:
+    ``signature(arrays)`` if the caller has it already.
     """
+    if sig is None:
+        sig = signature(arrays)
+        if sig is None:
+            return _plan(arrays, bytes_per_pack)
+    key = (bytes_per_pack, sig)
+    packs = _PLANS.get(key)
+    if packs is None:
+        packs = [_with_views(p, arrays) for p in _plan(arrays, bytes_per_pack)]
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = packs
+    return packs
+
+
+def _with_views(p: Pack, arrays: list[Any]) -> Pack:
+    views, offset = [], 0
+    for i in p.indices:
+        n, shape = arrays[i].size, arrays[i].shape
+        views.append((i, slice(offset, offset + n), None if shape == (n,) else shape))
+        offset += n
+    whole = len(p.indices) == len(arrays) and all(shape is None for _, _, shape in views)
+    slices = tuple(part for _, part, _ in views) if whole else ()
+    return dataclasses.replace(p, views=tuple(views), size=offset, slices=slices)
+
+
+def _plan(arrays: list[Any], bytes_per_pack: int) -> list[Pack]:
     groups: dict[tuple[Any, np.dtype], list[int]] = {}
     for i, arr in enumerate(arrays):
         groups.setdefault((array_module(arr), arr.dtype), []).append(i)
@@ -123,6 +238,9 @@ def is_contiguous(arr: Any) -> bool:
 
 def pack(arrays: list[Any], p: Pack) -> Any:
     """One contiguous 1-D buffer holding the pack's leaves, always a fresh copy."""
+    if p.views:  # NumPy: one C loop over the leaves, each flattened in C order
+        leaves = arrays if len(p.indices) == len(arrays) else [arrays[i] for i in p.indices]
+        return np.concatenate(leaves, axis=None, out=empty((p.size,), p.dtype))
     xp = p.module
     total = sum(arrays[i].size for i in p.indices)
     buf = xp.empty(total, dtype=p.dtype)
@@ -137,6 +255,13 @@ def pack(arrays: list[Any], p: Pack) -> Any:
 
 def unpack(buf: Any, arrays: list[Any], p: Pack, out: list[Any]) -> None:
     """Write views of ``buf`` shaped like the pack's leaves into ``out``."""
+    if p.slices:  # every leaf, all 1-D: the slices are the leaves
+        out[:] = map(buf.__getitem__, p.slices)
+        return
+    if p.views:
+        for i, part, shape in p.views:
+            out[i] = buf[part] if shape is None else buf[part].reshape(shape)
+        return
     offset = 0
     for i in p.indices:
         n = arrays[i].size

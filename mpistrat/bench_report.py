@@ -1,0 +1,150 @@
+"""Benchmark results as a table, JSON and CSV, and reading them back.
+
+A results file is ``{"format": FORMAT, "meta": {...}, "results": [row, ...]}``; a
+row holds one operation at one size, each side (``mpistrat``, ``raw`` and for some
+ops ``raw2``) with ``time_us`` min/avg/max over ranks, ``algbw_GBps``,
+``busbw_GBps`` and ``ok``, and ``ratio`` = mpistrat avg / raw avg.
+
+>>> human(4), human(65536), human(3 << 20)
+('4 B', '64 KiB', '3 MiB')
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any
+
+from mpistrat.errors import InvalidArgumentError
+
+__all__ = ["FORMAT", "human", "table", "write_json", "write_csv", "load", "CSV_META"]
+
+FORMAT = "mpistrat-bench/1"
+# Metadata repeated on every CSV row, so files from several runs concatenate into one table.
+CSV_META = (
+    "label",
+    "date",
+    "ranks",
+    "nodes",
+    "scaling",
+    "check",
+    "mpistrat",
+    "mpi4py",
+    "mpi_library",
+    "slurm_job_id",
+)
+
+
+_COLUMNS = (
+    ("size", 9),
+    ("count", 10),
+    ("iters", 6),
+    ("time", 10),
+    ("min", 9),
+    ("max", 9),
+    ("algbw", 7),
+    ("busbw", 7),
+    ("raw", 10),
+    ("ratio", 6),
+)
+
+
+def human(nbytes: int) -> str:
+    """``nbytes`` with a binary unit, exact when it is a power of 1024 multiple."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The results as text: one block per operation."""
+    from mpistrat.bench_ops import OPS
+
+    hosts = ", ".join(meta["hosts"][:4]) + (", ..." if len(meta["hosts"]) > 4 else "")
+    lines = [
+        f"# mpistrat bench: {meta['ranks']} ranks on {meta['nodes']} node(s) ({hosts}), "
+        f"check {'on' if meta['check'] else 'off'}, {meta['date']}",
+        f"# {meta['mpi_library'][:100]}",
+        "# time: mean per iteration on each rank, in us, avg over ranks (min..max); "
+        "algbw/busbw in GB/s (nccl-tests); ratio = mpistrat / raw",
+    ]
+    for op_name in dict.fromkeys(r["op"] for r in rows):
+        op = OPS[op_name]
+        block = [r for r in rows if r["op"] == op_name]
+        two = block[0]["raw2"] is not None
+        lines += [
+            "",
+            f"## {op_name}: {op.mpistrat}  |  raw: {op.raw}" + (f"  |  raw2: {op.raw2}" if two else ""),
+        ]
+        head = " ".join(f"{name:>{width}}" for name, width in _COLUMNS)
+        lines.append(head + (f" {'raw2':>10} {'ratio2':>6}" if two else "") + "  ok")
+        for r in block:
+            t = r["mpistrat"]["time_us"]
+            line = (
+                f"{human(r['bytes']):>9} {r['count']:>10} {r['iters']:>6} {t['avg']:>10.2f} {t['min']:>9.2f} "
+                f"{t['max']:>9.2f} {r['mpistrat']['algbw_GBps']:>7.3f} {r['mpistrat']['busbw_GBps']:>7.3f} "
+                f"{r['raw']['time_us']['avg']:>10.2f} {r['ratio']:>6.2f}"
+            )
+            if two:
+                line += f" {r['raw2']['time_us']['avg']:>10.2f} {r['ratio2']:>6.2f}"
+            sides = [s for s in ("mpistrat", "raw", "raw2") if r[s]]
+            line += "  " + (
+                "yes"
+                if all(r[s]["ok"] for s in sides)
+                else "NO: " + ",".join(s for s in sides if not r[s]["ok"])
+            )
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _parent(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+
+
+def write_json(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    _parent(path)
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT, "meta": meta, "results": rows}, f, indent=1)
+        f.write("\n")
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    out = {k: row[k] for k in ("op", "bytes", "count", "leaves", "dtype", "ranks", "iters", "warmup")}
+    for side in ("mpistrat", "raw", "raw2"):
+        values = row[side] or {"time_us": {}, "ok": ""}
+        prefix = "" if side == "mpistrat" else side + "_"
+        for stat in ("min", "avg", "max"):
+            out[f"{prefix}time_{stat}_us"] = values["time_us"].get(stat, "")
+        out[f"{prefix}algbw_GBps"] = values.get("algbw_GBps", "")
+        out[f"{prefix}busbw_GBps"] = values.get("busbw_GBps", "")
+        out[f"{prefix}ok"] = values["ok"]
+    out["ratio"] = row["ratio"]
+    out["ratio2"] = "" if row["ratio2"] is None else row["ratio2"]
+    return out
+
+
+def write_csv(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    _parent(path)
+    flat = [{**_flat(r), **{k: meta.get(k) for k in CSV_META}} for r in rows]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(flat[0]) if flat else ["op"])
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def load(path: str) -> dict[str, Any]:
+    """A results file written by ``--json``; refuses anything else with the reason."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"{path}: cannot read benchmark results ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InvalidArgumentError(
+            f"{path}: not a results file of mpistrat bench (expected format {FORMAT!r}); "
+            "write one with `mpistrat bench --json PATH`"
+        )
+    return data

@@ -1,0 +1,244 @@
+#!/bin/bash
+# The jobs/ scripts on a real single-node Slurm: install Debian's Slurm and MUNGE, start
+# munged, slurmctld and slurmd with a private configuration, submit jobs/bench.sbatch
+# (through srun, and through mpiexec inside the allocation), a jobs/scaling.sh series and
+# jobs/train.sbatch, wait, check the results and plots, and stop the daemons it started.
+#
+#   sudo make test-slurm                     # or: sudo PYTHON=.venv/bin/python tests/slurm/run.sh
+#
+# Skips (exit 0, with the reason) only when not root or when the packages cannot be
+# installed. Environment: PYTHON (interpreter with mpistrat; default .venv/bin/python,
+# else python3), KEEP=1 keeps the work directory, SLURM_TEST_TIMEOUT (seconds to wait
+# for the jobs, default 300).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$REPO"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=$(command -v python3); fi
+fi
+TIMEOUT=${SLURM_TEST_TIMEOUT:-300}
+PACKAGES=(slurmctld slurmd slurm-client munge)
+
+say() { echo "test-slurm: $*"; }
+skip() {
+    say "SKIPPED: $*"
+    exit 0
+}
+
+[ "$(id -u)" -eq 0 ] || skip "needs root to install and run Slurm (run: sudo make test-slurm)"
+command -v apt-get > /dev/null || skip "apt-get not found: installs Debian's Slurm packages"
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2> /dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    say "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # The package scripts must not start system services: this test starts its own daemons.
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        policy=/usr/sbin/policy-rc.d
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
+    fi
+    apt_install() {
+        apt-get install -y -q -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}"
+    }
+    log=/tmp/mpistrat-slurm-apt.log
+    installed=1
+    if ! apt_install > "$log" 2>&1; then
+        apt-get update -q -o DPkg::Lock::Timeout=300 >> "$log" 2>&1 || true
+        apt_install >> "$log" 2>&1 || installed=0
+    fi
+    [ -z "$policy" ] || rm -f "$policy"
+    [ $installed = 1 ] || skip "could not install ${missing[*]} (log: $log)"
+fi
+
+WORK=$(mktemp -d /tmp/mpistrat-slurm.XXXXXX)
+chmod 755 "$WORK"
+mkdir -p "$WORK/state" "$WORK/spool" "$WORK/results"
+PIDS=()
+cleanup() {
+    status=$?
+    for pid in "${PIDS[@]}"; do kill "$pid" 2> /dev/null || true; done
+    for pid in "${PIDS[@]}"; do
+        for _ in $(seq 50); do kill -0 "$pid" 2> /dev/null || break; sleep 0.1; done
+        kill -9 "$pid" 2> /dev/null || true
+    done
+    if [ $status -ne 0 ]; then
+        for log in slurmctld.log slurmd.log munged.log; do
+            [ -f "$WORK/$log" ] && { echo "--- $log (tail)"; tail -n 30 "$WORK/$log"; }
+        done
+        for out in "$WORK"/results/slurm-*.out "$WORK"/*.out; do
+            [ -f "$out" ] && { echo "--- $out"; tail -n 40 "$out"; }
+        done
+        say "FAILED (work directory: $WORK)"
+    elif [ "${KEEP:-0}" = 1 ]; then
+        say "work directory kept: $WORK"
+    else
+        rm -rf "$WORK"
+    fi
+    exit $status
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+HOST=$(hostname -s)
+# What this machine has, as slurmd sees it; at least 4 CPUs so 2-4 task jobs fit anywhere
+# (config_overrides makes slurmd trust the configuration over the hardware).
+read -r -a hardware <<< "$(slurmd -C | head -n 1)"
+node=()
+for field in "${hardware[@]}"; do
+    case "$field" in NodeName=* | RealMemory=*) node+=("$field") ;; esac
+done
+CPUS=$(nproc)
+[ "$CPUS" -ge 4 ] || CPUS=4
+PORT=$((20000 + RANDOM % 20000))
+cat > "$WORK/slurm.conf" << EOF
+ClusterName=mpistrat-test
+SlurmctldHost=$HOST(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$WORK/munge.socket
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+MpiDefault=none
+ReturnToService=2
+StateSaveLocation=$WORK/state
+SlurmdSpoolDir=$WORK/spool
+SlurmctldPidFile=$WORK/slurmctld.pid
+SlurmdPidFile=$WORK/slurmd.pid
+SlurmctldLogFile=$WORK/slurmctld.log
+SlurmdLogFile=$WORK/slurmd.log
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MinJobAge=600
+${node[*]} NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
+PartitionName=test Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+EOF
+export SLURM_CONF=$WORK/slurm.conf
+
+KEY=/etc/munge/munge.key
+if [ ! -r "$KEY" ]; then  # the package normally creates it
+    KEY="$WORK/munge.key"
+    dd if=/dev/urandom of="$KEY" bs=1024 count=1 status=none && chmod 400 "$KEY"
+fi
+say "starting munged, slurmctld, slurmd on $HOST (ports $PORT-$((PORT + 1)), $WORK)"
+munged --foreground --force --key-file="$KEY" --socket="$WORK/munge.socket" --pid-file="$WORK/munged.pid" \
+    --log-file="$WORK/munged.log" --seed-file="$WORK/munged.seed" > "$WORK/munged.out" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 50); do [ -S "$WORK/munge.socket" ] && break; sleep 0.1; done
+[ -S "$WORK/munge.socket" ] || { say "munged did not start"; cat "$WORK/munged.out"; exit 1; }
+slurmctld -D -f "$SLURM_CONF" > "$WORK/slurmctld.out" 2>&1 &
+PIDS+=($!)
+slurmd -D -f "$SLURM_CONF" > "$WORK/slurmd.out" 2>&1 &
+PIDS+=($!)
+
+state=""
+for _ in $(seq 60); do
+    state=$(sinfo -h -n "$HOST" -o %T 2> /dev/null || true)
+    [ "$state" = idle ] && break
+    sleep 1
+done
+[ "$state" = idle ] || { say "node $HOST is '$state', not idle, after 60 s"; exit 1; }
+say "cluster up: $(sinfo -h -o '%P %D %T %C')"
+
+# Jobs read these from the environment sbatch passes on.
+export PYTHON RESULTS_DIR="$WORK/results"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+bench=$(BENCH_ARGS="--max 64KiB --iters 20 --min-iters 5" sbatch --parsable --ntasks=2 \
+    --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
+say "submitted jobs/bench.sbatch: job $bench"
+# The documented variant: the MPI's own mpiexec inside the allocation.
+MPIEXEC=$(dirname "$PYTHON")/mpiexec
+[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || true)
+viampiexec=""
+if [ -n "$MPIEXEC" ]; then
+    viampiexec=$(MPI_LAUNCH="$MPIEXEC" PLOT=0 BENCH_ARGS="--ops all_reduce,all_gather_uneven --max 1KiB --iters 5" \
+        sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
+    say "submitted jobs/bench.sbatch with MPI_LAUNCH=$MPIEXEC: job $viampiexec"
+fi
+series=$(BENCH_ARGS="--ops train_step,all_reduce --min 256KiB --max 256KiB --iters 5 --min-iters 5 --batch 64" \
+    jobs/scaling.sh strong 1 2)
+echo "$series"
+collect=$(echo "$series" | sed -n 's/^submitted collect: job \([0-9]*\).*/\1/p')
+mapfile -t members < <(echo "$series" | sed -n 's/^submitted bench on .*: job \([0-9]*\)$/\1/p')
+ids=("$bench" "${members[@]}" "$collect" ${viampiexec:+"$viampiexec"})
+if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
+    train=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    say "submitted jobs/train.sbatch: job $train"
+else  # the job script itself, with a module that exists here standing in for the example
+    train=$(TRAIN_MODULE=mpistrat TRAIN_ARGS="bench --ops all_reduce --max 64 --iters 2 --quiet" \
+        sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    say "submitted jobs/train.sbatch with TRAIN_MODULE=mpistrat (mpistrat.examples.digits is not installed): job $train"
+fi
+ids+=("$train")
+
+say "waiting for jobs ${ids[*]} (at most $TIMEOUT s)"
+deadline=$((SECONDS + TIMEOUT))
+while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]}")" 2> /dev/null)" ]; do
+    [ $SECONDS -lt $deadline ] || { say "jobs still queued or running after $TIMEOUT s"; squeue; exit 1; }
+    sleep 2
+done
+
+fail=0
+for id in "${ids[@]}"; do
+    info=$(scontrol show job "$id")
+    job_state=$(echo "$info" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2)
+    code=$(echo "$info" | grep -o ' ExitCode=[0-9:]*' | cut -d= -f2)
+    say "job $id: $job_state, exit code $code"
+    [ "$job_state" = COMPLETED ] && [ "$code" = 0:0 ] || fail=1
+done
+[ $fail -eq 0 ] || exit 1
+
+"$PYTHON" - "$WORK/results" "$bench" "$collect" "$viampiexec" << 'PY'
+import json, os, sys
+
+results, bench, collect, viampiexec = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+from mpistrat.bench_report import load
+
+run = load(f"{results}/{bench}/bench.json")
+meta, rows = run["meta"], run["results"]
+assert meta["ranks"] == 2 and meta["slurm_job_id"] == bench, meta
+ops = {r["op"] for r in rows}
+assert {"all_reduce", "all_reduce_nest", "all_gather_uneven", "merge_call", "run_step"} <= ops, ops
+bad = [(r["op"], r["bytes"]) for r in rows for s in ("mpistrat", "raw") if not r[s]["ok"]]
+assert not bad, f"wrong results in the Slurm run: {bad}"
+assert max(r["bytes"] for r in rows) == 64 << 10
+
+series = open(f"{results}/{collect}/series.txt").read().split()
+ranks = sorted(load(f"{results}/{j}/bench.json")["meta"]["ranks"] for j in series)
+assert ranks == [1, 2], ranks
+for j in series:
+    m = load(f"{results}/{j}/bench.json")["meta"]
+    assert m["scaling"] == "strong" and m["options"]["batch"] == 64, m
+
+png = b"\x89PNG\r\n\x1a\n"
+for path in (f"{bench}/bandwidth.png", f"{bench}/ratio.png", f"{collect}/scaling.png", f"{collect}/bandwidth.png"):
+    with open(f"{results}/{path}", "rb") as f:
+        assert f.read(8) == png, f"{path} is not a PNG"
+lines = open(f"{results}/{collect}/all.csv").read().splitlines()
+assert lines[0].startswith("op,bytes") and len(lines) == 1 + 2 * 2, lines[:3]
+if viampiexec:
+    other = load(f"{results}/{viampiexec}/bench.json")
+    assert other["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] for r in other["results"]), other["meta"]
+print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}; plots are PNGs)")
+PY
+"$PYTHON" - "$WORK/results/$train/train.json" << 'PY'
+import json, sys
+
+info = json.load(open(sys.argv[1]))
+assert info["ranks"] == 2 and info["seconds"] > 0, info
+PY
+say "PASSED"

@@ -1,0 +1,181 @@
+"""``mpistrat bench``: its sweep arithmetic, a run at this pass's size, and runs at 1-4 ranks.
+
+A results file is validated against the conventions it claims (OSU-style iteration
+counts, nccl-tests bandwidths) recomputed here from its own raw numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from mpistrat import bench, bench_report
+from mpistrat.bench_ops import DEFAULT_OPS, OPS
+from tests.conftest import all_ranks_agree
+
+WORLD = MPI.COMM_WORLD
+SMALL = ["--max", "1KiB", "--iters", "3", "--min-iters", "2", "--leaves", "8"]
+
+
+def test_parse_size_units_are_binary():
+    assert [bench.parse_size(s) for s in ("4", "4B", "64K", "64KiB", "64kb", "1M", "1MiB", "2G")] == [
+        4,
+        4,
+        64 << 10,
+        64 << 10,
+        64 << 10,
+        1 << 20,
+        1 << 20,
+        2 << 30,
+    ]
+    for bad in ("", "0", "-4", "1.5M", "KiB", "4iB", "4T"):
+        with pytest.raises(Exception, match="expected a size"):
+            bench.parse_size(bad)
+
+
+def test_sizes_are_powers_of_two_within_bounds():
+    assert bench.sizes_between(4, 64) == [4, 8, 16, 32, 64]
+    assert bench.sizes_between(5, 64) == [8, 16, 32, 64]
+    assert bench.sizes_between(1, 1) == [1]
+    assert len(bench.sizes_between(4, 64 << 20)) == 25
+
+
+def test_iterations_shrink_with_size_as_osu_does():
+    assert bench.iterations(8 << 10, 1000, 20) == (1000, 200)
+    assert bench.iterations(16 << 10, 1000, 20) == (500, 100)
+    assert bench.iterations(64 << 20, 1000, 20) == (20, 4)
+    assert bench.iterations(4, 10, 20) == (10, 2)  # never more than asked for
+    assert bench.iterations(4, 10, 20, warmup=0) == (10, 0)
+
+
+def test_bad_arguments_are_refused_with_the_reason(capsys):
+    for args, reason in (
+        (["--ops", "all_reduce,nope"], "unknown ['nope']"),
+        (["--dtype", "float16x"], "--dtype"),
+        (["--dtype", "bool"], "--dtype"),
+        (["--min", "1MiB", "--max", "4"], "larger than --max"),
+        (["--leaves", "0"], "--leaves"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            bench.main(args)
+        assert info.value.code == 2
+        assert reason in capsys.readouterr().err
+
+
+def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: int | None = None) -> list[str]:
+    """Problems with a results file, [] if none."""
+    problems = []
+    meta, rows = data["meta"], data["results"]
+    if data["format"] != bench_report.FORMAT:
+        problems.append(f"format {data['format']}")
+    for key in ("mpistrat", "mpi4py", "mpi_library", "hosts", "date", "options", "command", "check"):
+        if key not in meta:
+            problems.append(f"meta lacks {key}")
+    if meta["ranks"] != ranks or meta["nodes"] != len(meta["hosts"]):
+        problems.append(f"meta ranks/nodes {meta['ranks']}/{meta['nodes']}")
+    seen = {r["op"] for r in rows}
+    if ops is not None and seen != set(ops):
+        problems.append(f"ops {sorted(seen)} != {sorted(ops)}")
+    for r in rows:
+        where = f"{r['op']} {r['bytes']} B"
+        if r["ranks"] != ranks or (max_bytes and r["bytes"] > max_bytes and r["op"] != "all_reduce_nest"):
+            problems.append(f"{where}: ranks {r['ranks']}")
+        iters, warmup = bench.iterations(r["bytes"], *_iters(meta))
+        if (r["iters"], r["warmup"]) != (iters, warmup):
+            problems.append(f"{where}: iterations {r['iters']}/{r['warmup']}, expected {iters}/{warmup}")
+        factor = OPS[r["op"]].busbw(ranks)
+        for side in ("mpistrat", "raw", "raw2"):
+            s = r[side]
+            if s is None:
+                continue
+            t = s["time_us"]
+            if not (s["ok"] and 0 < t["min"] <= t["avg"] * (1 + 1e-9) and t["avg"] <= t["max"] * (1 + 1e-9)):
+                problems.append(f"{where} {side}: ok={s['ok']} times {t}")
+            algbw = r["bytes"] / (t["avg"] * 1e-6) / 1e9
+            if not (
+                math.isclose(s["algbw_GBps"], algbw, rel_tol=1e-6)
+                and math.isclose(s["busbw_GBps"], algbw * factor, rel_tol=1e-6, abs_tol=1e-12)
+            ):
+                problems.append(f"{where} {side}: bandwidths {s['algbw_GBps']} {s['busbw_GBps']}")
+        if not math.isclose(r["ratio"], r["mpistrat"]["time_us"]["avg"] / r["raw"]["time_us"]["avg"]):
+            problems.append(f"{where}: ratio {r['ratio']}")
+        if (r["raw2"] is None) != (OPS[r["op"]].raw2 is None):
+            problems.append(f"{where}: raw2 {r['raw2']}")
+    return problems
+
+
+def _iters(meta: dict) -> tuple[int, int, int | None]:
+    o = meta["options"]
+    return o["iters"], o["min_iters"], o["warmup"]
+
+
+def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    code = bench.main([*SMALL, "--json", str(out), "--csv", str(tmp_path / "run.csv"), "--no-progress"])
+    printed = capsys.readouterr().out
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, DEFAULT_OPS, 1024)
+        problems += [f"table lacks {op}" for op in DEFAULT_OPS if f"## {op}:" not in printed]
+        csv_lines = (tmp_path / "run.csv").read_text().splitlines()
+        if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
+            problems.append(f"csv: {csv_lines[:2]}")
+    elif printed:
+        problems.append(f"rank {rank} printed {printed[:80]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_bench_without_check_other_dtype_and_train_step(tmp_path):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    args = ["--ops", "all_reduce,train_step,run_step", "--dtype", "int32", "--no-check", "--min", "512"]
+    code = bench.main([*SMALL, *args, "--scaling", "strong", "--batch", "8", "--json", str(out), "--quiet"])
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, ["all_reduce", "train_step", "run_step"])
+        meta = data["meta"]
+        if meta["check"] or meta["scaling"] != "strong" or meta["options"]["dtype"] != "int32":
+            problems.append(f"meta {meta['check']} {meta['scaling']} {meta['options']}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def mpiexec_env() -> dict[str, str]:
+    """This environment without the launcher's variables, so a child mpiexec starts afresh."""
+    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    return env
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec next to this Python or on PATH")
+    return found
+
+
+serial_only = pytest.mark.skipif(WORLD.Get_size() > 1, reason="spawns its own mpiexec: serial pass only")
+
+
+@serial_only
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_bench_under_mpiexec(tmp_path, ranks):
+    out = tmp_path / f"bench-{ranks}.json"
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *SMALL, "--json", str(out)]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("## all_reduce:") == 1, done.stdout[-2000:]  # the table, from rank 0 only
+    assert validate(json.loads(out.read_text()), ranks, DEFAULT_OPS, 1024) == []

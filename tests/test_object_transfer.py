@@ -1,0 +1,42 @@
+"""merge_call's object transfer: small arrays ride inside the pickled message, large ones
+travel as raw bytes, and a call may mix both (ranks decide independently)."""
+
+import numpy as np
+import pytest
+
+import mpistrat
+from mpistrat.collectives import _INLINE_BYTES
+from tests.conftest import all_ranks_agree
+
+
+def _local(rank, big):
+    n = (_INLINE_BYTES // 8 + 10) if big else 3
+    return {"x": np.arange(n, dtype=np.float64) + 1000 * rank, "tag": f"r{rank}", "i": np.int32(rank)}
+
+
+@pytest.mark.parametrize("pattern", ["small", "large", "mixed"])
+def test_merge_call_gathers_and_broadcasts_small_and_large_arrays(group, pattern):
+    def big(r):
+        return pattern == "large" or (pattern == "mixed" and r % 2 == 1)
+
+    def merge_fn(strategy, value):
+        parts = strategy.experimental_local_results(value["x"])
+        tags = strategy.experimental_local_results(value["tag"])
+        # a large result (every rank's values side by side) and a per-replica one
+        whole = np.concatenate([np.asarray(p) for p in parts])
+        return whole, list(tags), mpistrat.PerReplica(tuple(np.asarray(p)[:2] * 2 for p in parts))
+
+    def step():
+        return mpistrat.get_replica_context().merge_call(
+            merge_fn, args=(_local(group.rank, big(group.rank)),)
+        )
+
+    whole, tags, mine = group.strategy.run(step)
+    want = np.concatenate([_local(r, big(r))["x"] for r in range(group.size)])
+    ok = (
+        np.array_equal(whole, want)
+        and whole.flags.writeable
+        and tags == [f"r{r}" for r in range(group.size)]
+        and np.array_equal(mine, (np.arange(2) + 1000 * group.rank) * 2)
+    )
+    all_ranks_agree(group.comm, ok, f"{whole[:4]} {tags} {mine}")
