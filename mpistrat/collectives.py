@@ -20,6 +20,7 @@ A new collective opens with ``handshake`` (its own ``kind``) and is decorated wi
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 import math
 import operator
@@ -78,7 +79,11 @@ class Collectives:
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
         self.seq = 0
-        self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
+        self.transports = Transports(comm)
+        self._handshake_send = np.empty(9, dtype=np.int64)
+        self._handshake_recv = np.empty(
+            9, dtype=np.int64
+        )  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self.monitor = watchdog.watch(self)
 
     # -- the handshake ---------------------------------------------------------------
@@ -99,10 +104,8 @@ class Collectives:
         """
         self.seq += 1
         seq, code = self.seq, _code(kind)
-        send = np.array(
-            [_MAGIC, seq, code, fingerprint, -_MAGIC, -seq, -code, -fingerprint, error is not None], np.int64
-        )
-        recv = np.empty(9, dtype=np.int64)
+        send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
+        send[:] = (_MAGIC, seq, code, fingerprint, -_MAGIC, -seq, -code, -fingerprint, error is not None)
         if self.monitor.deadline is None:
             self.comm.Allreduce(send, recv, op=MPI.MAX)
         else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
@@ -155,7 +158,7 @@ class Collectives:
         if numpy_only and error is None:
             fingerprint, packs = _numpy_plan(op, treespec, arrays, opts.bytes_per_pack)
         if check_enabled(opts):
-            impl = _device_implementation(arrays, opts)
+            impl = None if numpy_only else _device_implementation(arrays, opts)
             if packs is None:
                 fingerprint = _fingerprint(op, impl, treespec, arrays)
             self.handshake(
@@ -200,15 +203,23 @@ class Collectives:
             packs = packing.plan_packs(arrays, bytes_per_pack)
         out: list[Any] = [None] * len(arrays)
         for p in packs:
-            transport = self.transports.get(p.module, implementation, p.dtype, "allreduce")
+            # Host arrays go straight to MPI (it reads their type); device arrays pick a transport.
+            host = p.module is np
+            transport = None if host else self.transports.get(p.module, implementation, p.dtype, "allreduce")
             if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
                 i = p.indices[0]
                 recv = packing.empty(arrays[i].shape, p.dtype, p.module)
-                transport.allreduce(arrays[i], recv)
+                if host:
+                    self.comm.Allreduce(arrays[i], recv, op=MPI.SUM)
+                else:
+                    transport.allreduce(arrays[i], recv)
                 out[i] = recv if divisor is None else _divide(recv, divisor)
             else:
                 buf = packing.pack(arrays, p)
-                transport.allreduce(buf, buf)
+                if host:
+                    self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                else:
+                    transport.allreduce(buf, buf)
                 packing.unpack(buf if divisor is None else _divide(buf, divisor), arrays, p, out)
         return out
 
@@ -323,7 +334,7 @@ class Collectives:
         gathered = []
         for r, (h, payload) in enumerate(messages):
             if isinstance(payload, bytes):
-                buf = np.frombuffer(payload, dtype=np.uint8)
+                buf = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
             elif r == root:
                 buf = data
             else:
@@ -344,7 +355,7 @@ class Collectives:
             payload = data.tobytes() if data.size <= _INLINE_BYTES else data.size
         header, payload = self.comm.bcast((header, payload), root=root)
         if isinstance(payload, bytes):
-            data = np.frombuffer(payload, dtype=np.uint8)
+            data = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
         else:
             if self.rank != root:
                 data = np.empty(payload, dtype=np.uint8)
@@ -369,7 +380,7 @@ def _leaf_path(value: Any, index: int) -> str:
 def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
     """The leaves as arrays; on bad input, an error naming the leaf's key path."""
     try:
-        return [packing.as_array(leaf) for leaf in leaves]
+        return packing.as_arrays(leaves)
     except MpistratError:
         for path, leaf in nest.flatten_with_paths(value):
             packing.as_array(leaf, f"{kind}: leaf {nest.path_str(path)}")
@@ -497,7 +508,7 @@ class Unsendable:
         self.message = message
 
 
-def _split_or_fail(obj: Any, what: str) -> tuple[bytes, np.ndarray, UnsupportedTypeError | None]:
+def _split_or_fail(obj: Any, what: str) -> tuple[Any, np.ndarray, UnsupportedTypeError | None]:
     try:
         return (*_split_arrays(obj), None)
     except Exception as exc:
@@ -505,54 +516,45 @@ def _split_or_fail(obj: Any, what: str) -> tuple[bytes, np.ndarray, UnsupportedT
         return (*_split_arrays(Unsendable(str(error))), error)
 
 
-class _ArrayRef:
-    """Placeholder for an array whose bytes travel separately (``device``: a CuPy array)."""
-
-    __slots__ = ("device", "dtype", "offset", "shape")
-
-    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], device: bool = False):
-        self.offset, self.dtype, self.shape, self.device = offset, dtype, shape, device
-
-    def __reduce__(self):
-        return (_ArrayRef, (self.offset, self.dtype, self.shape, self.device))
+_NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
-def _split_arrays(obj: Any) -> tuple[bytes, np.ndarray]:
-    """Pickle ``obj`` with its array leaves replaced by references into one byte buffer.
+def _split_arrays(obj: Any) -> tuple[tuple[bytes, list[int]], np.ndarray]:
+    """Pickle ``obj`` with the bytes of its NumPy arrays out of band (protocol 5).
 
-    CuPy arrays travel through host memory (``get`` on the current stream) and are
-    put back on the receiver's current device.
+    Returns (the pickle, each out-of-band buffer's size) and those buffers joined in one
+    byte array: what travels raw. CuPy arrays pickle through host memory and come back
+    on the receiver's current device.
     """
-    chunks: list[np.ndarray] = []
-    offset = 0
-
-    def take(leaf: Any) -> Any:
-        nonlocal offset
-        device = packing.is_device_array(leaf)
-        if device or (isinstance(leaf, np.ndarray) and leaf.dtype.kind != "O"):
-            host = leaf.get() if device else leaf
-            raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-            ref = _ArrayRef(offset, host.dtype, host.shape, device)
-            chunks.append(raw)
-            offset += raw.size
-            return ref
-        return leaf
-
-    header = pickle.dumps(optree.tree_map(take, obj, **_NEST), protocol=pickle.HIGHEST_PROTOCOL)
-    data = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
-    return header, data
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    header = stream.getvalue()
+    if not buffers:
+        return (header, []), _NO_BYTES
+    raws = [np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers]
+    return (header, [r.size for r in raws]), np.concatenate(raws)
 
 
-def _join_arrays(header: bytes, data: np.ndarray) -> Any:
-    def put(leaf: Any) -> Any:
-        if isinstance(leaf, _ArrayRef):
-            n = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
-            host = data[leaf.offset : leaf.offset + n].view(leaf.dtype).reshape(leaf.shape).copy()
-            if leaf.device:
-                import cupy
+class _Pickler(pickle.Pickler):
+    """Protocol-5 pickler that moves CuPy arrays through host memory explicitly."""
 
-                return cupy.asarray(host)
-            return host
-        return leaf
+    def reducer_override(self, obj: Any) -> Any:
+        if packing.is_device_array(obj):
+            return _to_device, (obj.get(),)
+        return NotImplemented
 
-    return optree.tree_map(put, pickle.loads(header), **_NEST)
+
+def _to_device(host: np.ndarray) -> Any:
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def _join_arrays(header: tuple[bytes, list[int]], data: np.ndarray) -> Any:
+    """Unpickle what ``_split_arrays`` made; arrays become views of ``data`` (a private buffer)."""
+    pickled, sizes = header
+    if not sizes:
+        return pickle.loads(pickled)
+    bounds = [0, *itertools.accumulate(sizes)]
+    return pickle.loads(pickled, buffers=[data[a:b] for a, b in itertools.pairwise(bounds)])
