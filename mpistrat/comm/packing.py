@@ -18,6 +18,7 @@ leaves costs microseconds, not a Python loop per leaf.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import sys
@@ -111,7 +112,12 @@ def array_module(x: Any) -> Any:
 
 def dtype_name(arr: Any) -> str:
     """The dtype as shown in messages and fingerprints: ``float32``, or ``cupy:float32`` on a device."""
-    return f"cupy:{arr.dtype}" if is_device_array(arr) else str(arr.dtype)
+    return _dtype_name(arr.dtype, is_device_array(arr))
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype, device: bool) -> str:
+    return f"cupy:{dtype}" if device else str(dtype)
 
 
 def as_array(leaf: Any, where: str = "value") -> Any:
