@@ -66,6 +66,7 @@ def _env_flag(value: str) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+@functools.lru_cache(maxsize=256)
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -79,11 +80,9 @@ class Collectives:
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
         self.seq = 0
-        self.transports = Transports(comm)
+        self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self._handshake_send = np.empty(9, dtype=np.int64)
-        self._handshake_recv = np.empty(
-            9, dtype=np.int64
-        )  # per array module: MPI, CUDA-aware MPI, staging, NCCL
+        self._handshake_recv = np.empty(9, dtype=np.int64)
         self.monitor = watchdog.watch(self)
 
     # -- the handshake ---------------------------------------------------------------
@@ -239,7 +238,7 @@ class Collectives:
             opts = self.options.merge(options)
             if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
                 raise InvalidArgumentError(f"{kind}: axis must be an int; got {axis!r}")
-            leaves, treespec = optree.tree_flatten(value, **_NEST)
+            leaves, treespec = _flatten(value)
             arrays = to_arrays(value, leaves, kind)
             for i, arr in enumerate(arrays):
                 if arr.ndim == 0:
@@ -325,40 +324,45 @@ class Collectives:
             self.handshake(kind, 0, lambda: None, error)
         else:
             self.seq += 1
+        if self.rank == root:  # root's own entry is ``obj`` itself: it never travels
+            messages = self.comm.gather(None, root=root)
+            gathered = []
+            for r, message in enumerate(messages):
+                if r == root:
+                    gathered.append(obj)
+                    continue
+                h, payload = message
+                if isinstance(payload, bytes):
+                    buf = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
+                else:
+                    buf = np.empty(payload, dtype=np.uint8)
+                    self.comm.Recv([buf, MPI.BYTE], source=r, tag=_ARRAYS_TAG)
+                gathered.append(_join_arrays(h, buf))
+            return gathered
         inline = data.size <= _INLINE_BYTES
-        messages = self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
-        if self.rank != root:
-            if not inline:
-                self.comm.Send([data, MPI.BYTE], dest=root, tag=_ARRAYS_TAG)
-            return None
-        gathered = []
-        for r, (h, payload) in enumerate(messages):
-            if isinstance(payload, bytes):
-                buf = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
-            elif r == root:
-                buf = data
-            else:
-                buf = np.empty(payload, dtype=np.uint8)
-                self.comm.Recv([buf, MPI.BYTE], source=r, tag=_ARRAYS_TAG)
-            gathered.append(_join_arrays(h, buf))
-        return gathered
+        self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
+        if not inline:
+            self.comm.Send([data, MPI.BYTE], dest=root, tag=_ARRAYS_TAG)
+        return None
 
     @watchdog.collective("merge_call")
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
         """``obj`` from ``root`` on every rank: pickled, with array bytes inside the message up
         to ``_INLINE_BYTES`` and as one raw ``Bcast`` above."""
-        header, data = None, None
-        if self.rank == root:
-            header, data, _ = _split_or_fail(obj, f"rank {root}'s value for every rank cannot be pickled")
-        payload = None
-        if self.rank == root:
-            payload = data.tobytes() if data.size <= _INLINE_BYTES else data.size
-        header, payload = self.comm.bcast((header, payload), root=root)
+        if self.rank == root:  # root keeps ``obj``; it pickles only for the others
+            header, data, error = _split_or_fail(obj, f"rank {root}'s value for every rank cannot be pickled")
+            inline = data.size <= _INLINE_BYTES
+            self.comm.bcast((header, data.tobytes() if inline else data.size), root=root)
+            if not inline:
+                self.comm.Bcast([data, MPI.BYTE], root=root)
+            if error is not None:
+                raise error
+            return obj
+        header, payload = self.comm.bcast(None, root=root)
         if isinstance(payload, bytes):
             data = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
         else:
-            if self.rank != root:
-                data = np.empty(payload, dtype=np.uint8)
+            data = np.empty(payload, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
         result = _join_arrays(header, data)
         if isinstance(result, Unsendable):

@@ -45,12 +45,7 @@ def fingerprint(*parts: Any) -> int:
     >>> fingerprint("SUM", (3,)) == fingerprint("SUM", (3,)) != fingerprint("SUM", (4,))
     True
     """
-    code = _fingerprints.get(parts)
-    if code is None:
-        if len(_fingerprints) >= 4096:
-            _fingerprints.clear()
-        code = _fingerprints[parts] = zlib.crc32(repr(parts).encode())
-    return code
+    return cached_code(parts, lambda: repr(parts))
 
 
 def cached_code(key: Any, text: Any) -> int:
