@@ -18,6 +18,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Any, NoReturn
 
@@ -28,6 +29,9 @@ from mpistrat.log import world_rank
 __all__ = ["abort_job", "abort_later", "enabled", "install", "set_abort_on_exception"]
 
 _enabled: bool | None = None  # None: the environment decides
+# mpiexec/srun forward output through their own processes; MPI_Abort can kill those before
+# the traceback printed just before it arrives, so it waits this long first.
+_FORWARD_SECONDS = 0.5
 _installed = False
 _previous_hook: Any = None
 _previous_thread_hook: Any = None
@@ -107,6 +111,7 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
     """Print ``message`` with the rank, then end every process of the job (``MPI_Abort``)."""
     prefix = f"[rank {world_rank()}] mpistrat:"
     _write(f"{prefix} {message}\n{prefix} calling MPI_Abort to end the job\n")
+    time.sleep(_FORWARD_SECONDS)  # let the launcher forward what was just printed before it is killed
     try:
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Abort(code)
