@@ -1,0 +1,198 @@
+"""A communicator that counts every MPI call mpistrat makes on it, and the bytes each moves.
+
+mpi4py's ``Intracomm`` can be subclassed and ``Dup`` returns the subclass, so a strategy
+built on ``CountingComm(comm)`` records everything it sends on its private duplicate.
+Each call is logged as (name, bytes this rank sent, bytes this rank received): the
+payload a rank hands to MPI or gets back, which is what grows (or must not grow) with
+the number of ranks. Pickled (lower-case) calls count their pickles' sizes.
+
+>>> from mpi4py import MPI
+>>> import numpy as np
+>>> comm = CountingComm(MPI.COMM_SELF).Dup()
+>>> with Ledger.recording() as ledger:
+...     comm.Allreduce(np.ones(4), np.empty(4))
+>>> ledger.calls, ledger.sent, ledger.received
+(1, 32, 32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+
+def _nbytes(spec: Any) -> int:
+    """Bytes of the buffer in an mpi4py buffer spec (``buf``, ``[buf, type]``, ``[buf, counts, displs]``)."""
+    if spec is None or spec is MPI.IN_PLACE:
+        return 0
+    if isinstance(spec, (list, tuple)):
+        spec = spec[0]
+    nbytes = getattr(spec, "nbytes", None)
+    return int(nbytes) if nbytes is not None else memoryview(spec).nbytes
+
+
+def _pickled(obj: Any) -> int:
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@dataclasses.dataclass
+class Call:
+    name: str
+    sent: int
+    received: int
+
+
+@dataclasses.dataclass
+class Ledger:
+    """What one rank did on counting communicators while recording."""
+
+    log: list[Call] = dataclasses.field(default_factory=list)
+    active: bool = False
+
+    @property
+    def calls(self) -> int:
+        return len(self.log)
+
+    @property
+    def sent(self) -> int:
+        return sum(c.sent for c in self.log)
+
+    @property
+    def received(self) -> int:
+        return sum(c.received for c in self.log)
+
+    @property
+    def moved(self) -> int:
+        """Bytes in and out of this rank."""
+        return self.sent + self.received
+
+    def names(self) -> list[str]:
+        return [c.name for c in self.log]
+
+    def without(self, *names: str) -> Ledger:
+        """The calls other than ``names``."""
+        return Ledger([c for c in self.log if c.name not in names])
+
+    def only(self, *names: str) -> Ledger:
+        return Ledger([c for c in self.log if c.name in names])
+
+    @classmethod
+    @contextlib.contextmanager
+    def recording(cls) -> Iterator[Ledger]:
+        """Record every counting communicator's calls on this rank inside the block."""
+        ledger = cls(active=True)
+        _LEDGERS.append(ledger)
+        try:
+            yield ledger
+        finally:
+            _LEDGERS.remove(ledger)
+            ledger.active = False
+
+
+_LEDGERS: list[Ledger] = []
+
+
+def _note(name: str, sent: int, received: int) -> None:
+    for ledger in _LEDGERS:
+        ledger.log.append(Call(name, sent, received))
+
+
+class CountingComm(MPI.Intracomm):
+    """An intracommunicator that logs its calls into the active :class:`Ledger` (if any)."""
+
+    def _root(self, root: int) -> bool:
+        return self.Get_rank() == root
+
+    # -- buffer (upper-case) collectives ---------------------------------------------
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> None:
+        n = _nbytes(recvbuf)
+        _note("Allreduce", n, n)
+        return super().Allreduce(sendbuf, recvbuf, op)
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> MPI.Request:
+        n = _nbytes(recvbuf)
+        _note("Allreduce", n, n)
+        return super().Iallreduce(sendbuf, recvbuf, op)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        _note("Allgather", _nbytes(sendbuf), _nbytes(recvbuf))
+        return super().Allgather(sendbuf, recvbuf)
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        _note("Allgatherv", _nbytes(sendbuf), _nbytes(recvbuf))
+        return super().Allgatherv(sendbuf, recvbuf)
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        n = _nbytes(buf)
+        _note("Bcast", n if self._root(root) else 0, 0 if self._root(root) else n)
+        return super().Bcast(buf, root)
+
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        _note("Gather", _nbytes(sendbuf), _nbytes(recvbuf) if self._root(root) else 0)
+        return super().Gather(sendbuf, recvbuf, root)
+
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        _note("Gatherv", _nbytes(sendbuf), _nbytes(recvbuf) if self._root(root) else 0)
+        return super().Gatherv(sendbuf, recvbuf, root)
+
+    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        _note("Scatterv", _nbytes(sendbuf) if self._root(root) else 0, _nbytes(recvbuf))
+        return super().Scatterv(sendbuf, recvbuf, root)
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        _note("Send", _nbytes(buf), 0)
+        return super().Send(buf, dest, tag)
+
+    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None) -> None:
+        _note("Recv", 0, _nbytes(buf))
+        return super().Recv(buf, source, tag, status)
+
+    # -- pickled (lower-case) calls ------------------------------------------------------
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        out = super().bcast(obj, root)
+        n = _pickled(out)
+        _note("bcast", n if self._root(root) else 0, 0 if self._root(root) else n)
+        return out
+
+    def gather(self, sendobj: Any, root: int = 0) -> Any:
+        out = super().gather(sendobj, root)
+        received = sum(map(_pickled, out)) - _pickled(sendobj) if self._root(root) else 0
+        _note("gather", 0 if self._root(root) else _pickled(sendobj), received)
+        return out
+
+    def scatter(self, sendobj: Any, root: int = 0) -> Any:
+        out = super().scatter(sendobj, root)
+        sent = sum(map(_pickled, sendobj)) - _pickled(out) if self._root(root) else 0
+        _note("scatter", sent, 0 if self._root(root) else _pickled(out))
+        return out
+
+    def allgather(self, sendobj: Any) -> Any:
+        out = super().allgather(sendobj)
+        _note("allgather", _pickled(sendobj), sum(map(_pickled, out)))
+        return out
+
+    def allreduce(self, sendobj: Any, op: Any = MPI.SUM) -> Any:
+        out = super().allreduce(sendobj, op)
+        _note("allreduce", _pickled(sendobj), _pickled(out))
+        return out
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        _note("isend", _pickled(obj), 0)
+        return super().isend(obj, dest, tag)
+
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        _note("send", _pickled(obj), 0)
+        return super().send(obj, dest, tag)
+
+
+def nbytes(*arrays: Any) -> int:
+    """Total bytes of ``arrays`` (the ideal payload of one collective over them)."""
+    return sum(int(np.asarray(a).nbytes) for a in arrays)
