@@ -169,12 +169,7 @@ class Collectives:
             self.seq += 1
         divisor = self.size if op is ReduceOp.MEAN else None
         out = self._allreduce_arrays(arrays, opts.bytes_per_pack, opts.implementation, divisor, packs)
-        if not numpy_only:  # numbers come back as NumPy scalars
-            out = [
-                o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
-                for x, o in zip(leaves, out, strict=True)
-            ]
-        return optree.tree_unflatten(treespec, out)
+        return optree.tree_unflatten(treespec, out if numpy_only else _like_leaves(leaves, out))
 
     def _all_reduce_array(self, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
         """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
@@ -221,6 +216,61 @@ class Collectives:
                     transport.allreduce(buf, buf)
                 packing.unpack(buf if divisor is None else _divide(buf, divisor), arrays, p, out)
         return out
+
+    # -- broadcast -------------------------------------------------------------------
+
+    @watchdog.collective("broadcast")
+    def broadcast(
+        self, value: Any, root: int = 0, kind: str = "broadcast", error: MpistratError | None = None
+    ) -> Any:
+        """Root's nest of arrays on every rank: one ``Bcast`` per dtype pack.
+
+        Every rank passes a nest of the same structure, dtypes and shapes (checked);
+        only root's contents count. The result is a copy on every rank, root too.
+
+        >>> from mpi4py import MPI
+        >>> Collectives(MPI.COMM_SELF.Dup()).broadcast({"w": np.arange(3)})
+        {'w': array([0, 1, 2])}
+        """
+        leaves, treespec, arrays = [], None, []
+        try:
+            leaves, treespec = _flatten(value)
+            arrays = to_arrays(value, leaves, kind)
+        except MpistratError as exc:
+            error = error or exc
+        numpy_only = arrays is leaves
+        packs = None
+        if numpy_only and error is None:
+            fingerprint, packs = _numpy_plan(None, treespec, arrays, self.options.bytes_per_pack)
+        if check_enabled(self.options):
+            if packs is None:
+                fingerprint = _fingerprint(None, None, treespec, arrays)
+            self.handshake(kind, fingerprint, lambda: mismatch.describe(value, None), error)
+        elif error is not None:
+            raise error
+        else:
+            self.seq += 1
+        if packs is None:
+            packs = packing.plan_packs(arrays, self.options.bytes_per_pack)
+        out: list[Any] = [None] * len(arrays)
+        for p in packs:
+            transport = self.transports.host if p.module is np else self.transports.ring(p.module)
+            if len(p.indices) == 1:
+                i = p.indices[0]
+                if self.rank == root:
+                    buf = packing.array_module(arrays[i]).array(arrays[i], order="C", copy=True)
+                else:
+                    buf = packing.empty(arrays[i].shape, p.dtype, p.module)
+                transport.bcast(buf, root)
+                out[i] = buf
+                continue
+            if self.rank == root:
+                buf = packing.pack(arrays, p)
+            else:
+                buf = packing.empty((sum(arrays[i].size for i in p.indices),), p.dtype, p.module)
+            transport.bcast(buf, root)
+            packing.unpack(buf, arrays, p, out)
+        return optree.tree_unflatten(treespec, out if numpy_only else _like_leaves(leaves, out))
 
     # -- all_gather ------------------------------------------------------------------
 
@@ -371,6 +421,14 @@ class Collectives:
 
 
 # -- helpers ------------------------------------------------------------------------
+
+
+def _like_leaves(leaves: list[Any], out: list[Any]) -> list[Any]:
+    """Results for number leaves as NumPy scalars (0-d arrays otherwise)."""
+    return [
+        o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
+        for x, o in zip(leaves, out, strict=True)
+    ]
 
 
 def np_moveaxis(arr: Any, axis: int) -> Any:

@@ -223,10 +223,8 @@ class StrategyExtended:
         return value if self.is_default else Mirrored((value,) * self.size)
 
     def _all_reduce(self, op: str | ReduceOp, local: Any, kind: str) -> Any:
-        if op == ONLY_FIRST_REPLICA:  # replica 0's value, as a sum with zeros elsewhere
-            if self.rank != 0:
-                local = optree.tree_map(np.zeros_like, local, **_NEST)
-            op = ReduceOp.SUM
+        if op == ONLY_FIRST_REPLICA:  # replica 0's value: a broadcast, not a sum with zeros
+            return self.collectives.broadcast(local, kind=kind)
         return self.collectives.all_reduce(op, local, kind=kind)
 
     def _reduce_locally(self, op: str | ReduceOp, value: Any, method: str) -> Any:
@@ -266,7 +264,7 @@ class StrategyExtended:
         _check_destinations(destinations, "broadcast_to")
         if mode.kind == "merge" or self.is_default:
             return self._mirrored(tensor)
-        return self._all_reduce(ONLY_FIRST_REPLICA, tensor, "broadcast_to")
+        return self.collectives.broadcast(tensor, kind="broadcast_to")
 
     # -- updates ------------------------------------------------------------------------
 

@@ -342,14 +342,11 @@ class DistributedVariable(Variable, DistributedValues):
         self, op: VariableAggregation, local: Any, kind: str, error: MpistratError | None = None
     ) -> Any:
         """One collective combining every rank's ``local`` as ``op`` says."""
+        collectives, kind = self._extended.collectives, f"{kind}({self._name})"
         if op is VariableAggregation.ONLY_FIRST_REPLICA:
-            xp = packing.array_module(local)
-            send, reduce_op = (local if self._extended.rank == 0 else xp.zeros_like(local)), ReduceOp.SUM
+            out = collectives.broadcast(local, kind=kind, error=error)
         else:
-            send, reduce_op = local, ReduceOp[op.name]
-        out = self._extended.collectives.all_reduce(
-            reduce_op, send, kind=f"{kind}({self._name})", error=error
-        )
+            out = collectives.all_reduce(ReduceOp[op.name], local, kind=kind, error=error)
         return out.astype(self.dtype, copy=False)
 
     def __repr__(self) -> str:
@@ -483,19 +480,7 @@ def _initial(initial_value: Any, dtype: Any, name: str) -> Any:
 
 def _broadcast_initial(extended: Any, value: Any, name: str, sync: Any, agg: Any) -> Any:
     """Rank 0's initial value on every rank; a rank with a different shape/dtype/kind fails everywhere."""
-    collectives = extended.collectives
-    described = (f"{name} ({sync.name}, {agg.name})", str(value.dtype), tuple(value.shape))
-    from mpistrat.collectives import _code, check_enabled
-
-    if check_enabled(collectives.options):
-        collectives.handshake(
-            f"variable_creation({name})",
-            _code(repr(described)),
-            lambda: {"reduce_op": None, "axis": None, "leaves": [described]},
-        )
-    xp = packing.array_module(value)
-    received = collectives.broadcast_from_root(_to_numpy(value))
-    return received if xp is np else xp.asarray(received)
+    return extended.collectives.broadcast(value, kind=f"variable_creation({name}, {sync.name}, {agg.name})")
 
 
 def _combine(how: str, old: Any, value: Any) -> Any:

@@ -62,6 +62,10 @@ class Transport:
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         raise NotImplementedError
 
+    def bcast(self, buf: Any, root: int) -> None:
+        """Overwrite ``buf`` on every rank with root's ``buf``."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the transport holds (communicators, pinned memory)."""
 
@@ -88,6 +92,9 @@ class HostMPI(Transport):
             buffer_spec(send, counts[self.rank]), [recv, list(counts), list(displs), mpi_datatype(recv.dtype)]
         )
 
+    def bcast(self, buf: Any, root: int) -> None:
+        self.comm.Bcast(buffer_spec(_host_if_empty(buf)), root=root)
+
 
 class CudaAwareMPI(HostMPI):
     """Device buffers straight to a CUDA-aware MPI, once the current stream has finished writing them.
@@ -108,6 +115,10 @@ class CudaAwareMPI(HostMPI):
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         self.cupy.cuda.get_current_stream().synchronize()
         super().allgatherv(send, recv, counts, displs)
+
+    def bcast(self, buf: Any, root: int) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+        super().bcast(buf, root)
 
 
 class StagedMPI(Transport):
@@ -163,6 +174,18 @@ class StagedMPI(Transport):
         self.comm.Allgatherv(MPI.IN_PLACE, [host, list(counts), list(displs), mpi_datatype(host.dtype)])
         if host.size:
             recv.set(host, stream=stream)
+            self._pending = stream.record()
+
+    def bcast(self, buf: Any, root: int) -> None:
+        buf = buf.reshape(-1)
+        host = self.staging(buf.nbytes, buf.dtype)
+        stream = self.cupy.cuda.get_current_stream()
+        if host.size and self.rank == root:
+            buf.get(stream=stream, out=host)
+        stream.synchronize()
+        self.comm.Bcast(buffer_spec(host), root=root)
+        if host.size and self.rank != root:
+            buf.set(host, stream=stream)
             self._pending = stream.record()
 
     def close(self) -> None:
