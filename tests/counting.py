@@ -150,7 +150,9 @@ class CountingComm(MPI.Intracomm):
         _note("Send", _nbytes(buf), 0)
         return super().Send(buf, dest, tag)
 
-    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None) -> None:
+    def Recv(
+        self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None
+    ) -> None:
         _note("Recv", 0, _nbytes(buf))
         return super().Recv(buf, source, tag, status)
 
