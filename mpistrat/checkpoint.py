@@ -28,8 +28,8 @@ import numpy as np
 from mpistrat import context, nest
 from mpistrat.collectives import _code, check_enabled
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.merge import portable
 from mpistrat.optimizers import Optimizer
-from mpistrat.replica_context import _portable
 from mpistrat.variables import Variable, _to_numpy
 
 __all__ = ["Checkpoint"]
@@ -149,7 +149,7 @@ class Checkpoint:
                 _write_atomic(path, arrays)
                 _write_atomic(os.path.join(os.path.dirname(path) or ".", INDEX), json.dumps({"latest": path}))
             except BaseException as exc:  # every rank must hear of it
-                status, original = _portable(exc), exc
+                status, original = portable(exc), exc
         status = collectives.broadcast_from_root(status)
         if status is not None:
             raise original if strategy.extended.rank == 0 else status
@@ -173,7 +173,7 @@ class Checkpoint:
                 with np.load(path, allow_pickle=False) as data:
                     payload = ("ok", {k: data[k] for k in data.files})
             except BaseException as exc:
-                payload, original = ("error", _portable(exc)), exc
+                payload, original = ("error", portable(exc)), exc
         status, body = collectives.broadcast_from_root(payload)
         if status == "error":
             raise original if strategy.extended.rank == 0 else body

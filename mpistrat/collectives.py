@@ -44,7 +44,7 @@ from mpistrat.errors import (
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
-__all__ = ["Collectives", "check_enabled"]
+__all__ = ["Collectives", "check_enabled", "check_level"]
 
 _MAGIC = 0x6D707374  # "mpst"
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
@@ -56,14 +56,23 @@ _ARRAYS_TAG = 0x6D70  # raw array bytes to root on the private communicator (wat
 
 def check_enabled(options: CommunicationOptions) -> bool:
     """Whether the handshake check runs: the option, else ``MPISTRAT_CHECK`` (default on)."""
+    return check_level(options) > 0
+
+
+def check_level(options: CommunicationOptions) -> int:
+    """0: no check; 1: the handshake (the default); 2 (``strict``): also compare the copies of
+    the variables every-rank merge functions update. The option, else ``MPISTRAT_CHECK``."""
     if options.check is not None:
-        return options.check
-    return _env_flag(os.environ.get("MPISTRAT_CHECK", "1"))
+        return 2 if options.check == "strict" else int(bool(options.check))
+    return _env_level(os.environ.get("MPISTRAT_CHECK", "1"))
 
 
 @functools.lru_cache(maxsize=16)
-def _env_flag(value: str) -> bool:
-    return value.strip().lower() not in ("0", "false", "no", "off")
+def _env_level(value: str) -> int:
+    value = value.strip().lower()
+    if value in ("2", "strict"):
+        return 2
+    return int(value not in ("0", "false", "no", "off"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,8 +90,8 @@ class Collectives:
         self.options = options or CommunicationOptions()
         self.seq = 0
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
-        self._handshake_send = np.empty(9, dtype=np.int64)
-        self._handshake_recv = np.empty(9, dtype=np.int64)
+        self._handshake_send = np.empty(10, dtype=np.int64)
+        self._handshake_recv = np.empty(10, dtype=np.int64)
         self.monitor = watchdog.watch(self)
 
     # -- the handshake ---------------------------------------------------------------
@@ -94,17 +103,22 @@ class Collectives:
         describe: Any,
         error: MpistratError | None = None,
         extras: list[int] | None = None,
-    ) -> np.ndarray | None:
-        """Agree on (seq, kind, fingerprint) with every rank; return every rank's ``extras``.
+        maximum: int | None = None,
+    ) -> Any:
+        """Agree on (seq, kind, fingerprint) with every rank.
 
         ``describe`` is a callable returning a picklable description of this rank's
         arguments; it is only called when something disagrees, to explain what.
-        ``extras`` are per-rank numbers (all_gather's sizes), gathered once all agree.
+        ``extras`` are per-rank numbers (all_gather's sizes), gathered once all agree:
+        then every rank's extras are returned (a table). ``maximum``: a number whose
+        largest value over the ranks is returned, at no extra message (it rides in the
+        handshake).
         """
         self.seq += 1
         seq, code = self.seq, _code(kind)
         send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
-        send[:] = (_MAGIC, seq, code, fingerprint, -_MAGIC, -seq, -code, -fingerprint, error is not None)
+        send[:8] = (_MAGIC, seq, code, fingerprint, -_MAGIC, -seq, -code, -fingerprint)
+        send[8], send[9] = error is not None, maximum or 0
         if self.monitor.deadline is None:
             self.comm.Allreduce(send, recv, op=MPI.MAX)
         else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
@@ -113,7 +127,7 @@ class Collectives:
         if top[8] or top[:4] != [-f for f in top[4:8]]:
             self._raise_disagreement(kind, describe, error)
         if extras is None:
-            return None
+            return None if maximum is None else top[9]
         mine = np.asarray(extras, dtype=np.int64)
         everyone = np.empty((self.size, mine.size), dtype=np.int64)
         if mine.size:
@@ -363,37 +377,42 @@ class Collectives:
     def gather_to_root(self, obj: Any, kind: str = "merge_call", root: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
 
-        Everything is pickled into one ``gather``; a rank's array bytes ride in that
-        message up to ``_INLINE_BYTES`` and above follow as one raw message to root
-        (root learns which from the gathered headers, so no rank has to agree first).
+        Objects are pickled with their array bytes out of band: a rank's bytes ride in
+        one ``gather`` of the pickles up to ``_INLINE_BYTES``, and larger ones follow in
+        one ``Gatherv`` (the handshake tells every rank whether any rank needs it).
         """
         header, data, error = _split_or_fail(
             obj, f"{kind}: the arguments cannot be pickled to send to rank {root}"
         )
+        inline = data.size <= _INLINE_BYTES
         if check_enabled(self.options):
-            self.handshake(kind, 0, lambda: None, error)
+            raw = self.handshake(kind, 0, lambda: None, error, maximum=0 if inline else 1)
         else:
             self.seq += 1
-        if self.rank == root:  # root's own entry is ``obj`` itself: it never travels
-            messages = self.comm.gather(None, root=root)
-            gathered = []
-            for r, message in enumerate(messages):
-                if r == root:
-                    gathered.append(obj)
-                    continue
-                h, payload = message
-                if isinstance(payload, bytes):
-                    buf = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
-                else:
-                    buf = np.empty(payload, dtype=np.uint8)
-                    self.comm.Recv([buf, MPI.BYTE], source=r, tag=_ARRAYS_TAG)
-                gathered.append(_join_arrays(h, buf))
-            return gathered
-        inline = data.size <= _INLINE_BYTES
-        self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
-        if not inline:
-            self.comm.Send([data, MPI.BYTE], dest=root, tag=_ARRAYS_TAG)
-        return None
+            raw = 1  # unknown without the handshake: the Gatherv always follows
+        if self.rank != root:
+            self.comm.gather((header, data.tobytes() if inline else data.size), root=root)
+            if raw:
+                self.comm.Gatherv([data if not inline else _NO_BYTES, MPI.BYTE], None, root=root)
+            return None
+        messages = self.comm.gather(None, root=root)  # root's own entry is ``obj``: it never travels
+        sizes = [m[1] if r != root and not isinstance(m[1], bytes) else 0 for r, m in enumerate(messages)]
+        displs = [0, *itertools.accumulate(sizes[:-1])]
+        everything = np.empty(sum(sizes), dtype=np.uint8)
+        if raw:
+            self.comm.Gatherv([_NO_BYTES, MPI.BYTE], [everything, sizes, displs, MPI.BYTE], root=root)
+        gathered = []
+        for r, message in enumerate(messages):
+            if r == root:
+                gathered.append(obj)
+                continue
+            h, payload = message
+            if isinstance(payload, bytes):
+                buf = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
+            else:
+                buf = everything[displs[r] : displs[r] + payload]
+            gathered.append(_join_arrays(h, buf))
+        return gathered
 
     @watchdog.collective("merge_call")
     def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
@@ -414,10 +433,43 @@ class Collectives:
         else:
             data = np.empty(payload, dtype=np.uint8)
             self.comm.Bcast([data, MPI.BYTE], root=root)
-        result = _join_arrays(header, data)
-        if isinstance(result, Unsendable):
-            raise UnsupportedTypeError(result.message)
-        return result
+        return _received(header, data)
+
+    @watchdog.collective("merge_call")
+    def scatter_from_root(self, objs: list[Any] | None = None, root: int = 0) -> Any:
+        """``objs[r]`` (given on ``root``) on rank ``r``: each rank receives only its own object.
+
+        Pickled as :meth:`gather_to_root` does; large array bytes follow in one ``Scatterv``
+        (root says in each message whether it comes).
+        """
+        if self.rank != root:
+            header, payload, raw = self.comm.scatter(None, root=root)
+            data = np.empty(0 if isinstance(payload, bytes) else payload, dtype=np.uint8)
+            if raw:
+                self.comm.Scatterv(None, [data, MPI.BYTE], root=root)
+            if isinstance(payload, bytes):
+                data = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
+            return _received(header, data)
+        assert objs is not None and len(objs) == self.size
+        splits = [
+            (None, _NO_BYTES, None)
+            if r == root
+            else _split_or_fail(o, f"rank {root}'s value for rank {r} cannot be pickled")
+            for r, o in enumerate(objs)
+        ]
+        sizes = [0 if d.size <= _INLINE_BYTES else d.size for _, d, _ in splits]
+        raw = any(sizes)
+        messages = [(h, n or d.tobytes(), raw) for (h, d, _), n in zip(splits, sizes, strict=True)]
+        messages[root] = None
+        self.comm.scatter(messages, root=root)
+        if raw:
+            large = np.concatenate([d for (_, d, _), n in zip(splits, sizes, strict=True) if n])
+            displs = [0, *itertools.accumulate(sizes[:-1])]
+            self.comm.Scatterv([large, sizes, displs, MPI.BYTE], [_NO_BYTES, MPI.BYTE], root=root)
+        error = next((e for _, _, e in splits if e is not None), None)
+        if error is not None:
+            raise error
+        return objs[root]
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -611,6 +663,14 @@ def _to_device(host: np.ndarray) -> Any:
     import cupy
 
     return cupy.asarray(host)
+
+
+def _received(header: tuple[bytes, list[int]], data: np.ndarray) -> Any:
+    """What root sent, or the error it could not send."""
+    result = _join_arrays(header, data)
+    if isinstance(result, Unsendable):
+        raise UnsupportedTypeError(result.message)
+    return result
 
 
 def _join_arrays(header: tuple[bytes, list[int]], data: np.ndarray) -> Any:

@@ -70,6 +70,7 @@ class StrategyExtended:
         options: CommunicationOptions,
         *,
         is_default: bool = False,
+        merge_call: str = "root",
     ):
         self._container_strategy = container_strategy
         self._comm: MPI.Intracomm | None = comm
@@ -80,8 +81,12 @@ class StrategyExtended:
         self.size = comm.Get_size()
         # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
         self.placement = devices.cpu_placement() if is_default else devices.place(comm)
-        # Writes to synced variables made inside a merge_fn on rank 0; broadcast with its result.
+        self.merge_call_mode = merge_call  # "root" or "every_rank" (see mpistrat.merge)
+        # Writes to synced variables made inside a merge_fn: on rank 0 they are broadcast with
+        # its result; on every rank (every_rank mode), their copies may be compared.
         self.merge_writes: list[tuple[int, Any]] | None = None
+        # Inside update()/update_non_slot(): writes there apply to each rank's copy as they are.
+        self.updating = 0
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
         self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._synced_keys = itertools.count()
@@ -299,8 +304,17 @@ class StrategyExtended:
                         f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
                         "Create it inside `with strategy.scope():`"
                     )
-                result = fn(component, *a, **kw)
+                with self._updating():
+                    result = fn(component, *a, **kw)
         return result if group else _ungroup(result)
+
+    @contextlib.contextmanager
+    def _updating(self) -> Iterator[None]:
+        self.updating += 1
+        try:
+            yield
+        finally:
+            self.updating -= 1
 
     def update_non_slot(
         self,
@@ -321,7 +335,7 @@ class StrategyExtended:
                 f"update_non_slot: colocate_with must be the tuple non_slot_devices(var_list) returned "
                 f"({self.parameter_devices}); got {colocate_with!r}"
             )
-        with self._enter(mode):
+        with self._enter(mode), self._updating():
             a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
             result = fn(*a, **kw)
         return result if group else _ungroup(result)

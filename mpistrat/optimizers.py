@@ -168,7 +168,8 @@ class Optimizer:
                     f"got a {type(v).__name__}"
                 )
         self.build([v for _, v in pairs])
-        context.get_replica_context().merge_call(self._distributed_apply, args=(pairs,))
+        # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
+        context.get_replica_context()._merge_call(self._distributed_apply, (pairs,), None, "every_rank")
         return self.iterations
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:

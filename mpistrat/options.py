@@ -35,13 +35,15 @@ class CommunicationOptions:
         timeout_seconds: give up on a collective that takes longer (None: wait forever).
         implementation: the transport, see :class:`CommunicationImplementation`.
         check: verify that every rank entered the same collective with compatible
-            arguments (None: the ``MPISTRAT_CHECK`` environment default, on).
+            arguments (None: the ``MPISTRAT_CHECK`` environment default, on);
+            ``"strict"`` also compares the copies of the variables that every-rank
+            merge functions (the optimizers) update, by checksum.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
-    check: bool | None = None
+    check: bool | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -53,8 +55,8 @@ class CommunicationOptions:
             raise InvalidArgumentError(
                 f"timeout_seconds must be a number of seconds > 0, or None; got {timeout!r}"
             )
-        if self.check not in (None, True, False):
-            raise InvalidArgumentError(f"check must be True, False or None; got {self.check!r}")
+        if self.check not in (None, True, False, "strict"):
+            raise InvalidArgumentError(f"check must be True, False, 'strict' or None; got {self.check!r}")
         if isinstance(self.implementation, str):
             object.__setattr__(
                 self, "implementation", CommunicationImplementation(self.implementation.upper())

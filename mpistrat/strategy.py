@@ -12,7 +12,7 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import abort, context
+from mpistrat import abort, context, merge
 from mpistrat.collectives import check_enabled, to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
@@ -325,6 +325,11 @@ class MPIStrategy(Strategy):
             ``MPI.COMM_WORLD``); the strategy talks on a private duplicate of it.
             Creating the strategy is collective over ``comm``.
         communication_options: defaults for every collective.
+        merge_call: where ``ReplicaContext.merge_call`` runs ``merge_fn``: ``"root"``
+            (gather to rank 0, run once, broadcast; any merge_fn) or ``"every_rank"``
+            (every rank runs it on its own values; reductions inside are collectives,
+            so the variable-update pattern costs one all-reduce at any scale). See
+            :mod:`mpistrat.merge`. The optimizers use ``"every_rank"`` either way.
     """
 
     def __init__(
@@ -332,13 +337,18 @@ class MPIStrategy(Strategy):
         comm: MPI.Intracomm | None = None,
         *,
         communication_options: CommunicationOptions | None = None,
+        merge_call: str = "root",
     ):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise UnsupportedTypeError(f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}")
+        if merge_call not in merge.MODES:
+            raise InvalidArgumentError(
+                f"MPIStrategy: merge_call must be 'root' or 'every_rank'; got {merge_call!r}"
+            )
         options = CommunicationOptions().merge(communication_options)
         abort.install()  # an uncaught exception on one rank now ends the job, not just that rank
-        super().__init__(StrategyExtended(self, comm.Dup(), options))
+        super().__init__(StrategyExtended(self, comm.Dup(), options, merge_call=merge_call))
 
 
 class _DefaultStrategy(Strategy):

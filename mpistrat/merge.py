@@ -1,0 +1,258 @@
+"""merge_call's two modes: on rank 0 alone (the default), or on every rank.
+
+``"root"``: every rank's arguments are gathered to rank 0, where array leaves and
+leaves that differ become ``PerReplica`` values holding every replica's value;
+``merge_fn`` runs there once, in a *merge* context where reductions are local
+arithmetic. Its result is broadcast, except ``PerReplica`` leaves, whose components
+are scattered (each rank receives only its own); writes it made to distributed
+variables are broadcast and replayed. Any merge_fn works, at the cost of a funnel
+through rank 0: use it for coordination and for merge functions that need every
+replica's value at once.
+
+``"every_rank"``: ``merge_fn`` runs on every rank, as tf.distribute's
+MultiWorkerMirroredStrategy runs it on every worker. Array arguments become
+``PerReplica`` values holding this rank's own value; reductions inside
+(``reduce_to``, ``batch_reduce_to``, ``Strategy.reduce``) are collectives and
+``update`` writes each rank's copy, so the variable-update pattern costs one
+all-reduce per rank, at any number of ranks. Variables (slots) may be created
+inside. ``merge_fn`` must then make the same collective calls on every rank. The
+optimizers always use this mode.
+
+>>> import mpistrat, numpy as np
+>>> ctx = mpistrat.get_replica_context()
+>>> ctx.merge_call(lambda strategy, x: strategy.reduce("sum", x), args=(np.ones(2),))
+array([1., 1.])
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import optree
+
+from mpistrat import context, mismatch
+from mpistrat.collectives import Unsendable, check_level
+from mpistrat.errors import InvalidArgumentError, MergeCallError, UnsupportedTypeError
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
+
+if TYPE_CHECKING:
+    from mpistrat.strategy import Strategy
+
+__all__ = ["MODES", "merge_on_root", "merge_on_every_rank"]
+
+MODES = ("root", "every_rank")
+_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+
+
+class _SameEverywhere:
+    """Stands in for a value every rank already holds (a mirrored value or variable)."""
+
+
+# Placeholders in the broadcast part of a merge_fn result: component ``index`` of a
+# PerReplica leaf (each rank receives its own components by scatter), and a distributed
+# variable (each rank takes its own object with that key).
+_Component = collections.namedtuple("_Component", "index")
+_Synced = collections.namedtuple("_Synced", "key")
+
+
+# -- "root" -------------------------------------------------------------------------------
+
+
+def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Gather to rank 0, run ``merge_fn`` there, broadcast (scatter ``PerReplica`` leaves)."""
+    extended = strategy.extended
+    collectives = extended.collectives
+    rank = extended.rank
+    local = (tuple(args), kwargs)
+    gathered = collectives.gather_to_root(optree.tree_map(_strip_shared, local, **_NEST))
+    payload: Any = None
+    components: list[list[Any]] = []
+    if rank == 0:
+        try:
+            m_args, m_kwargs = _regroup(local, gathered)
+            extended.merge_writes = []
+            with context.push(context.Mode(strategy, None, "merge")):
+                result = merge_fn(strategy, *m_args, **m_kwargs)
+            shared, components = _split_result(result, extended.size)
+            payload = ("ok", shared, extended.merge_writes, bool(components[0]))
+        except BaseException as exc:  # every rank must hear of it, whatever it is
+            payload = ("error", portable(exc))
+            original = exc
+        finally:
+            extended.merge_writes = None
+    status, *rest = collectives.broadcast_from_root(payload)
+    if status == "error":
+        if rank == 0:
+            raise original
+        raise rest[0]
+    shared, writes, scattered = rest
+    if rank != 0:
+        extended.apply_merge_writes(writes)
+    mine = collectives.scatter_from_root(components if rank == 0 else None) if scattered else []
+    return optree.tree_map(
+        lambda x: _fill(x, mine, extended),
+        shared,
+        is_leaf=lambda x: isinstance(x, (_Component, _Synced)),
+        **_NEST,
+    )
+
+
+def _strip_shared(leaf: Any) -> Any:
+    if isinstance(leaf, DistributedValues) and not isinstance(leaf, PerReplica):
+        return _SameEverywhere()
+    return leaf
+
+
+def _regroup(local: Any, gathered: list[Any]) -> Any:
+    """Rank 0's args with each leaf replaced by ``PerReplica`` of every rank's value."""
+    leaves, spec = optree.tree_flatten(local, **_NEST)
+    per_rank = [leaves]
+    for r, other in enumerate(gathered[1:], start=1):
+        if isinstance(other, Unsendable):
+            raise UnsupportedTypeError(f"rank {r}: {other.message}")
+        other_leaves, other_spec = optree.tree_flatten(other, **_NEST)
+        if other_spec != spec:
+            raise UnsupportedTypeError(
+                f"merge_call: rank {r} passed arguments of a different structure than rank 0 "
+                f"({other_spec} vs {spec}); every replica must pass the same structure"
+            )
+        per_rank.append(other_leaves)
+    merged = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, DistributedValues) and not isinstance(leaf, PerReplica):
+            merged.append(leaf)
+            continue
+        values = [r[i] for r in per_rank]
+        if _is_data(leaf) or not _all_equal(values):
+            merged.append(PerReplica(values))
+        else:
+            merged.append(leaf)
+    return optree.tree_unflatten(spec, merged)
+
+
+def _is_data(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic)) or type(leaf).__module__.startswith("cupy")
+
+
+def _all_equal(values: list[Any]) -> bool:
+    first = values[0]
+    try:
+        return all(type(v) is type(first) and bool(v == first) for v in values[1:])
+    except Exception:
+        return False
+
+
+def _split_result(result: Any, size: int) -> tuple[Any, list[list[Any]]]:
+    """(what every rank gets, each rank's list of components of the ``PerReplica`` leaves)."""
+    components: list[list[Any]] = [[] for _ in range(size)]
+
+    def split(leaf: Any) -> Any:
+        if isinstance(leaf, PerReplica) and len(leaf.values) > 1:
+            if len(leaf.values) != size:
+                raise InvalidArgumentError(
+                    f"merge_call: merge_fn returned a PerReplica with {len(leaf.values)} components; "
+                    f"expected 1 or {size} (one per replica)"
+                )
+            for r, value in enumerate(leaf.values):
+                components[r].append(value)
+            return _Component(len(components[0]) - 1)
+        if isinstance(leaf, (PerReplica, Mirrored)):  # one value for all, as tf's select_replica gives
+            return leaf.values[0]
+        key = getattr(leaf, "_synced_key", None)
+        if isinstance(leaf, DistributedValues) and key is not None:
+            return _Synced(key)
+        return leaf
+
+    return optree.tree_map(split, result, **_NEST), components
+
+
+def _fill(leaf: Any, mine: list[Any], extended: Any) -> Any:
+    if isinstance(leaf, _Synced):
+        return extended.synced(leaf.key)
+    if isinstance(leaf, _Component):
+        return mine[leaf.index]
+    return leaf
+
+
+def portable(exc: BaseException) -> BaseException:
+    """The exception itself if it survives pickling, else a ``MergeCallError`` that says what it was."""
+    try:
+        clone = pickle.loads(pickle.dumps(exc))
+        if type(clone) is type(exc) and str(clone) == str(exc):
+            return exc
+    except Exception:
+        pass
+    return MergeCallError(f"merge_fn raised {type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+
+
+# -- "every_rank" -------------------------------------------------------------------------
+
+
+def merge_on_every_rank(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run ``merge_fn`` on every rank with its own values; the ranks agree on the outcome after."""
+    extended = strategy.extended
+    m_args, m_kwargs = optree.tree_map(_own, (tuple(args), kwargs), **_NEST)
+    error: BaseException | None = None
+    extended.merge_writes = []
+    try:
+        with context.push(context.Mode(strategy, None, "cross_replica")):
+            result = merge_fn(strategy, *m_args, **m_kwargs)
+    except BaseException as exc:
+        error = exc
+    finally:
+        written, extended.merge_writes = extended.merge_writes, None
+    _agree(extended, written, error)
+    if error is not None:
+        raise error
+    return optree.tree_map(_select, result, **_NEST)
+
+
+def _own(leaf: Any) -> Any:
+    """This rank's argument as tf's regroup gives it on one replica: arrays become ``PerReplica``."""
+    return PerReplica((leaf,)) if _is_data(leaf) else leaf
+
+
+def _select(leaf: Any) -> Any:
+    if isinstance(leaf, (PerReplica, Mirrored)) and len(leaf.values) == 1:
+        return leaf.values[0]
+    return leaf
+
+
+def _agree(extended: Any, written: list[tuple[int, Any]], error: BaseException | None) -> None:
+    """One handshake after merge_fn: it failed on no rank (else every rank raises), and, under
+    ``MPISTRAT_CHECK=strict``, every variable it wrote holds the same bytes on every rank."""
+    collectives = extended.collectives
+    level = check_level(collectives.options)
+    if level == 0:
+        collectives.seq += 1
+        return
+    fingerprint, describe = 0, lambda: None
+    if level > 1 and written:
+        sums = [
+            (repr(extended.synced(key).name), mismatch.checksum(value))
+            for key, value in dict(written).items()
+        ]
+        fingerprint = mismatch.fingerprint(*sums)
+        describe = lambda: {  # noqa: E731
+            "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
+            "advice": _DIVERGED,
+        }
+    mine = None if error is None else (error if isinstance(error, Exception) else MergeCallError(repr(error)))
+    try:
+        collectives.handshake("merge_call", fingerprint, describe, mine)
+    except BaseException:
+        if error is not None:
+            raise error from None  # this rank's own exception, with its traceback
+        raise
+
+
+_DIVERGED = (
+    "The copies of a mirrored variable differ between ranks after merge_fn updated them "
+    "(MPISTRAT_CHECK=strict compares their checksums). Every rank must apply the same update to the "
+    "same reduced values: look for randomness, rank-dependent values or non-deterministic arithmetic "
+    "in the update."
+)
