@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import optree
 
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.input.batches import examine
+from mpistrat.input.batches import Batch, Rows, examine
 
 __all__ = ["ArrayDataset"]
 
@@ -110,18 +109,32 @@ class ArrayDataset:
         return order[self.shard_index :: self.num_shards]
 
     def __iter__(self) -> Iterator[Any]:
+        """One pass: each global batch as a nest of arrays."""
+        return (batch.value for batch in self.batches())
+
+    def batches(self) -> Iterator[Batch]:
+        """One pass as checked global batches whose shuffled or sharded rows are gathered only when sliced.
+
+        Unshuffled, unsharded leaves are views; otherwise they are :class:`Rows`, so
+        ``experimental_distribute_dataset``, which reads an ArrayDataset this way,
+        copies only each replica's own rows of every global batch.
+
+        >>> batch = next(ArrayDataset(np.arange(10) * 10, batch_size=4, shuffle=True).batches())
+        >>> batch.size, batch.leaves[0], batch.leaves[0][:2].shape
+        (4, Rows((4,), int64), (2,))
+        """
         order = self._order(self._data.size)  # fixed now, not at the first next()
         self._passes += 1
         return self._batches(order)
 
-    def _batches(self, order: np.ndarray | None) -> Iterator[Any]:
+    def _batches(self, order: np.ndarray | None) -> Iterator[Batch]:
         leaves, treespec = self._data.leaves, self._data.treespec
         for b in range(len(self)):
             lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.num_examples)
             if order is None:
-                yield optree.tree_unflatten(treespec, [a[lo:hi] for a in leaves])
+                yield Batch([a[lo:hi] for a in leaves], treespec, hi - lo)
             else:
-                yield optree.tree_unflatten(treespec, [a[order[lo:hi]] for a in leaves])
+                yield Batch([Rows(a, order[lo:hi]) for a in leaves], treespec, hi - lo)
 
     def __repr__(self) -> str:
         return (

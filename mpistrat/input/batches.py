@@ -4,6 +4,8 @@ A batch is a nest (dicts, lists, tuples, namedtuples) of arrays that share a
 leading batch dimension. A global batch of ``b`` examples is split the way
 tf.distribute splits it: each replica in rank order takes the next ``ceil(b / R)``
 examples until the batch runs out; replicas past the end get ``(0, ...)`` arrays.
+A :class:`Batch` whose leaves are :class:`Rows` (a shuffled ``ArrayDataset``) is
+gathered only where it is split, so each replica copies just its own rows.
 
 >>> import numpy as np
 >>> [replica_range(4, 3, r) for r in range(3)]
@@ -25,7 +27,16 @@ from mpistrat import nest
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
 
-__all__ = ["ArraySpec", "Batch", "examine", "replica_range", "split_batch", "fingerprint", "spec_fingerprint"]
+__all__ = [
+    "ArraySpec",
+    "Batch",
+    "Rows",
+    "examine",
+    "replica_range",
+    "split_batch",
+    "fingerprint",
+    "spec_fingerprint",
+]
 
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 
@@ -58,9 +69,33 @@ class ArraySpec:
         return f"ArraySpec(shape={self.shape}, dtype={self.dtype.name})"
 
 
+class Rows:
+    """Rows ``index`` of ``array``, gathered only when sliced: ``rows[i:j]`` is ``array[index[i:j]]``.
+
+    A leaf of a :class:`Batch` that :func:`split_batch` cuts without gathering the
+    whole batch first: a replica copies only its own rows.
+
+    >>> rows = Rows(np.arange(10) * 10, np.array([7, 2, 5]))
+    >>> rows.shape, rows[1:].tolist()
+    ((3,), [20, 50])
+    """
+
+    def __init__(self, array: Any, index: np.ndarray):
+        self.array = array
+        self.index = index
+        self.shape: tuple[int, ...] = (len(index), *array.shape[1:])
+        self.dtype: np.dtype = array.dtype
+
+    def __getitem__(self, key: slice) -> Any:
+        return self.array[self.index[key]]
+
+    def __repr__(self) -> str:
+        return f"Rows({self.shape}, {self.dtype})"
+
+
 @dataclasses.dataclass
 class Batch:
-    """A checked batch: its leaves as arrays, its structure and its number of examples."""
+    """A checked batch: its leaves (arrays or :class:`Rows`), its structure and its number of examples."""
 
     leaves: list[Any]
     treespec: Any
@@ -68,16 +103,19 @@ class Batch:
 
     @property
     def value(self) -> Any:
-        return optree.tree_unflatten(self.treespec, self.leaves)
+        """The batch as a nest of arrays (:class:`Rows` gathered)."""
+        return optree.tree_unflatten(self.treespec, [a[:] if isinstance(a, Rows) else a for a in self.leaves])
 
     @property
     def spec(self) -> Any:
         """The element spec: the same nest with an :class:`ArraySpec` per leaf."""
-        specs = [
-            ArraySpec((None, *a.shape[1:]), a.dtype, "cupy" if array_module(a) is not np else "numpy")
-            for a in self.leaves
-        ]
+        specs = [ArraySpec((None, *a.shape[1:]), a.dtype, _module(a)) for a in self.leaves]
         return optree.tree_unflatten(self.treespec, specs)
+
+
+def _module(leaf: Any) -> str:
+    array = leaf.array if isinstance(leaf, Rows) else leaf
+    return "cupy" if array_module(array) is not np else "numpy"
 
 
 def _as_batch_leaf(leaf: Any) -> Any:
@@ -87,11 +125,13 @@ def _as_batch_leaf(leaf: Any) -> Any:
 
 
 def examine(batch: Any, where: str) -> Batch:
-    """Check that ``batch`` is a nest of arrays sharing a leading dimension.
+    """Check that ``batch`` is a nest of arrays sharing a leading dimension (a :class:`Batch` already is).
 
     >>> examine({"a": np.arange(2), "b": np.zeros((2, 3))}, "dataset").size
     2
     """
+    if isinstance(batch, Batch):
+        return batch
     leaves, treespec = optree.tree_flatten(batch, **_NEST)
     if not leaves:
         raise InvalidArgumentError(
@@ -134,8 +174,8 @@ def replica_range(batch_size: int, num_replicas: int, replica: int) -> tuple[int
 
 
 def split_batch(batch: Any, num_replicas: int, replica: int) -> Any:
-    """This replica's part of a global batch (views, no copies)."""
-    checked = batch if isinstance(batch, Batch) else examine(batch, "split_batch")
+    """This replica's part of a global batch: views, or copies of only its own :class:`Rows`."""
+    checked = examine(batch, "split_batch")
     start, stop = replica_range(checked.size, num_replicas, replica)
     return optree.tree_unflatten(checked.treespec, [a[start:stop] for a in checked.leaves])
 

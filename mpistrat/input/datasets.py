@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
 from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.input.arrays import ArrayDataset
 from mpistrat.input.batches import examine
 from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, require_spmd
 from mpistrat.input.iterators import (
@@ -63,12 +64,15 @@ class DistributedDataset:
     Every rank reads the whole dataset and keeps its part of each global batch,
     so the dataset must yield the same global batches, in the same order, on every
     rank (a deterministic loader, or one shuffled with a seed all ranks share).
+    From an :class:`~mpistrat.ArrayDataset` each rank gathers only its own rows.
     """
 
     def __init__(self, strategy: Strategy, dataset: Iterable[Any], options: InputOptions):
         self._strategy = strategy
         self._options = options
-        self._source = Source(dataset, SplitIterator.where)
+        # An ArrayDataset yields checked global batches whose rows each replica gathers for itself.
+        opener = dataset.batches if isinstance(dataset, ArrayDataset) else None
+        self._source = Source(dataset, SplitIterator.where, opener)
         self._spec: Any = _UNKNOWN
 
     def __iter__(self) -> DistributedIterator:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,16 +62,21 @@ class Source:
 
     A peek opens an iterator and keeps it (with the batch it read) for the next
     :meth:`open`, so a one-shot generator, or a dataset whose every pass differs
-    (a reshuffle per epoch), is read exactly as if nobody had peeked.
+    (a reshuffle per epoch), is read exactly as if nobody had peeked. ``opener``,
+    if given, opens a pass instead of ``iter(iterable)`` (it may yield checked
+    :class:`Batch` objects).
     """
 
-    def __init__(self, iterable: Iterable[Any], where: str):
+    def __init__(
+        self, iterable: Iterable[Any], where: str, opener: Callable[[], Iterator[Any]] | None = None
+    ):
         if not hasattr(type(iterable), "__iter__"):
             raise InvalidArgumentError(
                 f"{where}: expected an iterable of batches (a list, a generator, a data loader); "
                 f"got {type(iterable).__name__}"
             )
         self.iterable = iterable
+        self._opener = opener
         self._stash: tuple[Any, Iterator[Any]] | None = None
 
     def open(self) -> Iterator[Any]:
@@ -79,7 +84,7 @@ class Source:
             first, it = self._stash
             self._stash = None
             return it if first is END else itertools.chain((first,), it)
-        return iter(self.iterable)
+        return self._opener() if self._opener is not None else iter(self.iterable)
 
     def peek(self) -> Any:
         """The first batch the next :meth:`open` will yield (``END`` if none)."""
