@@ -1,0 +1,182 @@
+"""Per-step paths scale like a ring or tree collective: counted per rank, at every size the suite runs.
+
+Strategies here talk on a :class:`~tests.counting.CountingComm`, which logs every MPI call
+and the bytes each rank hands to MPI or gets back. The ideal of each operation is
+written from first principles (the bytes of one all-reduce of the gradients, one
+component per rank, ...); anything that grew with the number of ranks would fail at
+3 or 4 ranks. The values are checked against serial NumPy at the same time.
+"""
+
+import numpy as np
+import pytest
+
+import mpistrat
+from mpistrat import CommunicationOptions, PerReplica
+from mpistrat.optimizers import SGD, Adam
+from tests.conftest import WORLD, all_ranks_agree
+from tests.counting import CountingComm, Ledger
+
+HANDSHAKE = 80  # bytes of one handshake: ten int64 in one Allreduce(MAX)
+SHAPES = [(64, 32), (32,), (32, 16), (16,), (128,), (8, 8, 4), (1,), (40, 20)] * 2  # 16 leaves
+GRAD_BYTES = sum(int(np.prod(s)) for s in SHAPES) * 4  # float32
+
+
+def _strategy(**kwargs):
+    return mpistrat.MPIStrategy(CountingComm(WORLD), **kwargs)
+
+
+_STRATEGIES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def counted():
+    if "root" not in _STRATEGIES:
+        _STRATEGIES["root"] = _strategy()
+    return _STRATEGIES["root"]
+
+
+def _pattern(shape, k):
+    return ((np.arange(np.prod(shape)).reshape(shape) + 3 * k) % 7 - 3).astype(np.float32) / 8
+
+
+def _grads(rank):
+    """Rank r's gradient of leaf k is (r + 1) * pattern_k: the sum over ranks is known exactly."""
+    return [np.float32(rank + 1) * _pattern(s, k) for k, s in enumerate(SHAPES)]
+
+
+def _summed(size):
+    return [np.float32(size * (size + 1) / 2) * _pattern(s, k) for k, s in enumerate(SHAPES)]
+
+
+def _reference(name, size, steps):
+    """Serial NumPy: the optimizer's formulas on the summed gradient, in float64."""
+    ws = [np.ones(s) for s in SHAPES]
+    slots = [[np.zeros(s), np.zeros(s)] for s in SHAPES]
+    lr, m = 0.1, 0.9
+    for t in range(1, steps + 1):
+        for w, g, (a, b) in zip(ws, _summed(size), slots, strict=True):
+            g = g.astype(np.float64)
+            if name == "momentum":
+                a[...] = m * a - lr * g
+                w += a
+            else:
+                a[...] = 0.9 * a + 0.1 * g
+                b[...] = 0.999 * b + 0.001 * g * g
+                w -= lr * np.sqrt(1 - 0.999**t) / (1 - 0.9**t) * a / (np.sqrt(b) + 1e-7)
+    return ws
+
+
+def _every_rank_the_same(value):
+    values = WORLD.allgather(value)
+    all_ranks_agree(WORLD, len(set(values)) == 1, f"differs between ranks: {values}")
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("bytes_per_pack", [0, 8 << 10])
+def test_optimizer_step_is_one_allreduce_of_the_gradients(name, bytes_per_pack):
+    """A step moves the bytes of one all-reduce of the gradients, at every R: no rank-0 funnel,
+    no broadcast of variables or slots; bytes_per_pack splits it into packs."""
+    options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
+    strategy = _strategy(communication_options=options)
+    rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
+    with strategy.scope():
+        ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(SHAPES)]
+        opt = SGD(0.1, momentum=0.9) if name == "momentum" else Adam(0.1)
+        opt.build(ws)
+    grads = _grads(rank)
+    step = lambda: opt.apply_gradients(zip(grads, ws, strict=True))  # noqa: E731
+    strategy.run(step)
+    with Ledger.recording() as ledger:
+        strategy.run(step)
+    strategy.experimental_finalize()
+
+    packs = 1 if not bytes_per_pack else len(_packs([g.nbytes for g in grads], bytes_per_pack))
+    payload = ledger.only("Allreduce")
+    ok = (
+        ledger.names() == ["Allreduce"] * len(ledger.log)  # nothing but all-reduces: no Bcast, no gather
+        and payload.calls == packs + 2  # the packs, the opening handshake and merge_fn's closing one
+        and ledger.sent == GRAD_BYTES + 2 * HANDSHAKE
+        and ledger.sent <= 1.10 * GRAD_BYTES
+    )
+    all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
+    _every_rank_the_same((ledger.calls, ledger.sent, ledger.received))
+    want = _reference(name, size, steps=2)
+    close = all(np.allclose(w.numpy(), r, rtol=1e-5, atol=1e-6) for w, r in zip(ws, want, strict=True))
+    all_ranks_agree(WORLD, close, "weights differ from the serial NumPy reference")
+    same = WORLD.allgather([w.numpy().tobytes() for w in ws])
+    all_ranks_agree(WORLD, all(s == same[0] for s in same), "the copies differ between ranks")
+
+
+def _packs(sizes, limit):
+    packs, current = [], 0
+    for n in sizes:
+        if current and current + n > limit:
+            packs.append(current)
+            current = 0
+        current += n
+    return [*packs, current]
+
+
+@pytest.mark.parametrize("nbytes", [1 << 10, 1 << 18])  # inside the pickled message, and a raw transfer
+def test_merge_call_per_replica_result_costs_each_rank_its_component(counted, nbytes):
+    """Replica r receives component r alone (a scatter), not all R of them."""
+    rank, size = counted.extended.rank, counted.num_replicas_in_sync
+    n = nbytes // 8
+
+    def merge_fn(strategy, x):
+        return PerReplica([np.full(n, float(r)) for r in range(size)])
+
+    with Ledger.recording() as ledger:
+        got = counted.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=(np.ones(1),)))
+    all_ranks_agree(WORLD, np.array_equal(got, np.full(n, float(rank))), f"rank {rank} got {got[:3]}")
+    overhead = 4096  # pickles, headers and handshakes: a constant, whatever R
+    if rank == 0:
+        ok = ledger.received < overhead * size  # small per-rank pickles of the arguments
+    else:
+        ok = nbytes <= ledger.received < nbytes + overhead and ledger.sent < overhead
+    all_ranks_agree(WORLD, ok, f"rank {rank} of {size}: sent {ledger.sent}, received {ledger.received}")
+
+
+def test_merge_call_arguments_reach_rank_0_collectively(counted):
+    """Large arguments travel in one Gatherv, not R - 1 receives; every rank sends its own once."""
+    rank, size = counted.extended.rank, counted.num_replicas_in_sync
+    x = np.full(1 << 15, float(rank))  # 256 KiB
+
+    def merge_fn(strategy, v):
+        return sum(float(c[0]) for c in v.values)
+
+    with Ledger.recording() as ledger:
+        total = counted.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=(x,)))
+    names = ledger.names()
+    ok = total == size * (size - 1) / 2 and "Recv" not in names and "Send" not in names
+    if size > 1:
+        ok = ok and names.count("Gatherv") == 1
+        if rank == 0:
+            ok = ok and ledger.only("Gatherv").received == (size - 1) * x.nbytes
+        else:
+            ok = ok and ledger.only("Gatherv").sent == x.nbytes
+    all_ranks_agree(WORLD, ok, f"rank {rank}: total {total}, calls {ledger.log}")
+    _every_rank_the_same(ledger.calls)
+
+
+def test_broadcast_to_and_only_first_replica_are_one_bcast(counted):
+    rank, size = counted.extended.rank, counted.num_replicas_in_sync
+    x = np.arange(1000, dtype=np.float32) * (rank + 1)
+    with counted.scope():
+        v = mpistrat.Variable(np.zeros(1000, np.float32), aggregation="only_first_replica")
+        with Ledger.recording() as ledger:
+            got = counted.extended.broadcast_to(x, destinations=v)
+    with Ledger.recording() as written:
+        counted.run(lambda: v.assign(np.arange(1000, dtype=np.float32) * (rank + 1)))
+    for what, led in (("broadcast_to", ledger), ("ONLY_FIRST_REPLICA assign", written)):
+        bcast = led.only("Bcast")
+        ok = (
+            led.names() == ["Allreduce", "Bcast"]  # the handshake, then the data once
+            and led.only("Allreduce").sent == HANDSHAKE
+            and (bcast.sent if rank == 0 else bcast.received) == x.nbytes
+        )
+        all_ranks_agree(WORLD, ok, f"{what}: {led.log}")
+    want = np.arange(1000, dtype=np.float32)
+    ok = np.array_equal(got, want) and np.array_equal(v.numpy(), want)
+    all_ranks_agree(WORLD, ok, f"rank {rank}: {got[:3]}, {v.numpy()[:3]}")
+    del size
