@@ -183,8 +183,9 @@ class Checkpoint:
         self._build_slots(sorted(body))
         entries = self._entries()
         _check_match(path, entries, body, expect_partial)
-        for name, var in entries.items():
-            var.assign(body[name])
+        with strategy.extended.writes_in_sync():  # every rank assigns rank 0's broadcast values
+            for name, var in entries.items():
+                var.assign(body[name])
         return path
 
     def latest(self, directory: str | os.PathLike[str]) -> str | None:

@@ -85,8 +85,8 @@ class StrategyExtended:
         # Writes to synced variables made inside a merge_fn: on rank 0 they are broadcast with
         # its result; on every rank (every_rank mode), their copies may be compared.
         self.merge_writes: list[tuple[int, Any]] | None = None
-        # Inside update()/update_non_slot(): writes there apply to each rank's copy as they are.
-        self.updating = 0
+        # Inside writes_in_sync() (update, update_non_slot): writes apply to each rank's copy as they are.
+        self.in_sync = 0
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
         self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._synced_keys = itertools.count()
@@ -304,17 +304,19 @@ class StrategyExtended:
                         f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
                         "Create it inside `with strategy.scope():`"
                     )
-                with self._updating():
+                with self.writes_in_sync():
                     result = fn(component, *a, **kw)
         return result if group else _ungroup(result)
 
     @contextlib.contextmanager
-    def _updating(self) -> Iterator[None]:
-        self.updating += 1
+    def writes_in_sync(self) -> Iterator[None]:
+        """Cross-replica writes inside are the same on every rank by construction (computed from
+        reduced or broadcast values), so they are not compared across ranks."""
+        self.in_sync += 1
         try:
             yield
         finally:
-            self.updating -= 1
+            self.in_sync -= 1
 
     def update_non_slot(
         self,
@@ -335,7 +337,7 @@ class StrategyExtended:
                 f"update_non_slot: colocate_with must be the tuple non_slot_devices(var_list) returned "
                 f"({self.parameter_devices}); got {colocate_with!r}"
             )
-        with self._enter(mode), self._updating():
+        with self._enter(mode), self.writes_in_sync():
             a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
             result = fn(*a, **kw)
         return result if group else _ungroup(result)

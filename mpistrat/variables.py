@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat import context
+from mpistrat import context, mismatch
+from mpistrat.collectives import check_enabled
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
 from mpistrat.extended import current_colocation
@@ -349,6 +350,35 @@ class DistributedVariable(Variable, DistributedValues):
             out = collectives.all_reduce(ReduceOp[op.name], local, kind=kind, error=error)
         return out.astype(self.dtype, copy=False)
 
+    def _agreed(self, how: str, value: Any, mode: context.Mode) -> Any:
+        """A cross-replica write's value, after checking every rank writes the same bytes.
+
+        Every rank executes a cross-replica write, each with its own ``value``: one that
+        differs between ranks would leave the copies silently different, so while the
+        check is on the ranks compare checksums in the handshake and all raise instead.
+        Writes inside ``update`` (computed from reduced values) and inside a merge_fn on rank 0
+        (replayed everywhere) are not compared.
+        """
+        extended = self._extended
+        if mode.kind == "merge" or extended.in_sync or not check_enabled(extended.collectives.options):
+            return self._coerce(value, how)
+        new, error, code = None, None, 0
+        try:
+            new = self._coerce(value, how)
+            code = mismatch.checksum(new)
+        except MpistratError as exc:
+            error = exc
+        extended.collectives.handshake(
+            f"{how}({self._name})",
+            code,
+            lambda: {
+                "leaves": [(repr(self._name), f"value with checksum {code:016x}", tuple(new.shape))],
+                "advice": _DIFFERENT_WRITES.format(name=self._name, how=how),
+            },
+            error,
+        )
+        return new
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}:{{\n  {self._extended.rank}: {self._component!r}\n}}"
 
@@ -357,6 +387,14 @@ class DistributedVariable(Variable, DistributedValues):
             f"a distributed variable ({self._name!r}) cannot be pickled: it is one copy of a variable that "
             "lives on every rank; pass its value (var.numpy()) instead"
         )
+
+
+_DIFFERENT_WRITES = (
+    "The ranks wrote different values to {name!r} in cross-replica context, which would leave its copies "
+    "different. Write a value that is the same on every rank (e.g. one reduced with strategy.reduce, or "
+    "broadcast with strategy.extended.broadcast_to), or write in replica context with an aggregation "
+    "(inside strategy.run)."
+)
 
 
 class MirroredVariable(DistributedVariable):
@@ -371,6 +409,7 @@ class MirroredVariable(DistributedVariable):
         if mode.kind == "replica":
             self._write_in_replica(how, value)
             return
+        value = self._agreed(how, value, mode)
         self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
 
     def _write_in_replica(self, how: str, value: Any) -> None:
@@ -432,7 +471,7 @@ class SyncOnReadVariable(DistributedVariable):
                 "context; update each replica's copy inside strategy.run, or set the aggregated value with "
                 "assign"
             )
-        new = self._coerce(value, how)
+        new = self._agreed(how, value, mode)
         if self._aggregation is VariableAggregation.SUM:  # the copies must sum to the value
             new = (new / self._extended.size).astype(self.dtype, copy=False)
         self._component._set(new)

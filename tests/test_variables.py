@@ -277,3 +277,28 @@ def test_repr_reads_only_the_local_copy(group):
     repr(var)
     assert group.strategy.extended.collectives.seq == seq
     assert text.startswith("SyncOnReadVariable:{") and f"{group.rank}: <mpistrat.Variable" in text
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sync", ["ON_WRITE", "ON_READ"])
+@pytest.mark.parametrize("how", ["assign", "assign_add"])
+def test_cross_replica_write_that_differs_between_ranks_fails_every_rank(world, sync, how):
+    """Each rank writing its own value in cross-replica context would leave the copies silently
+    different: it is an error on every rank naming the variable, and nothing is written."""
+    if sync == "ON_READ" and how != "assign":
+        pytest.skip("sync-on-read variables take only assign in cross-replica context")
+    with world.strategy.scope():
+        var = mpistrat.Variable(np.float32(1.0), name="lr", synchronization=sync, aggregation="MEAN")
+
+    def write():
+        with world.strategy.scope():
+            getattr(var, how)(np.float32(world.rank))
+
+    raises_on_every_rank(world.comm, mpistrat.CollectiveMismatchError, write, "'lr'")
+    got = world.comm.allgather(float(var._local()))
+    all_ranks_agree(world.comm, got == [1.0] * world.size, f"copies changed: {got}")
+    with world.strategy.scope():  # the same value everywhere is fine
+        getattr(var, how)(np.float32(2.0))
+    got = world.comm.allgather(float(var._local()))
+    want = 2.0 if how == "assign" else 3.0
+    all_ranks_agree(world.comm, got == [want] * world.size, f"{got}")
