@@ -349,9 +349,10 @@ class Collectives:
         implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
     ) -> None:
         xp = p.module
-        rows = sizes.tolist()  # plain ints: NumPy scalars cost more in this per-call arithmetic
-        inner = {i: math.prod(moved[i].shape[1:]) for i in p.indices}
-        counts = [sum(row[i] * inner[i] for i in p.indices) for row in rows]
+        # elements[r][k]: what rank r sends of the pack's k-th leaf; each rank's block is its leaves in order
+        inner = np.array([math.prod(moved[i].shape[1:]) for i in p.indices], dtype=np.int64)
+        elements = sizes[:, p.indices] * inner
+        counts = elements.sum(axis=1).tolist()
         displs = [0, *itertools.accumulate(counts[:-1])]
         recv = packing.empty((sum(counts),), p.dtype, xp)
         if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
@@ -361,15 +362,14 @@ class Collectives:
         self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
         if len(p.indices) == 1:
             i = p.indices[0]
-            out[i] = recv.reshape((sum(row[i] for row in rows), *moved[i].shape[1:]))
+            out[i] = recv.reshape((int(sizes[:, i].sum()), *moved[i].shape[1:]))
             return
-        for i in p.indices:
-            pieces = []
-            for r in range(self.size):
-                start = displs[r] + sum(rows[r][j] * inner[j] for j in p.indices if j < i)
-                n = rows[r][i]
-                pieces.append(recv[start : start + n * inner[i]].reshape((n, *moved[i].shape[1:])))
-            out[i] = xp.concatenate(pieces, axis=0)
+        # where each (rank, leaf) piece starts in recv: O(R * L) in all
+        starts = (np.asarray(displs)[:, None] + np.cumsum(elements, axis=1) - elements).T.tolist()
+        for k, i in enumerate(p.indices):
+            lengths = elements[:, k].tolist()
+            pieces = [recv[a : a + n] for a, n in zip(starts[k], lengths, strict=True)]
+            out[i] = xp.concatenate(pieces).reshape((int(sizes[:, i].sum()), *moved[i].shape[1:]))
 
     # -- objects to and from rank 0 (merge_call) ------------------------------------
 
