@@ -17,11 +17,11 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mpistrat  # noqa: E402
-from mpistrat import PerReplica  # noqa: E402
-from mpistrat.input import ArrayDataset  # noqa: E402
-from mpistrat.optimizers import SGD, Adam  # noqa: E402
-from tests.counting import CountingComm, Ledger  # noqa: E402
+import mpistrat
+from mpistrat import PerReplica
+from mpistrat.input import ArrayDataset
+from mpistrat.optimizers import SGD, Adam
+from tests.counting import CountingComm, Ledger
 
 WORLD = MPI.COMM_WORLD
 PARAMS, LEAVES = 1 << 20, 16  # 1M float32 parameters (4 MiB of gradients) in 16 leaves
@@ -35,7 +35,7 @@ def optimizer_step(make):
         opt = make()
         opt.build(ws)
     grads = [np.ones(PARAMS // LEAVES, np.float32) for _ in range(LEAVES)]
-    step = lambda: strategy.run(lambda: opt.apply_gradients(zip(grads, ws)))  # noqa: E731
+    step = lambda: strategy.run(lambda: opt.apply_gradients(zip(grads, ws, strict=True)))  # noqa: E731
     step()
     return step
 
