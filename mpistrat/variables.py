@@ -229,7 +229,9 @@ class Variable:
                 f"{self._name}.{how}: expected a value of shape {tuple(local.shape)}; "
                 f"got shape {tuple(arr.shape)}"
             )
-        return xp.array(arr, dtype=local.dtype, copy=True)
+        if how == "assign":  # the variable must not alias the caller's array
+            return xp.array(arr, dtype=local.dtype, copy=True)
+        return xp.asarray(arr, dtype=local.dtype)  # added to the old value into a new array anyway
 
     # -- Python and NumPy protocols -----------------------------------------------------
 
