@@ -127,7 +127,6 @@ class Diagnosis:
     qid: int
     ends: float
     reporters: set[int]
-    note: str = ""
 
 
 class Monitor:
@@ -363,7 +362,7 @@ def _query(mon: Monitor) -> int:
     return qid
 
 
-def _coordinate(mon: Monitor, event: Event, reporter: int | None, note: str = "") -> None:
+def _coordinate(mon: Monitor, event: Event, reporter: int | None) -> None:
     """``reporter`` (None: this rank) waits in ``event``: answer it, or diagnose the event for everyone."""
     if event in mon.results:
         if reporter is not None:
@@ -373,7 +372,7 @@ def _coordinate(mon: Monitor, event: Event, reporter: int | None, note: str = ""
             mon.diagnosing[event].reporters.add(reporter)
     else:
         reporters = set() if reporter is None else {reporter}
-        mon.diagnosing[event] = Diagnosis(_query(mon), time.monotonic() + GRACE, reporters, note)
+        mon.diagnosing[event] = Diagnosis(_query(mon), time.monotonic() + GRACE, reporters)
 
 
 def _serve(mon: Monitor) -> None:
@@ -414,7 +413,11 @@ def _advance(mon: Monitor) -> None:
             answers[mon.rank] = mon.state()
             silent = {r for r in job.reporters if r not in answers}  # reported it, then stopped answering
             explanation, waiting = _explain(event[0], event[1], answers, mon.size, silent)
-            result = (explanation + job.note, waiting)
+            if mon.rank > 0:  # reports reach rank r only after ranks 0 to r-1 did not reply
+                passed = "rank 0" if mon.rank == 1 else f"ranks 0 to {mon.rank - 1}"
+                explanation += f" ({passed} did not answer as the watchdog's coordinator; "
+                explanation += f"rank {mon.rank} stood in)"
+            result = (explanation, waiting)
             _remember(mon.results, event, result)
             for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
                 _send(mon, ("result", event, *result), r)
@@ -438,14 +441,8 @@ def _result(mon: Monitor, event: Event, now: float) -> Result | None:
         if coordinator < mon.rank:
             _send(mon, ("report", event), coordinator)
             _remember(mon.reported, event, (coordinator, now))
-        else:  # rank 0, or every rank below this one failed to answer: diagnose it here
-            skipped = list(range(mon.rank))
-            note = (
-                f" ({_ranks(skipped)} did not answer as the watchdog's coordinator; rank {mon.rank} stood in)"
-                if skipped
-                else ""
-            )
-            _coordinate(mon, event, None, note)
+        else:  # rank 0, or every rank below this one failed to reply: diagnose it here
+            _coordinate(mon, event, None)
         return None
 
 
