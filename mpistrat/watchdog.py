@@ -5,12 +5,13 @@ The main thread marks entering and leaving a collective on the strategy's :class
 every watched strategy a few times a second. mpi4py releases the GIL inside blocking MPI
 calls, so it runs while the main thread waits.
 
-* After ``MPISTRAT_STALL_WARNING_SECONDS`` (default 60) in one collective it logs a
-  warning naming the ranks that have not arrived, and where they are instead.
-* At ``timeout_seconds`` (``CommunicationOptions`` or ``MPISTRAT_TIMEOUT``) it builds the
-  same diagnosis; if the main thread is waiting in a request it polls (the opening
-  handshake), that thread raises :class:`~mpistrat.errors.CollectiveTimeoutError`; either
-  way the job then ends with ``MPI_Abort``, since a half-done collective leaves the
+* After ``MPISTRAT_STALL_WARNING_SECONDS`` (default 60) in one collective, the lowest
+  waiting rank logs one warning for all of them, naming the ranks that have not arrived
+  and where they are instead.
+* At ``timeout_seconds`` (``CommunicationOptions`` or ``MPISTRAT_TIMEOUT``) every waiting
+  rank gets the same diagnosis; if the main thread is waiting in a request it polls (the
+  opening handshake), that thread raises :class:`~mpistrat.errors.CollectiveTimeoutError`;
+  either way the job then ends with ``MPI_Abort``, since a half-done collective leaves the
   communicator unusable.
 
 Who is missing is asked over a side channel: point-to-point messages with a reserved
@@ -22,6 +23,27 @@ does not answer has exited, was killed, or is stuck outside Python. This needs M
 thread level ``MULTIPLE`` (mpi4py's default); below it there is no side channel and the
 messages say the missing ranks are unknown.
 
+One rank diagnoses each event (a stall or a timeout of one collective, keyed by
+``(seq, kind, "stall" | "timeout")``) for everyone, so an event costs O(R) messages, not
+one query round per waiting rank (which is 2(R-1)² messages with one straggler):
+
+1. A waiting rank whose stall or timeout comes sends one ``report`` to the coordinator,
+   rank 0 of the communicator. Rank 0's watchdog thread runs even while its main thread
+   computes elsewhere, so rank 0 coordinates even when it is the missing rank.
+2. The coordinator diagnoses the first report of an event itself (rank 0 waiting in the
+   collective starts on its own timer): one ``query`` to every other rank and their
+   ``answer``, gathered for at most ``GRACE`` seconds without blocking its thread.
+3. It sends the ``result`` to every rank that reported or was found waiting, so ranks
+   whose own timer comes later already have it and report nothing. A report that comes
+   after the result is answered with it directly.
+
+Per event that is at most R-1 reports, R-1 queries, R-1 answers and R-1 results. A
+reporter that has no result ``WAIT`` seconds after reporting reports to the next rank
+(1, then 2, ...), and diagnoses the event itself when its own rank comes up, so a
+stopped or finished rank 0 costs ``WAIT`` seconds and R-1 reports per rank passed over,
+and the explanation says who stood in. A timeout whose diagnosis has not come
+``PATIENCE`` seconds after the deadline is handled with an explanation that says so.
+
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
 >>> Collectives(MPI.COMM_SELF).monitor.watched  # one rank cannot stall
@@ -31,6 +53,7 @@ False
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -51,9 +74,11 @@ from mpistrat.log import ANY_RANK, logger
 
 __all__ = ["Monitor", "call_site", "collective", "unwatch", "wait", "watch"]
 
-TAG = 0x6D73  # reserved on the private communicator for watchdog queries and answers
+TAG = 0x6D73  # reserved on the private communicator for the watchdog's messages
 POLL = 0.1  # seconds between the watchdog's looks (and the latency of its answers)
 GRACE = 1.0  # seconds to wait for answers to a query
+WAIT = GRACE + 5 * POLL  # seconds a reporter waits for a result before reporting to the next rank
+PATIENCE = 2 * WAIT + GRACE  # seconds after a deadline to wait for its diagnosis (one stand-in fits)
 ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abort
 STALL_DEFAULT = 60.0
 
@@ -64,8 +89,13 @@ _stop = threading.Event()
 _thread: threading.Thread | None = None
 _queries = itertools.count(1)
 _sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
+_KEEP = 32  # events remembered per strategy (results, reports)
+NO_SIDE_CHANNEL = "which ranks are missing is unknown (MPI thread level is below MULTIPLE: no side channel)"
+FINALIZED = "which ranks are missing is unknown (the strategy was finalized)"
 
 F = TypeVar("F", bound=Callable[..., Any])
+Event = tuple[int, str, str]  # (seq, kind, "stall" | "timeout"): one event of one collective
+Result = tuple[str, list[int]]  # (who is missing and where, the ranks waiting in the collective)
 
 
 def seconds_from_env(name: str, default: float | None) -> float | None:
@@ -90,6 +120,15 @@ def seconds_from_env(name: str, default: float | None) -> float | None:
     return None if value == 0 or math.isinf(value) else value
 
 
+@dataclasses.dataclass
+class Diagnosis:
+    """An event this rank diagnoses: its query, when to stop waiting, who to tell besides the waiting."""
+
+    qid: int
+    ends: float
+    reporters: set[int]
+
+
 class Monitor:
     """What one strategy's collectives are doing: written by the main thread, read by the watchdog."""
 
@@ -110,7 +149,12 @@ class Monitor:
         self.env_timeout: float | None = None
         self.stall_after: float | None = None
         self.side = False
-        self.answers: dict[int, dict[int, dict[str, Any]]] = {}
+        self.noticed: tuple[float, float] | None = None  # (start, time) this rank saw the stall
+        # Side-channel state, touched under _lock:
+        self.answers: dict[int, dict[int, dict[str, Any]]] = {}  # query id -> rank -> its state
+        self.diagnosing: dict[Event, Diagnosis] = {}  # events this rank diagnoses for everyone
+        self.results: dict[Event, Result] = {}  # made here or sent by the rank that diagnosed
+        self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
 
     @property
     def seq(self) -> int:
@@ -205,10 +249,11 @@ def wait(mon: Monitor, request: MPI.Request) -> None:
             spins += 1
             if spins > 2000:  # past the fast path: stop burning a core
                 time.sleep(0.0002)
-                if mon.deadline is not None and time.monotonic() > mon.deadline + 4 * GRACE + 2 * POLL:
+                if mon.deadline is not None and time.monotonic() > mon.deadline + PATIENCE + GRACE:
                     # The watchdog should have answered by now; do not wait for it forever.
                     mon.expired = (
-                        f"{mon.kind} (collective #{mon.seq}) timed out; the missing ranks are unknown"
+                        f"{mon.kind} (collective #{mon.seq}) timed out; the missing ranks are unknown "
+                        "(the watchdog thread did not report)"
                     )
                     abort.abort_later(ABORT_DELAY, mon.expired)
     finally:
@@ -242,7 +287,7 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
 
 
-def _where(rank: int, answer: dict[str, Any] | None, mon: Monitor) -> str:
+def _where(rank: int, answer: dict[str, Any] | None) -> str:
     name = (
         f"rank {rank}"
         if answer is None or answer["world"] == rank
@@ -257,32 +302,148 @@ def _where(rank: int, answer: dict[str, Any] | None, mon: Monitor) -> str:
     return f"{name} is not in a collective ({done}); it is at {answer['site']}"
 
 
-def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> tuple[str, list[int]]:
-    """Ask every rank where it is; return (an explanation of who is missing, the waiting ranks)."""
+def _explain(seq: int, kind: str, answers: dict[int, dict[str, Any]], size: int, known: set[int]) -> Result:
+    """Who is missing from collective ``seq`` (``kind``), by the answers; ``known`` ranks wait in it too."""
+    waiting = sorted(
+        known
+        | {r for r, a in answers.items() if a["waited"] is not None and a["seq"] == seq and a["kind"] == kind}
+    )
+    if not waiting:
+        return "no rank is waiting in it any more", []
+    missing = [r for r in range(size) if r not in waiting]
+    if not missing:
+        return "every rank is in it now", waiting
+    lines = "; ".join(_where(r, answers.get(r)) for r in missing)
+    return f"waiting for {_ranks(missing)}: {lines}. Waiting in it: {_ranks(waiting)}", waiting
+
+
+def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
+    """Ask every rank where it is, from this thread; return (who is missing, the waiting ranks).
+
+    This rank counts as waiting. The watchdog does not call this on every waiting rank:
+    one rank asks for all of them (see the module docstring).
+    """
     seq, kind = mon.seq, mon.kind
     if not mon.side:
-        return "which ranks are missing is unknown (MPI thread level is below MULTIPLE: no side channel)", []
-    qid = next(_queries)
-    mon.answers[qid] = {}
+        return NO_SIDE_CHANNEL, []
     with _lock:
         if mon not in _registry:
-            return "which ranks are missing is unknown (the strategy was finalized)", []
-        for r in range(mon.size):
-            if r != mon.rank:
-                _sends.append(mon.comm.isend(("query", qid), dest=r, tag=TAG))
+            return FINALIZED, []
+        qid = _query(mon)
     end = time.monotonic() + grace
     while time.monotonic() < end and len(mon.answers[qid]) < mon.size - 1 and mon.start == start:
         time.sleep(POLL / 5)
         _serve(mon)
-    answers = mon.answers.pop(qid)
-    waiting = [mon.rank] + [
-        r for r, a in answers.items() if a["waited"] is not None and a["seq"] == seq and a["kind"] == kind
-    ]
-    missing = [r for r in range(mon.size) if r not in waiting]
-    if not missing:
-        return "every rank is in it now", sorted(waiting)
-    lines = "; ".join(_where(r, answers.get(r), mon) for r in missing)
-    return f"waiting for {_ranks(missing)}: {lines}. Waiting in it: {_ranks(waiting)}", sorted(waiting)
+    with _lock:
+        answers = mon.answers.pop(qid)
+    return _explain(seq, kind, answers, mon.size, {mon.rank})
+
+
+# -- the side channel (every function here is called with _lock held) ----------------
+
+
+def _send(mon: Monitor, message: tuple[Any, ...], dest: int) -> None:
+    _sends.append(mon.comm.isend(message, dest=dest, tag=TAG))
+
+
+def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:
+    table[event] = value
+    while len(table) > _KEEP:
+        del table[next(iter(table))]
+
+
+def _query(mon: Monitor) -> int:
+    """Ask every other rank where it is; their answers are filed under the returned id."""
+    qid = next(_queries)
+    mon.answers[qid] = {}
+    for r in range(mon.size):
+        if r != mon.rank:
+            _send(mon, ("query", qid), r)
+    return qid
+
+
+def _coordinate(mon: Monitor, event: Event, reporter: int | None) -> None:
+    """``reporter`` (None: this rank) waits in ``event``: answer it, or diagnose the event for everyone."""
+    if event in mon.results:
+        if reporter is not None:
+            _send(mon, ("result", event, *mon.results[event]), reporter)
+    elif event in mon.diagnosing:
+        if reporter is not None:
+            mon.diagnosing[event].reporters.add(reporter)
+    else:
+        reporters = set() if reporter is None else {reporter}
+        mon.diagnosing[event] = Diagnosis(_query(mon), time.monotonic() + GRACE, reporters)
+
+
+def _serve(mon: Monitor) -> None:
+    """Answer queries, file answers and results, and take reports of events to diagnose."""
+    if not mon.side:
+        return
+    with _lock:
+        if mon not in _registry:
+            return
+        status = MPI.Status()
+        while (message := mon.comm.improbe(MPI.ANY_SOURCE, TAG, status)) is not None:
+            what, ref, *payload = message.recv()
+            source = status.Get_source()
+            if what == "query":
+                _send(mon, ("answer", ref, mon.state()), source)
+            elif what == "answer":
+                if ref in mon.answers:
+                    mon.answers[ref][source] = payload[0]
+            elif what == "report":
+                _coordinate(mon, tuple(ref), source)
+            elif what == "result":
+                _remember(mon.results, tuple(ref), (payload[0], list(payload[1])))
+
+
+def _advance(mon: Monitor) -> None:
+    """Finish the diagnoses whose answers are in (or overdue), and send out their results."""
+    if not mon.diagnosing:
+        return
+    now = time.monotonic()
+    with _lock:
+        if mon not in _registry:
+            return
+        for event, job in list(mon.diagnosing.items()):
+            answers = mon.answers[job.qid]
+            if len(answers) < mon.size - 1 and now < job.ends:
+                continue
+            del mon.diagnosing[event], mon.answers[job.qid]
+            answers[mon.rank] = mon.state()
+            silent = {r for r in job.reporters if r not in answers}  # reported it, then stopped answering
+            explanation, waiting = _explain(event[0], event[1], answers, mon.size, silent)
+            if mon.rank > 0:  # reports reach rank r only after ranks 0 to r-1 did not reply
+                passed = "rank 0" if mon.rank == 1 else f"ranks 0 to {mon.rank - 1}"
+                explanation += f" ({passed} did not answer as the watchdog's coordinator; "
+                explanation += f"rank {mon.rank} stood in)"
+            result = (explanation, waiting)
+            _remember(mon.results, event, result)
+            for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
+                _send(mon, ("result", event, *result), r)
+
+
+def _result(mon: Monitor, event: Event, now: float) -> Result | None:
+    """The diagnosis of ``event`` (this rank waits in it) if it is here; else see that one is on its way."""
+    if not mon.side:
+        return NO_SIDE_CHANNEL, []
+    with _lock:
+        if mon not in _registry:
+            return FINALIZED, []
+        if event in mon.results:
+            return mon.results[event]
+        if event in mon.diagnosing:
+            return None
+        reported = mon.reported.get(event)
+        if reported is not None and now - reported[1] < WAIT:
+            return None
+        coordinator = 0 if reported is None else reported[0] + 1
+        if coordinator < mon.rank:
+            _send(mon, ("report", event), coordinator)
+            _remember(mon.reported, event, (coordinator, now))
+        else:  # rank 0, or every rank below this one failed to reply: diagnose it here
+            _coordinate(mon, event, None)
+        return None
 
 
 # -- the watchdog thread ------------------------------------------------------------
@@ -315,6 +476,7 @@ def _run() -> None:
         for mon in monitors:
             try:
                 _serve(mon)
+                _advance(mon)
                 _tend(mon)
             except Exception:  # the watchdog must never take the job down itself
                 if id(mon) not in failed:
@@ -326,34 +488,41 @@ def _run() -> None:
             _sends[:] = [r for r in _sends if not r.Test()]
 
 
-def _serve(mon: Monitor) -> None:
-    """Answer queries from other ranks and file answers to ours."""
-    if not mon.side:
-        return
-    with _lock:
-        if mon not in _registry:
-            return
-        status = MPI.Status()
-        while (message := mon.comm.improbe(MPI.ANY_SOURCE, TAG, status)) is not None:
-            what, qid, *payload = message.recv()
-            if what == "query":
-                answer = ("answer", qid, mon.state())
-                _sends.append(mon.comm.isend(answer, dest=status.Get_source(), tag=TAG))
-            elif qid in mon.answers:
-                mon.answers[qid][status.Get_source()] = payload[0]
-
-
 def _tend(mon: Monitor) -> None:
+    """Act on this rank's stall or timeout once its diagnosis is here (asking for it until then)."""
     start = mon.start
     if start is None:
         return
+    seq, kind = mon.seq, mon.kind
+    if mon.start != start:
+        return  # a new collective began while we read
     now = time.monotonic()
-    if mon.deadline is not None and now >= mon.deadline and mon.handled != start:
-        mon.handled = start
-        _time_out(mon, start, mon.deadline - start)
-    elif mon.stall_after is not None and now - start >= mon.stall_after and mon.warned != start:
+    if mon.deadline is not None and now >= mon.deadline:
+        if mon.handled == start:
+            return
+        result = _result(mon, (seq, kind, "timeout"), now)
+        if result is None and now >= mon.deadline + PATIENCE:
+            result = (
+                f"which ranks are missing is unknown (no diagnosis came within {PATIENCE:g} s: "
+                "the ranks asked to make one did not answer)",
+                [],
+            )
+        if result is not None:
+            mon.handled = start
+            _time_out(mon, start, mon.deadline - start, result[0])
+        return
+    event = (seq, kind, "stall")
+    if mon.stall_after is None or mon.warned == start:
+        return
+    if now - start < mon.stall_after and event not in mon.results:
+        return  # not stalled here yet, and no diagnosis came from another rank
+    if mon.noticed is None or mon.noticed[0] != start:
+        mon.noticed = (start, now)
+    result = _result(mon, event, now)
+    if result is not None:
         mon.warned = start
-        _warn(mon, start, now - start)
+        # A result sent before this rank's own timer came: some rank has waited stall_after.
+        _warn(mon, start, max(mon.noticed[1] - start, mon.stall_after), result)
 
 
 def _headline(mon: Monitor) -> str:
@@ -362,23 +531,19 @@ def _headline(mon: Monitor) -> str:
     return f"{mon.kind} (collective #{mon.seq}, called at {site})"
 
 
-def _warn(mon: Monitor, start: float, waited: float) -> None:
-    headline = _headline(mon)
-    explanation, waiting = diagnose(mon, start)
-    if mon.start != start:
-        return  # it completed while we asked
-    if waiting and mon.rank != min(waiting):
-        return  # the lowest waiting rank speaks for all of them
+def _warn(mon: Monitor, start: float, waited: float, result: Result) -> None:
+    explanation, waiting = result
+    if mon.start != start or (waiting and mon.rank != min(waiting)):
+        return  # it completed meanwhile, or the lowest waiting rank speaks for all of them
     logger.warning(
-        f"{headline} has waited {waited:.0f} s: {explanation}. "
+        f"{_headline(mon)} has waited {waited:.0f} s: {explanation}. "
         "(MPISTRAT_STALL_WARNING_SECONDS sets when this warning comes; MPISTRAT_TIMEOUT ends the job.)",
         extra=ANY_RANK,
     )
 
 
-def _time_out(mon: Monitor, start: float, timeout: float) -> None:
+def _time_out(mon: Monitor, start: float, timeout: float, explanation: str) -> None:
     headline = _headline(mon)
-    explanation, _ = diagnose(mon, start)
     if mon.start != start:
         return
     message = (

@@ -7,6 +7,7 @@ a job that outlives it is killed, with all its processes, and the test fails.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,13 +30,15 @@ pytestmark = [
 _LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_")
 
 
-def run_job(script: str, *args: str, limit: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``tests/faults/<script>`` under ``mpiexec -n 3``; return (exit code, stdout + stderr)."""
+def run_job(
+    script: str, *args: str, limit: float, env: dict[str, str] | None = None, ranks: int = RANKS
+) -> tuple[int, str]:
+    """Run ``tests/faults/<script>`` under ``mpiexec -n ranks``; return (exit code, stdout + stderr)."""
     child = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
     child = {k: v for k, v in child.items() if not k.startswith("MPISTRAT_")}
     child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     child.update(env or {})
-    cmd = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(FAULTS / script), *args]
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(FAULTS / script), *args]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -135,6 +138,18 @@ def test_a_frozen_rank_is_named_as_not_answering():
     assert "waiting for rank 1: rank 1 did not answer" in out, out
 
 
+def test_a_frozen_coordinator_is_stood_in_for_and_every_waiting_rank_raises():
+    code, out = run_job("freeze_rank.py", "0", limit=5 + 10)
+    assert code != 0, out
+    explanation = (
+        "waiting for rank 0: rank 0 did not answer (it exited, was killed, or is blocked outside Python). "
+        "Waiting in it: ranks 1, 2 (rank 0 did not answer as the watchdog's coordinator; rank 1 stood in)"
+    )
+    for r in (1, 2):
+        assert f"[rank {r}] mpistrat.errors.CollectiveTimeoutError: all_reduce (collective #2" in out, out
+        assert f"[rank {r}] mpistrat.errors.CollectiveTimeoutError" in out and explanation in out, out
+
+
 def test_merge_fn_error_reaches_every_rank_and_the_strategy_goes_on():
     code, out = run_job("merge_fn_raises.py", limit=30)
     assert code == 0, out
@@ -149,3 +164,27 @@ def test_a_late_rank_gets_a_stall_warning_naming_it():
     assert "[mpistrat rank 0] WARNING" in out, out
     assert "has waited 1 s: waiting for rank 2: rank 2 is not in a collective" in out, out
     assert on_every_rank(out, "finished"), out
+
+
+@pytest.mark.parametrize(
+    ("ranks", "late", "freeze"),
+    [(2, -1, False), (3, -1, False), (4, -1, False), (4, 0, False), (2, 0, True), (4, 0, True)],
+    ids=["2-last", "3-last", "4-last", "4-first", "2-first-frozen", "4-first-frozen"],
+)
+def test_a_stall_costs_side_channel_messages_linear_in_the_ranks(ranks, late, freeze):
+    """One rank diagnoses a stall for everyone: per event at most one report, query, answer and result
+    per other rank, 4(R-1). A frozen rank 0 (the coordinator) is passed over after a wait: one more
+    report per waiting rank, and when it wakes it diagnoses the stale reports once: 8(R-1) in all.
+
+    The job checks that one warning was logged, naming the late rank (tests/faults/stall_count.py).
+    """
+    args = [str(late)] + (["--freeze"] if freeze else [])
+    env = {"MPISTRAT_STALL_WARNING_SECONDS": "1"}
+    code, out = run_job("stall_count.py", *args, limit=30, env=env, ranks=ranks)
+    assert code == 0, out
+    found = re.search(rf"side-channel messages for one stall at {ranks} ranks \(rank \d+ \w+\): (\d+)", out)
+    assert found, out
+    messages = int(found.group(1))
+    assert 0 < messages <= (8 if freeze else 4) * (ranks - 1), out
+    assert out.count(" WARNING: all_reduce (collective #2") == 1, out
+    assert all(f"rank {r} finished" in out for r in range(ranks)), out

@@ -2,6 +2,7 @@
 
 import logging
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import mpistrat
 from mpistrat import CommunicationOptions, InvalidArgumentError, abort, watchdog
 from mpistrat.log import RankFilter, logger
 from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.counting import CountingComm, Ledger
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,69 @@ def test_diagnose_asks_every_rank_where_it_is(world):
     others = [r for r in range(world.size) if r != world.rank]
     ok = waiting == [world.rank] and all(f"rank {r} is not in a collective" in explanation for r in others)
     all_ranks_agree(world.comm, ok, explanation)
+
+
+def state(rank, seq=None, kind=None, world=None):
+    """Rank ``rank``'s answer: in collective ``seq`` (``kind``), or not in one."""
+    waited = None if seq is None else 1.0
+    world = rank if world is None else world
+    return {"world": world, "seq": seq or 1, "kind": kind, "waited": waited, "last": None, "site": "x.py:1"}
+
+
+def test_explain_names_the_missing_ranks_and_counts_known_ones_as_waiting():
+    answers = {0: state(0, 2, "all_reduce"), 1: state(1), 3: state(3, 2, "all_gather", world=7)}
+    explanation, waiting = watchdog._explain(2, "all_reduce", answers, 5, known={4})
+    assert waiting == [0, 4]
+    assert explanation == (
+        "waiting for ranks 1, 2, 3: rank 1 is not in a collective (no collective yet); it is at x.py:1; "
+        "rank 2 did not answer (it exited, was killed, or is blocked outside Python); "
+        "rank 3 (world 7) is in all_gather (collective #2) at x.py:1. Waiting in it: ranks 0, 4"
+    )
+    everyone = watchdog._explain(2, "all_reduce", {0: state(0, 2, "all_reduce")}, 1, set())
+    assert everyone == ("every rank is in it now", [0])
+    nobody = watchdog._explain(2, "all_reduce", {0: state(0)}, 2, set())
+    assert nobody == ("no rank is waiting in it any more", [])
+
+
+class Kept(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_one_stall_costs_side_channel_messages_linear_in_the_ranks(world, monkeypatch):
+    """The last rank is late: one warning names it, and all ranks together send at most 4(R-1) messages.
+
+    (Asking from every waiting rank took 2(R-1)²; tests/test_faults.py checks more cases.)
+    """
+    if world.size < 2:
+        pytest.skip("needs 2 ranks")
+    monkeypatch.setenv("MPISTRAT_STALL_WARNING_SECONDS", "1")
+    strategy = mpistrat.MPIStrategy(CountingComm(world.comm))
+    kept, late = Kept(), world.size - 1
+    logger.addHandler(kept)
+    try:
+        step = lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(2))  # noqa: E731
+        strategy.run(step)
+        with Ledger.recording() as ledger:
+            if world.rank == late:
+                time.sleep(2.5)
+            strategy.run(step)
+            time.sleep(0.3)  # anything the watchdog still sends about this stall is counted too
+    finally:
+        logger.removeHandler(kept)
+        strategy.experimental_finalize()
+    messages = world.comm.allreduce(ledger.only("isend").calls)
+    warnings = [m for ms in world.comm.allgather([m for m in kept.messages if "has waited" in m]) for m in ms]
+    ok = (
+        0 < messages <= 4 * (world.size - 1)
+        and len(warnings) == 1
+        and f"waiting for rank {late}: rank {late} is not in a collective" in warnings[0]
+    )
+    all_ranks_agree(world.comm, ok, f"{messages} messages at {world.size} ranks; warnings: {warnings}")
 
 
 def test_finalize_stops_watching(world):

@@ -1,17 +1,22 @@
-"""Rank 1 freezes (SIGSTOP: alive but unresponsive) while the others are inside all_reduce."""
+"""Rank ``argv[1]`` (default 1) freezes (SIGSTOP: alive, unresponsive) while the others are in all_reduce.
+
+A frozen rank 0 is also the watchdog's coordinator, so another rank must stand in for it.
+"""
 
 import os
 import signal
+import sys
 import time
 
 import numpy as np
 
 import mpistrat
 
+frozen = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 strategy = mpistrat.MPIStrategy(communication_options=mpistrat.CommunicationOptions(timeout_seconds=5))
 ctx_sum = lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(4))  # noqa: E731
 strategy.run(ctx_sum)
-if strategy.extended.rank == 1:
+if strategy.extended.rank == frozen:
     time.sleep(1.0)  # let the others enter the all_reduce first
     os.kill(os.getpid(), signal.SIGSTOP)
 strategy.run(ctx_sum)

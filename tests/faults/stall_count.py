@@ -1,0 +1,64 @@
+"""Rank ``LATE`` (argv; -1: the last) arrives late at an all_reduce; count the watchdog's messages.
+
+Run with MPISTRAT_STALL_WARNING_SECONDS=1. The late rank sleeps 3 s, or with ``--freeze``
+stops itself (SIGSTOP: no watchdog answers either) until another rank continues it 5 s
+later. Every rank records its side-channel sends (``isend``: nothing but the watchdog uses
+it) while the late collective runs, and keeps the stall warnings it logs; rank 0 prints the
+total over all ranks and checks that exactly one warning was logged, naming the late rank.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpistrat
+from mpistrat.log import logger
+from tests.counting import CountingComm, Ledger
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+world = MPI.COMM_WORLD  # the script's own communicator: the strategy's duplicate is the counting one
+rank, size = world.Get_rank(), world.Get_size()
+late = int(sys.argv[1]) % size
+freeze = "--freeze" in sys.argv
+pids = world.allgather(os.getpid())
+kept = Kept()
+logger.addHandler(kept)
+strategy = mpistrat.MPIStrategy(CountingComm(world))
+step = lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(4))  # noqa: E731
+strategy.run(step)
+with Ledger.recording() as ledger:
+    if freeze and rank == max(set(range(size)) - {late}):
+        waker = threading.Timer(5.0, os.kill, (pids[late], signal.SIGCONT))
+        waker.start()
+    if rank == late:
+        if freeze:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(3.0)
+    total = strategy.run(step)
+    time.sleep(0.5)  # anything the watchdog still sends about this stall is counted too
+assert total.tolist() == [float(size)] * 4, total
+messages = world.allreduce(ledger.only("isend").calls)
+warnings = [m for ms in world.allgather([m for m in kept.messages if "has waited" in m]) for m in ms]
+if rank == 0:
+    how = "frozen" if freeze else "late"
+    print(f"side-channel messages for one stall at {size} ranks (rank {late} {how}): {messages}", flush=True)
+    where = "did not answer" if freeze else "is not in a collective"
+    assert len(warnings) == 1, warnings
+    assert f"waiting for rank {late}: rank {late} {where}" in warnings[0], warnings
+print(f"rank {rank} finished", flush=True)
