@@ -151,12 +151,15 @@ def _over_ranks(comm: MPI.Intracomm, t: float) -> dict[str, float]:
 
 
 def _run_case(
-    strategy: mpistrat.MPIStrategy, op_name: str, setup: Setup, args: Any
-) -> tuple[Case, dict[str, Any]]:
+    strategy: mpistrat.MPIStrategy, op_name: str, setup: Setup, args: Any, seen: set[tuple[str, int]]
+) -> tuple[Case, dict[str, Any] | None]:
+    """The case and its timings; no timings when ``seen`` holds its size already."""
     op = OPS[op_name]
 
-    def body() -> tuple[Case, dict[str, Any]]:
+    def body() -> tuple[Case, dict[str, Any] | None]:
         case = op.build(setup)
+        if (op_name, case.nbytes) in seen:  # every rank builds the same size, so every rank skips
+            return case, None
         iters, warmup = iterations(case.nbytes, args.iters, args.min_iters, args.warmup)
         return case, {"iters": iters, "warmup": warmup, **_measure(setup.comm, case, iters, warmup)}
 
@@ -275,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     for op_name, nbytes in tasks:
         bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
         setup = Setup(strategy, comm, np.dtype(args.dtype), nbytes, args.leaves, args.batch, args.scaling)
-        case, timed = _run_case(strategy, op_name, setup, args)
+        # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
+        case, timed = _run_case(strategy, op_name, setup, args, seen)
         bar.update(1)
-        if (op_name, case.nbytes) in seen:  # sizes below an op's smallest message repeat it
+        if timed is None:
             continue
         seen.add((op_name, case.nbytes))
         rows.append(_record(comm, op_name, case, timed, args))
