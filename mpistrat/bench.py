@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS, Case, Setup
+from mpistrat.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
 from mpistrat.collectives import check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
@@ -85,11 +85,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="mpistrat bench",
         description="Time mpistrat collectives against raw mpi4py on the same buffers (under mpiexec/srun).",
     )
-    p.add_argument("--ops", default=",".join(DEFAULT_OPS), help=f"comma-separated, from {', '.join(OPS)}")
+    p.add_argument(
+        "--ops",
+        default=",".join(DEFAULT_OPS),
+        help=f"comma-separated, from {', '.join(OPS)} (default: all but {', '.join(OPT_IN)})",
+    )
     p.add_argument("--min", type=parse_size, default=4, help="smallest message size (default 4)")
     p.add_argument("--max", type=parse_size, default=64 << 20, help="largest message size (default 64MiB)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--leaves", type=int, default=64, help="leaves of the nest ops (default 64)")
+    p.add_argument(
+        "--leaves",
+        type=int,
+        default=64,
+        help="leaves of the nest ops, variables of the optimizer ops (default 64)",
+    )
     p.add_argument("--iters", type=int, default=1000, help="timed iterations up to 8KiB (default 1000)")
     p.add_argument("--min-iters", type=int, default=20, help="fewest timed iterations for large sizes")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: iterations / 5)")

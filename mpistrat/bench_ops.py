@@ -25,7 +25,7 @@ from mpi4py import MPI
 import mpistrat
 from mpistrat.comm.mpi import mpi_datatype
 
-__all__ = ["OPS", "Case", "Op", "Setup", "DEFAULT_OPS"]
+__all__ = ["OPS", "Case", "Op", "Setup", "DEFAULT_OPS", "OPT_IN"]
 
 Check = Callable[[Any], bool]
 
@@ -588,5 +588,8 @@ OPS: dict[str, Op] = {
     )
 }
 
-# What a plain ``mpistrat bench`` runs; train_step (compute-bound, for scaling studies) is opt-in.
-DEFAULT_OPS = [name for name in OPS if name != "train_step"]
+# What a plain ``mpistrat bench`` runs. Opt-in: train_step (compute-bound, for scaling studies) and
+# the optimizer steps: 64 variables cost ~6-14 ms a step with today's apply_gradients, so over the
+# default sweep they took 5.3 minutes at 2 ranks, where every other op together took 3.
+OPT_IN = ("train_step", "apply_gradients_sgd", "apply_gradients_adam")
+DEFAULT_OPS = [name for name in OPS if name not in OPT_IN]
