@@ -466,7 +466,7 @@ def _apply_gradients(s: Setup, rule: _Rule) -> Case:
         return steps["mpistrat"]
 
     def check(k: int) -> bool:
-        return int(opt.iterations.numpy()) == k and weights_at(k, [np.asarray(v) for v in variables])
+        return int(np.asarray(opt.iterations)) == k and weights_at(k, [np.asarray(v) for v in variables])
 
     # Horovod: gradients copied into one fusion buffer, one in-place SUM on a plain duplicate of the
     # communicator (the optimizer sums; scale the loss by the global batch for a mean), then every
