@@ -446,7 +446,7 @@ def _apply_gradients(s: Setup, rule: _Rule) -> Case:
     @functools.lru_cache(maxsize=1)  # both sides ask for the same k in turn
     def reference(k: int) -> tuple[np.ndarray, float]:
         want = start + rule.drift(k, values)[where]
-        # rounding accumulates in the weights step by step: float32 is off by ~1e-5 after 3000 steps
+        # rounding accumulates in the weights step by step: float32 SGD is 3e-5 off after 3000 steps
         return want, eps * (64 + k) * (float(np.abs(want).max()) + 1)
 
     def weights_at(k: int, weights: list[np.ndarray]) -> bool:
