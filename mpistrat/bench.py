@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS, Case, Setup
+from mpistrat.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
 from mpistrat.collectives import check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
@@ -85,11 +85,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="mpistrat bench",
         description="Time mpistrat collectives against raw mpi4py on the same buffers (under mpiexec/srun).",
     )
-    p.add_argument("--ops", default=",".join(DEFAULT_OPS), help=f"comma-separated, from {', '.join(OPS)}")
+    p.add_argument(
+        "--ops",
+        default=",".join(DEFAULT_OPS),
+        help=f"comma-separated, from {', '.join(OPS)} (default: all but {', '.join(OPT_IN)})",
+    )
     p.add_argument("--min", type=parse_size, default=4, help="smallest message size (default 4)")
     p.add_argument("--max", type=parse_size, default=64 << 20, help="largest message size (default 64MiB)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--leaves", type=int, default=64, help="leaves of the nest ops (default 64)")
+    p.add_argument(
+        "--leaves",
+        type=int,
+        default=64,
+        help="leaves of the nest ops, variables of the optimizer ops (default 64)",
+    )
     p.add_argument("--iters", type=int, default=1000, help="timed iterations up to 8KiB (default 1000)")
     p.add_argument("--min-iters", type=int, default=20, help="fewest timed iterations for large sizes")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: iterations / 5)")
@@ -151,12 +160,15 @@ def _over_ranks(comm: MPI.Intracomm, t: float) -> dict[str, float]:
 
 
 def _run_case(
-    strategy: mpistrat.MPIStrategy, op_name: str, setup: Setup, args: Any
-) -> tuple[Case, dict[str, Any]]:
+    strategy: mpistrat.MPIStrategy, op_name: str, setup: Setup, args: Any, seen: set[tuple[str, int]]
+) -> tuple[Case, dict[str, Any] | None]:
+    """The case and its timings; no timings when ``seen`` holds its size already."""
     op = OPS[op_name]
 
-    def body() -> tuple[Case, dict[str, Any]]:
+    def body() -> tuple[Case, dict[str, Any] | None]:
         case = op.build(setup)
+        if (op_name, case.nbytes) in seen:  # every rank builds the same size, so every rank skips
+            return case, None
         iters, warmup = iterations(case.nbytes, args.iters, args.min_iters, args.warmup)
         return case, {"iters": iters, "warmup": warmup, **_measure(setup.comm, case, iters, warmup)}
 
@@ -275,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     for op_name, nbytes in tasks:
         bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
         setup = Setup(strategy, comm, np.dtype(args.dtype), nbytes, args.leaves, args.batch, args.scaling)
-        case, timed = _run_case(strategy, op_name, setup, args)
+        # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
+        case, timed = _run_case(strategy, op_name, setup, args, seen)
         bar.update(1)
-        if (op_name, case.nbytes) in seen:  # sizes below an op's smallest message repeat it
+        if timed is None:
             continue
         seen.add((op_name, case.nbytes))
         rows.append(_record(comm, op_name, case, timed, args))

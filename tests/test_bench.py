@@ -14,14 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpistrat import bench, bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS
+from mpistrat.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 
 WORLD = MPI.COMM_WORLD
+OPTIMIZER_OPS = ["apply_gradients_sgd", "apply_gradients_adam"]
 SMALL = ["--max", "1KiB", "--iters", "3", "--min-iters", "2", "--leaves", "8"]
 
 
@@ -84,6 +86,8 @@ def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: in
     seen = {r["op"] for r in rows}
     if ops is not None and seen != set(ops):
         problems.append(f"ops {sorted(seen)} != {sorted(ops)}")
+    if len({(r["op"], r["bytes"]) for r in rows}) != len(rows):
+        problems.append("a size repeats within an op")
     for r in rows:
         where = f"{r['op']} {r['bytes']} B"
         if r["ranks"] != ranks or (max_bytes and r["bytes"] > max_bytes and r["op"] != "all_reduce_nest"):
@@ -150,6 +154,40 @@ def test_bench_without_check_other_dtype_and_train_step(tmp_path):
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
+@pytest.mark.parametrize("op", OPTIMIZER_OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])  # int32: float32 weights
+def test_optimizer_step_checks_weights_after_however_many_steps(group, op, dtype):
+    """Each side's check holds after every step, and only at the step count the side reports."""
+    setup = Setup(group.strategy, group.comm, np.dtype(dtype), 1000, 3, 1, "weak")
+    case = OPS[op].build(setup)
+    problems = []
+    if (case.count, case.leaves, case.nbytes) != (1000 // np.dtype(dtype).itemsize, 3, 1000):
+        problems.append(f"case {case.count} {case.leaves} {case.nbytes}")
+    for name, (fn, check) in case.variants.items():
+        for _ in range(4):
+            k = fn()
+            if not check(k):
+                problems.append(f"{name}: check fails after step {k}")
+        if check(k - 1) or check(k + 1):  # the weights after k steps are not those after k -/+ 1
+            problems.append(f"{name}: the check cannot tell step {k} from its neighbours")
+    all_ranks_agree(group.comm, not problems, "; ".join(problems))
+
+
+def test_optimizer_steps_through_the_cli_without_warm_up(tmp_path):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    args = ["--ops", ",".join(OPTIMIZER_OPS), "--dtype", "float64", "--warmup", "0", "--min", "256"]
+    code = bench.main([*SMALL, *args, "--json", str(out), "--quiet"])
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, OPTIMIZER_OPS, 1024)
+        problems += [
+            f"{r['op']}: count {r['count']}" for r in data["results"] if r["count"] * 8 != r["bytes"]
+        ]
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
 def mpiexec_env() -> dict[str, str]:
     """This environment without the launcher's variables, so a child mpiexec starts afresh."""
     prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_")
@@ -179,3 +217,15 @@ def test_bench_under_mpiexec(tmp_path, ranks):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("## all_reduce:") == 1, done.stdout[-2000:]  # the table, from rank 0 only
     assert validate(json.loads(out.read_text()), ranks, DEFAULT_OPS, 1024) == []
+
+
+@serial_only
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_optimizer_steps_under_mpiexec(tmp_path, ranks):
+    out = tmp_path / f"bench-{ranks}.json"
+    args = [*SMALL, "--ops", ",".join(OPTIMIZER_OPS), "--json", str(out)]
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(done.stdout.count(f"## {op}:") == 1 for op in OPTIMIZER_OPS), done.stdout[-2000:]
+    assert validate(json.loads(out.read_text()), ranks, OPTIMIZER_OPS, 1024) == []

@@ -28,7 +28,7 @@ def test_speedup_and_efficiency_follow_their_definitions():
 def _fake_run(ranks: int, scaling: str, scale: float) -> dict:
     """A results file as bench writes it, with made-up times (the plot must not care)."""
     rows = []
-    for op in ("all_reduce", "train_step", "all_reduce_nest"):
+    for op in ("all_reduce", "train_step", "all_reduce_nest", "apply_gradients_adam"):
         for nbytes in (256, 1024, 4096):
             t = scale * (1 + nbytes / 1024) * (1 + ranks / 4)
 
@@ -81,11 +81,10 @@ def test_each_kind_writes_a_png(runs, tmp_path, kind, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_scaling_of_a_chosen_op_and_size(runs, tmp_path):
+@pytest.mark.parametrize("op", ["all_reduce", "apply_gradients_adam"])
+def test_scaling_of_a_chosen_op_and_size(runs, tmp_path, op):
     out = tmp_path / f"s-{MPI.COMM_WORLD.Get_rank()}.png"
-    assert (
-        plot.main([*runs, "-o", str(out), "--kind", "scaling", "--op", "all_reduce", "--size", "1KiB"]) == 0
-    )
+    assert plot.main([*runs, "-o", str(out), "--kind", "scaling", "--op", op, "--size", "1KiB"]) == 0
     assert out.read_bytes()[:8] == PNG
 
 
@@ -108,14 +107,14 @@ def test_plot_of_real_runs_at_several_rank_counts(tmp_path):
     paths = []
     for ranks in (1, 2):
         path = tmp_path / f"bench-{ranks}.json"
-        ops = ["--ops", "all_reduce,all_gather_uneven,train_step", "--batch", "4"]
+        ops = ["--ops", "all_reduce,all_gather_uneven,train_step,apply_gradients_sgd", "--batch", "4"]
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *SMALL, *ops]
         done = subprocess.run(
             [*cmd, "--json", str(path), "--quiet"], env=mpiexec_env(), capture_output=True, timeout=110
         )
         assert done.returncode == 0, done.stderr[-3000:]
         paths.append(str(path))
-    for kind in ("bandwidth", "scaling"):
+    for kind in ("bandwidth", "ratio", "scaling"):
         out = tmp_path / f"{kind}.png"
         cmd = [sys.executable, "-m", "mpistrat", "plot", *paths, "-o", str(out), "--kind", kind]
         done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
