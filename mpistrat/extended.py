@@ -178,14 +178,11 @@ class StrategyExtended:
             f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self._container_strategy}"
         )
 
-    @contextlib.contextmanager
-    def _enter(self, mode: context.Mode) -> Iterator[None]:
+    def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
         """Enter this strategy's scope when called from the default context (as tf does)."""
         if mode.kind == "default" and not self.is_default:
-            with self._container_strategy.scope():
-                yield
-        else:
-            yield
+            return self._container_strategy.scope()
+        return _NOTHING
 
     # -- reductions ---------------------------------------------------------------------
 
@@ -304,8 +301,11 @@ class StrategyExtended:
                         f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
                         "Create it inside `with strategy.scope():`"
                     )
-                with self.writes_in_sync():
+                self.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
+                try:
                     result = fn(component, *a, **kw)
+                finally:
+                    self.in_sync -= 1
         return result if group else _ungroup(result)
 
     @contextlib.contextmanager
@@ -454,6 +454,10 @@ def _pairs(value_destination_pairs: Any) -> list[tuple[Any, Any]]:
     return [tuple(p) for p in pairs]
 
 
+_NOTHING = contextlib.nullcontext()
+_CONTAINERS = (list, tuple, dict)  # what optree would walk into; anything else is a leaf here
+
+
 def _local(value: Any, rank: int) -> Any:
     """This rank's component of a distributed value (SPMD context)."""
 
@@ -466,10 +470,14 @@ def _local(value: Any, rank: int) -> Any:
             return x.value()
         return x
 
+    if not isinstance(value, _CONTAINERS):  # one leaf (a gradient): no tree walk
+        return one(value)
     return optree.tree_map(one, value, **_NEST)
 
 
-def _unwrap_mirrored(nest: Any, method: str) -> Any:
+def _unwrap_mirrored(nest: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
+    """``(args, kwargs)`` with mirrored values and variables replaced by this rank's copy."""
+
     def one(x: Any) -> Any:
         if isinstance(x, PerReplica):
             raise InvalidArgumentError(
@@ -481,6 +489,9 @@ def _unwrap_mirrored(nest: Any, method: str) -> Any:
         component = getattr(x, "_component", None)
         return x if component is None else component
 
+    args, kwargs = nest
+    if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):  # flat (an optimizer's update)
+        return tuple(map(one, args)), kwargs
     return optree.tree_map(one, nest, **_NEST)
 
 

@@ -192,8 +192,15 @@ def portable(exc: BaseException) -> BaseException:
 # -- "every_rank" -------------------------------------------------------------------------
 
 
-def merge_on_every_rank(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """Run ``merge_fn`` on every rank with its own values; the ranks agree on the outcome after."""
+def merge_on_every_rank(
+    strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any, *, agree: bool = True
+) -> Any:
+    """Run ``merge_fn`` on every rank with its own values; the ranks agree on the outcome after.
+
+    ``agree=False`` (the optimizers: their update cannot fail on one rank alone) skips the
+    closing handshake unless the check is strict; an exception then ends the job as an
+    uncaught one does.
+    """
     extended = strategy.extended
     m_args, m_kwargs = optree.tree_map(_own, (tuple(args), kwargs), **_NEST)
     error: BaseException | None = None
@@ -205,7 +212,8 @@ def merge_on_every_rank(strategy: Strategy, merge_fn: Callable[..., Any], args: 
         error = exc
     finally:
         written, extended.merge_writes = extended.merge_writes, None
-    _agree(extended, written, error)
+    if agree or check_level(extended.collectives.options) > 1:
+        _agree(extended, written, error)
     if error is not None:
         raise error
     return optree.tree_map(_select, result, **_NEST)

@@ -169,7 +169,10 @@ class Optimizer:
                 )
         self.build([v for _, v in pairs])
         # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
-        context.get_replica_context()._merge_call(self._distributed_apply, (pairs,), None, "every_rank")
+        # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
+        context.get_replica_context()._merge_call(
+            self._distributed_apply, (pairs,), None, "every_rank", agree=False
+        )
         return self.iterations
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
@@ -212,12 +215,18 @@ class SGD(Optimizer):
         self.slot_names = ("momentum",) if momentum else ()
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+        # In place, as a hand-written NumPy update would be: no temporaries the size of a variable
+        # beyond lr * grad.
         if not slots:
-            var.assign_sub(lr * grad)
+            with var._writable() as w:
+                w -= lr * grad
             return
         (velocity,) = slots
-        velocity.assign(self.momentum * velocity.value() - lr * grad)
-        var.assign_add(self.momentum * velocity.value() - lr * grad if self.nesterov else velocity.value())
+        with velocity._writable() as v:
+            v *= self.momentum
+            v -= lr * grad
+        with var._writable() as w:
+            w += self.momentum * v - lr * grad if self.nesterov else v
 
 
 class Adam(Optimizer):
@@ -248,7 +257,10 @@ class Adam(Optimizer):
         t = step + 1
         b1, b2 = self.beta_1, self.beta_2
         lr_t = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-        m.assign(m.value() + (grad - m.value()) * (1.0 - b1))
-        v.assign(v.value() + (grad * grad - v.value()) * (1.0 - b2))
-        xp = packing.array_module(v.value())
-        var.assign_sub(lr_t * m.value() / (xp.sqrt(v.value()) + self.epsilon))
+        with m._writable() as m_t:
+            m_t += (grad - m_t) * (1.0 - b1)
+        with v._writable() as v_t:
+            v_t += (grad * grad - v_t) * (1.0 - b2)
+        xp = packing.array_module(v_t)
+        with var._writable() as w:
+            w -= lr_t * m_t / (xp.sqrt(v_t) + self.epsilon)

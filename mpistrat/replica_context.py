@@ -116,7 +116,13 @@ class ReplicaContext:
         return self._merge_call(merge_fn, args, kwargs, self._strategy.extended.merge_call_mode)
 
     def _merge_call(
-        self, merge_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, mode: str
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        mode: str,
+        *,
+        agree: bool = True,
     ) -> Any:
         self._require_current("merge_call")
         kwargs = dict(kwargs or {})
@@ -125,7 +131,7 @@ class ReplicaContext:
             with context.push(context.Mode(strategy, None, "merge")):
                 return merge_fn(strategy, *args, **kwargs)
         if mode == "every_rank":
-            return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs)
+            return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs, agree=agree)
         return merge.merge_on_root(strategy, merge_fn, args, kwargs)
 
     def _require_current(self, method: str) -> None:

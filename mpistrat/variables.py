@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -190,7 +191,32 @@ class Variable:
         return self
 
     def _write(self, how: str, value: Any) -> None:
-        self._set(_combine(how, self._value, self._coerce(value, how)))
+        new, old = self._coerce(value, how), self._value
+        if sys.getrefcount(old) > _PRIVATE:  # someone holds the current value: leave it as it is
+            self._set(_combine(how, old, new.copy() if how == "assign" else new))
+            return
+        # Nobody else holds it (not a value() read earlier, nor a view of it): write in place, as
+        # tf does, instead of allocating (and page-faulting) a new array at every optimizer step.
+        xp = packing.array_module(old)
+        if how == "assign":
+            xp.copyto(old, new)
+        else:
+            (xp.add if how == "assign_add" else xp.subtract)(old, new, out=old)
+        self._set(old)
+
+    def _writable(self) -> _Writable:
+        """A context giving this variable's array to update in place (the optimizers' arithmetic).
+
+        Its own storage when nothing else holds it; a private copy when something does (a
+        ``value()`` read earlier keeps its value, as a write in tf leaves earlier reads alone).
+
+        >>> v = Variable(np.zeros(2))
+        >>> with v._writable() as w:
+        ...     w += 1.0
+        >>> v.numpy()
+        array([1., 1.])
+        """
+        return _Writable(self)
 
     def _set(self, new: Any) -> None:
         self._value = new
@@ -229,9 +255,7 @@ class Variable:
                 f"{self._name}.{how}: expected a value of shape {tuple(local.shape)}; "
                 f"got shape {tuple(arr.shape)}"
             )
-        if how == "assign":  # the variable must not alias the caller's array
-            return xp.array(arr, dtype=local.dtype, copy=True)
-        return xp.asarray(arr, dtype=local.dtype)  # added to the old value into a new array anyway
+        return xp.asarray(arr, dtype=local.dtype)  # may be the caller's array: never keep it
 
     # -- Python and NumPy protocols -----------------------------------------------------
 
@@ -411,6 +435,9 @@ class MirroredVariable(DistributedVariable):
         if mode.kind == "replica":
             self._write_in_replica(how, value)
             return
+        if self._extended.in_sync:  # inside update()/update_non_slot(): this rank's copy, as it is
+            self._component._write(how, value)
+            return
         value = self._agreed(how, value, mode)
         self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
 
@@ -476,7 +503,7 @@ class SyncOnReadVariable(DistributedVariable):
         new = self._agreed(how, value, mode)
         if self._aggregation is VariableAggregation.SUM:  # the copies must sum to the value
             new = (new / self._extended.size).astype(self.dtype, copy=False)
-        self._component._set(new)
+        self._component._write("assign", new)
 
 
 def _class_to_create(synchronization: Any) -> type[Variable]:
@@ -522,6 +549,38 @@ def _initial(initial_value: Any, dtype: Any, name: str) -> Any:
 def _broadcast_initial(extended: Any, value: Any, name: str, sync: Any, agg: Any) -> Any:
     """Rank 0's initial value on every rank; a rank with a different shape/dtype/kind fails everywhere."""
     return extended.collectives.broadcast(value, kind=f"variable_creation({name}, {sync.name}, {agg.name})")
+
+
+class _Writable:
+    """``with var._writable() as arr:`` (a class, not a generator: it runs per step and variable)."""
+
+    __slots__ = ("var",)
+
+    def __init__(self, var: Variable):
+        self.var = var
+
+    def __enter__(self) -> Any:
+        var = self.var
+        if sys.getrefcount(var._value) > _PRIVATE - 1:  # held elsewhere: write into a copy
+            var._value = var._value.copy()
+        return var._value
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.var._set(self.var._value)
+
+
+class _Probe:
+    """Counts the references a variable's value has in ``Variable._write`` when nothing else holds it."""
+
+    def __init__(self) -> None:
+        self._value = np.empty(1)
+
+    def count(self) -> int:
+        old = self._value
+        return sys.getrefcount(old)
+
+
+_PRIVATE = _Probe().count()
 
 
 def _combine(how: str, old: Any, value: Any) -> Any:

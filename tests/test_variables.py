@@ -302,3 +302,30 @@ def test_cross_replica_write_that_differs_between_ranks_fails_every_rank(world, 
     got = world.comm.allgather(float(var._local()))
     want = 2.0 if how == "assign" else 3.0
     all_ranks_agree(world.comm, got == [want] * world.size, f"{got}")
+
+
+@pytest.mark.parametrize("how", ["assign", "assign_add", "assign_sub"])
+def test_a_value_read_before_a_write_keeps_its_value(group, how):
+    """Writes reuse the variable's storage only when nothing else holds it (copy on write)."""
+    with group.strategy.scope():
+        var = mpistrat.Variable(np.arange(4, dtype=np.float32), name="w")
+    before, view, as_array = var.value(), var.value()[1:3], np.asarray(var)
+    mine = np.ones(4, np.float32)
+
+    def write():
+        with group.strategy.scope():
+            getattr(var, how)(mine)
+
+    write()
+    mine[:] = 100.0  # the variable never keeps the caller's array
+    want = {"assign": np.ones(4), "assign_add": np.arange(4) + 1, "assign_sub": np.arange(4) - 1}[how]
+    ok = (
+        before.tolist() == [0, 1, 2, 3]
+        and view.tolist() == [1, 2]
+        and as_array.tolist() == [0, 1, 2, 3]
+        and var.numpy().tolist() == want.tolist()
+    )
+    write()  # nothing holds the value now: this write may go in place, with the same result
+    again = {"assign": np.ones(4) * 100, "assign_add": want + 100, "assign_sub": want - 100}[how]
+    ok = ok and var.numpy().tolist() == again.tolist() and var.dtype == np.float32
+    all_ranks_agree(group.comm, ok, f"{before} {view} {as_array} {var.numpy()}")
