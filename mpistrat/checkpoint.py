@@ -150,7 +150,7 @@ class Checkpoint:
                 _write_atomic(os.path.join(os.path.dirname(path) or ".", INDEX), json.dumps({"latest": path}))
             except BaseException as exc:  # every rank must hear of it
                 status, original = portable(exc), exc
-        status = collectives.broadcast_from_root(status)
+        status = collectives.broadcast_from_root(status, kind="checkpoint.save (status)")
         if status is not None:
             raise original if strategy.extended.rank == 0 else status
         return path
@@ -174,7 +174,7 @@ class Checkpoint:
                     payload = ("ok", {k: data[k] for k in data.files})
             except BaseException as exc:
                 payload, original = ("error", portable(exc)), exc
-        status, body = collectives.broadcast_from_root(payload)
+        status, body = collectives.broadcast_from_root(payload, kind="checkpoint.restore (data)")
         if status == "error":
             raise original if strategy.extended.rank == 0 else body
         if _META not in body:
@@ -199,7 +199,7 @@ class Checkpoint:
                     latest = json.load(f)["latest"]
                 candidate = os.path.join(os.fspath(directory), os.path.basename(latest))
                 found = candidate if os.path.isfile(candidate) else None
-        return collectives.broadcast_from_root(found)
+        return collectives.broadcast_from_root(found, kind="checkpoint.latest (path)")
 
 
 def _agree(strategy: Any, kind: str) -> Any:

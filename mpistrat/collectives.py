@@ -89,6 +89,7 @@ class Collectives:
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
         self.seq = 0
+        self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self._handshake_send = np.empty(10, dtype=np.int64)
         self._handshake_recv = np.empty(10, dtype=np.int64)
@@ -96,6 +97,7 @@ class Collectives:
 
     # -- the handshake ---------------------------------------------------------------
 
+    @watchdog.collective("handshake")  # watched on its own when a caller opens with it alone
     def handshake(
         self,
         kind: str,
@@ -136,6 +138,7 @@ class Collectives:
 
     def _raise_disagreement(self, kind: str, describe: Any, error: MpistratError | None) -> None:
         """Every rank is here: exchange descriptions and raise the same error everywhere."""
+        self.disagreements += 1
         mismatch.raise_disagreement(self.comm, kind, self.seq, describe, error)
 
     # -- all_reduce ------------------------------------------------------------------
@@ -414,8 +417,8 @@ class Collectives:
             gathered.append(_join_arrays(h, buf))
         return gathered
 
-    @watchdog.collective("merge_call")
-    def broadcast_from_root(self, obj: Any = None, root: int = 0) -> Any:
+    @watchdog.collective("broadcast_from_root")
+    def broadcast_from_root(self, obj: Any = None, root: int = 0, kind: str = "broadcast_from_root") -> Any:
         """``obj`` from ``root`` on every rank: pickled, with array bytes inside the message up
         to ``_INLINE_BYTES`` and as one raw ``Bcast`` above."""
         if self.rank == root:  # root keeps ``obj``; it pickles only for the others
@@ -435,18 +438,23 @@ class Collectives:
             self.comm.Bcast([data, MPI.BYTE], root=root)
         return _received(header, data)
 
-    @watchdog.collective("merge_call")
-    def scatter_from_root(self, objs: list[Any] | None = None, root: int = 0) -> Any:
+    @watchdog.collective("scatter_from_root")
+    def scatter_from_root(
+        self, objs: list[Any] | None = None, root: int = 0, kind: str = "scatter_from_root"
+    ) -> Any:
         """``objs[r]`` (given on ``root``) on rank ``r``: each rank receives only its own object.
 
         Pickled as :meth:`gather_to_root` does; large array bytes follow in one ``Scatterv``
-        (root says in each message whether it comes).
+        (root says in each message whether it comes, and whether any object failed to
+        pickle: then every rank raises).
         """
         if self.rank != root:
-            header, payload, raw = self.comm.scatter(None, root=root)
+            header, payload, raw, failure = self.comm.scatter(None, root=root)
             data = np.empty(0 if isinstance(payload, bytes) else payload, dtype=np.uint8)
             if raw:
                 self.comm.Scatterv(None, [data, MPI.BYTE], root=root)
+            if failure is not None:
+                raise UnsupportedTypeError(failure)
             if isinstance(payload, bytes):
                 data = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
             return _received(header, data)
@@ -459,14 +467,15 @@ class Collectives:
         ]
         sizes = [0 if d.size <= _INLINE_BYTES else d.size for _, d, _ in splits]
         raw = any(sizes)
-        messages = [(h, n or d.tobytes(), raw) for (h, d, _), n in zip(splits, sizes, strict=True)]
+        error = next((e for _, _, e in splits if e is not None), None)
+        failure = None if error is None else str(error)
+        messages = [(h, n or d.tobytes(), raw, failure) for (h, d, _), n in zip(splits, sizes, strict=True)]
         messages[root] = None
         self.comm.scatter(messages, root=root)
         if raw:
             large = np.concatenate([d for (_, d, _), n in zip(splits, sizes, strict=True) if n])
             displs = [0, *itertools.accumulate(sizes[:-1])]
             self.comm.Scatterv([large, sizes, displs, MPI.BYTE], [_NO_BYTES, MPI.BYTE], root=root)
-        error = next((e for _, _, e in splits if e is not None), None)
         if error is not None:
             raise error
         return objs[root]

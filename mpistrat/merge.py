@@ -84,7 +84,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
             original = exc
         finally:
             extended.merge_writes = None
-    status, *rest = collectives.broadcast_from_root(payload)
+    status, *rest = collectives.broadcast_from_root(payload, kind="merge_call (result)")
     if status == "error":
         if rank == 0:
             raise original
@@ -92,7 +92,11 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
     shared, writes, scattered = rest
     if rank != 0:
         extended.apply_merge_writes(writes)
-    mine = collectives.scatter_from_root(components if rank == 0 else None) if scattered else []
+    mine = []
+    if scattered:
+        mine = collectives.scatter_from_root(
+            components if rank == 0 else None, kind="merge_call (components)"
+        )
     return optree.tree_map(
         lambda x: _fill(x, mine, extended),
         shared,
@@ -202,9 +206,11 @@ def merge_on_every_rank(
     uncaught one does.
     """
     extended = strategy.extended
+    collectives = extended.collectives
     m_args, m_kwargs = optree.tree_map(_own, (tuple(args), kwargs), **_NEST)
     error: BaseException | None = None
     extended.merge_writes = []
+    disagreements = collectives.disagreements
     try:
         with context.push(context.Mode(strategy, None, "cross_replica")):
             result = merge_fn(strategy, *m_args, **m_kwargs)
@@ -212,11 +218,15 @@ def merge_on_every_rank(
         error = exc
     finally:
         written, extended.merge_writes = extended.merge_writes, None
-    if agree or check_level(extended.collectives.options) > 1:
+    # A collective inside merge_fn that failed on every rank (a rank that raised early met the
+    # others there) has told everyone already: a closing handshake now would wait for nobody.
+    told = collectives.disagreements != disagreements
+    if not told and (agree or check_level(collectives.options) > 1):
         _agree(extended, written, error)
     if error is not None:
         raise error
-    return optree.tree_map(_select, result, **_NEST)
+    rank = extended.rank
+    return optree.tree_map(lambda leaf: _select(leaf, rank), result, **_NEST)
 
 
 def _own(leaf: Any) -> Any:
@@ -224,8 +234,11 @@ def _own(leaf: Any) -> Any:
     return PerReplica((leaf,)) if _is_data(leaf) else leaf
 
 
-def _select(leaf: Any) -> Any:
-    if isinstance(leaf, (PerReplica, Mirrored)) and len(leaf.values) == 1:
+def _select(leaf: Any, rank: int) -> Any:
+    """This replica's component of a result, as tf's select_replica gives it."""
+    if isinstance(leaf, PerReplica):
+        return leaf.values[rank] if len(leaf.values) > 1 else leaf.values[0]
+    if isinstance(leaf, Mirrored):
         return leaf.values[0]
     return leaf
 
@@ -239,11 +252,9 @@ def _agree(extended: Any, written: list[tuple[int, Any]], error: BaseException |
         collectives.seq += 1
         return
     fingerprint, describe = 0, lambda: None
-    if level > 1 and written:
-        sums = [
-            (repr(extended.synced(key).name), mismatch.checksum(value))
-            for key, value in dict(written).items()
-        ]
+    kept_equal = [(k, v) for k, v in dict(written).items() if getattr(extended.synced(k), "mirrored", False)]
+    if level > 1 and kept_equal:  # sync-on-read copies differ by design
+        sums = [(repr(extended.synced(key).name), mismatch.checksum(value)) for key, value in kept_equal]
         fingerprint = mismatch.fingerprint(*sums)
         describe = lambda: {  # noqa: E731
             "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],

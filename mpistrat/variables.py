@@ -318,6 +318,8 @@ del _name, _op
 class DistributedVariable(Variable, DistributedValues):
     """A variable with one copy per replica; this rank holds its own copy (``values[0]``)."""
 
+    mirrored = False
+
     def __init__(self, initial_value: Any, **kwargs: Any):
         super().__init__(initial_value, **kwargs)
         if self._synchronization is VariableSynchronization.NONE:
@@ -425,6 +427,8 @@ _DIFFERENT_WRITES = (
 
 class MirroredVariable(DistributedVariable):
     """Kept identical on every rank: created from rank 0's value, written only through aggregation."""
+
+    mirrored = True  # its copies must stay bitwise equal (MPISTRAT_CHECK=strict compares them)
 
     def value(self) -> Any:
         self._mode("value")
@@ -587,7 +591,8 @@ def _combine(how: str, old: Any, value: Any) -> Any:
     if how == "assign":
         return value
     new = old + value if how == "assign_add" else old - value
-    return new.astype(old.dtype, copy=False)
+    # an array, never a NumPy scalar (what 0-d arithmetic gives): values are updated in place
+    return packing.array_module(old).asarray(new, dtype=old.dtype)
 
 
 def _to_numpy(arr: Any) -> np.ndarray:

@@ -230,7 +230,7 @@ def collective(default_kind: str) -> Callable[[F], F]:
             try:
                 return method(self, *args, **kwargs)
             finally:
-                mon.start = None
+                mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
                 mon.last = (kind, self.seq, time.monotonic())
 
         return watched  # type: ignore[return-value]

@@ -188,3 +188,19 @@ def test_a_stall_costs_side_channel_messages_linear_in_the_ranks(ranks, late, fr
     assert 0 < messages <= (8 if freeze else 4) * (ranks - 1), out
     assert out.count(" WARNING: all_reduce (collective #2") == 1, out
     assert all(f"rank {r} finished" in out for r in range(ranks)), out
+
+
+def test_idling_past_the_timeout_between_collectives_is_no_timeout():
+    """A handshake outside a watched call used to inherit the last call's expired deadline."""
+    code, out = run_job("idle_past_timeout.py", limit=40, env={"MPISTRAT_TIMEOUT": "1"})
+    assert code == 0, out
+    assert on_every_rank(out, "finished"), out
+    assert "CollectiveTimeoutError" not in out and "MPI_Abort" not in out, out
+
+
+def test_one_stall_in_a_merge_call_is_one_warning():
+    code, out = run_job("merge_call_stall.py", limit=40, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"})
+    assert code == 0, out
+    assert on_every_rank(out, "finished"), out
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "waiting for rank 0" in warnings[0], out

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 import mpistrat
-from mpistrat import CollectiveMismatchError, CommunicationOptions, InvalidArgumentError, ReduceOp
+from mpistrat import (
+    CollectiveMismatchError,
+    CommunicationOptions,
+    InvalidArgumentError,
+    Mirrored,
+    PerReplica,
+    ReduceOp,
+)
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 
 SHAPES = [(3, 2), (4,), ()]
@@ -218,3 +225,68 @@ def test_strict_check_passes_deterministic_optimizer_steps():
         grads = [local_update(rank, step, k) for k in range(len(ws))]
         strategy.run(lambda g=grads: opt.apply_gradients(zip(g, ws, strict=True)))
     assert_weights(ws, serial_sgd(WORLD.Get_size()), "strict SGD")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_merge_fn_failing_before_a_collective_the_others_enter_does_not_hang():
+    """The failing rank's closing handshake meets the others' reduce: every rank raises there, and
+    nobody waits in a closing handshake that the failing rank has left."""
+    strategy = strategy_for("every_rank")
+    rank = strategy.extended.rank
+
+    def merge_fn(strategy):
+        if rank == 1:
+            raise ValueError("boom on rank 1")
+        return strategy.reduce("sum", np.ones(2), axis=None)
+
+    raises_on_every_rank(
+        WORLD, Exception, lambda: strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn))
+    )
+    total = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
+    all_ranks_agree(WORLD, int(total) == WORLD.Get_size(), f"{total}")
+
+
+@pytest.mark.parametrize("mode", ["root", "every_rank"])
+def test_results_give_each_replica_its_component_in_both_modes(mode):
+    strategy = strategy_for(mode)
+    rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
+
+    def merge_fn(strategy):
+        return {"mine": PerReplica([10 * r for r in range(size)]), "same": Mirrored([7] * size)}
+
+    got = strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn))
+    all_ranks_agree(WORLD, got == {"mine": 10 * rank, "same": 7}, f"{mode}: {got}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_component_that_cannot_be_pickled_fails_every_rank():
+    strategy = strategy_for("root")
+    size = strategy.num_replicas_in_sync
+
+    def merge_fn(strategy):
+        return PerReplica([r if r != 1 else (lambda: 1) for r in range(size)])
+
+    raises_on_every_rank(
+        WORLD,
+        mpistrat.UnsupportedTypeError,
+        lambda: strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn)),
+        "cannot be pickled",
+    )
+
+
+def test_strict_check_leaves_sync_on_read_copies_alone():
+    """Sync-on-read copies differ by design: strict compares mirrored variables only."""
+    strategy = strategy_for("every_rank", "strict")
+    rank = strategy.extended.rank
+    with strategy.scope():
+        count = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="count")
+    strategy.run(lambda: count.assign_add(float(rank + 1)))
+
+    def merge_fn(strategy):
+        strategy.extended.update(count, lambda v: v.assign_add(1.0))
+
+    strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn))
+    with strategy.scope():
+        total = float(count.value())
+    n = WORLD.Get_size()
+    all_ranks_agree(WORLD, total == n * (n + 1) / 2 + n, f"{total}")

@@ -138,3 +138,21 @@ def test_apply_gradients_errors(world):
         SGD(0.1, momentum=2.0)
     with pytest.raises(InvalidArgumentError, match="beta_1"):
         Adam(beta_1=1.0)
+
+
+def test_scalar_variables_keep_updating_after_any_write(group):
+    """0-d arithmetic gives NumPy scalars; a variable must stay a 0-d array after every kind of
+    write, so the optimizers' in-place steps still update it."""
+    with group.strategy.scope():
+        b = mpistrat.Variable(np.float64(3.0), name="b", aggregation="SUM")
+        opt = SGD(1.0)
+    group.strategy.run(lambda: b.assign_add(np.float64(1.0)))  # replica context: 3 + n
+    held = b.value()
+    with group.strategy.scope():
+        b.assign_add(np.float64(1.0))  # cross-replica, with the value held: a copy, 4 + n
+    for _ in range(3):
+        group.strategy.run(lambda: opt.apply_gradients([(np.float64(1.0), b)]))
+    n = group.size
+    ok = float(held) == 3.0 + n and float(b.numpy()) == 4.0 + n - 3 * n
+    ok = ok and isinstance(b.value(), np.ndarray) and int(opt.iterations.numpy()) == 3
+    all_ranks_agree(group.comm, ok, f"{b.numpy()} {held}")
