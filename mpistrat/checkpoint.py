@@ -26,9 +26,8 @@ from typing import Any
 import numpy as np
 
 from mpistrat import context, nest
-from mpistrat.collectives import _code, check_enabled
+from mpistrat.collectives.handshake import code
 from mpistrat.errors import ContextError, InvalidArgumentError
-from mpistrat.merge import portable
 from mpistrat.optimizers import Optimizer
 from mpistrat.variables import Variable, _to_numpy
 
@@ -134,25 +133,18 @@ class Checkpoint:
         collectives = strategy.extended.collectives
         entries = self._entries()
         described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
-        if check_enabled(collectives.options):
-            collectives.handshake(
-                "checkpoint.save",
-                _code(repr(described)),
-                lambda: {"reduce_op": None, "axis": None, "leaves": described},
-            )
+        collectives.agree(
+            "checkpoint.save", fingerprint=code(repr(described)), describe=lambda: {"leaves": described}
+        )
         arrays = {n: _to_numpy(v.value()) for n, v in entries.items()}  # sync-on-read values aggregate here
         meta = {"format": _FORMAT, "num_replicas": strategy.num_replicas_in_sync}
         arrays[_META] = np.array(json.dumps(meta))
-        status = None
-        if strategy.extended.rank == 0:
-            try:
-                _write_atomic(path, arrays)
-                _write_atomic(os.path.join(os.path.dirname(path) or ".", INDEX), json.dumps({"latest": path}))
-            except BaseException as exc:  # every rank must hear of it
-                status, original = portable(exc), exc
-        status = collectives.broadcast_from_root(status, kind="checkpoint.save (status)")
-        if status is not None:
-            raise original if strategy.extended.rank == 0 else status
+
+        def write() -> None:
+            _write_atomic(path, arrays)
+            _write_atomic(os.path.join(os.path.dirname(path) or ".", INDEX), json.dumps({"latest": path}))
+
+        collectives.on_root(write, kind="checkpoint.save (write)")
         return path
 
     def restore(self, path: str | os.PathLike[str] | None, *, expect_partial: bool = False) -> str | None:
@@ -166,17 +158,14 @@ class Checkpoint:
             return None
         path = os.fspath(path)
         strategy = self._strategy("restore")
-        collectives = _agree(strategy, "checkpoint.restore")
-        payload: Any = None
-        if strategy.extended.rank == 0:
-            try:
-                with np.load(path, allow_pickle=False) as data:
-                    payload = ("ok", {k: data[k] for k in data.files})
-            except BaseException as exc:
-                payload, original = ("error", portable(exc)), exc
-        status, body = collectives.broadcast_from_root(payload, kind="checkpoint.restore (data)")
-        if status == "error":
-            raise original if strategy.extended.rank == 0 else body
+        collectives = strategy.extended.collectives
+        collectives.agree("checkpoint.restore")
+
+        def read() -> dict[str, np.ndarray]:
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+
+        body = collectives.on_root(read, kind="checkpoint.restore (read)")
         if _META not in body:
             raise InvalidArgumentError(f"Checkpoint.restore: {path} is not an mpistrat checkpoint")
         body.pop(_META)
@@ -191,23 +180,18 @@ class Checkpoint:
     def latest(self, directory: str | os.PathLike[str]) -> str | None:
         """The path of the newest checkpoint saved in ``directory``, or None (collective)."""
         strategy = self._strategy("latest")
-        collectives = _agree(strategy, "checkpoint.latest")
-        found = None
-        if strategy.extended.rank == 0:
+        collectives = strategy.extended.collectives
+        collectives.agree("checkpoint.latest")
+
+        def find() -> str | None:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 with open(os.path.join(os.fspath(directory), INDEX)) as f:
                     latest = json.load(f)["latest"]
                 candidate = os.path.join(os.fspath(directory), os.path.basename(latest))
-                found = candidate if os.path.isfile(candidate) else None
-        return collectives.broadcast_from_root(found, kind="checkpoint.latest (path)")
+                return candidate if os.path.isfile(candidate) else None
+            return None
 
-
-def _agree(strategy: Any, kind: str) -> Any:
-    """The strategy's collectives, after checking every rank entered the same call."""
-    collectives = strategy.extended.collectives
-    if check_enabled(collectives.options):
-        collectives.handshake(kind, 0, lambda: None)
-    return collectives
+        return collectives.on_root(find, kind="checkpoint.latest (read)")
 
 
 def _check_match(path: str, entries: dict[str, Variable], data: dict[str, np.ndarray], partial: bool) -> None:

@@ -6,6 +6,8 @@ for code ported from tf.distribute, and :class:`MpistratError` catches them all.
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "MpistratError",
     "ContextError",
@@ -14,6 +16,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "MergeCallError",
+    "portable",
 ]
 
 
@@ -43,3 +46,19 @@ class CollectiveTimeoutError(MpistratError, TimeoutError):
 
 class MergeCallError(MpistratError, RuntimeError):
     """A ``merge_fn`` raised an exception that could not be re-created on every rank."""
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling as itself (to be raised on other ranks), else a
+    ``MergeCallError`` that says what it was.
+
+    >>> portable(ValueError("bad")).args
+    ('bad',)
+    """
+    try:
+        clone = pickle.loads(pickle.dumps(exc))
+        if type(clone) is type(exc) and str(clone) == str(exc):
+            return exc
+    except Exception:
+        pass
+    return MergeCallError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")

@@ -27,7 +27,6 @@ array([1., 1.])
 from __future__ import annotations
 
 import collections
-import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,7 @@ import optree
 
 from mpistrat import context, mismatch
 from mpistrat.collectives import Unsendable, check_level
-from mpistrat.errors import InvalidArgumentError, MergeCallError, UnsupportedTypeError
+from mpistrat.errors import InvalidArgumentError, UnsupportedTypeError
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
@@ -69,27 +68,21 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
     rank = extended.rank
     local = (tuple(args), kwargs)
     gathered = collectives.gather_to_root(optree.tree_map(_strip_shared, local, **_NEST))
-    payload: Any = None
     components: list[list[Any]] = []
-    if rank == 0:
+
+    def run() -> tuple[Any, list[tuple[int, Any]], bool]:  # on rank 0 alone
+        nonlocal components
+        m_args, m_kwargs = _regroup(local, gathered)
+        extended.merge_writes = []
         try:
-            m_args, m_kwargs = _regroup(local, gathered)
-            extended.merge_writes = []
             with context.push(context.Mode(strategy, None, "merge")):
                 result = merge_fn(strategy, *m_args, **m_kwargs)
-            shared, components = _split_result(result, extended.size)
-            payload = ("ok", shared, extended.merge_writes, bool(components[0]))
-        except BaseException as exc:  # every rank must hear of it, whatever it is
-            payload = ("error", portable(exc))
-            original = exc
         finally:
-            extended.merge_writes = None
-    status, *rest = collectives.broadcast_from_root(payload, kind="merge_call (result)")
-    if status == "error":
-        if rank == 0:
-            raise original
-        raise rest[0]
-    shared, writes, scattered = rest
+            writes, extended.merge_writes = extended.merge_writes, None
+        shared, components = _split_result(result, extended.size)
+        return shared, writes, bool(components[0])
+
+    shared, writes, scattered = collectives.on_root(run, kind="merge_call (result)")
     if rank != 0:
         extended.apply_merge_writes(writes)
     mine = []
@@ -182,17 +175,6 @@ def _fill(leaf: Any, mine: list[Any], extended: Any) -> Any:
     return leaf
 
 
-def portable(exc: BaseException) -> BaseException:
-    """The exception itself if it survives pickling, else a ``MergeCallError`` that says what it was."""
-    try:
-        clone = pickle.loads(pickle.dumps(exc))
-        if type(clone) is type(exc) and str(clone) == str(exc):
-            return exc
-    except Exception:
-        pass
-    return MergeCallError(f"merge_fn raised {type(exc).__module__}.{type(exc).__qualname__}: {exc}")
-
-
 # -- "every_rank" -------------------------------------------------------------------------
 
 
@@ -245,24 +227,20 @@ def _select(leaf: Any, rank: int) -> Any:
 
 def _agree(extended: Any, written: list[tuple[int, Any]], error: BaseException | None) -> None:
     """One handshake after merge_fn: it failed on no rank (else every rank raises), and, under
-    ``MPISTRAT_CHECK=strict``, every variable it wrote holds the same bytes on every rank."""
-    collectives = extended.collectives
-    level = check_level(collectives.options)
-    if level == 0:
-        collectives.seq += 1
-        return
-    fingerprint, describe = 0, lambda: None
-    kept_equal = [(k, v) for k, v in dict(written).items() if getattr(extended.synced(k), "mirrored", False)]
-    if level > 1 and kept_equal:  # sync-on-read copies differ by design
-        sums = [(repr(extended.synced(key).name), mismatch.checksum(value)) for key, value in kept_equal]
-        fingerprint = mismatch.fingerprint(*sums)
+    ``MPISTRAT_CHECK=strict``, every mirrored variable it wrote holds the same bytes everywhere."""
+    fingerprint, describe = 0, None
+    if check_level(extended.collectives.options) > 1:
+        mirrored = [(extended.synced(k), v) for k, v in dict(written).items()]
+        sums = [
+            (repr(var.name), mismatch.checksum(v)) for var, v in mirrored if getattr(var, "mirrored", False)
+        ]
+        fingerprint = mismatch.fingerprint(*sums) if sums else 0  # sync-on-read copies differ by design
         describe = lambda: {  # noqa: E731
             "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
             "advice": _DIVERGED,
         }
-    mine = None if error is None else (error if isinstance(error, Exception) else MergeCallError(repr(error)))
     try:
-        collectives.handshake("merge_call", fingerprint, describe, mine)
+        extended.collectives.agree("merge_call", fingerprint=fingerprint, describe=describe, error=error)
     except BaseException:
         if error is not None:
             raise error from None  # this rank's own exception, with its traceback

@@ -9,7 +9,6 @@ ranks 0, 2: float64 (3,); rank 1: float64 (4,)
 
 from __future__ import annotations
 
-import pickle
 import zlib
 from typing import Any, NoReturn
 
@@ -19,7 +18,7 @@ from mpi4py import MPI
 
 from mpistrat import nest
 from mpistrat.comm import packing
-from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError
+from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError, portable
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.watchdog import call_site
 
@@ -164,19 +163,6 @@ def first_difference(descriptions: list[Any]) -> str:
     return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
 
 
-def _portable(error: BaseException | None) -> BaseException | None:
-    """The error if it pickles as itself, else a ``MergeCallError`` that says what it was."""
-    if error is None:
-        return None
-    try:
-        clone = pickle.loads(pickle.dumps(error))
-        if type(clone) is type(error):
-            return error
-    except Exception:
-        pass
-    return MergeCallError(f"{type(error).__module__}.{type(error).__qualname__}: {error}")
-
-
 def _same_type(error: BaseException, message: str) -> BaseException:
     try:
         return type(error)(message)
@@ -196,7 +182,7 @@ def raise_disagreement(
         mine = describe() if error is None else None
     except Exception as exc:  # a description must never turn an error into a hang
         mine = f"<undescribable: {exc}>"
-    reports = comm.allgather((kind, seq, mine, _portable(error), call_site()))
+    reports = comm.allgather((kind, seq, mine, None if error is None else portable(error), call_site()))
     name = f"{kind} (collective #{seq})"
     if len({(k, s) for k, s, *_ in reports}) > 1:
         calls = by_rank([f"{k} (collective #{s}) at {site}" for k, s, _, _, site in reports])

@@ -13,7 +13,7 @@ import optree
 from mpi4py import MPI
 
 from mpistrat import abort, context, merge
-from mpistrat.collectives import check_enabled, to_arrays
+from mpistrat.collectives import to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
@@ -173,8 +173,7 @@ class Strategy:
                 if not -a.ndim <= axis < a.ndim:
                     raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
         except MpistratError as exc:
-            if check_enabled(collectives.options):  # the others are entering the all_reduce: tell them
-                collectives.handshake("reduce", 0, lambda: None, exc)
+            collectives.agree("reduce", error=exc)  # the others are entering the all_reduce: tell them
             raise
         sums = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
         counts = [a.shape[axis] for a in arrays]

@@ -396,14 +396,14 @@ class DistributedVariable(Variable, DistributedValues):
             code = mismatch.checksum(new)
         except MpistratError as exc:
             error = exc
-        extended.collectives.handshake(
+        extended.collectives.agree(
             f"{how}({self._name})",
-            code,
-            lambda: {
+            fingerprint=code,
+            describe=lambda: {
                 "leaves": [(repr(self._name), f"value with checksum {code:016x}", tuple(new.shape))],
                 "advice": _DIFFERENT_WRITES.format(name=self._name, how=how),
             },
-            error,
+            error=error,
         )
         return new
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mpistrat
-from mpistrat.collectives import _INLINE_BYTES
+from mpistrat.collectives.objects import INLINE_BYTES as _INLINE_BYTES
 from tests.conftest import all_ranks_agree
 
 

@@ -149,7 +149,7 @@ def containers(draw):
 @settings(max_examples=200, deadline=None)
 @given(value=containers())
 def test_fast_flatten_is_optree_flatten(value):
-    from mpistrat.collectives import _flatten
+    from mpistrat.collectives.leaves import flatten as _flatten
 
     want_leaves, want_spec = optree.tree_flatten(value, none_is_leaf=True, namespace="mpistrat")
     for _ in range(2):  # the second call may come from the remembered structure
@@ -195,7 +195,7 @@ def test_all_reduce_results_stay_valid_when_the_next_call_reuses_memory(group):
 
 
 def test_fast_flatten_never_mistakes_a_nested_container_for_a_flat_one():
-    from mpistrat.collectives import _flatten
+    from mpistrat.collectives.leaves import flatten as _flatten
 
     x = np.ones(2)
     sequence = [{"a": (x,), "b": x}, {"a": x, "b": x}, {"a": (x,), "b": x}, [x, [x]], [x, x], [x, [x]], (x,)]

@@ -120,7 +120,7 @@ class DistributedDatasetsFromFunction:
             error, cause = wrap_user_error(exc, where), (None if isinstance(exc, MpistratError) else exc)
         # Every rank learns whether dataset_fn failed anywhere, so none goes on to wait for it.
         try:
-            extended.collectives.handshake(where, 0, lambda: None, error)
+            extended.collectives.agree(where, error=error)
         except MpistratError as exc:
             if cause is not None:
                 raise exc from cause

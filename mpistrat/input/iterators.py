@@ -242,7 +242,9 @@ class SplitIterator(DistributedIterator):
             if isinstance(batch, Batch):
                 fingerprint = batch_fingerprint(batch.treespec, batch.leaves, shapes=True)
             try:
-                collectives.handshake("dataset_step", fingerprint, lambda: _describe(batch), error)
+                collectives.agree(
+                    "dataset_step", fingerprint=fingerprint, describe=lambda: _describe(batch), error=error
+                )
             except CollectiveMismatchError as exc:
                 self._finish(
                     CollectiveMismatchError(
@@ -293,7 +295,7 @@ def agree_element_spec(strategy: Strategy, batch: Any, error: MpistratError | No
     A rank that has a batch keeps its own inner shapes; an empty pipeline takes the first rank's.
     """
     collectives = strategy.extended.collectives
-    collectives.handshake("element_spec", 0, lambda: None, error)
+    collectives.agree("element_spec", error=error)
     local = batch.spec if isinstance(batch, Batch) else None
     agreed = agree_specs(collectives.comm.allgather(local), where)
     return agreed if local is None else local
@@ -370,8 +372,12 @@ class PipelineIterator(DistributedIterator):
                 self._batches + have,
                 self._examples + (batch.size if have else 0),
             ]
-            table = collectives.handshake(
-                "dataset_end", fingerprint, lambda: _describe(batch, spec), error, extras=counts
+            table = collectives.agree(
+                "dataset_end",
+                fingerprint=fingerprint,
+                describe=lambda: _describe(batch, spec),
+                error=error,
+                extras=counts,
             )
         except CollectiveMismatchError as exc:
             self._finish(

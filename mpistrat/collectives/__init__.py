@@ -1,0 +1,61 @@
+"""Nest-level collectives over one private communicator, one file per collective.
+
+==================  ==========================================================
+``handshake.py``    :func:`agree`: the agreement every collective opens with
+``leaves.py``       nests to arrays; cached fingerprints and pack plans
+``all_reduce.py``   sum or mean, one ``Allreduce`` per dtype pack
+``all_gather.py``   concatenate along an axis, uneven sizes, ``Allgatherv``
+``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
+``objects.py``      pickled transfers to and from rank 0, and :func:`on_root`
+==================  ==========================================================
+
+A new collective is a function ``name(self: Collectives, ..., *, kind=...)`` in a file
+of its own, decorated with ``@watchdog.collective("name")`` (stalls and timeouts),
+opening with ``self.agree(kind, fingerprint=..., describe=..., error=...)``, and
+assigned as a method below.
+
+>>> from mpi4py import MPI
+>>> c = Collectives(MPI.COMM_SELF.Dup())
+>>> c.all_reduce("sum", {"a": 1, "b": [40, 1]})
+{'a': np.int64(1), 'b': [np.int64(40), np.int64(1)]}
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat import watchdog
+from mpistrat.collectives import all_gather, all_reduce, broadcast, handshake, objects
+from mpistrat.collectives.handshake import check_enabled, check_level
+from mpistrat.collectives.leaves import to_arrays
+from mpistrat.collectives.objects import Unsendable
+from mpistrat.comm.transport import Transports
+from mpistrat.options import CommunicationOptions
+
+__all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
+
+
+class Collectives:
+    """Collectives on nests of arrays over ``comm`` (which the caller owns and has duplicated)."""
+
+    def __init__(self, comm: MPI.Intracomm, options: CommunicationOptions | None = None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.options = options or CommunicationOptions()
+        self.seq = 0  # collectives so far: every rank numbers them the same
+        self.disagreements = 0  # failed handshakes so far (each raised on every rank)
+        self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
+        self._handshake_send = np.empty(10, dtype=np.int64)
+        self._handshake_recv = np.empty(10, dtype=np.int64)
+        self.monitor = watchdog.watch(self)
+
+    agree = handshake.agree
+    all_reduce = all_reduce.all_reduce
+    all_gather = all_gather.all_gather
+    broadcast = broadcast.broadcast
+    gather_to_root = objects.gather_to_root
+    broadcast_from_root = objects.broadcast_from_root
+    scatter_from_root = objects.scatter_from_root
+    on_root = objects.on_root

@@ -1,0 +1,75 @@
+"""broadcast: root's nest of arrays on every rank, one ``Bcast`` per dtype pack.
+
+>>> from mpi4py import MPI
+>>> import numpy as np
+>>> from mpistrat.collectives import Collectives
+>>> Collectives(MPI.COMM_SELF.Dup()).broadcast({"w": np.arange(3)})
+{'w': array([0, 1, 2])}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import optree
+
+from mpistrat import mismatch, watchdog
+from mpistrat.collectives import leaves as lv
+from mpistrat.comm import packing
+from mpistrat.errors import MpistratError
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+
+__all__ = ["broadcast"]
+
+
+@watchdog.collective("broadcast")
+def broadcast(
+    self: Collectives,
+    value: Any,
+    root: int = 0,
+    *,
+    kind: str = "broadcast",
+    error: MpistratError | None = None,
+) -> Any:
+    """Root's nest of arrays on every rank.
+
+    Every rank passes a nest of the same structure, dtypes and shapes (checked); only
+    root's contents count. The result is a copy on every rank, root too.
+    """
+    leaves, treespec, arrays = [], None, []
+    try:
+        leaves, treespec = lv.flatten(value)
+        arrays = lv.to_arrays(value, leaves, kind)
+    except MpistratError as exc:
+        error = error or exc
+    numpy_only = arrays is leaves
+    packs = None
+    if numpy_only and error is None:
+        fingerprint, packs = lv.numpy_plan(None, treespec, arrays, self.options.bytes_per_pack)
+    else:
+        fingerprint = lv.fingerprint(None, None, treespec, arrays)
+    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(value, None), error=error)
+    if packs is None:
+        packs = packing.plan_packs(arrays, self.options.bytes_per_pack)
+    out: list[Any] = [None] * len(arrays)
+    for p in packs:
+        transport = self.transports.host if p.module is np else self.transports.ring(p.module)
+        if len(p.indices) == 1:
+            i = p.indices[0]
+            if self.rank == root:
+                buf = packing.array_module(arrays[i]).array(arrays[i], order="C", copy=True)
+            else:
+                buf = packing.empty(arrays[i].shape, p.dtype, p.module)
+            transport.bcast(buf, root)
+            out[i] = buf
+            continue
+        if self.rank == root:
+            buf = packing.pack(arrays, p)
+        else:
+            buf = packing.empty((sum(arrays[i].size for i in p.indices),), p.dtype, p.module)
+        transport.bcast(buf, root)
+        packing.unpack(buf, arrays, p, out)
+    return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
