@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat import bench, bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS, Setup
+from mpistrat.tools import bench, bench_report
+from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 
 WORLD = MPI.COMM_WORLD

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mpistrat import bench_gpu
+from mpistrat.tools import bench_gpu
 from tests import fake_cupy
 from tests.conftest import WORLD, all_ranks_agree
 

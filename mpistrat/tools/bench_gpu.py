@@ -1,7 +1,7 @@
 """Device all-reduce bandwidth per transport, against bare NCCL and raw mpi4py on the same buffers.
 
-    mpiexec -n 2 python -m mpistrat.bench_gpu                    # 1 MiB .. 256 MiB, float32
-    mpiexec -n 2 python -m mpistrat.bench_gpu --json gpu.json --min 1MiB --max 64MiB
+    mpiexec -n 2 python -m mpistrat.tools.bench_gpu              # 1 MiB .. 256 MiB, float32
+    mpiexec -n 2 python -m mpistrat.tools.bench_gpu --json gpu.json --min 1MiB --max 64MiB
 
 Every rank must run it (one rank per GPU for NCCL). For each message size it times,
 on one CuPy buffer, an in-place sum all-reduce through:
@@ -223,7 +223,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpistrat.bench_gpu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mpistrat.tools.bench_gpu", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--min", type=parse_size, default=1 << 20, help="smallest message (default 1MiB)")
     parser.add_argument("--max", type=parse_size, default=256 << 20, help="largest message (default 256MiB)")
     parser.add_argument("--dtype", default="float32", help="element type (default float32)")

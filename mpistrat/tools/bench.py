@@ -31,11 +31,11 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
 from mpistrat.collectives import check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
+from mpistrat.tools import bench_report
+from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
 
 __all__ = ["main", "parse_size", "iterations", "sizes_between"]
 
