@@ -27,22 +27,6 @@ OPTIMIZER_OPS = ["apply_gradients_sgd", "apply_gradients_adam"]
 SMALL = ["--max", "1KiB", "--iters", "3", "--min-iters", "2", "--leaves", "8"]
 
 
-def test_parse_size_units_are_binary():
-    assert [bench.parse_size(s) for s in ("4", "4B", "64K", "64KiB", "64kb", "1M", "1MiB", "2G")] == [
-        4,
-        4,
-        64 << 10,
-        64 << 10,
-        64 << 10,
-        1 << 20,
-        1 << 20,
-        2 << 30,
-    ]
-    for bad in ("", "0", "-4", "1.5M", "KiB", "4iB", "4T"):
-        with pytest.raises(Exception, match="expected a size"):
-            bench.parse_size(bad)
-
-
 def test_sizes_are_powers_of_two_within_bounds():
     assert bench.sizes_between(4, 64) == [4, 8, 16, 32, 64]
     assert bench.sizes_between(5, 64) == [8, 16, 32, 64]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -32,30 +31,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat.tools.sizes import parse_size
+
 __all__ = ["main", "parse_size", "sizes_between"]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"4KiB"``, ``"1MiB"``, ``"1g"``.
-
-    >>> parse_size("1MiB"), parse_size("256mib"), parse_size("512")
-    (1048576, 268435456, 512)
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 4096, 64KiB or 1MiB; got {text!r}")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -222,7 +200,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mpistrat.tools.bench_gpu", description=__doc__.splitlines()[0]
     )
@@ -231,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="element type (default float32)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from mpistrat.comm.devices import import_cupy
 
     comm = MPI.COMM_WORLD.Dup()

@@ -26,8 +26,8 @@ import sys
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.tools.bench import parse_size
 from mpistrat.tools.bench_report import human, load
+from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "speedup_efficiency"]
 
