@@ -61,7 +61,7 @@ GPU_RANKS ?= 2
 bench-gpu: install-gpu
 	mkdir -p results
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat info
-	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat.bench_gpu \
+	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat.tools.bench_gpu \
 		--json results/bench-gpu-$(GPU_RANKS).json
 
 lint: install

@@ -9,9 +9,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "info": ("mpistrat.info", "what MPI, CUDA and transports this job sees (run it under mpiexec too)"),
-    "bench": ("mpistrat.bench", "benchmark collectives against raw mpi4py"),
-    "plot": ("mpistrat.plot", "plot benchmark results"),
+    "info": ("mpistrat.tools.info", "what MPI, CUDA and transports this job sees (run it under mpiexec too)"),
+    "bench": ("mpistrat.tools.bench", "benchmark collectives against raw mpi4py"),
+    "plot": ("mpistrat.tools.plot", "plot benchmark results"),
 }
 
 

@@ -18,29 +18,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat import bench, bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS, Setup
+from mpistrat.tools import bench, bench_report
+from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 
 WORLD = MPI.COMM_WORLD
 OPTIMIZER_OPS = ["apply_gradients_sgd", "apply_gradients_adam"]
 SMALL = ["--max", "1KiB", "--iters", "3", "--min-iters", "2", "--leaves", "8"]
-
-
-def test_parse_size_units_are_binary():
-    assert [bench.parse_size(s) for s in ("4", "4B", "64K", "64KiB", "64kb", "1M", "1MiB", "2G")] == [
-        4,
-        4,
-        64 << 10,
-        64 << 10,
-        64 << 10,
-        1 << 20,
-        1 << 20,
-        2 << 30,
-    ]
-    for bad in ("", "0", "-4", "1.5M", "KiB", "4iB", "4T"):
-        with pytest.raises(Exception, match="expected a size"):
-            bench.parse_size(bad)
 
 
 def test_sizes_are_powers_of_two_within_bounds():

@@ -2,9 +2,7 @@
 
 import json
 
-import pytest
-
-from mpistrat import bench_gpu
+from mpistrat.tools import bench_gpu
 from tests import fake_cupy
 from tests.conftest import WORLD, all_ranks_agree
 
@@ -12,9 +10,6 @@ from tests.conftest import WORLD, all_ranks_agree
 def test_sizes():
     assert bench_gpu.sizes_between(1 << 20, 256 << 20) == [1 << s for s in range(20, 29)]
     assert bench_gpu.sizes_between(3000, 9000) == [4096, 8192]
-    assert bench_gpu.parse_size("64KiB") == 65536
-    with pytest.raises(Exception, match="expected a size"):
-        bench_gpu.parse_size("lots")
 
 
 def test_runs_every_contender_on_the_fake(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpistrat import info
+from mpistrat.tools import info
 from tests.conftest import WORLD, all_ranks_agree
 
 ROOT = Path(__file__).resolve().parents[1]

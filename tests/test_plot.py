@@ -9,7 +9,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpistrat import bench_report, plot
+from mpistrat.tools import bench_report, plot
 from tests.test_bench import SMALL, mpiexec, mpiexec_env, serial_only
 
 PNG = b"\x89PNG\r\n\x1a\n"

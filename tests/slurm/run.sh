@@ -206,7 +206,7 @@ import json, os, sys
 
 results, bench, collect, viampiexec = sys.argv[1:]
 sys.path.insert(0, os.getcwd())
-from mpistrat.bench_report import load
+from mpistrat.tools.bench_report import load
 
 run = load(f"{results}/{bench}/bench.json")
 meta, rows = run["meta"], run["results"]

@@ -25,9 +25,9 @@ import argparse
 import sys
 from typing import Any
 
-from mpistrat.bench import parse_size
-from mpistrat.bench_report import human, load
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.tools.bench_report import human, load
+from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "speedup_efficiency"]
 
@@ -123,7 +123,7 @@ def _legend(fig: Any, runs: list[dict[str, Any]], sides: list[str], colours: lis
 def _per_size(plt: Any, runs: list[dict[str, Any]], ops: list[str], kind: str, metric: str) -> Any:
     import matplotlib.ticker as ticker
 
-    from mpistrat.bench_ops import OPS
+    from mpistrat.tools.bench_ops import OPS
 
     fig, axes = _grid(plt, len(ops))
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]

@@ -60,7 +60,7 @@ def human(nbytes: int) -> str:
 
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The results as text: one block per operation."""
-    from mpistrat.bench_ops import OPS
+    from mpistrat.tools.bench_ops import OPS
 
     hosts = ", ".join(meta["hosts"][:4]) + (", ..." if len(meta["hosts"]) > 4 else "")
     lines = [

@@ -1,6 +1,6 @@
 """What the consistency check costs: all_reduce of a small array, check on vs off, vs raw mpi4py.
 
-    mpiexec -n 2 python -m mpistrat.bench_check [--size 8] [--iters 2000] [--repeats 15]
+    mpiexec -n 2 python -m mpistrat.tools.bench_check [--size 8] [--iters 2000] [--repeats 15]
 
 Prints microseconds per call (median and best of the repeats) on rank 0 for:
 raw ``comm.Allreduce`` and ``Iallreduce``; ``ReplicaContext.all_reduce`` with the check

@@ -11,9 +11,7 @@ timed alone between untimed barriers, as the OSU Micro-Benchmarks do. A rank's
 result is its mean time; the report gives min/avg/max over ranks, the algorithm
 and bus bandwidth of nccl-tests (``busbw = algbw * 2(n-1)/n`` for all-reduce,
 ``(n-1)/n`` for all-gather) and the ratio mpistrat/raw. Every result is checked.
-
->>> parse_size("64KiB"), parse_size("1M"), parse_size("4")
-(65536, 1048576, 4)
+Sizes are spelled as ``mpistrat.tools.sizes.parse_size`` reads them: ``4``, ``64KiB``, ``1MB``, ``1g``.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import socket
 import sys
 from typing import Any
@@ -31,25 +28,17 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import bench_report
-from mpistrat.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
 from mpistrat.collectives import check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
+from mpistrat.tools import bench_report
+from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
+from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "parse_size", "iterations", "sizes_between"]
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # Above this many bytes the iteration count shrinks in proportion to the size (OSU's "large").
 LARGE = 8 << 10
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"4"``, ``"64K"``, ``"64KiB"``, ``"1MB"``, ``"2G"`` (K, M, G are powers of 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(I?B)?\s*", text.upper())
-    if not match or int(match[1]) <= 0 or (match[3] == "IB" and not match[2]):
-        raise argparse.ArgumentTypeError(f"expected a size like 4, 64KiB or 1MiB; got {text!r}")
-    return int(match[1]) * _UNITS[match[2]]
 
 
 def sizes_between(low: int, high: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Device all-reduce bandwidth per transport, against bare NCCL and raw mpi4py on the same buffers.
 
-    mpiexec -n 2 python -m mpistrat.bench_gpu                    # 1 MiB .. 256 MiB, float32
-    mpiexec -n 2 python -m mpistrat.bench_gpu --json gpu.json --min 1MiB --max 64MiB
+    mpiexec -n 2 python -m mpistrat.tools.bench_gpu              # 1 MiB .. 256 MiB, float32
+    mpiexec -n 2 python -m mpistrat.tools.bench_gpu --json gpu.json --min 1MiB --max 64MiB
 
 Every rank must run it (one rank per GPU for NCCL). For each message size it times,
 on one CuPy buffer, an in-place sum all-reduce through:
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -32,30 +31,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat.tools.sizes import parse_size
+
 __all__ = ["main", "parse_size", "sizes_between"]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"4KiB"``, ``"1MiB"``, ``"1g"``.
-
-    >>> parse_size("1MiB"), parse_size("256mib"), parse_size("512")
-    (1048576, 268435456, 512)
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 4096, 64KiB or 1MiB; got {text!r}")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -222,14 +200,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpistrat.bench_gpu", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpistrat.tools.bench_gpu", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--min", type=parse_size, default=1 << 20, help="smallest message (default 1MiB)")
     parser.add_argument("--max", type=parse_size, default=256 << 20, help="largest message (default 256MiB)")
     parser.add_argument("--dtype", default="float32", help="element type (default float32)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from mpistrat.comm.devices import import_cupy
 
     comm = MPI.COMM_WORLD.Dup()
