@@ -9,6 +9,7 @@ ranks 0, 2: float64 (3,); rank 1: float64 (4,)
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from typing import Any, NoReturn
 
@@ -37,8 +38,17 @@ _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 _fingerprints: dict[tuple[Any, ...], int] = {}
 
 
+def hash64(text: str) -> int:
+    """A 62-bit code of ``text`` (room for its negation in the handshake's int64 slots).
+
+    >>> hash64("all_reduce") == hash64("all_reduce") != hash64("all_gather")
+    True
+    """
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
 def fingerprint(*parts: Any) -> int:
-    """A 32-bit code of hashable ``parts`` that is the same on every rank for equal parts.
+    """A 62-bit code of hashable ``parts`` that is the same on every rank for equal parts.
 
     Memoized: a training loop repeats the same calls, and the cache lookup is several
     times cheaper than formatting the parts.
@@ -50,12 +60,12 @@ def fingerprint(*parts: Any) -> int:
 
 
 def cached_code(key: Any, text: Any) -> int:
-    """``crc32(text())`` computed once per process for each hashable ``key`` standing in for it."""
+    """``hash64(text())`` computed once per process for each hashable ``key`` standing in for it."""
     code = _fingerprints.get(key)
     if code is None:
         if len(_fingerprints) >= 4096:
             _fingerprints.clear()
-        code = _fingerprints[key] = zlib.crc32(text().encode())
+        code = _fingerprints[key] = hash64(text())
     return code
 
 
@@ -110,7 +120,11 @@ def _shape(shape: tuple[Any, ...] | None) -> str:
 
 
 def describe(
-    value: Any, op: ReduceOp | None, axis: Any = None, implementation: str | None = None
+    value: Any,
+    op: ReduceOp | None,
+    axis: Any = None,
+    implementation: str | None = None,
+    bytes_per_pack: int = 0,
 ) -> dict[str, Any]:
     """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
     leaves = []
@@ -127,6 +141,7 @@ def describe(
         "reduce_op": None if op is None else op.value,
         "axis": axis,
         "implementation": implementation,
+        "bytes_per_pack": bytes_per_pack,
         "leaves": leaves,
         "structure": str(optree.tree_structure(value, **_NEST)),
     }
@@ -136,7 +151,7 @@ def first_difference(descriptions: list[Any]) -> str:
     """Name the first thing that differs between ranks' descriptions, and what each rank passed."""
     if not all(isinstance(d, dict) for d in descriptions):
         return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
-    for key in ("reduce_op", "axis"):
+    for key in ("reduce_op", "axis", "bytes_per_pack"):
         seen = [repr(d.get(key)) for d in descriptions]
         if len(set(seen)) > 1:
             return f"ranks passed different {key}: {by_rank(seen)}. Every rank must pass the same {key}."

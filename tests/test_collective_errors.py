@@ -132,3 +132,34 @@ def test_check_disabled_still_reduces_correctly(group):
         lambda: mpistrat.get_replica_context().all_reduce("mean", [1, np.ones(2)], options=options)
     )
     all_ranks_agree(group.comm, got[0] == 1.0 and np.array_equal(got[1], np.ones(2)))
+
+
+def test_bytes_per_pack_that_differs_between_ranks_is_a_mismatch_not_an_mpi_error(group):
+    """Different packs would hand MPI buffers of different sizes ("Message truncated")."""
+    if group.size < 2:
+        pytest.skip("needs two replicas to disagree")
+    nest = [np.ones(64, np.float32) for _ in range(4)]
+
+    def fn(ctx, rank):
+        options = mpistrat.CommunicationOptions(bytes_per_pack=256 if rank == 0 else 0)
+        return ctx.all_reduce("sum", nest, options)
+
+    message = raises_on_every_rank(
+        group.comm, CollectiveMismatchError, run_replica(group, fn), "bytes_per_pack"
+    )
+    assert "256" in message
+    after = group.strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
+    all_ranks_agree(group.comm, int(after) == group.size, f"{after}")
+
+
+def test_shapes_whose_32_bit_fingerprints_collided_are_told_apart(group):
+    """float64 arrays of shapes (12, 9, 8, 8, 1, 7) and (3, 6, 7, 10, 4) had the same CRC-32
+    fingerprint, and MPI then failed on the different sizes."""
+    if group.size < 2:
+        pytest.skip("needs two replicas to disagree")
+    shapes = [(12, 9, 8, 8, 1, 7), (3, 6, 7, 10, 4)]
+
+    def fn(ctx, rank):
+        return ctx.all_reduce("sum", np.ones(shapes[rank % 2]))
+
+    raises_on_every_rank(group.comm, CollectiveMismatchError, run_replica(group, fn), "differ")

@@ -64,11 +64,13 @@ def all_gather(
     rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
     impl = lv.device_implementation(arrays, opts)
     leaves_key = [(packing.dtype_name(a), ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]
-    fingerprint = mismatch.fingerprint(impl, treespec, *leaves_key)
+    fingerprint = mismatch.fingerprint(impl, opts.bytes_per_pack, treespec, *leaves_key)
     sizes = self.agree(  # always: the sizes along axis are needed, check or not
         kind,
         fingerprint=fingerprint,
-        describe=lambda: mismatch.describe(value, None, axis, implementation=impl),
+        describe=lambda: mismatch.describe(
+            value, None, axis, implementation=impl, bytes_per_pack=opts.bytes_per_pack
+        ),
         error=error,
         extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
     )

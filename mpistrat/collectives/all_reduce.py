@@ -60,11 +60,13 @@ def all_reduce(
     if numpy_only and error is None:
         fingerprint, packs = lv.numpy_plan(op, treespec, arrays, opts.bytes_per_pack)
     else:
-        fingerprint = lv.fingerprint(op, impl, treespec, arrays)
+        fingerprint = lv.fingerprint(op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack)
     self.agree(
         kind,
         fingerprint=fingerprint,
-        describe=lambda: mismatch.describe(value, op, implementation=impl),
+        describe=lambda: mismatch.describe(
+            value, op, implementation=impl, bytes_per_pack=opts.bytes_per_pack
+        ),
         error=error,
         options=opts,
     )
@@ -76,7 +78,8 @@ def all_reduce(
 def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
     """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
     fingerprint, packs = lv.numpy_plan(op, lv.LEAF_SPEC, [x], self.options.bytes_per_pack)
-    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op))
+    bpp = self.options.bytes_per_pack
+    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp))
     divisor = self.size if op is ReduceOp.MEAN else None
     return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]
 

@@ -50,8 +50,13 @@ def broadcast(
     if numpy_only and error is None:
         fingerprint, packs = lv.numpy_plan(None, treespec, arrays, self.options.bytes_per_pack)
     else:
-        fingerprint = lv.fingerprint(None, None, treespec, arrays)
-    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(value, None), error=error)
+        fingerprint = lv.fingerprint(None, None, treespec, arrays, bytes_per_pack=self.options.bytes_per_pack)
+    self.agree(
+        kind,
+        fingerprint=fingerprint,
+        describe=lambda: mismatch.describe(value, None, bytes_per_pack=self.options.bytes_per_pack),
+        error=error,
+    )
     if packs is None:
         packs = packing.plan_packs(arrays, self.options.bytes_per_pack)
     out: list[Any] = [None] * len(arrays)

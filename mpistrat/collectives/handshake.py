@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +64,7 @@ def _env_level(value: str) -> int:
 @functools.lru_cache(maxsize=256)
 def code(text: str) -> int:
     """A number for ``text`` that is the same on every rank (a kind, a description)."""
-    return zlib.crc32(text.encode())
+    return mismatch.hash64(text)
 
 
 @watchdog.collective("handshake")  # watched on its own when a caller opens with it alone

@@ -99,9 +99,17 @@ def reduce_op(value: ReduceOp | str) -> ReduceOp:
 
 
 def fingerprint(
-    op: ReduceOp | None, impl: str | None, treespec: Any, arrays: list[Any], sig: Any = None
+    op: ReduceOp | None,
+    impl: str | None,
+    treespec: Any,
+    arrays: list[Any],
+    sig: Any = None,
+    bytes_per_pack: int = 0,
 ) -> int:
-    """A code for (op, implementation, structure, dtypes, shapes), the same on every rank.
+    """A code for (op, implementation, packing, structure, dtypes, shapes), the same on every rank.
+
+    ``bytes_per_pack`` is in it because ranks that split a nest differently would hand MPI
+    buffers of different sizes.
 
     ``sig`` (plain NumPy arrays: their (dtype, shape) pairs) is only a cheaper cache key:
     the code itself comes from the same text either way, so both paths agree.
@@ -109,11 +117,15 @@ def fingerprint(
     key = (
         op,
         impl,
+        bytes_per_pack,
         treespec,
         sig if sig is not None else tuple((packing.dtype_name(a), a.shape) for a in arrays),
     )
     return mismatch.cached_code(
-        key, lambda: repr((op, impl, str(treespec), [(packing.dtype_name(a), a.shape) for a in arrays]))
+        key,
+        lambda: repr(
+            (op, impl, bytes_per_pack, str(treespec), [(packing.dtype_name(a), a.shape) for a in arrays])
+        ),
     )
 
 
@@ -129,7 +141,7 @@ def numpy_plan(
     last = _LAST_PLAN.get(treespec)
     if last is not None and last[0] is op and last[1] == bytes_per_pack and last[2] == sig:
         return last[3], last[4]
-    code = fingerprint(op, None, treespec, arrays, sig)
+    code = fingerprint(op, None, treespec, arrays, sig, bytes_per_pack)
     packs = packing.plan_packs(arrays, bytes_per_pack, sig)
     if len(_LAST_PLAN) >= 256:
         _LAST_PLAN.clear()

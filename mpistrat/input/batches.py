@@ -17,7 +17,6 @@ gathered only where it is split, so each replica copies just its own rows.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ import optree
 from mpistrat import nest
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
+from mpistrat.mismatch import hash64
 
 __all__ = [
     "ArraySpec",
@@ -200,7 +200,7 @@ def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False) -> int:
         if len(_FINGERPRINTS) > 1024:
             _FINGERPRINTS.clear()
         described = [(np.dtype(a.dtype).str, tuple(a.shape) if shapes else None) for a in leaves]
-        code = _FINGERPRINTS[key] = zlib.crc32(repr((treespec, described)).encode())
+        code = _FINGERPRINTS[key] = hash64(repr((treespec, described)))
     return code
 
 

@@ -16,7 +16,6 @@ go on (exhausted replicas get an empty batch), end the epoch, or raise.
 from __future__ import annotations
 
 import itertools
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +37,7 @@ from mpistrat.input.batches import (
     fingerprint as batch_fingerprint,
 )
 from mpistrat.input.contexts import InputOptions, require_spmd
+from mpistrat.mismatch import hash64
 
 if TYPE_CHECKING:
     from mpistrat.strategy import Strategy
@@ -54,7 +54,7 @@ __all__ = [
 
 END: Any = type("End", (), {"__repr__": lambda self: "<end of data>"})()
 _UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "<unknown>"})()
-_END_CODE = zlib.crc32(b"end of data")
+_END_CODE = hash64("end of data")
 
 
 class Source:
