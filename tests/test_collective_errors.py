@@ -163,3 +163,31 @@ def test_shapes_whose_32_bit_fingerprints_collided_are_told_apart(group):
         return ctx.all_reduce("sum", np.ones(shapes[rank % 2]))
 
     raises_on_every_rank(group.comm, CollectiveMismatchError, run_replica(group, fn), "differ")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_timeout_set_on_one_rank_only_changes_nothing(world, monkeypatch):
+    """That rank polls its handshakes; the others must still meet it (MPI never matches a
+    blocking collective with a non-blocking one)."""
+    if world.rank == 0:
+        monkeypatch.setenv("MPISTRAT_TIMEOUT", "60")
+    strategy = mpistrat.MPIStrategy(world.comm)
+    options = mpistrat.CommunicationOptions(timeout_seconds=60) if world.rank == 1 else None
+
+    def step():
+        ctx = mpistrat.get_replica_context()
+        return ctx.all_reduce("sum", np.arange(3.0), options), ctx.all_gather(
+            np.ones(1), axis=0, options=options
+        )
+
+    total, gathered = strategy.run(step)
+    ok = total.tolist() == [0.0, world.size, 2.0 * world.size] and gathered.tolist() == [1.0] * world.size
+    all_ranks_agree(world.comm, ok, f"{total} {gathered}")
+    strategy.experimental_finalize()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_setting_on_one_rank_fails_strategy_creation_on_every_rank(world, monkeypatch):
+    if world.rank == world.size - 1:
+        monkeypatch.setenv("MPISTRAT_TIMEOUT", "abc")
+    raises_on_every_rank(world.comm, InvalidArgumentError, lambda: mpistrat.MPIStrategy(world.comm), "abc")

@@ -31,6 +31,7 @@ from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.comm.transport import Transports
+from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
 __all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
@@ -49,7 +50,13 @@ class Collectives:
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self._handshake_send = np.empty(10, dtype=np.int64)
         self._handshake_recv = np.empty(10, dtype=np.int64)
-        self.monitor = watchdog.watch(self)
+        error = None
+        try:
+            self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
+        except InvalidArgumentError as exc:
+            self.monitor, error = watchdog.Monitor(self), exc
+        # A bad setting on one rank (its own environment, in an MPMD launch) fails every rank.
+        self.agree("strategy creation", error=error, extras=[])
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce

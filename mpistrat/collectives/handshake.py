@@ -109,10 +109,13 @@ def agree(
     send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
     send[:8] = (_MAGIC, seq, kind_code, fingerprint, -_MAGIC, -seq, -kind_code, -fingerprint)
     send[8], send[9] = error is not None, maximum or 0
+    # Always the non-blocking form: MPI never matches a blocking collective with a non-blocking
+    # one, and a rank whose timeout is set (per call, or in its environment) must poll.
+    request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
     if self.monitor.deadline is None:
-        self.comm.Allreduce(send, recv, op=MPI.MAX)
+        request.Wait()
     else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
-        watchdog.wait(self.monitor, self.comm.Iallreduce(send, recv, op=MPI.MAX))
+        watchdog.wait(self.monitor, request)
     top = recv.tolist()
     if top[8] or top[:4] != [-f for f in top[4:8]]:
         self.disagreements += 1
