@@ -68,6 +68,9 @@ class Strategy:
                 )
             context.require_cross_replica("Strategy.scope")
         self._extended.collectives  # noqa: B018 (raises if finalized)
+        if mode.kind == "merge":  # inside merge_fn (rank 0 alone) the scope is already entered:
+            yield self  # keep the merge context, or rank 0 would enter collectives alone
+            return
         with context.push(context.Mode(self, None, "cross_replica")):
             yield self
 
@@ -278,6 +281,11 @@ class Strategy:
 
     def experimental_finalize(self) -> list[Any]:
         """Free the private communicator (collective). Using the strategy afterwards raises."""
+        if context.current_mode().kind == "merge":
+            raise ContextError(
+                "experimental_finalize() cannot be called inside merge_fn: it runs on rank 0 alone and "
+                "finalizing is collective; call it in cross-replica context on every rank"
+            )
         self._extended.finalize()
         return []
 

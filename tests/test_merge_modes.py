@@ -290,3 +290,40 @@ def test_strict_check_leaves_sync_on_read_copies_alone():
         total = float(count.value())
     n = WORLD.Get_size()
     all_ranks_agree(WORLD, total == n * (n + 1) / 2 + n, f"{total}")
+
+
+@pytest.mark.parametrize(
+    ("what", "error"),
+    [
+        ("reduce", None),
+        ("run", mpistrat.ContextError),
+        ("variable", mpistrat.ContextError),
+        ("finalize", mpistrat.ContextError),
+    ],
+)
+def test_scope_inside_a_root_merge_fn_keeps_the_merge_context(what, error):
+    """merge_fn runs on rank 0 alone: entering the scope there must not turn its calls into
+    collectives that rank 0 would enter alone (a hang), nor free the communicator."""
+    strategy = strategy_for("root")
+    size = strategy.num_replicas_in_sync
+
+    def merge_fn(strategy, x):
+        with strategy.scope():
+            if what == "reduce":
+                return strategy.reduce("sum", x, axis=None)
+            if what == "run":
+                return strategy.run(lambda: 1)
+            if what == "variable":
+                return mpistrat.Variable(1.0)
+            return strategy.experimental_finalize()
+
+    def call():
+        return strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=(np.ones(2),)))
+
+    if error is None:
+        got = call()
+        all_ranks_agree(WORLD, got.tolist() == [size, size], f"{got}")
+    else:
+        raises_on_every_rank(WORLD, error, call)
+    total = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
+    all_ranks_agree(WORLD, int(total) == size, f"{total}")
