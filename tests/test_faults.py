@@ -204,3 +204,13 @@ def test_one_stall_in_a_merge_call_is_one_warning():
     assert on_every_rank(out, "finished"), out
     warnings = [line for line in out.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "waiting for rank 0" in warnings[0], out
+
+
+@pytest.mark.parametrize("what", ["dataset", "checkpoint", "variable"])
+def test_every_collective_is_watched_a_missing_rank_times_out(what):
+    """Dataset steps, checkpoint saves and variable creation used to open with an unwatched
+    handshake: with a rank missing, nothing was printed and the job hung despite the timeout."""
+    code, out = run_job("skip_other.py", what, limit=20, env={"MPISTRAT_TIMEOUT": "4"})
+    assert code != 0, out
+    assert "did not complete within its timeout of 4 s" in out, out
+    assert "waiting for rank 1" in out, out
