@@ -7,6 +7,11 @@ path stays intact until the new one is complete. Sync-on-read variables are save
 aggregated; ``restore`` reads on rank 0 and broadcasts, so a checkpoint restores at
 any number of ranks.
 
+Faults it handles: each save removes the temporary files that killed saves left in its
+directory (see :func:`_stale_temporaries`); ``latest`` falls back to the newest valid
+checkpoint file when the index is unreadable, with a warning; and ``restore`` of a
+truncated or corrupt file raises ``InvalidArgumentError`` naming the file, on every rank.
+
 >>> import mpistrat, numpy as np, os, tempfile
 >>> w = mpistrat.Variable(np.arange(3.0))
 >>> ckpt = mpistrat.Checkpoint(model={"w": w})
@@ -21,6 +26,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import socket
+import time
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -28,6 +38,7 @@ import numpy as np
 from mpistrat import context, nest
 from mpistrat.collectives.handshake import code
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.log import logger
 from mpistrat.optimizers import Optimizer
 from mpistrat.variables import Variable, _to_numpy
 
@@ -36,6 +47,15 @@ __all__ = ["Checkpoint"]
 INDEX = "checkpoint"  # in a checkpoint's directory: names the latest one
 _META = "__mpistrat__"
 _FORMAT = 1
+
+# Temporary files are named ``<path>.tmp<pid>-<host>``. A later save in the same directory
+# removes one when it is certainly abandoned: written on this host by a process that is
+# no longer alive, or (another host, a reused PID, or a name from before the host was
+# recorded: ``<path>.tmp<pid>``) last modified more than _STALE_AFTER seconds ago.
+_TMP_NAME = re.compile(r"^(?P<target>.+)\.tmp(?P<pid>[0-9]+)(?:-(?P<host>[A-Za-z0-9._-]+))?$")
+_STALE_AFTER = 3600.0
+# Only files that start like what _write_atomic writes: an .npz (a zip) or the index's JSON.
+_TMP_STARTS = (b"PK\x03\x04", b'{"latest"')
 
 
 def _before_rename(tmp: str, path: str) -> None:
@@ -141,6 +161,7 @@ class Checkpoint:
         arrays[_META] = np.array(json.dumps(meta))
 
         def write() -> None:
+            _remove_stale_temporaries(os.path.dirname(path) or ".")
             _write_atomic(path, arrays)
             _write_atomic(os.path.join(os.path.dirname(path) or ".", INDEX), json.dumps({"latest": path}))
 
@@ -161,11 +182,7 @@ class Checkpoint:
         collectives = strategy.extended.collectives
         collectives.agree("checkpoint.restore")
 
-        def read() -> dict[str, np.ndarray]:
-            with np.load(path, allow_pickle=False) as data:
-                return {k: data[k] for k in data.files}
-
-        body = collectives.on_root(read, kind="checkpoint.restore (read)")
+        body = collectives.on_root(lambda: _read(path), kind="checkpoint.restore (read)")
         if _META not in body:
             raise InvalidArgumentError(f"Checkpoint.restore: {path} is not an mpistrat checkpoint")
         body.pop(_META)
@@ -178,20 +195,19 @@ class Checkpoint:
         return path
 
     def latest(self, directory: str | os.PathLike[str]) -> str | None:
-        """The path of the newest checkpoint saved in ``directory``, or None (collective)."""
+        """The path of the newest checkpoint saved in ``directory``, or None (collective).
+
+        Read from the directory's index file. If that file exists but is unreadable
+        (truncated, corrupt) or names a file that is gone, a warning says so and the
+        newest valid mpistrat checkpoint file in ``directory`` (by modification time)
+        is returned instead; None if there is none. No index file: None.
+        """
         strategy = self._strategy("latest")
         collectives = strategy.extended.collectives
         collectives.agree("checkpoint.latest")
-
-        def find() -> str | None:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                with open(os.path.join(os.fspath(directory), INDEX)) as f:
-                    latest = json.load(f)["latest"]
-                candidate = os.path.join(os.fspath(directory), os.path.basename(latest))
-                return candidate if os.path.isfile(candidate) else None
-            return None
-
-        return collectives.on_root(find, kind="checkpoint.latest (read)")
+        return collectives.on_root(
+            lambda: _find_latest(os.fspath(directory)), kind="checkpoint.latest (read)"
+        )
 
 
 def _check_match(path: str, entries: dict[str, Variable], data: dict[str, np.ndarray], partial: bool) -> None:
@@ -219,7 +235,7 @@ def _write_atomic(path: str, content: dict[str, np.ndarray] | str) -> None:
     """Write to a temporary file in the same directory, fsync it, rename it over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp{os.getpid()}-{_host()}"
     try:
         with open(tmp, "wb") as f:
             if isinstance(content, str):
@@ -240,3 +256,165 @@ def _write_atomic(path: str, content: dict[str, np.ndarray] | str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+# -- faults: corrupt files, unreadable indexes, abandoned temporaries ---------------------------
+
+# What a truncated or corrupt .npz raises while being read, depending on where the damage is.
+# (NotImplementedError and RuntimeError: zipfile's answer to a damaged compression method or flags.)
+_CORRUPT = (
+    zipfile.BadZipFile,
+    zlib.error,
+    ValueError,
+    EOFError,
+    KeyError,
+    OSError,
+    NotImplementedError,
+    RuntimeError,
+)
+
+
+def _read(path: str) -> dict[str, np.ndarray]:
+    """Every array of the checkpoint file ``path`` (on rank 0).
+
+    A missing or unopenable file raises what ``open`` raises (``FileNotFoundError``...);
+    a file that opens but cannot be decoded raises ``InvalidArgumentError`` naming it.
+    """
+    with open(path, "rb") as f:
+        try:
+            with np.load(f, allow_pickle=False) as data:
+                body = {k: data[k] for k in data.files}
+            if _META in body:
+                meta = json.loads(str(body[_META]))
+                if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+                    raise ValueError(f"unknown format {meta!r}")
+        except _CORRUPT as exc:
+            raise InvalidArgumentError(
+                f"Checkpoint.restore: {path} is truncated or corrupt and cannot be read "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+    return body
+
+
+def _is_valid(path: str) -> bool:
+    """Whether ``path`` is a complete mpistrat checkpoint file (every member's CRC checked)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if f"{_META}.npy" not in archive.namelist() or archive.testzip() is not None:
+                return False
+        _read(path)
+        return True
+    except (InvalidArgumentError, *_CORRUPT):
+        return False
+
+
+def _find_latest(directory: str) -> str | None:
+    index = os.path.join(directory, INDEX)
+    try:
+        with open(index, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None  # nothing was ever saved here
+    except OSError as exc:
+        problem = f"cannot be read ({type(exc).__name__}: {exc})"
+    else:
+        try:
+            latest = json.loads(raw.decode())["latest"]
+            candidate = os.path.join(directory, os.path.basename(latest))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            problem = f"is truncated or corrupt ({type(exc).__name__}: {exc})"
+        else:
+            if os.path.isfile(candidate):
+                return candidate
+            problem = f"names {candidate}, which does not exist"
+    fallback = _newest_valid(directory)
+    logger.warning(
+        "Checkpoint.latest: the index %s %s; using the newest valid checkpoint in %s instead: %s",
+        index,
+        problem,
+        directory,
+        fallback,
+    )
+    return fallback
+
+
+def _newest_valid(directory: str) -> str | None:
+    """The most recently modified valid checkpoint file in ``directory``, or None."""
+    candidates = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if entry.name == INDEX or _TMP_NAME.match(entry.name):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_file():
+                    candidates.append((entry.stat().st_mtime, entry.name))
+    for _, name in sorted(candidates, reverse=True):
+        if _is_valid(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    return None
+
+
+def _host() -> str:
+    """This host's name as it appears in temporary files' names."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, as another user's process
+        return True
+    return True
+
+
+def _stale_temporaries(directory: str, now: float | None = None) -> list[str]:
+    """Temporary files in ``directory`` that a killed save abandoned and no save still writes.
+
+    A file is one of ours if its name is ``<name>.tmp<pid>-<host>`` (or ``<name>.tmp<pid>``)
+    and it starts like an ``.npz`` or the index; anything else is never touched. One of
+    ours is stale if it names this host and a PID that is not alive here (and not this
+    process), or if it was last modified more than ``_STALE_AFTER`` seconds ago (another
+    host's save, a reused PID, an old-style name). A concurrent save by another job thus
+    keeps its temporary: its process is alive, or it is on another host and recent.
+    """
+    now = time.time() if now is None else now
+    host, stale = _host(), []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _TMP_NAME.match(entry.name)
+        if not match:
+            continue
+        with contextlib.suppress(OSError):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            pid = int(match["pid"])
+            dead_here = match["host"] == host and pid != os.getpid() and not _pid_alive(pid)
+            if not dead_here and now - entry.stat(follow_symlinks=False).st_mtime <= _STALE_AFTER:
+                continue
+            with open(entry.path, "rb") as f:
+                start = f.read(16)
+            if start.startswith(_TMP_STARTS):
+                stale.append(entry.path)
+    return sorted(stale)
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    """Remove :func:`_stale_temporaries` (on rank 0, before a save); never fails the save."""
+    removed, size = 0, 0
+    for path in _stale_temporaries(directory):
+        with contextlib.suppress(OSError):
+            nbytes = os.path.getsize(path)
+            os.remove(path)
+            removed, size = removed + 1, size + nbytes
+    if removed:
+        logger.info(
+            "Checkpoint.save: removed %d temporary file(s) of killed saves in %s (%.1f MiB)",
+            removed,
+            directory,
+            size / 2**20,
+        )

@@ -1,10 +1,12 @@
 """Checkpoints: round trips at every size, clear errors, atomic saves, and restoring at another size."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +141,164 @@ def test_reading_errors_reach_every_rank(group, tmp_path):
     assert ckpt.latest(directory) is None and ckpt.restore(None) is None
 
 
+def corrupt_copies(data):
+    """(name, bytes) of ``data`` truncated at several lengths and with one byte flipped at many places."""
+    cuts = sorted({0, 1, 4, 30, len(data) // 2, len(data) - 22, len(data) - 1})
+    yield from ((f"cut{n}", data[:n]) for n in cuts)
+    for i in range(0, len(data), 3):
+        flipped = bytearray(data)
+        flipped[i] ^= 0xFF
+        yield f"flip{i}", bytes(flipped)
+
+
+def test_corrupt_files_raise_one_clear_error_on_every_rank(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4.0))
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.save(os.path.join(directory, "good"))
+    names = []
+    if group.rank == 0:
+        data = Path(path).read_bytes()
+        for name, content in corrupt_copies(data):
+            Path(directory, name).write_bytes(content)
+            names.append(name)
+    names = group.comm.bcast(names, root=0)
+    bad, detected = [], 0
+    for name in names:
+        target = os.path.join(directory, name)
+        with group.strategy.scope():
+            v.assign(np.full(4, -1.0))
+        try:
+            ckpt.restore(target)
+        except InvalidArgumentError as exc:
+            detected += 1
+            if target not in str(exc) or (
+                "truncated or corrupt" not in str(exc) and "not an mpistrat" not in str(exc)
+            ):
+                bad.append(f"{name}: unclear message {exc}")
+        except BaseException as exc:  # a raw zipfile/NumPy/OS error is the bug
+            bad.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:  # damage zip does not check (a timestamp, a comment length): the values must be intact
+            if v.numpy().tolist() != [0.0, 1.0, 2.0, 3.0]:
+                bad.append(f"{name}: restored wrong values {v.numpy()}")
+    all_ranks_agree(group.comm, not bad and detected > len(names) // 2, f"{detected}/{len(names)}: {bad[:5]}")
+
+
+def test_restore_of_a_missing_file_is_still_file_not_found(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "none")))
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append((record.levelname, record.getMessage()))
+
+
+@pytest.fixture
+def mpistrat_log():
+    logger, handler = logging.getLogger("mpistrat"), Records()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "names a deleted file"])
+def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable(
+    group, tmp_path, damage, mpistrat_log
+):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4.0))
+    ckpt = mpistrat.Checkpoint(v=v)
+    for name in ("ckpt-1", "ckpt-2", "ckpt-3"):
+        ckpt.save(os.path.join(directory, name))
+    if group.rank == 0:
+        now = time.time()
+        index = Path(directory, checkpoint_module.INDEX)
+        for age, name in ((300, "ckpt-1"), (200, "ckpt-2"), (100, "ckpt-3")):
+            os.utime(Path(directory, name), (now - age, now - age))
+        # Newer than the valid ones, but not valid checkpoints of ours: all must be skipped.
+        Path(directory, "ckpt-4").write_bytes(Path(directory, "ckpt-3").read_bytes()[:-30])  # truncated
+        np.savez(Path(directory, "foreign.npz"), v=np.zeros(4))
+        Path(directory, "notes.txt").write_text("not a checkpoint")
+        Path(directory, "ckpt-5.tmp123-host").write_bytes(Path(directory, "ckpt-3").read_bytes())
+        text = index.read_text()
+        if damage == "truncated":
+            index.write_text(text[: len(text) // 2])
+        elif damage == "garbage":
+            index.write_bytes(b"\x00\xff" * 8)
+        elif damage == "empty":
+            index.write_text("")
+        else:
+            os.remove(Path(directory, "ckpt-3"))
+        for name in ("ckpt-4", "foreign.npz", "notes.txt", "ckpt-5.tmp123-host"):
+            os.utime(Path(directory, name), (now, now))
+    group.comm.Barrier()
+    want = os.path.join(directory, "ckpt-2" if damage == "names a deleted file" else "ckpt-3")
+    got = ckpt.latest(directory)
+    all_ranks_agree(group.comm, got == want, f"{got} != {want}")
+    if WORLD.Get_rank() == 0:  # the group's rank 0, whose warnings the logger lets through
+        warnings = [m for level, m in mpistrat_log if level == "WARNING" and "index" in m]
+        assert len(warnings) == 1 and want in warnings[0], mpistrat_log
+
+
+def test_latest_without_an_index_is_still_none(group, tmp_path, mpistrat_log):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    ckpt.save(os.path.join(directory, "ckpt"))
+    if group.rank == 0:
+        os.remove(os.path.join(directory, checkpoint_module.INDEX))
+    group.comm.Barrier()
+    assert ckpt.latest(directory) is None and not [m for lv, m in mpistrat_log if lv == "WARNING"]
+
+
+def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    ckpt.save(os.path.join(directory, "ckpt"))
+    host = checkpoint_module._host()
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+    alive = os.getppid()
+    old = time.time() - 2 * checkpoint_module._STALE_AFTER
+    npz, index = Path(directory, "ckpt").read_bytes(), b'{"latest": "x"}'
+    files = {  # name: (content, old?, removed?)
+        f"ckpt.tmp{dead}-{host}": (npz, False, True),  # a killed save on this host
+        f"checkpoint.tmp{dead}-{host}": (index, False, True),  # the index's
+        f"ckpt-9.tmp{dead}-{host}": (npz[:4], False, True),  # killed early in the write
+        f"ckpt.tmp{alive}-{host}": (npz, False, False),  # another job saving now, on this host
+        f"ckpt.tmp-{dead}": (npz, True, False),  # not our naming
+        f"ckpt.tmp{dead}-": (npz, True, False),  # nor this
+        f"ckpt.tmp{dead}-elsewhere.example": (npz, False, False),  # maybe saving now, on another host
+        f"ckpt-2.tmp{dead}-elsewhere.example": (npz, True, True),  # long abandoned there
+        f"ckpt.tmp{dead}": (npz, False, False),  # the old naming, recent: maybe another host's
+        f"ckpt-3.tmp{dead}": (npz, True, True),  # the old naming, long abandoned
+        f"notes.tmp{dead}-{host}": (b"my notes", True, False),  # our naming, not our content
+        f"empty.tmp{dead}-{host}": (b"", True, False),  # nothing to reclaim, maybe not ours
+        "data.bin": (npz, True, False),
+    }
+    if group.rank == 0:
+        for name, (content, is_old, _) in files.items():
+            Path(directory, name).write_bytes(content)
+            if is_old:
+                os.utime(Path(directory, name), (old, old))
+    group.comm.Barrier()
+    ckpt.save(os.path.join(directory, "ckpt"))
+    present = set(os.listdir(directory))
+    wrong = [name for name, (_, _, removed) in files.items() if (name in present) == removed]
+    ok = not wrong and {"ckpt", checkpoint_module.INDEX} <= present
+    all_ranks_agree(group.comm, ok, f"wrongly kept or removed: {wrong}")
+    assert ckpt.restore(ckpt.latest(directory)) == os.path.join(directory, "ckpt")
+
+
 def test_ranks_in_different_checkpoint_calls_fail_instead_of_hanging(group, tmp_path):
     if group.size == 1:
         pytest.skip("needs two ranks to disagree")
@@ -239,3 +399,5 @@ def test_killed_save_leaves_the_old_checkpoint_loadable(tmp_path):
     ckpt = mpistrat.Checkpoint(v=v)
     assert ckpt.restore(ckpt.latest(tmp_path)) == str(tmp_path / "ckpt")
     assert v.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+    ckpt.save(tmp_path / "ckpt")  # the next save reclaims the killed one's temporary file
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt"]
