@@ -5,6 +5,8 @@ than optree will walk raises InvalidArgumentError on every rank, even when one r
 passed it. Run at 1-3 ranks.
 """
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -77,3 +79,33 @@ def test_describe_never_raises_on_a_deep_nest():
     described = mismatch.describe(deep(lv.MAX_DEPTH + 50), None)
     assert f"deeper than {lv.MAX_DEPTH}" in described["structure"]
     assert mismatch.first_difference([described, mismatch.describe(deep(2), None)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("leaves", "axis"), [(1, 0), (4, 0), (1, 1), (4, 1)])
+def test_all_gather_allocates_the_result_and_at_most_one_input(world, coll, dtype, leaves, axis):
+    """NumPy reports its allocations to tracemalloc: the peak is counted, not timed."""
+    size, rank = world.size, world.rank
+    shape = (64, 4096) if axis == 0 else (4096, 64)  # 1 MiB of float32 per leaf and rank
+    value = [rank_values(rank, dtype, shape) + k for k in range(leaves)]
+    in_bytes = sum(a.nbytes for a in value)
+    tracemalloc.start()
+    try:
+        out = coll.all_gather(value, axis=axis)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    out_bytes = sum(o.nbytes for o in out)
+    want = [
+        np.concatenate([rank_values(r, dtype, shape) + k for r in range(size)], axis=axis)
+        for k in range(leaves)
+    ]
+    same = all(
+        o.dtype == w.dtype and o.flags.c_contiguous and np.array_equal(o, w)
+        for o, w in zip(out, want, strict=True)
+    )
+    all_ranks_agree(world.comm, same, "differs from NumPy")
+    limit = out_bytes + in_bytes + (256 << 10)
+    all_ranks_agree(
+        world.comm, peak <= limit, f"peak {peak} > result {out_bytes} + input {in_bytes} + 256 KiB"
+    )
