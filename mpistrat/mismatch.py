@@ -126,9 +126,23 @@ def describe(
     implementation: str | None = None,
     bytes_per_pack: int = 0,
 ) -> dict[str, Any]:
-    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``."""
-    leaves = []
-    for path, leaf in nest.flatten_with_paths(value):
+    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``.
+
+    Never raises (it runs when ranks already disagree): a nest too deep to walk is
+    described as one entry saying so.
+    """
+    leaves: list[tuple[str, str, Any]] = []
+    try:
+        pairs = nest.flatten_with_paths(value)
+        structure = str(optree.tree_structure(value, **_NEST))
+    except RecursionError:
+        depth = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
+        pairs, structure = [], f"<a nest deeper than {depth} levels>"
+        leaves.append(("<root>", f"a nest deeper than {depth} levels", None))
+    except Exception as exc:  # a description must not raise
+        pairs, structure = [], f"<undescribable: {type(exc).__name__}: {exc}>"
+        leaves.append(("<root>", structure, None))
+    for path, leaf in pairs:
         try:
             arr = packing.as_array(leaf)
             shape: tuple[Any, ...] = tuple(arr.shape)
@@ -143,7 +157,7 @@ def describe(
         "implementation": implementation,
         "bytes_per_pack": bytes_per_pack,
         "leaves": leaves,
-        "structure": str(optree.tree_structure(value, **_NEST)),
+        "structure": structure,
     }
 
 

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
+from mpi4py import MPI
 
 from mpistrat import mismatch, watchdog
 from mpistrat.collectives import leaves as lv
 from mpistrat.comm import packing
+from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
@@ -74,17 +76,68 @@ def all_gather(
         error=error,
         extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
     )
-    moved = [lv.moveaxis_to_front(a, ax) for a, ax in zip(arrays, axes, strict=True)]
     out: list[Any] = [None] * len(arrays)
-    for p in packing.plan_packs(moved, opts.bytes_per_pack):
-        _allgather_pack(self, moved, p, sizes, out, opts.implementation)
-    out = [
-        o
-        if ax == 0
-        else packing.array_module(o).ascontiguousarray(packing.array_module(o).moveaxis(o, 0, ax))
-        for o, ax in zip(out, axes, strict=True)
+    direct = [
+        i
+        for i, a in enumerate(arrays)
+        if type(a) is np.ndarray
+        and a.itemsize * int(sizes[:, i].sum()) * math.prod(rests[i]) >= _DIRECT_BYTES
     ]
+    for i in direct:
+        out[i] = _allgather_direct(self, arrays[i], axes[i], sizes[:, i])
+    if len(direct) < len(arrays):  # small (and device) leaves: packed, one call per dtype
+        rest = [i for i in range(len(arrays)) if i not in set(direct)]
+        moved = [lv.moveaxis_to_front(arrays[i], axes[i]) for i in rest]
+        part: list[Any] = [None] * len(rest)
+        for p in packing.plan_packs(moved, opts.bytes_per_pack):
+            _allgather_pack(self, moved, p, sizes[:, rest], part, opts.implementation)
+        for k, i in enumerate(rest):
+            o, ax = part[k], axes[i]
+            xp = packing.array_module(o)
+            out[i] = o if ax == 0 else xp.ascontiguousarray(xp.moveaxis(o, 0, ax))
     return optree.tree_unflatten(treespec, out)
+
+
+# A NumPy leaf whose result is at least this large is gathered straight into its result.
+_DIRECT_BYTES = 1 << 20
+
+
+def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.ndarray) -> np.ndarray:
+    """One large NumPy leaf, received in place into its result: memory is the result alone.
+
+    This rank copies its own block into the result; along axis 0 the blocks are
+    contiguous and one in-place ``Allgatherv`` fills the rest; along another axis each
+    rank's block is a subarray, broadcast from that rank (a pack, a concatenate and a
+    transpose back would cost up to three more copies of the result).
+    """
+    counts_along = sizes.tolist()
+    starts = [0, *itertools.accumulate(counts_along[:-1])]
+    shape = list(arr.shape)
+    shape[axis] = int(sum(counts_along))
+    out = np.empty(shape, dtype=arr.dtype)  # not pooled: the caller keeps it
+    index = [slice(None)] * arr.ndim
+    index[axis] = slice(starts[self.rank], starts[self.rank] + counts_along[self.rank])
+    out[tuple(index)] = arr
+    datatype = mpi_datatype(out.dtype)
+    if axis == 0:
+        inner = math.prod(shape[1:])
+        counts = [n * inner for n in counts_along]
+        displs = [a * inner for a in starts]
+        self.comm.Allgatherv(MPI.IN_PLACE, [out, counts, displs, datatype])
+        return out
+    for r, (start, n) in enumerate(zip(starts, counts_along, strict=True)):
+        if n == 0:
+            continue
+        sub = list(shape)
+        sub[axis] = n
+        corner = [0] * len(shape)
+        corner[axis] = start
+        block = datatype.Create_subarray(shape, sub, corner, order=MPI.ORDER_C).Commit()
+        try:
+            self.comm.Bcast([out, 1, block], root=r)
+        finally:
+            block.Free()
+    return out
 
 
 def _allgather_pack(

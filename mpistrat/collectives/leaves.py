@@ -21,12 +21,13 @@ import optree
 
 from mpistrat import mismatch, nest
 from mpistrat.comm import packing
-from mpistrat.errors import MpistratError
+from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 __all__ = [
     "LEAF_SPEC",
+    "MAX_DEPTH",
     "device_implementation",
     "divide",
     "fingerprint",
@@ -39,9 +40,12 @@ __all__ = [
     "plain",
     "reduce_op",
     "to_arrays",
+    "too_deep",
 ]
 
 _NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
+# optree refuses to walk deeper than this (a RecursionError), whatever sys.getrecursionlimit() says.
+MAX_DEPTH = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
 
 
 def like_leaves(leaves: list[Any], out: list[Any]) -> list[Any]:
@@ -168,7 +172,10 @@ def flatten(value: Any) -> tuple[list[Any], Any]:
             leaves = list(map(value.__getitem__, order)) if order is not None else list(value)
             if packing.all_numpy(leaves):
                 return leaves, spec
-    leaves, spec = optree.tree_flatten(value, **_NEST)
+    try:
+        leaves, spec = optree.tree_flatten(value, **_NEST)
+    except RecursionError as exc:  # raised on this rank alone: it must travel through the handshake
+        raise too_deep() from exc
     children = list(value.values()) if kind is dict else value
     if flat and packing.all_numpy(children) and len(leaves) == len(value):  # each child is a leaf
         order = None
@@ -178,6 +185,14 @@ def flatten(value: Any) -> tuple[list[Any], Any]:
             _FLAT.clear()
         _FLAT[key] = (spec, order)
     return leaves, spec
+
+
+def too_deep() -> InvalidArgumentError:
+    """The error for a nest deeper than optree (and Python) will walk."""
+    return InvalidArgumentError(
+        f"the nest is too deep: more than about {MAX_DEPTH} levels of containers "
+        "(optree's and Python's recursion limit); pass a flatter nest"
+    )
 
 
 def divide(x: Any, n: int) -> Any:

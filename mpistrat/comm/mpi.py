@@ -16,8 +16,11 @@ __all__ = ["mpi_datatype", "buffer_spec", "synchronize"]
 @functools.cache
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     """The predefined MPI datatype for a NumPy dtype (reductions need a predefined one)."""
-    predefined = MPI._typedict.get(dtype.char)
-    if predefined is not None and predefined != MPI.DATATYPE_NULL:
+    try:
+        predefined = MPI.Datatype.fromcode(dtype.char)  # public since mpi4py 4 (was MPI._typedict)
+    except (ValueError, KeyError):
+        predefined = MPI.DATATYPE_NULL
+    if predefined != MPI.DATATYPE_NULL:
         return predefined
     raise UnsupportedTypeError(f"this MPI library has no predefined datatype for dtype {dtype}")
 

@@ -239,7 +239,14 @@ def _plan(arrays: list[Any], bytes_per_pack: int) -> list[Pack]:
 
 
 def is_contiguous(arr: Any) -> bool:
-    return bool(arr.flags.c_contiguous)
+    """Whether MPI can read ``arr`` as it is: C-contiguous and aligned.
+
+    An unaligned array (``np.frombuffer(buf, offset=1)``) is contiguous, but mpi4py maps its
+    buffer format (``'=d'``) to no MPI datatype (a raw ``KeyError``): it goes through ``pack``,
+    whose copy is aligned, like any non-contiguous leaf.
+    """
+    flags = arr.flags
+    return bool(flags.c_contiguous and flags.aligned)
 
 
 def pack(arrays: list[Any], p: Pack) -> Any:
