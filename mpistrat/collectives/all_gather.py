@@ -106,8 +106,8 @@ def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.n
     """One large NumPy leaf, received in place into its result: memory is the result alone.
 
     This rank copies its own block into the result; along axis 0 the blocks are
-    contiguous and one in-place ``Allgatherv`` fills the rest; along another axis each
-    rank's block is a subarray, broadcast from that rank (a pack, a concatenate and a
+    contiguous and one in-place ``Allgatherv`` fills the rest; along another axis the
+    ``Allgatherv`` counts in strided slabs of the result (a pack, a concatenate and a
     transpose back would cost up to three more copies of the result).
     """
     counts_along = sizes.tolist()
@@ -125,18 +125,16 @@ def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.n
         displs = [a * inner for a in starts]
         self.comm.Allgatherv(MPI.IN_PLACE, [out, counts, displs, datatype])
         return out
-    for r, (start, n) in enumerate(zip(starts, counts_along, strict=True)):
-        if n == 0:
-            continue
-        sub = list(shape)
-        sub[axis] = n
-        corner = [0] * len(shape)
-        corner[axis] = start
-        block = datatype.Create_subarray(shape, sub, corner, order=MPI.ORDER_C).Commit()
-        try:
-            self.comm.Bcast([out, 1, block], root=r)
-        finally:
-            block.Free()
+    # One index along axis is a strided slab of the result; its extent, shrunk to one row of
+    # the dims after axis, lets consecutive slabs interleave: one Allgatherv, counted in slabs.
+    outer, after = math.prod(shape[:axis]), math.prod(shape[axis + 1 :])
+    slab = datatype.Create_vector(outer, after, shape[axis] * after)
+    row = slab.Create_resized(0, after * out.dtype.itemsize).Commit()
+    try:
+        self.comm.Allgatherv(MPI.IN_PLACE, [out, counts_along, starts, row])
+    finally:
+        row.Free()
+        slab.Free()
     return out
 
 
