@@ -77,11 +77,11 @@ def all_gather(
         extras=[a.shape[ax] for a, ax in zip(arrays, axes, strict=True)],
     )
     out: list[Any] = [None] * len(arrays)
+    totals = sizes.sum(axis=0).tolist()  # each leaf's size along axis in the result
     direct = [
         i
         for i, a in enumerate(arrays)
-        if type(a) is np.ndarray
-        and a.itemsize * int(sizes[:, i].sum()) * math.prod(rests[i]) >= _DIRECT_BYTES
+        if type(a) is np.ndarray and a.itemsize * totals[i] * math.prod(rests[i]) >= _DIRECT_BYTES
     ]
     for i in direct:
         out[i] = _allgather_direct(self, arrays[i], axes[i], sizes[:, i])
@@ -89,8 +89,9 @@ def all_gather(
         rest = [i for i in range(len(arrays)) if i not in set(direct)]
         moved = [lv.moveaxis_to_front(arrays[i], axes[i]) for i in rest]
         part: list[Any] = [None] * len(rest)
+        rest_sizes = sizes if not direct else sizes[:, rest]
         for p in packing.plan_packs(moved, opts.bytes_per_pack):
-            _allgather_pack(self, moved, p, sizes[:, rest], part, opts.implementation)
+            _allgather_pack(self, moved, p, rest_sizes, part, opts.implementation)
         for k, i in enumerate(rest):
             o, ax = part[k], axes[i]
             xp = packing.array_module(o)
@@ -147,10 +148,13 @@ def _allgather_pack(
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
 ) -> None:
     xp = p.module
-    # elements[r][k]: what rank r sends of the pack's k-th leaf; each rank's block is its leaves in order
-    inner = np.array([math.prod(moved[i].shape[1:]) for i in p.indices], dtype=np.int64)
-    elements = sizes[:, p.indices] * inner
-    counts = elements.sum(axis=1).tolist()
+    if len(p.indices) == 1:  # plain Python: NumPy's per-call overhead is most of a small gather
+        i = p.indices[0]
+        rows, inner = sizes[:, i].tolist(), math.prod(moved[i].shape[1:])
+        counts = [n * inner for n in rows]
+    else:  # elements[r][k]: rank r's part of the pack's k-th leaf; a rank's block is its leaves in order
+        elements = sizes[:, p.indices] * np.array([math.prod(moved[i].shape[1:]) for i in p.indices])
+        counts = elements.sum(axis=1).tolist()
     displs = [0, *itertools.accumulate(counts[:-1])]
     recv = packing.empty((sum(counts),), p.dtype, xp)
     if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
@@ -159,8 +163,7 @@ def _allgather_pack(
         send = packing.pack(moved, p)
     self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
     if len(p.indices) == 1:
-        i = p.indices[0]
-        out[i] = recv.reshape((int(sizes[:, i].sum()), *moved[i].shape[1:]))
+        out[i] = recv.reshape((sum(rows), *moved[i].shape[1:]))
         return
     # where each (rank, leaf) piece starts in recv: O(R * L) in all
     starts = (np.asarray(displs)[:, None] + np.cumsum(elements, axis=1) - elements).T.tolist()
