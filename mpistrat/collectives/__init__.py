@@ -57,6 +57,7 @@ class Collectives:
             self.monitor, error = watchdog.Monitor(self), exc
         # A bad setting on one rank (its own environment, in an MPMD launch) fails every rank.
         self.agree("strategy creation", error=error, extras=[])
+        self.seq = 0  # the program's first collective is #1 in messages
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce
