@@ -83,8 +83,11 @@ ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abo
 STALL_DEFAULT = 60.0
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_registry: list[Monitor] = []
+# Weak: a strategy that is dropped without experimental_finalize() is collected, and its
+# communicator freed (see release), instead of living on here until MPI runs out of them.
+_registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
 _lock = threading.Lock()  # guards the registry and every side-channel MPI call
+_doomed: list[tuple[Monitor, MPI.Intracomm, Callable[[], None] | None]] = []  # to free once _lock is free
 _stop = threading.Event()
 _thread: threading.Thread | None = None
 _queries = itertools.count(1)
@@ -187,17 +190,59 @@ def watch(collectives: Any) -> Monitor:
     if mon.watched:
         mon.side = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         with _lock:
-            _registry.append(mon)
+            _registry.add(mon)
         _start()
+    _reap(block=False)  # communicators of collected strategies that could not be freed then
     return mon
 
 
 def unwatch(mon: Monitor) -> None:
     """Stop watching (before the communicator is freed); takes the lock the watchdog's MPI calls hold."""
     with _lock:
-        if mon in _registry:
-            _registry.remove(mon)
+        _registry.discard(mon)
     mon.watched = False
+
+
+def release(
+    mon: Monitor, comm: MPI.Intracomm, close: Callable[[], None] | None = None, wait: bool = False
+) -> None:
+    """Stop watching ``mon``, call ``close``, and free ``comm``: a strategy finalized or garbage-collected.
+
+    Safe from a garbage-collection finalizer in any thread: it never runs after
+    ``MPI_Finalize``, never frees a communicator while the watchdog uses it (it takes
+    ``_lock``), and when it cannot take the lock now (``wait`` False and the lock is held,
+    perhaps by this very thread, collecting inside a side-channel call) or may not call MPI
+    from this thread (thread level below ``MULTIPLE``), it leaves the work to the watchdog
+    thread's next look or the next strategy created. ``MPI_Comm_free`` does not communicate
+    (it only marks the communicator for deallocation, after its pending operations), so
+    ranks may free it at different times.
+    """
+    _doomed.append((mon, comm, close))
+    _reap(block=wait)
+
+
+def _reap(block: bool) -> None:
+    """Free the communicators ``release`` was given, if this thread may now."""
+    if not _doomed:
+        return
+    if MPI.Is_finalized():
+        _doomed.clear()
+        return
+    if threading.current_thread() is not threading.main_thread() and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return
+    if not _lock.acquire(blocking=block):
+        return
+    try:
+        while _doomed:
+            mon, comm, close = _doomed.pop()
+            _registry.discard(mon)
+            mon.watched = False
+            if close is not None:
+                close()
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+    finally:
+        _lock.release()
 
 
 def collective(default_kind: str) -> Callable[[F], F]:
@@ -467,25 +512,28 @@ def _shutdown() -> None:
 
 
 def _run() -> None:
-    failed: set[int] = set()
+    failed: weakref.WeakSet[Monitor] = weakref.WeakSet()
     while not _stop.wait(POLL):
         if MPI.Is_finalized():
             return
-        with _lock:
-            monitors = list(_registry)
-        for mon in monitors:
-            try:
-                _serve(mon)
-                _advance(mon)
-                _tend(mon)
-            except Exception:  # the watchdog must never take the job down itself
-                if id(mon) not in failed:
-                    failed.add(id(mon))
-                    logger.exception(
-                        "the collective watchdog failed; stall diagnosis is off for this strategy"
-                    )
-        with _lock:
-            _sends[:] = [r for r in _sends if not r.Test()]
+        _look(failed)  # holds the monitors only while it looks: a dropped strategy stays collectable
+        _reap(block=False)
+
+
+def _look(failed: weakref.WeakSet[Monitor]) -> None:
+    with _lock:
+        monitors = list(_registry)
+    for mon in monitors:
+        try:
+            _serve(mon)
+            _advance(mon)
+            _tend(mon)
+        except Exception:  # the watchdog must never take the job down itself
+            if mon not in failed:
+                failed.add(mon)
+                logger.exception("the collective watchdog failed; stall diagnosis is off for this strategy")
+    with _lock:
+        _sends[:] = [r for r in _sends if not r.Test()]
 
 
 def _tend(mon: Monitor) -> None:

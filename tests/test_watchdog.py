@@ -228,3 +228,21 @@ def test_logger_prints_with_the_rank(capsys):
         f"[mpistrat rank {mpistrat.MPI.COMM_WORLD.Get_rank()}] ERROR: something broke"
         in capsys.readouterr().err
     )
+
+
+def test_dropped_strategies_free_their_communicators(world):
+    """Without experimental_finalize(): MPI has ~2,048 communicators, and each strategy used one for good."""
+    import gc
+
+    gc.collect()
+    before = len(watchdog._registry)  # the fixtures' strategies
+    for i in range(2100):
+        strategy = mpistrat.MPIStrategy(world.comm)
+        del strategy
+        if i % 50 == 0:
+            gc.collect()
+    gc.collect()
+    live = len(watchdog._registry) - before
+    last = mpistrat.MPIStrategy(world.comm)  # still possible, and it works
+    got = last.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1.0))
+    all_ranks_agree(world.comm, got == world.size and live == 0, f"{got}, {live} monitors still watched")
