@@ -76,6 +76,13 @@ class StrategyExtended:
         self._comm: MPI.Intracomm | None = comm
         self._options = options
         self._collectives = Collectives(comm, options)
+        # The private communicator is freed when the Collectives using it are collected, so a
+        # program may drop strategies without experimental_finalize() and not run out of them.
+        self._release: weakref.finalize | None = None
+        if not is_default:
+            c = self._collectives
+            self._release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.transports.close)
+            self._release.atexit = False  # MPI_Finalize frees what is left at exit
         self.is_default = is_default
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -146,10 +153,10 @@ class StrategyExtended:
                 obj.apply_merge_write(payload)
 
     def finalize(self) -> None:
-        if self._comm is not None and not self.is_default:
-            self._collectives.transports.close()
-            watchdog.unwatch(self._collectives.monitor)  # its thread must not touch a freed communicator
-            self._comm.Free()
+        detached = self._release.detach() if self._release is not None else None
+        if self._comm is not None and detached is not None:
+            _, release, args, _ = detached
+            release(*args, wait=True)  # unwatches first: the watchdog must not touch a freed communicator
         self._comm = None
 
     # -- context rules ------------------------------------------------------------------

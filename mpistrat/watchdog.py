@@ -83,8 +83,11 @@ ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abo
 STALL_DEFAULT = 60.0
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_registry: list[Monitor] = []
+# Weak: a strategy that is dropped without experimental_finalize() is collected, and its
+# communicator freed (see release), instead of living on here until MPI runs out of them.
+_registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
 _lock = threading.Lock()  # guards the registry and every side-channel MPI call
+_doomed: list[tuple[Monitor, MPI.Intracomm, Callable[[], None] | None]] = []  # to free once _lock is free
 _stop = threading.Event()
 _thread: threading.Thread | None = None
 _queries = itertools.count(1)
@@ -143,6 +146,7 @@ class Monitor:
         self.thread: int | None = None
         self.last: tuple[str, int, float] | None = None  # (kind, seq, end time) of the last collective
         self.polling = False  # the main thread waits in wait(), so it can raise
+        self.agreed: float | None = None  # start of the collective whose opening handshake completed
         self.expired: str | None = None  # set by the watchdog: the timeout message
         self.warned: float | None = None
         self.handled: float | None = None
@@ -171,6 +175,8 @@ class Monitor:
             "seq": self.seq,
             "kind": self.kind if start is not None else None,
             "waited": None if start is None else now - start,
+            # Past the opening handshake (an all-reduce): every rank has entered this collective.
+            "agreed": start is not None and self.agreed == start,
             "last": None if self.last is None else (self.last[0], self.last[1], now - self.last[2]),
             "site": call_site(frame) if frame is not None else "<no Python frame>",
         }
@@ -187,17 +193,59 @@ def watch(collectives: Any) -> Monitor:
     if mon.watched:
         mon.side = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         with _lock:
-            _registry.append(mon)
+            _registry.add(mon)
         _start()
+    _reap(block=False)  # communicators of collected strategies that could not be freed then
     return mon
 
 
 def unwatch(mon: Monitor) -> None:
     """Stop watching (before the communicator is freed); takes the lock the watchdog's MPI calls hold."""
     with _lock:
-        if mon in _registry:
-            _registry.remove(mon)
+        _registry.discard(mon)
     mon.watched = False
+
+
+def release(
+    mon: Monitor, comm: MPI.Intracomm, close: Callable[[], None] | None = None, wait: bool = False
+) -> None:
+    """Stop watching ``mon``, call ``close``, and free ``comm``: a strategy finalized or garbage-collected.
+
+    Safe from a garbage-collection finalizer in any thread: it never runs after
+    ``MPI_Finalize``, never frees a communicator while the watchdog uses it (it takes
+    ``_lock``), and when it cannot take the lock now (``wait`` False and the lock is held,
+    perhaps by this very thread, collecting inside a side-channel call) or may not call MPI
+    from this thread (thread level below ``MULTIPLE``), it leaves the work to the watchdog
+    thread's next look or the next strategy created. ``MPI_Comm_free`` does not communicate
+    (it only marks the communicator for deallocation, after its pending operations), so
+    ranks may free it at different times.
+    """
+    _doomed.append((mon, comm, close))
+    _reap(block=wait)
+
+
+def _reap(block: bool) -> None:
+    """Free the communicators ``release`` was given, if this thread may now."""
+    if not _doomed:
+        return
+    if MPI.Is_finalized():
+        _doomed.clear()
+        return
+    if threading.current_thread() is not threading.main_thread() and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return
+    if not _lock.acquire(blocking=block):
+        return
+    try:
+        while _doomed:
+            mon, comm, close = _doomed.pop()
+            _registry.discard(mon)
+            mon.watched = False
+            if close is not None:
+                close()
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+    finally:
+        _lock.release()
 
 
 def collective(default_kind: str) -> Callable[[F], F]:
@@ -217,7 +265,11 @@ def collective(default_kind: str) -> Callable[[F], F]:
         def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
             mon: Monitor = self.monitor
             if mon.start is not None or not mon.watched:
-                return method(self, *args, **kwargs)
+                start = mon.start
+                result = method(self, *args, **kwargs)
+                if default_kind == "handshake" and start is not None and _handshake_sent(self, kwargs):
+                    mon.agreed = start  # every rank has entered this collective: the handshake completed
+                return result
             kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
             options = args[options_at] if 0 <= options_at < len(args) else kwargs.get("options")
             timeout = (
@@ -236,6 +288,13 @@ def collective(default_kind: str) -> Callable[[F], F]:
         return watched  # type: ignore[return-value]
 
     return decorate
+
+
+def _handshake_sent(collectives: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the handshake just completed exchanged messages (with the check off it may only count)."""
+    from mpistrat.collectives.handshake import check_enabled
+
+    return kwargs.get("extras") is not None or check_enabled(kwargs.get("options") or collectives.options)
 
 
 def wait(mon: Monitor, request: MPI.Request) -> None:
@@ -294,7 +353,8 @@ def _where(rank: int, answer: dict[str, Any] | None) -> str:
         else f"rank {rank} (world {answer['world']})"
     )
     if answer is None:
-        return f"{name} did not answer (it exited, was killed, or is blocked outside Python)"
+        why = "it exited, was killed, or is blocked outside Python or in a long MPI call"
+        return f"{name} did not answer ({why})"
     if answer["waited"] is not None:
         return f"{name} is in {answer['kind']} (collective #{answer['seq']}) at {answer['site']}"
     last = answer["last"]
@@ -313,6 +373,20 @@ def _explain(seq: int, kind: str, answers: dict[int, dict[str, Any]], size: int,
     missing = [r for r in range(size) if r not in waiting]
     if not missing:
         return "every rank is in it now", waiting
+    if any(a.get("agreed") and a["seq"] == seq and a["kind"] == kind for a in answers.values()):
+        # A rank past this collective's opening handshake (an all-reduce) proves every rank entered
+        # it. A rank busy inside it may answer late: MPI can hold up the watchdog's messages while
+        # the main thread transfers (measured: over 1 s in a 900 MiB all_gather at 3 ranks).
+        silent = [r for r in missing if r not in answers]
+        done = [r for r in missing if r in answers]
+        text = (
+            "every rank has entered it (its opening handshake completed): a long transfer, not a missing rank"
+        )
+        if silent:
+            text += f"; {_ranks(silent)} did not answer within {GRACE:g} s (busy inside it)"
+        if done:
+            text += f"; {'; '.join(_where(r, answers[r]) for r in done)} (finished it)"
+        return text, waiting
     lines = "; ".join(_where(r, answers.get(r)) for r in missing)
     return f"waiting for {_ranks(missing)}: {lines}. Waiting in it: {_ranks(waiting)}", waiting
 
@@ -336,6 +410,7 @@ def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
         _serve(mon)
     with _lock:
         answers = mon.answers.pop(qid)
+    answers[mon.rank] = mon.state()
     return _explain(seq, kind, answers, mon.size, {mon.rank})
 
 
@@ -467,25 +542,28 @@ def _shutdown() -> None:
 
 
 def _run() -> None:
-    failed: set[int] = set()
+    failed: weakref.WeakSet[Monitor] = weakref.WeakSet()
     while not _stop.wait(POLL):
         if MPI.Is_finalized():
             return
-        with _lock:
-            monitors = list(_registry)
-        for mon in monitors:
-            try:
-                _serve(mon)
-                _advance(mon)
-                _tend(mon)
-            except Exception:  # the watchdog must never take the job down itself
-                if id(mon) not in failed:
-                    failed.add(id(mon))
-                    logger.exception(
-                        "the collective watchdog failed; stall diagnosis is off for this strategy"
-                    )
-        with _lock:
-            _sends[:] = [r for r in _sends if not r.Test()]
+        _look(failed)  # holds the monitors only while it looks: a dropped strategy stays collectable
+        _reap(block=False)
+
+
+def _look(failed: weakref.WeakSet[Monitor]) -> None:
+    with _lock:
+        monitors = list(_registry)
+    for mon in monitors:
+        try:
+            _serve(mon)
+            _advance(mon)
+            _tend(mon)
+        except Exception:  # the watchdog must never take the job down itself
+            if mon not in failed:
+                failed.add(mon)
+                logger.exception("the collective watchdog failed; stall diagnosis is off for this strategy")
+    with _lock:
+        _sends[:] = [r for r in _sends if not r.Test()]
 
 
 def _tend(mon: Monitor) -> None:

@@ -108,11 +108,19 @@ def test_diagnose_asks_every_rank_where_it_is(world):
     all_ranks_agree(world.comm, ok, explanation)
 
 
-def state(rank, seq=None, kind=None, world=None):
-    """Rank ``rank``'s answer: in collective ``seq`` (``kind``), or not in one."""
+def state(rank, seq=None, kind=None, world=None, agreed=False):
+    """Rank ``rank``'s answer: in collective ``seq`` (``kind``; ``agreed``: past its handshake), or not."""
     waited = None if seq is None else 1.0
     world = rank if world is None else world
-    return {"world": world, "seq": seq or 1, "kind": kind, "waited": waited, "last": None, "site": "x.py:1"}
+    return {
+        "world": world,
+        "seq": seq or 1,
+        "kind": kind,
+        "waited": waited,
+        "agreed": agreed,
+        "last": None,
+        "site": "x.py:1",
+    }
 
 
 def test_explain_names_the_missing_ranks_and_counts_known_ones_as_waiting():
@@ -121,13 +129,48 @@ def test_explain_names_the_missing_ranks_and_counts_known_ones_as_waiting():
     assert waiting == [0, 4]
     assert explanation == (
         "waiting for ranks 1, 2, 3: rank 1 is not in a collective (no collective yet); it is at x.py:1; "
-        "rank 2 did not answer (it exited, was killed, or is blocked outside Python); "
+        "rank 2 did not answer (it exited, was killed, or is blocked outside Python or in a long MPI call); "
         "rank 3 (world 7) is in all_gather (collective #2) at x.py:1. Waiting in it: ranks 0, 4"
     )
     everyone = watchdog._explain(2, "all_reduce", {0: state(0, 2, "all_reduce")}, 1, set())
     assert everyone == ("every rank is in it now", [0])
     nobody = watchdog._explain(2, "all_reduce", {0: state(0)}, 2, set())
     assert nobody == ("no rank is waiting in it any more", [])
+
+
+def test_explain_blames_no_rank_once_the_handshake_proved_every_rank_entered():
+    """A long transfer: ranks busy inside it may answer late, but they are not missing."""
+    answers = {0: state(0, 2, "all_gather", agreed=True), 1: state(1, 2, "all_gather", agreed=True)}
+    explanation, waiting = watchdog._explain(2, "all_gather", answers, 3, known=set())
+    assert waiting == [0, 1]
+    assert explanation == (
+        "every rank has entered it (its opening handshake completed): a long transfer, not a missing rank; "
+        "rank 2 did not answer within 1 s (busy inside it)"
+    )
+    assert "did not answer (" not in explanation
+    before = {0: state(0, 2, "all_gather"), 1: state(1, 2, "all_gather")}  # still in the handshake
+    assert "rank 2 did not answer (it exited" in watchdog._explain(2, "all_gather", before, 3, set())[0]
+
+
+def test_the_handshake_marks_the_collective_entered_by_every_rank(world, monkeypatch):
+    if world.size < 2:
+        pytest.skip("needs 2 ranks")
+    collectives = world.strategy.extended.collectives
+    monitor, get, seen = collectives.monitor, collectives.transports.get, {}
+
+    class Spy:  # records this rank's answer from inside the transfer, past the handshake
+        def __init__(self, transport):
+            self.transport = transport
+
+        def allgatherv(self, *args):
+            seen["state"] = monitor.state()
+            return self.transport.allgatherv(*args)
+
+    monkeypatch.setattr(collectives.transports, "get", lambda *args: Spy(get(*args)))
+    collectives.all_gather(np.arange(2.0), axis=0)
+    inside = seen["state"]
+    ok = inside["agreed"] and inside["kind"] == "all_gather" and not monitor.state()["agreed"]
+    all_ranks_agree(world.comm, ok, f"{inside}")
 
 
 class Kept(logging.Handler):
@@ -228,3 +271,22 @@ def test_logger_prints_with_the_rank(capsys):
         f"[mpistrat rank {mpistrat.MPI.COMM_WORLD.Get_rank()}] ERROR: something broke"
         in capsys.readouterr().err
     )
+
+
+def test_dropped_strategies_free_their_communicators(world):
+    """Without experimental_finalize(): MPI has ~2,048 communicators, and each strategy used one for good."""
+    import gc
+
+    gc.collect()
+    before = len(watchdog._registry)  # the fixtures' strategies
+    for i in range(2100):
+        strategy = mpistrat.MPIStrategy(world.comm)
+        del strategy
+        if i % 50 == 0:
+            gc.collect()
+    gc.collect()
+    watchdog._reap(block=True)  # those collected while the watchdog held its lock wait for its next look
+    live = len(watchdog._registry) - before
+    last = mpistrat.MPIStrategy(world.comm)  # still possible, and it works
+    got = last.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1.0))
+    all_ranks_agree(world.comm, got == world.size and live == 0, f"{got}, {live} monitors still watched")
