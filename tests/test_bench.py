@@ -21,6 +21,7 @@ from mpi4py import MPI
 from mpistrat.tools import bench, bench_report
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
+from tests.launch import launcher_options
 
 WORLD = MPI.COMM_WORLD
 OPTIMIZER_OPS = ["apply_gradients_sgd", "apply_gradients_adam"]
@@ -181,12 +182,13 @@ def mpiexec_env() -> dict[str, str]:
     return env
 
 
-def mpiexec() -> str:
+def mpiexec() -> list[str]:
+    """The launcher and what this MPI family needs to start a test job here (tests/launch.py)."""
     local = Path(sys.executable).parent / "mpiexec"
     found = str(local) if local.exists() else shutil.which("mpiexec")
     if not found:
         pytest.skip("no mpiexec next to this Python or on PATH")
-    return found
+    return [found, *launcher_options()]
 
 
 serial_only = pytest.mark.skipif(WORLD.Get_size() > 1, reason="spawns its own mpiexec: serial pass only")
@@ -196,7 +198,8 @@ serial_only = pytest.mark.skipif(WORLD.Get_size() > 1, reason="spawns its own mp
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_bench_under_mpiexec(tmp_path, ranks):
     out = tmp_path / f"bench-{ranks}.json"
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *SMALL, "--json", str(out)]
+    args = [*SMALL, "--json", str(out)]
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
     done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("## all_reduce:") == 1, done.stdout[-2000:]  # the table, from rank 0 only
@@ -208,7 +211,7 @@ def test_bench_under_mpiexec(tmp_path, ranks):
 def test_optimizer_steps_under_mpiexec(tmp_path, ranks):
     out = tmp_path / f"bench-{ranks}.json"
     args = [*SMALL, "--ops", ",".join(OPTIMIZER_OPS), "--json", str(out)]
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
     done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-3000:]
     assert all(done.stdout.count(f"## {op}:") == 1 for op in OPTIMIZER_OPS), done.stdout[-2000:]

@@ -17,6 +17,7 @@ import mpistrat.checkpoint as checkpoint_module
 from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.launch import launcher_options
 from tests.test_optimizers import CONFIGS, numpy_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,8 +337,8 @@ def child_env():
 
 
 def mpiexec(n, *args):
-    launcher = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(launcher), "-n", str(n), sys.executable, str(ROOT / "tests" / "checkpoint_job.py"), *args]
+    launcher = [str(Path(sys.executable).parent / "mpiexec"), *launcher_options()]
+    cmd = [*launcher, "-n", str(n), sys.executable, str(ROOT / "tests" / "checkpoint_job.py"), *args]
     done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
 

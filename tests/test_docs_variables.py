@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import WORLD
+from tests.launch import launcher_options
 from tests.test_checkpoint import ROOT, child_env
 
 pytestmark = pytest.mark.skipif(
@@ -19,7 +20,8 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "variables.md").rea
 def run(tmp_path, code, n):
     script = tmp_path / "example.py"
     script.write_text(code)
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(n), sys.executable, str(script)]
+    launcher = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(launcher), *launcher_options(), "-n", str(n), sys.executable, str(script)]
     done = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

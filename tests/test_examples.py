@@ -14,6 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat.examples import mlp
+from tests.launch import launcher_options
 
 ROOT = Path(__file__).resolve().parent.parent
 SERIAL_ONLY = pytest.mark.skipif(
@@ -70,7 +71,8 @@ def train(ranks: int, tmp_path: Path, tag: str, *options: str) -> dict[str, np.n
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     out = tmp_path / f"{tag}.npz"
-    command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpistrat.examples.digits", "--no-progress"]
+    command = [mpiexec, *launcher_options(), "-n", str(ranks)]
+    command += [sys.executable, "-m", "mpistrat.examples.digits", "--no-progress"]
     command += ["--weights-out", str(out), *options]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"

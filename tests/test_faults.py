@@ -17,6 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat import watchdog
+from tests.launch import launcher_options
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = Path(__file__).resolve().parent / "faults"
@@ -40,7 +41,7 @@ def run_job(
     child = {k: v for k, v in child.items() if not k.startswith("MPISTRAT_")}
     child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     child.update(env or {})
-    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(FAULTS / script), *args]
+    cmd = [str(MPIEXEC), *launcher_options(), "-n", str(ranks), sys.executable, str(FAULTS / script), *args]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,

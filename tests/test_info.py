@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mpistrat.tools import info
 from tests.conftest import WORLD, all_ranks_agree
+from tests.launch import launcher_options
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "MPIR_", "I_MPI_")
@@ -98,7 +99,8 @@ def test_command_at_two_ranks_maps_every_rank():
     if mpiexec() is None:
         pytest.skip("no mpiexec")
     out = run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpistrat", "info", "--json"], MPISTRAT_CUDA_AWARE="1"
+        [mpiexec(), *launcher_options(), "-n", "2", sys.executable, "-m", "mpistrat", "info", "--json"],
+        MPISTRAT_CUDA_AWARE="1",
     )
     report = json.loads(out)  # printed once, by rank 0
     assert report["size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]

@@ -108,7 +108,7 @@ def test_plot_of_real_runs_at_several_rank_counts(tmp_path):
     for ranks in (1, 2):
         path = tmp_path / f"bench-{ranks}.json"
         ops = ["--ops", "all_reduce,all_gather_uneven,train_step,apply_gradients_sgd", "--batch", "4"]
-        cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *SMALL, *ops]
+        cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *SMALL, *ops]
         done = subprocess.run(
             [*cmd, "--json", str(path), "--quiet"], env=mpiexec_env(), capture_output=True, timeout=110
         )
