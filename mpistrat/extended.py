@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 from mpi4py import MPI
 
-from mpistrat import context, watchdog
+from mpistrat import context, nest, watchdog
 from mpistrat.collectives import Collectives
 from mpistrat.comm import devices
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StrategyExtended", "current_colocation"]
 
-_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
 _colocation = threading.local()
@@ -258,9 +256,9 @@ class StrategyExtended:
             )
         if op == ONLY_FIRST_REPLICA:
             return parts[0]
-        total = functools.reduce(lambda a, b: optree.tree_map(np.add, a, b, **_NEST), parts)
+        total = functools.reduce(lambda a, b: nest.tree_map(np.add, a, b), parts)
         if op == ReduceOp.MEAN:
-            return optree.tree_map(lambda t: np.true_divide(t, n), total, **_NEST)
+            return nest.tree_map(lambda t: np.true_divide(t, n), total)
         return total
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
@@ -479,10 +477,10 @@ def _local(value: Any, rank: int) -> Any:
 
     if not isinstance(value, _CONTAINERS):  # one leaf (a gradient): no tree walk
         return one(value)
-    return optree.tree_map(one, value, **_NEST)
+    return nest.tree_map(one, value)
 
 
-def _unwrap_mirrored(nest: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
+def _unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
     """``(args, kwargs)`` with mirrored values and variables replaced by this rank's copy."""
 
     def one(x: Any) -> Any:
@@ -496,11 +494,11 @@ def _unwrap_mirrored(nest: tuple[tuple[Any, ...], dict[str, Any]], method: str) 
         component = getattr(x, "_component", None)
         return x if component is None else component
 
-    args, kwargs = nest
+    args, kwargs = arguments
     if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):  # flat (an optimizer's update)
         return tuple(map(one, args)), kwargs
-    return optree.tree_map(one, nest, **_NEST)
+    return nest.tree_map(one, arguments)
 
 
 def _ungroup(result: Any) -> Any:
-    return optree.tree_map(lambda x: (x,), result, **_NEST)
+    return nest.tree_map(lambda x: (x,), result)

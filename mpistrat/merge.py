@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from mpistrat import context, mismatch
+from mpistrat import context, mismatch, nest
 from mpistrat.collectives import Unsendable, check_level
 from mpistrat.errors import InvalidArgumentError, UnsupportedTypeError
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["MODES", "merge_on_root", "merge_on_every_rank"]
 
 MODES = ("root", "every_rank")
-_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 
 
 class _SameEverywhere:
@@ -67,7 +66,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
     collectives = extended.collectives
     rank = extended.rank
     local = (tuple(args), kwargs)
-    gathered = collectives.gather_to_root(optree.tree_map(_strip_shared, local, **_NEST))
+    gathered = collectives.gather_to_root(nest.tree_map(_strip_shared, local))
     components: list[list[Any]] = []
 
     def run() -> tuple[Any, list[tuple[int, Any]], bool]:  # on rank 0 alone
@@ -90,11 +89,10 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
         mine = collectives.scatter_from_root(
             components if rank == 0 else None, kind="merge_call (components)"
         )
-    return optree.tree_map(
+    return nest.tree_map(
         lambda x: _fill(x, mine, extended),
         shared,
         is_leaf=lambda x: isinstance(x, (_Component, _Synced)),
-        **_NEST,
     )
 
 
@@ -106,12 +104,12 @@ def _strip_shared(leaf: Any) -> Any:
 
 def _regroup(local: Any, gathered: list[Any]) -> Any:
     """Rank 0's args with each leaf replaced by ``PerReplica`` of every rank's value."""
-    leaves, spec = optree.tree_flatten(local, **_NEST)
+    leaves, spec = nest.tree_flatten(local)
     per_rank = [leaves]
     for r, other in enumerate(gathered[1:], start=1):
         if isinstance(other, Unsendable):
             raise UnsupportedTypeError(f"rank {r}: {other.message}")
-        other_leaves, other_spec = optree.tree_flatten(other, **_NEST)
+        other_leaves, other_spec = nest.tree_flatten(other)
         if other_spec != spec:
             raise UnsupportedTypeError(
                 f"merge_call: rank {r} passed arguments of a different structure than rank 0 "
@@ -164,7 +162,7 @@ def _split_result(result: Any, size: int) -> tuple[Any, list[list[Any]]]:
             return _Synced(key)
         return leaf
 
-    return optree.tree_map(split, result, **_NEST), components
+    return nest.tree_map(split, result), components
 
 
 def _fill(leaf: Any, mine: list[Any], extended: Any) -> Any:
@@ -189,7 +187,7 @@ def merge_on_every_rank(
     """
     extended = strategy.extended
     collectives = extended.collectives
-    m_args, m_kwargs = optree.tree_map(_own, (tuple(args), kwargs), **_NEST)
+    m_args, m_kwargs = nest.tree_map(_own, (tuple(args), kwargs))
     error: BaseException | None = None
     extended.merge_writes = []
     disagreements = collectives.disagreements
@@ -208,7 +206,7 @@ def merge_on_every_rank(
     if error is not None:
         raise error
     rank = extended.rank
-    return optree.tree_map(lambda leaf: _select(leaf, rank), result, **_NEST)
+    return nest.tree_map(lambda leaf: _select(leaf, rank), result)
 
 
 def _own(leaf: Any) -> Any:

@@ -34,7 +34,6 @@ __all__ = [
     "rank_list",
 ]
 
-_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 _fingerprints: dict[tuple[Any, ...], int] = {}
 
 
@@ -134,7 +133,7 @@ def describe(
     leaves: list[tuple[str, str, Any]] = []
     try:
         pairs = nest.flatten_with_paths(value)
-        structure = str(optree.tree_structure(value, **_NEST))
+        structure = str(nest.tree_structure(value))
     except RecursionError:
         depth = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
         pairs, structure = [], f"<a nest deeper than {depth} levels>"

@@ -18,6 +18,10 @@ import optree
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = [
+    "tree_flatten",
+    "tree_map",
+    "tree_paths",
+    "tree_structure",
     "flatten",
     "flatten_with_paths",
     "pack_sequence_as",
@@ -27,7 +31,30 @@ __all__ = [
     "path_str",
 ]
 
-_OPTS = {"none_is_leaf": True, "namespace": "mpistrat"}
+_OPTS = {"none_is_leaf": True, "namespace": "mpistrat"}  # the one place mpistrat's tree options live
+
+
+# optree's functions with mpistrat's options: every tree walk in the package goes through these.
+
+
+def tree_map(
+    fn: Callable[..., Any], tree: Any, *rests: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> Any:
+    """``optree.tree_map`` with ``None`` a leaf and sorted dict keys."""
+    return optree.tree_map(fn, tree, *rests, is_leaf=is_leaf, **_OPTS)  # type: ignore[arg-type]
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """``(leaves, treespec)``; ``optree.tree_unflatten(treespec, leaves)`` inverts it."""
+    return optree.tree_flatten(tree, **_OPTS)  # type: ignore[arg-type]
+
+
+def tree_structure(tree: Any) -> optree.PyTreeSpec:
+    return optree.tree_structure(tree, **_OPTS)  # type: ignore[arg-type]
+
+
+def tree_paths(tree: Any) -> list[tuple[Any, ...]]:
+    return optree.tree_paths(tree, **_OPTS)  # type: ignore[arg-type]
 
 
 def flatten(structure: Any) -> list[Any]:

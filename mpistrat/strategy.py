@@ -12,7 +12,7 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import abort, context, merge
+from mpistrat import abort, context, merge, nest
 from mpistrat.collectives import to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
@@ -31,8 +31,6 @@ from mpistrat.replica_context import ReplicaContext
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 __all__ = ["Strategy", "MPIStrategy", "default_strategy"]
-
-_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 
 
 class Strategy:
@@ -125,15 +123,15 @@ class Strategy:
             return self.run(fn)
         return self.run(fn, args=(input_iterator.get_next(),))
 
-    def _unwrap(self, nest: Any, rank: int) -> Any:
-        """``nest`` with PerReplica/Mirrored leaves replaced by this rank's component.
+    def _unwrap(self, arguments: Any, rank: int) -> Any:
+        """``arguments`` with PerReplica/Mirrored leaves replaced by this rank's component.
 
         Rebuilt only when there is something to unwrap: the user's objects pass through as
         they are, and a large argument nest costs one flatten in C.
         """
-        leaves, spec = optree.tree_flatten(nest, **_NEST)
+        leaves, spec = nest.tree_flatten(arguments)
         if not any(isinstance(leaf, (PerReplica, Mirrored)) for leaf in leaves):
-            return nest
+            return arguments
         return optree.tree_unflatten(spec, [self._local_component(leaf, rank) for leaf in leaves])
 
     def _local_component(self, value: Any, rank: int) -> Any:
@@ -163,14 +161,14 @@ class Strategy:
         mode = context.require_cross_replica("Strategy.reduce")
         if mode.kind == "merge":
             op = ReduceOp.from_any(reduce_op)
-            return optree.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value, **_NEST)
-        local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
+            return nest.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value)
+        local = nest.tree_map(lambda x: self._local_component(x, self._extended.rank), value)
         collectives = self._extended.collectives
         if axis is None:
             return collectives.all_reduce(reduce_op, local, kind="reduce")
         try:
             op = ReduceOp.from_any(reduce_op)
-            leaves, spec = optree.tree_flatten(local, **_NEST)
+            leaves, spec = nest.tree_flatten(local)
             arrays = to_arrays(local, leaves, "reduce")
             for a in arrays:
                 if not -a.ndim <= axis < a.ndim:
@@ -216,12 +214,11 @@ class Strategy:
         """
         mode = context.require_cross_replica("Strategy.gather")
         if mode.kind == "merge":
-            return optree.tree_map(
+            return nest.tree_map(
                 lambda v: _concatenate(self.experimental_local_results(v), axis),
                 value,
-                **_NEST,
             )
-        local = optree.tree_map(lambda x: self._local_component(x, self._extended.rank), value, **_NEST)
+        local = nest.tree_map(lambda x: self._local_component(x, self._extended.rank), value)
         return self._extended.collectives.all_gather(local, axis, kind="gather")
 
     # -- input: thin delegations to mpistrat.input ------------------------------------

@@ -43,7 +43,6 @@ __all__ = [
     "too_deep",
 ]
 
-_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
 # optree refuses to walk deeper than this (a RecursionError), whatever sys.getrecursionlimit() says.
 MAX_DEPTH = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
 
@@ -76,7 +75,7 @@ def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
 
 _REDUCE_OPS: dict[Any, ReduceOp] = {}
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
-LEAF_SPEC = optree.tree_structure(0, **_NEST)
+LEAF_SPEC = nest.tree_structure(0)
 
 
 def plain(dtype: np.dtype) -> bool:
@@ -159,7 +158,7 @@ _FLAT: dict[Any, tuple[Any, tuple[Any, ...] | None]] = {}
 
 
 def flatten(value: Any) -> tuple[list[Any], Any]:
-    """``optree.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays."""
+    """``nest.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays."""
     kind = type(value)
     if kind is np.ndarray:
         return [value], LEAF_SPEC
@@ -173,14 +172,14 @@ def flatten(value: Any) -> tuple[list[Any], Any]:
             if packing.all_numpy(leaves):
                 return leaves, spec
     try:
-        leaves, spec = optree.tree_flatten(value, **_NEST)
+        leaves, spec = nest.tree_flatten(value)
     except RecursionError as exc:  # raised on this rank alone: it must travel through the handshake
         raise too_deep() from exc
     children = list(value.values()) if kind is dict else value
     if flat and packing.all_numpy(children) and len(leaves) == len(value):  # each child is a leaf
         order = None
         if kind is dict:  # the keys in optree's leaf order
-            order = tuple(path[0] for path in optree.tree_paths(value, **_NEST))
+            order = tuple(path[0] for path in nest.tree_paths(value))
         if len(_FLAT) >= 256:
             _FLAT.clear()
         _FLAT[key] = (spec, order)

@@ -38,8 +38,6 @@ __all__ = [
     "spec_fingerprint",
 ]
 
-_NEST = {"none_is_leaf": True, "namespace": "mpistrat"}
-
 
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:
@@ -132,7 +130,7 @@ def examine(batch: Any, where: str) -> Batch:
     """
     if isinstance(batch, Batch):
         return batch
-    leaves, treespec = optree.tree_flatten(batch, **_NEST)
+    leaves, treespec = nest.tree_flatten(batch)
     if not leaves:
         raise InvalidArgumentError(
             f"{where}: a batch has no arrays in it (got {batch!r}); yield a nest of arrays"
@@ -182,7 +180,7 @@ def split_batch(batch: Any, num_replicas: int, replica: int) -> Any:
 
 def empty_batch(spec: Any) -> Any:
     """A batch with no examples, of the structure, dtypes and inner shapes of ``spec``."""
-    return optree.tree_map(lambda s: s.empty(), spec, **_NEST)
+    return nest.tree_map(lambda s: s.empty(), spec)
 
 
 _FINGERPRINTS: dict[Any, int] = {}
@@ -206,7 +204,7 @@ def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False) -> int:
 
 def spec_fingerprint(spec: Any) -> int:
     """:func:`fingerprint` of an element spec: structure and dtypes, not shapes."""
-    leaves, treespec = optree.tree_flatten(spec, **_NEST)
+    leaves, treespec = nest.tree_flatten(spec)
     return fingerprint(treespec, leaves)
 
 
