@@ -366,6 +366,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except OSError:  # e.g. PermissionError: it exists, as another user's process
         return True
+    except (OverflowError, ValueError):  # not a process id at all: the name only looks like ours
+        return True
     return True
 
 

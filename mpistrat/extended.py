@@ -109,7 +109,11 @@ class StrategyExtended:
 
     @property
     def communicator(self) -> MPI.Intracomm:
-        """The strategy's private communicator."""
+        """The strategy's private communicator.
+
+        It is freed with the strategy (``experimental_finalize()``, or when the strategy is
+        garbage-collected): ``Dup()`` it to keep using it after that.
+        """
         return self.collectives.comm
 
     @property

@@ -402,3 +402,14 @@ def test_killed_save_leaves_the_old_checkpoint_loadable(tmp_path):
     assert v.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
     ckpt.save(tmp_path / "ckpt")  # the next save reclaims the killed one's temporary file
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt"]
+
+
+def test_a_name_that_only_looks_like_a_temporary_never_fails_a_save(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    path = ckpt.save(os.path.join(directory, "model"))
+    if group.rank == 0:  # a "process id" too large for the operating system
+        Path(directory, f"model.tmp{10**20}-{checkpoint_module._host()}").write_bytes(Path(path).read_bytes())
+    group.comm.Barrier()
+    ckpt.save(os.path.join(directory, "model"))
+    all_ranks_agree(group.comm, ckpt.latest(directory) == os.path.join(directory, "model"))

@@ -191,3 +191,18 @@ def test_a_bad_setting_on_one_rank_fails_strategy_creation_on_every_rank(world, 
     if world.rank == world.size - 1:
         monkeypatch.setenv("MPISTRAT_TIMEOUT", "abc")
     raises_on_every_rank(world.comm, InvalidArgumentError, lambda: mpistrat.MPIStrategy(world.comm), "abc")
+
+
+def test_a_memmap_on_one_rank_takes_the_same_all_gather_path_as_arrays_elsewhere(group, tmp_path):
+    """Large leaves are gathered in place; the choice must not depend on the array's exact type."""
+    n = (1 << 20) // 4 + 7  # each leaf over the in-place threshold
+    mine = [np.full(n, group.rank, np.float32), np.arange(n, dtype=np.float32) + group.rank]
+    if group.rank == group.size - 1:
+        path = tmp_path / f"leaf-{group.comm.Get_rank()}.npy"
+        np.save(path, mine[0])
+        mine[0] = np.load(path, mmap_mode="r")
+    got = group.strategy.run(lambda: mpistrat.get_replica_context().all_gather(mine, axis=0))
+    want = [np.concatenate([np.full(n, r, np.float32) for r in range(group.size)]),
+            np.concatenate([np.arange(n, dtype=np.float32) + r for r in range(group.size)])]  # fmt: skip
+    ok = all(np.array_equal(g, w) and g.dtype == np.float32 for g, w in zip(got, want, strict=True))
+    all_ranks_agree(group.comm, ok, "all_gather with a memmap leaf differs from NumPy")

@@ -40,3 +40,31 @@ def test_merge_call_gathers_and_broadcasts_small_and_large_arrays(group, pattern
         and np.array_equal(mine, (np.arange(2) + 1000 * group.rank) * 2)
     )
     all_ranks_agree(group.comm, ok, f"{whole[:4]} {tags} {mine}")
+
+
+class _TwoArgumentError(Exception):
+    """Pickles, but does not unpickle: its __init__ takes two arguments and args holds one."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+
+
+def test_values_that_pickle_but_do_not_unpickle_fail_every_rank(group):
+    from tests.conftest import raises_on_every_rank
+
+    collectives = group.strategy.extended.collectives
+
+    def result():  # returned, not raised, by rank 0's work
+        return collectives.on_root(lambda: _TwoArgumentError(3, "x"), kind="example")
+
+    def arguments():
+        return group.strategy.run(
+            lambda: mpistrat.get_replica_context().merge_call(
+                lambda s, e: 0, args=(_TwoArgumentError(group.rank, "x"),)
+            )
+        )
+
+    raises_on_every_rank(group.comm, mpistrat.UnsupportedTypeError, result, "cannot be pickled")
+    raises_on_every_rank(group.comm, mpistrat.UnsupportedTypeError, arguments, "cannot be pickled")
+    after = group.strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
+    all_ranks_agree(group.comm, int(after) == group.size, f"{after}")

@@ -81,7 +81,9 @@ def all_gather(
     direct = [
         i
         for i, a in enumerate(arrays)
-        if type(a) is np.ndarray and a.itemsize * totals[i] * math.prod(rests[i]) >= _DIRECT_BYTES
+        # every rank decides alike: from agreed sizes, and device-ness (in the fingerprint), never
+        # the array's exact type (a rank's np.memmap must not take another path than an ndarray)
+        if not packing.is_device_array(a) and a.itemsize * totals[i] * math.prod(rests[i]) >= _DIRECT_BYTES
     ]
     for i in direct:
         out[i] = _allgather_direct(self, arrays[i], axes[i], sizes[:, i])

@@ -84,7 +84,12 @@ def gather_to_root(
             buf = np.frombuffer(bytearray(payload), dtype=np.uint8)  # writable, private
         else:
             buf = everything[displs[r] : displs[r] + payload]
-        gathered.append(_join_arrays(h, buf))
+        try:
+            gathered.append(_join_arrays(h, buf))
+        except Exception as exc:  # the caller raises it on every rank (merge_call: through on_root)
+            gathered.append(
+                Unsendable(f"rank {r}'s arguments cannot be unpickled: {type(exc).__name__}: {exc}")
+            )
     return gathered
 
 
@@ -184,7 +189,11 @@ class Unsendable:
 
 def _split_or_fail(obj: Any, what: str) -> tuple[Any, np.ndarray, UnsupportedTypeError | None]:
     try:
-        return (*_split_arrays(obj), None)
+        header, data = _split_arrays(obj)
+        # What the receivers will do: an object that pickles but does not unpickle (an exception
+        # whose __init__ takes other arguments) fails here, where every rank can be told.
+        _join_arrays(header, data)
+        return header, data, None
     except Exception as exc:
         error = UnsupportedTypeError(f"{what}: {type(exc).__name__}: {exc}")
         return (*_split_arrays(Unsendable(str(error))), error)
