@@ -330,9 +330,9 @@ class DistributedVariable(Variable, DistributedValues):
         mode = context.current_mode()
         strategy = mode.strategy
         extended = strategy.extended
-        value = _broadcast_initial(
-            extended, self._value, self._name, self._synchronization, self._aggregation
-        )
+        # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
+        kind = f"variable_creation({self._name}, {self._synchronization.name}, {self._aggregation.name})"
+        value = extended.collectives.broadcast(self._value, kind=kind)
         del self._value
         self._component = Variable._plain(value, self._name, self._trainable)
         self._component._owner = self
@@ -548,11 +548,6 @@ def _initial(initial_value: Any, dtype: Any, name: str) -> Any:
             f"Variable {name!r}: cannot make an array of {initial_value!r}: {exc}"
         ) from None
     return packing.as_array(arr, f"Variable {name!r}")
-
-
-def _broadcast_initial(extended: Any, value: Any, name: str, sync: Any, agg: Any) -> Any:
-    """Rank 0's initial value on every rank; a rank with a different shape/dtype/kind fails everywhere."""
-    return extended.collectives.broadcast(value, kind=f"variable_creation({name}, {sync.name}, {agg.name})")
 
 
 class _Writable:
