@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from mpi4py import MPI
 
+from mpistrat import config
 from mpistrat.log import world_rank
 
 __all__ = ["abort_job", "abort_later", "enabled", "install", "set_abort_on_exception"]
@@ -48,8 +49,7 @@ def enabled() -> bool:
     """Whether an uncaught exception aborts the job: the setting, else ``MPISTRAT_ABORT_ON_EXCEPTION``."""
     if _enabled is not None:
         return _enabled
-    raw = os.environ.get("MPISTRAT_ABORT_ON_EXCEPTION", "1")
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+    return bool(config.read("MPISTRAT_ABORT_ON_EXCEPTION"))
 
 
 def _in_parallel_job() -> bool:

@@ -15,10 +15,11 @@ rank's warnings through.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from mpi4py import MPI
+
+from mpistrat import config
 
 __all__ = ["ANY_RANK", "configure", "logger", "world_rank"]
 
@@ -41,7 +42,7 @@ def world_rank() -> int:
 def _everyone() -> bool:
     if _all_ranks is not None:
         return _all_ranks
-    return os.environ.get("MPISTRAT_LOG_ALL_RANKS", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(config.read("MPISTRAT_LOG_ALL_RANKS"))
 
 
 class RankFilter(logging.Filter):

@@ -201,7 +201,7 @@ def merge_on_every_rank(
     # A collective inside merge_fn that failed on every rank (a rank that raised early met the
     # others there) has told everyone already: a closing handshake now would wait for nobody.
     told = collectives.disagreements != disagreements
-    if not told and (agree or check_level(collectives.options) > 1):
+    if not told and (agree or check_level(collectives) > 1):
         _agree(extended, written, error)
     if error is not None:
         raise error
@@ -227,7 +227,7 @@ def _agree(extended: Any, written: list[tuple[int, Any]], error: BaseException |
     """One handshake after merge_fn: it failed on no rank (else every rank raises), and, under
     ``MPISTRAT_CHECK=strict``, every mirrored variable it wrote holds the same bytes everywhere."""
     fingerprint, describe = 0, None
-    if check_level(extended.collectives.options) > 1:
+    if check_level(extended.collectives) > 1:
         mirrored = [(extended.synced(k), v) for k, v in dict(written).items()]
         sums = [
             (repr(var.name), mismatch.checksum(v)) for var, v in mirrored if getattr(var, "mirrored", False)

@@ -388,7 +388,7 @@ class DistributedVariable(Variable, DistributedValues):
         (replayed everywhere) are not compared.
         """
         extended = self._extended
-        if mode.kind == "merge" or extended.in_sync or not check_enabled(extended.collectives.options):
+        if mode.kind == "merge" or extended.in_sync or not check_enabled(extended.collectives):
             return self._coerce(value, how)
         new, error, code = None, None, 0
         try:

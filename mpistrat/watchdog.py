@@ -53,11 +53,11 @@ False
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import inspect
 import itertools
-import math
 import os
 import sys
 import threading
@@ -68,8 +68,8 @@ from typing import Any, TypeVar
 
 from mpi4py import MPI
 
-from mpistrat import abort
-from mpistrat.errors import CollectiveTimeoutError, InvalidArgumentError
+from mpistrat import abort, config
+from mpistrat.errors import CollectiveTimeoutError, ContextError
 from mpistrat.log import ANY_RANK, logger
 
 __all__ = ["Monitor", "call_site", "collective", "unwatch", "wait", "watch"]
@@ -101,28 +101,6 @@ Event = tuple[int, str, str]  # (seq, kind, "stall" | "timeout"): one event of o
 Result = tuple[str, list[int]]  # (who is missing and where, the ranks waiting in the collective)
 
 
-def seconds_from_env(name: str, default: float | None) -> float | None:
-    """A positive number of seconds from the environment; ``0``/``off``/``none`` disables (None).
-
-    >>> seconds_from_env("MPISTRAT_NOT_SET", 60.0)
-    60.0
-    """
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("off", "none", "no", "false"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if math.isnan(value) or value < 0:
-        raise InvalidArgumentError(
-            f"{name} must be a number of seconds > 0, or 0/off to disable; got {os.environ[name]!r}"
-        )
-    return None if value == 0 or math.isinf(value) else value
-
-
 @dataclasses.dataclass
 class Diagnosis:
     """An event this rank diagnoses: its query, when to stop waiting, who to tell besides the waiting."""
@@ -143,7 +121,10 @@ class Monitor:
         self.kind = ""
         self.start: float | None = None  # monotonic time the current collective began; None: idle
         self.deadline: float | None = None
-        self.thread: int | None = None
+        self.polled = False  # the current collective's timeout was chosen: its handshake polls, to raise
+        self.busy = threading.Lock()  # held by the thread inside a collective: one thread at a time
+        self.thread: int | None = None  # that thread
+        self.last_thread: int | None = None  # the thread of the last collective (where the program is)
         self.last: tuple[str, int, float] | None = None  # (kind, seq, end time) of the last collective
         self.polling = False  # the main thread waits in wait(), so it can raise
         self.agreed: float | None = None  # start of the collective whose opening handshake completed
@@ -151,7 +132,9 @@ class Monitor:
         self.warned: float | None = None
         self.handled: float | None = None
         self.env_timeout: float | None = None
+        self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
         self.stall_after: float | None = None
+        self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
         self.side = False
         self.noticed: tuple[float, float] | None = None  # (start, time) this rank saw the stall
         # Side-channel state, touched under _lock:
@@ -168,7 +151,7 @@ class Monitor:
     def state(self) -> dict[str, Any]:
         """Where this rank is now: inside which collective, or where its program is."""
         now, start = time.monotonic(), self.start
-        thread = self.thread or threading.main_thread().ident
+        thread = self.thread or self.last_thread or threading.main_thread().ident
         frame = sys._current_frames().get(thread)
         return {
             "world": MPI.COMM_WORLD.Get_rank(),
@@ -188,8 +171,9 @@ def watch(collectives: Any) -> Monitor:
     Reads ``MPISTRAT_TIMEOUT`` and ``MPISTRAT_STALL_WARNING_SECONDS`` now (when the strategy is created).
     """
     mon = Monitor(collectives)
-    mon.env_timeout = seconds_from_env("MPISTRAT_TIMEOUT", None)
-    mon.stall_after = seconds_from_env("MPISTRAT_STALL_WARNING_SECONDS", STALL_DEFAULT)
+    mon.env_timeout = config.read("MPISTRAT_TIMEOUT")
+    mon.env_polled = config.given("MPISTRAT_TIMEOUT")
+    mon.stall_after = config.read("MPISTRAT_STALL_WARNING_SECONDS")
     if mon.watched:
         mon.side = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         with _lock:
@@ -253,7 +237,9 @@ def collective(default_kind: str) -> Callable[[F], F]:
 
     The method's ``kind`` and ``options`` arguments (when it has them) name the
     collective and may set its timeout; a collective called inside another one
-    (a helper) belongs to the outer one.
+    (a helper) belongs to the outer one. A second thread calling while one is inside
+    a collective of the same strategy gets ``ContextError``: two threads' collectives
+    would pair up differently on different ranks.
     """
 
     def decorate(method: F) -> F:
@@ -264,26 +250,37 @@ def collective(default_kind: str) -> Callable[[F], F]:
         @functools.wraps(method)
         def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
             mon: Monitor = self.monitor
-            if mon.start is not None or not mon.watched:
-                start = mon.start
+            me = threading.get_ident()
+            if not mon.busy.acquire(blocking=False):
+                if mon.thread != me:
+                    raise ContextError(_two_threads(mon, me, default_kind))
+                start = mon.start  # a helper inside this thread's collective: part of it
                 result = method(self, *args, **kwargs)
                 if default_kind == "handshake" and start is not None and _handshake_sent(self, kwargs):
                     mon.agreed = start  # every rank has entered this collective: the handshake completed
                 return result
-            kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
-            options = args[options_at] if 0 <= options_at < len(args) else kwargs.get("options")
-            timeout = (
-                getattr(options, "timeout_seconds", None) or self.options.timeout_seconds or mon.env_timeout
-            )
-            now = time.monotonic()
-            mon.kind, mon.thread = kind, threading.get_ident()
-            mon.deadline = None if timeout is None else now + timeout
-            mon.start = now
+            mon.thread = me
             try:
-                return method(self, *args, **kwargs)
+                if not mon.watched:
+                    return method(self, *args, **kwargs)
+                kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
+                options = args[options_at] if 0 <= options_at < len(args) else kwargs.get("options")
+                chosen = getattr(options, "timeout_seconds", None) or self.options.timeout_seconds
+                timeout = chosen or mon.env_timeout
+                now = time.monotonic()
+                mon.kind = kind
+                mon.deadline = None if timeout is None else now + timeout
+                mon.polled = timeout is not None and (chosen is not None or mon.env_polled)
+                mon.start = now
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
+                    mon.polled = False
+                    mon.last = (kind, self.seq, time.monotonic())
             finally:
-                mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
-                mon.last = (kind, self.seq, time.monotonic())
+                mon.last_thread, mon.thread = me, None
+                mon.busy.release()
 
         return watched  # type: ignore[return-value]
 
@@ -294,7 +291,19 @@ def _handshake_sent(collectives: Any, kwargs: dict[str, Any]) -> bool:
     """Whether the handshake just completed exchanged messages (with the check off it may only count)."""
     from mpistrat.collectives.handshake import check_enabled
 
-    return kwargs.get("extras") is not None or check_enabled(kwargs.get("options") or collectives.options)
+    return kwargs.get("extras") is not None or check_enabled(collectives, kwargs.get("options"))
+
+
+def _two_threads(mon: Monitor, me: int, kind: str) -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    inside = mon.thread
+    return (
+        f"{kind} was called from thread {names.get(me, me)!r} while thread "
+        f"{names.get(inside, inside) if inside else 'another'!r} is inside {mon.kind or 'a collective'} "
+        f"(collective #{mon.seq}) of the same strategy. A strategy's collectives run one thread at a "
+        "time: the ranks would pair two threads' collectives up differently. Call them from one "
+        "thread, or give each thread its own strategy (MPIStrategy(comm.Dup()))."
+    )
 
 
 def wait(mon: Monitor, request: MPI.Request) -> None:
@@ -470,6 +479,52 @@ def _serve(mon: Monitor) -> None:
                 _coordinate(mon, tuple(ref), source)
             elif what == "result":
                 _remember(mon.results, tuple(ref), (payload[0], list(payload[1])))
+            elif what == "left":  # ref: the rank that exited; payload: its last collective, why
+                _depart(mon, ref, payload[0], payload[1], told_by=source)
+
+
+def _depart(mon: Monitor, rank: int, last: int, why: str, told_by: int) -> None:
+    """``rank`` exited after collective ``last``; the coordinator tells every other rank of the first."""
+    if rank in mon.departed:
+        return
+    first = not mon.departed
+    mon.departed[rank] = (last, why)
+    if first and told_by == rank:  # from the rank itself: this rank is its coordinator
+        for r in range(mon.size):
+            if r not in (rank, mon.rank):
+                _send(mon, ("left", rank, last, why), r)
+
+
+def _coordinator(mon: Monitor) -> int:
+    return 1 if mon.rank == 0 else 0
+
+
+def announce_exit() -> None:
+    """This process is exiting: tell each live strategy's coordinator (which tells the others).
+
+    Ranks waiting in a collective this rank will never join then end at once, naming it,
+    instead of waiting for a timeout. One message per strategy from each exiting rank and
+    at most R-1 from the coordinator, so a job's normal end costs O(R) messages.
+    """
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    why = _exit_reason()
+    with _lock:
+        for mon in list(_registry):
+            if mon.side and mon.watched:
+                _send(mon, ("left", mon.rank, mon.seq, why), _coordinator(mon))
+    ends = time.monotonic() + GRACE
+    while _sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
+        with _lock:
+            _sends[:] = [r for r in _sends if not r.Test()]
+        time.sleep(POLL / 20)
+
+
+def _exit_reason() -> str:
+    error = getattr(sys, "last_value", None)  # an uncaught exception ended the program
+    if error is not None:
+        return f"an uncaught {type(error).__name__}"
+    return "sys.exit or the end of its program"
 
 
 def _advance(mon: Monitor) -> None:
@@ -535,7 +590,10 @@ def _start() -> None:
 
 
 def _shutdown() -> None:
-    """Stop the thread before MPI is finalized (atexit runs before mpi4py finalizes MPI)."""
+    """Say this rank leaves, then stop the thread before MPI is finalized (atexit runs before
+    mpi4py finalizes MPI)."""
+    with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
+        announce_exit()
     _stop.set()
     if _thread is not None and _thread is not threading.current_thread():
         _thread.join(timeout=2 * POLL + GRACE)
@@ -574,6 +632,17 @@ def _tend(mon: Monitor) -> None:
     seq, kind = mon.seq, mon.kind
     if mon.start != start:
         return  # a new collective began while we read
+    if mon.departed and mon.handled != start:
+        gone = sorted((r, last, why) for r, (last, why) in mon.departed.items() if last < seq)
+        if gone:  # it exited before this collective: it will never join it
+            mon.handled = start
+            rank, last, why = gone[0]
+            _end(
+                mon,
+                start,
+                f"{_headline(mon)} cannot complete: rank {rank} exited after collective #{last} ({why})",
+            )
+            return
     now = time.monotonic()
     if mon.deadline is not None and now >= mon.deadline:
         if mon.handled == start:
@@ -621,15 +690,18 @@ def _warn(mon: Monitor, start: float, waited: float, result: Result) -> None:
 
 
 def _time_out(mon: Monitor, start: float, timeout: float, explanation: str) -> None:
-    headline = _headline(mon)
+    default = "" if mon.polled else " (MPISTRAT_TIMEOUT's default; set it to change this, 0 to disable)"
+    problem = f"{_headline(mon)} did not complete within its timeout of {timeout:g} s{default}"
+    _end(mon, start, f"{problem}: {explanation}")
+
+
+def _end(mon: Monitor, start: float, problem: str) -> None:
+    """End the job: this collective cannot complete (raise it first where the main thread polls)."""
     if mon.start != start:
         return
-    message = (
-        f"{headline} did not complete within its timeout of {timeout:g} s: "
-        f"{explanation}. The job is aborted: a timed-out collective leaves the communicator unusable."
-    )
+    message = f"{problem}. The job is aborted: a collective left half-done leaves the communicator unusable."
     if mon.polling:
         mon.expired = message  # the main thread raises CollectiveTimeoutError with it
-        abort.abort_later(ABORT_DELAY, f"{mon.kind} (collective #{mon.seq}) timed out")
+        abort.abort_later(ABORT_DELAY, f"{mon.kind} (collective #{mon.seq}) could not complete")
     else:
         abort.abort_job(message)

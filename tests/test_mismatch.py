@@ -6,7 +6,7 @@ import pytest
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions, UnsupportedTypeError
 from mpistrat.mismatch import by_rank, rank_list
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import Group, all_ranks_agree, raises_on_every_rank
 
 
 def run_all_reduce(group, op, value, options=None):
@@ -150,13 +150,15 @@ def test_mismatch_is_a_value_error():
 def test_check_off_keeps_results_right(group, monkeypatch):
     value = {"a": np.arange(3.0), "b": [np.int32(group.rank)]}
     expected = {"a": np.arange(3.0) * group.size, "b": [sum(range(group.size))]}
-    for options in (CommunicationOptions(check=False), None):
-        if options is None:
-            monkeypatch.setenv("MPISTRAT_CHECK", "0")
-        got = run_all_reduce(group, "sum", value, options)
+    monkeypatch.setenv("MPISTRAT_CHECK", "0")  # read when a strategy is created
+    unchecked = Group(group.name, group.comm, mpistrat.MPIStrategy(group.comm))
+    monkeypatch.delenv("MPISTRAT_CHECK")
+    assert unchecked.strategy.extended.collectives.check == 0
+    for where, options in ((group, CommunicationOptions(check=False)), (unchecked, None)):
+        got = run_all_reduce(where, "sum", value, options)
         ok = np.array_equal(got["a"], expected["a"]) and int(got["b"][0]) == expected["b"][0]
         all_ranks_agree(group.comm, ok, f"{got}")
-    monkeypatch.delenv("MPISTRAT_CHECK")
+    unchecked.strategy.experimental_finalize()
     still_works(group)
 
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import watchdog
+from mpistrat import config, watchdog
 from mpistrat.collectives import all_gather, all_reduce, broadcast, handshake, objects
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.comm.transport import Transports
-from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
 __all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
@@ -50,13 +49,9 @@ class Collectives:
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self._handshake_send = np.empty(10, dtype=np.int64)
         self._handshake_recv = np.empty(10, dtype=np.int64)
-        error = None
-        try:
-            self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
-        except InvalidArgumentError as exc:
-            self.monitor, error = watchdog.Monitor(self), exc
-        # A bad setting on one rank (its own environment, in an MPMD launch) fails every rank.
-        self.agree("strategy creation", error=error, extras=[])
+        self.check: int = config.read("MPISTRAT_CHECK")
+        self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
+        self.agree("strategy creation", extras=[])
         self.seq = 0  # the program's first collective is #1 in messages
 
     agree = handshake.agree

@@ -22,7 +22,6 @@ number's maximum over the ranks rides in the handshake itself.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,25 +39,19 @@ __all__ = ["agree", "check_enabled", "check_level", "code"]
 _MAGIC = 0x6D707374  # "mpst"
 
 
-def check_enabled(options: CommunicationOptions) -> bool:
-    """Whether the handshake check runs: the option, else ``MPISTRAT_CHECK`` (default on)."""
-    return check_level(options) > 0
+def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
+    """Whether the handshake check runs for a call with ``options`` (default: the strategy's)."""
+    return check_level(collectives, options) > 0
 
 
-def check_level(options: CommunicationOptions) -> int:
+def check_level(collectives: Collectives, options: CommunicationOptions | None = None) -> int:
     """0: no check; 1: the handshake (the default); 2 (``strict``): also compare the copies of
-    the variables every-rank merge functions update. The option, else ``MPISTRAT_CHECK``."""
-    if options.check is not None:
-        return 2 if options.check == "strict" else int(bool(options.check))
-    return _env_level(os.environ.get("MPISTRAT_CHECK", "1"))
-
-
-@functools.lru_cache(maxsize=16)
-def _env_level(value: str) -> int:
-    value = value.strip().lower()
-    if value in ("2", "strict"):
-        return 2
-    return int(value not in ("0", "false", "no", "off"))
+    the variables every-rank merge functions update. The call's option, else the strategy's,
+    else ``MPISTRAT_CHECK`` as it was when the strategy was created."""
+    for chosen in (options, collectives.options):
+        if chosen is not None and chosen.check is not None:
+            return 2 if chosen.check == "strict" else int(bool(chosen.check))
+    return collectives.check
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,7 +92,7 @@ def agree(
     With the check off (and no ``extras``) nothing is sent: the call is numbered, and
     ``error`` is raised on this rank alone.
     """
-    if extras is None and not check_enabled(options or self.options):
+    if extras is None and not check_enabled(self, options):
         if error is not None:
             raise error
         self.seq += 1
@@ -112,7 +105,7 @@ def agree(
     # Always the non-blocking form: MPI never matches a blocking collective with a non-blocking
     # one, and a rank whose timeout is set (per call, or in its environment) must poll.
     request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
-    if self.monitor.deadline is None:
+    if not self.monitor.polled:
         request.Wait()
     else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
         watchdog.wait(self.monitor, request)

@@ -60,7 +60,7 @@ def gather_to_root(
     )
     inline = data.size <= INLINE_BYTES
     # Without the check, an error travels in the pickled message instead: root raises it for all.
-    raw = self.agree(kind, error=error if check_enabled(self.options) else None, maximum=0 if inline else 1)
+    raw = self.agree(kind, error=error if check_enabled(self) else None, maximum=0 if inline else 1)
     if raw is None:  # unknown without the check: the Gatherv always follows
         raw = 1
     if self.rank != root:

@@ -29,14 +29,13 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mpistrat import config
+
 __all__ = ["ENV", "CudaAwareness", "cuda_awareness", "detect", "mpi_libraries", "query_library"]
 
 ENV = "MPISTRAT_CUDA_AWARE"
 # From MPICH's mpi.h: enum values of MPIX_GPU_query_support's first argument.
 MPIX_GPU_SUPPORT_CUDA = 0
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +60,11 @@ def detect(
         library_version: ``MPI.Get_library_version()`` (default: asked of mpi4py).
     """
     env = os.environ if env is None else env
-    override = env.get(ENV, "").strip().lower()
-    if override in _TRUE + _FALSE:
-        return CudaAwareness(override in _TRUE, f"{ENV}={env[ENV].strip()} in the environment")
-    ignored = f"{ENV}={env[ENV]!r} is not 0 or 1 and was ignored; " if override else ""
+    override = config.read(ENV, env)
+    if override is not None:
+        return CudaAwareness(override, f"{ENV}={env[ENV].strip()} in the environment")
+    raw = env.get(ENV, "").strip()
+    ignored = f"{ENV}={raw!r} is not 0 or 1 and was ignored; " if raw.lower() not in ("", "auto") else ""
     if libraries is None:
         from mpi4py import MPI
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mpistrat import config
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = [
@@ -115,10 +116,7 @@ def node_local(comm: MPI.Intracomm) -> tuple[int, int]:
 
 
 def requested_mode(env: Mapping[str, str]) -> str:
-    mode = env.get(DEVICE_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "gpu", "cpu"):
-        raise InvalidArgumentError(f"{DEVICE_ENV} must be auto, gpu or cpu; got {env[DEVICE_ENV]!r}")
-    return mode
+    return str(config.read(DEVICE_ENV, env))
 
 
 def place(comm: MPI.Intracomm, env: Mapping[str, str] | None = None, *, select: bool = True) -> Placement:

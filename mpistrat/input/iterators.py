@@ -237,7 +237,7 @@ class SplitIterator(DistributedIterator):
             batch = raw if raw is END else examine(raw, self.where)
         except Exception as exc:
             error, cause = wrap_user_error(exc, self.where), (None if isinstance(exc, MpistratError) else exc)
-        if check_enabled(collectives.options):
+        if check_enabled(collectives):
             fingerprint = _END_CODE
             if isinstance(batch, Batch):
                 fingerprint = batch_fingerprint(batch.treespec, batch.leaves, shapes=True)
@@ -363,7 +363,7 @@ class PipelineIterator(DistributedIterator):
         spec = self._cell.value
         try:
             fingerprint = 0
-            if check_enabled(collectives.options) and spec is not None:
+            if check_enabled(collectives) and spec is not None:
                 fingerprint = (
                     batch_fingerprint(batch.treespec, batch.leaves) if have else spec_fingerprint(spec)
                 )

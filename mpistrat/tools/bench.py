@@ -218,7 +218,7 @@ def _metadata(
         "nodes": len(set(hosts)),
         "hosts": sorted(set(hosts)),
         "scaling": args.scaling,
-        "check": check_enabled(strategy.extended.communication_options),
+        "check": check_enabled(strategy.extended.collectives),
         "mpistrat": mpistrat.__version__,
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,

@@ -1,0 +1,38 @@
+"""Rank 1 leaves after one all_reduce while the others go on to a second one (default settings).
+
+How it leaves is the first argument: ``exit0``/``exit3`` (``sys.exit``), ``raise`` (an uncaught
+exception, run with MPISTRAT_ABORT_ON_EXCEPTION=0), ``skip`` (it catches an error, skips the
+all_reduce and reaches the end of its program). The others must end at once, naming rank 1.
+"""
+
+import sys
+
+import numpy as np
+
+import mpistrat
+
+how = sys.argv[1]
+strategy = mpistrat.MPIStrategy()
+rank = strategy.extended.rank
+
+
+def total():
+    return strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(2, np.float32)))
+
+
+total()
+if rank == 1:
+    if how == "exit0":
+        sys.exit(0)
+    if how == "exit3":
+        sys.exit(3)
+    if how == "raise":
+        raise ValueError("rank 1 gives up")
+if rank == 1 and how == "skip":
+    try:
+        raise OSError("a file rank 1 needs is missing")
+    except OSError:
+        print("rank 1 skipped the all_reduce", flush=True)
+else:
+    total()
+print(f"rank {rank} finished", flush=True)

@@ -1,0 +1,85 @@
+"""Environment settings: one reader, one rule, a warning for what it does not expect."""
+
+import math
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+import mpistrat
+from mpistrat import config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(None, 60.0), ("", 60.0), ("5", 5.0), (" 0.5 ", 0.5), ("0", None), ("OFF", None), ("inf", None)],
+)
+def test_seconds(raw, expected):
+    env = {} if raw is None else {"MPISTRAT_STALL_WARNING_SECONDS": raw}
+    assert config.read("MPISTRAT_STALL_WARNING_SECONDS", env) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("MPISTRAT_CHECK", "strict", 2),
+        ("MPISTRAT_CHECK", "Off", 0),
+        ("MPISTRAT_CHECK", "yes", 1),
+        ("MPISTRAT_ABORT_ON_EXCEPTION", "no", False),
+        ("MPISTRAT_LOG_ALL_RANKS", "TRUE", True),
+        ("MPISTRAT_CUDA_AWARE", "auto", None),
+        ("MPISTRAT_CUDA_AWARE", "0", False),
+        ("MPISTRAT_DEVICE", "GPU", "gpu"),
+    ],
+)
+def test_every_kind_of_value(name, raw, expected):
+    assert config.read(name, {name: raw}) == expected
+    assert config.given(name, {name: raw})
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "says"),
+    [
+        ("MPISTRAT_TIMEOUT", "ten", "a number of seconds, or 0/off to disable; using the default, 1800"),
+        ("MPISTRAT_TIMEOUT", "-1", "a number of seconds"),
+        ("MPISTRAT_TIMEOUT", "nan", "a number of seconds"),
+        ("MPISTRAT_CHECK", "maybe", "0/off, 1/on or strict; using the default, 1"),
+        ("MPISTRAT_DEVICE", "tpu", "auto, gpu or cpu; using the default, auto"),
+        ("MPISTRAT_LOG_ALL_RANKS", "2", "1/true/yes/on or 0/false/no/off; using the default, False"),
+    ],
+)
+def test_an_unexpected_value_warns_once_and_gives_the_default(name, raw, says):
+    config._warned.discard((name, raw))
+    with pytest.warns(RuntimeWarning, match=re.escape(f"{name}={raw!r} is not {says}")):
+        got = config.read(name, {name: raw})
+    assert got == config.SETTINGS[name].default and not config.given(name, {name: raw})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.read(name, {name: raw})  # said once is enough
+
+
+def test_a_rank_stopped_for_good_ends_the_job_by_default():
+    """No fault may leave a job running forever with default settings: the timeout is on."""
+    timeout = config.read("MPISTRAT_TIMEOUT", {})
+    assert timeout is not None and not math.isinf(timeout) and timeout == 1800.0
+
+
+def test_the_default_timeout_is_watched_but_not_polled(world, monkeypatch):
+    """Only a chosen timeout makes the handshake poll (to raise in the caller); the default
+    ends the job from the watchdog thread, so the default hot path stays a blocking wait."""
+    monkeypatch.delenv("MPISTRAT_TIMEOUT", raising=False)
+    strategy = mpistrat.MPIStrategy(world.comm)
+    monitor = strategy.extended.collectives.monitor
+    assert monitor.env_timeout == 1800.0 and not monitor.env_polled
+    strategy.experimental_finalize()
+
+
+def test_the_docs_table_lists_every_setting_with_its_default():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(MPISTRAT_\w+)` \| ([^|]+) \|", page, re.M)}
+    assert set(rows) == set(config.SETTINGS), rows
+    for name, setting in config.SETTINGS.items():
+        assert rows[name].strip().strip("`") == config._shown(setting.default), name
