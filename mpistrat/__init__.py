@@ -10,7 +10,7 @@
 
 from mpi4py import MPI
 
-from mpistrat import nest, optimizers
+from mpistrat import metrics, nest, optimizers
 from mpistrat.abort import set_abort_on_exception
 from mpistrat.checkpoint import Checkpoint
 from mpistrat.context import (
@@ -99,6 +99,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "metrics",
     "nest",
     "optimizers",
     "set_abort_on_exception",
