@@ -10,9 +10,10 @@
 
 from mpi4py import MPI
 
-from mpistrat import nest, optimizers
+from mpistrat import metrics, nest, optimizers
 from mpistrat.abort import set_abort_on_exception
-from mpistrat.checkpoint import Checkpoint
+from mpistrat.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
+from mpistrat.checkpoint_manager import CheckpointManager
 from mpistrat.context import (
     get_cross_replica_context,
     get_replica_context,
@@ -63,6 +64,8 @@ __all__ = [
     "ArrayDataset",
     "ArraySpec",
     "Checkpoint",
+    "CheckpointLoadStatus",
+    "CheckpointManager",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicationImplementation",
@@ -99,6 +102,8 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "latest_checkpoint",
+    "metrics",
     "nest",
     "optimizers",
     "set_abort_on_exception",

@@ -1,23 +1,28 @@
-"""Checkpoints of variables and optimizers that survive a job killed mid-save.
+"""Checkpoints of variables and optimizers in ``tf.train.Checkpoint``'s shape, surviving a killed save.
 
-Every rank calls :meth:`Checkpoint.save` and :meth:`Checkpoint.restore` (they are
-collective, in cross-replica context). Rank 0 writes one ``.npz`` file atomically:
-to a temporary file, ``fsync``, then ``rename``, so the previous checkpoint at that
-path stays intact until the new one is complete. Sync-on-read variables are saved
-aggregated; ``restore`` reads on rank 0 and broadcasts, so a checkpoint restores at
-any number of ranks.
+Every rank calls :meth:`Checkpoint.save`, :meth:`~Checkpoint.write`, :meth:`~Checkpoint.restore`
+and :meth:`~Checkpoint.read` (they are collective, in cross-replica context). Rank 0 writes one
+``.npz`` file atomically: to a temporary file, ``fsync``, then ``rename``, so the previous
+checkpoint at that path stays intact until the new one is complete. ``save(prefix)`` numbers
+its files ``prefix-1``, ``prefix-2``, ... by ``save_counter`` (saved in the file, so a restored
+checkpoint continues the numbering) and records the newest in the directory's ``checkpoint``
+index, which :func:`latest_checkpoint` reads. Sync-on-read variables are saved aggregated;
+``restore`` reads on rank 0 and broadcasts, so a checkpoint restores at any number of ranks.
 
 Faults it handles: each save removes the temporary files that killed saves left in its
-directory (see :func:`_stale_temporaries`); ``latest`` falls back to the newest valid
-checkpoint file when the index is unreadable, with a warning; and ``restore`` of a
+directory (see :func:`_stale_temporaries`); :func:`latest_checkpoint` falls back to the newest
+valid checkpoint file when the index is unreadable, with a warning; and ``restore`` of a
 truncated or corrupt file raises ``InvalidArgumentError`` naming the file, on every rank.
 
 >>> import mpistrat, numpy as np, os, tempfile
 >>> w = mpistrat.Variable(np.arange(3.0))
 >>> ckpt = mpistrat.Checkpoint(model={"w": w})
->>> path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt-1"))
+>>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
+>>> os.path.basename(ckpt.save(prefix)), os.path.basename(ckpt.save(prefix))
+('ckpt-1', 'ckpt-2')
 >>> _ = w.assign(np.zeros(3))
->>> ckpt.restore(ckpt.latest(os.path.dirname(path))) == path, w.numpy()
+>>> status = ckpt.restore(latest_checkpoint(os.path.dirname(prefix)))
+>>> status.assert_consumed() is status, w.numpy()
 (True, array([0., 1., 2.]))
 """
 
@@ -29,8 +34,10 @@ import os
 import re
 import socket
 import time
+import weakref
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,9 +49,10 @@ from mpistrat.log import logger
 from mpistrat.optimizers import Optimizer
 from mpistrat.variables import Variable, _to_numpy
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "latest_checkpoint"]
 
 INDEX = "checkpoint"  # in a checkpoint's directory: names the latest one
+SAVE_COUNTER = "save_counter"  # the entry holding Checkpoint.save_counter, as tf names it
 _META = "__mpistrat__"
 _FORMAT = 1
 
@@ -68,18 +76,21 @@ class Checkpoint:
     Entries are named by their keyword and key path, e.g. ``model/w``; an
     optimizer contributes ``<name>/iterations`` and one entry per slot,
     ``<name>/slots/<variable's entry>/<slot>``, so its variables must be tracked
-    by the same checkpoint.
+    by the same checkpoint. Every file also holds ``save_counter``.
 
     Args:
-        **trackables: ``Variable``, optimizer, or a dict/list/tuple nest of variables.
+        **trackables: ``Variable``, optimizer, or a dict/list/tuple nest of variables
+            (a metric's ``variables`` too).
     """
 
     def __init__(self, **trackables: Any):
         self._variables: dict[str, Variable] = {}
         self._optimizers: dict[str, Optimizer] = {}
         for key, value in trackables.items():
-            if key.startswith("__"):
-                raise InvalidArgumentError(f"Checkpoint: names starting with '__' are reserved; got {key!r}")
+            if key.startswith("__") or key == SAVE_COUNTER:
+                raise InvalidArgumentError(
+                    f"Checkpoint: {SAVE_COUNTER!r} and names starting with '__' are reserved; got {key!r}"
+                )
             for path, leaf in nest.flatten_with_paths(value):
                 name = "/".join([key, *map(str, path)])
                 if isinstance(leaf, Variable):
@@ -91,6 +102,13 @@ class Checkpoint:
                         f"Checkpoint: {name} must be a Variable, an optimizer or a nest of them; "
                         f"got {type(leaf).__name__}"
                     )
+        # Plain on every rank: saves and restores are collective, so every rank holds the same count.
+        self._save_counter = Variable._plain(np.zeros((), np.int64), SAVE_COUNTER, False)
+
+    @property
+    def save_counter(self) -> Variable:
+        """How many times :meth:`save` has run (restored with the checkpoint): it numbers the files."""
+        return self._save_counter
 
     # -- what is saved --------------------------------------------------------------------
 
@@ -137,19 +155,39 @@ class Checkpoint:
             )
         return strategy
 
-    # -- save / restore / latest ---------------------------------------------------------------
+    # -- save / write / restore / read -------------------------------------------------------
 
-    def save(self, path: str | os.PathLike[str]) -> str:
-        """Write every entry to ``path`` (collective; rank 0 writes, atomically); returns ``path``.
+    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+        """Write a numbered checkpoint ``<file_prefix>-<n>`` (collective); returns its path.
 
-        Also records ``path`` as the latest checkpoint of its directory.
+        ``n`` is ``save_counter + 1``, and ``save_counter`` becomes ``n`` once the file is
+        written. The directory's index then names this file as the latest, for
+        :func:`latest_checkpoint` (use :class:`CheckpointManager` to keep several).
         """
-        path = os.fspath(path)
+        number = int(self._save_counter.numpy()) + 1
+        path = f"{os.fspath(file_prefix)}-{number}"
+        directory = os.path.dirname(path) or "."
+        self._write_file(path, "save", number, lambda: _write_index(directory, [os.path.basename(path)]))
+        self._save_counter.assign(np.int64(number))
+        return path
+
+    def write(self, file_path: str | os.PathLike[str]) -> str:
+        """Write a checkpoint to exactly ``file_path`` (collective); returns it.
+
+        Unnumbered, and not recorded in the directory's index; read it back with :meth:`read`.
+        """
+        path = os.fspath(file_path)
         if os.path.basename(path) == INDEX:
             raise InvalidArgumentError(
-                f"Checkpoint.save: {INDEX!r} is the index file's name; pick another name"
+                f"Checkpoint.write: {INDEX!r} is the index file's name; pick another name"
             )
-        strategy = self._strategy("save")
+        return self._write_file(path, "write", int(self._save_counter.numpy()))
+
+    def _write_file(
+        self, path: str, method: str, counter: int, after: Callable[[], None] | None = None
+    ) -> str:
+        """Rank 0 writes every entry to ``path`` atomically, then runs ``after`` (the index's update)."""
+        strategy = self._strategy(method)
         collectives = strategy.extended.collectives
         entries = self._entries()
         described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
@@ -157,78 +195,149 @@ class Checkpoint:
             "checkpoint.save", fingerprint=code(repr(described)), describe=lambda: {"leaves": described}
         )
         arrays = {n: _to_numpy(v.value()) for n, v in entries.items()}  # sync-on-read values aggregate here
+        arrays[SAVE_COUNTER] = np.array(counter, np.int64)
         meta = {"format": _FORMAT, "num_replicas": strategy.num_replicas_in_sync}
         arrays[_META] = np.array(json.dumps(meta))
 
         def write() -> None:
             _remove_stale_temporaries(os.path.dirname(path) or ".")
             _write_atomic(path, arrays)
-            _write_atomic(os.path.join(os.path.dirname(path) or ".", INDEX), json.dumps({"latest": path}))
+            if after is not None:
+                after()
 
-        collectives.on_root(write, kind="checkpoint.save (write)")
+        collectives.on_root(write, kind=f"checkpoint.{method} (write)")
         return path
 
-    def restore(self, path: str | os.PathLike[str] | None, *, expect_partial: bool = False) -> str | None:
-        """Load ``path`` into the tracked objects (collective); ``None`` does nothing.
+    def restore(self, save_path: str | os.PathLike[str] | None) -> CheckpointLoadStatus:
+        """Load ``save_path`` into the tracked objects (collective); returns a status.
 
-        Missing entries, entries whose shape or dtype differ, and (unless
-        ``expect_partial``) entries of the file that nothing here tracks are an
-        error naming them; nothing is assigned then. Returns ``path``.
+        Lenient, as tf's: entries the file lacks keep their values, and entries of the file
+        that nothing here tracks are skipped (a warning names them unless the status's
+        ``expect_partial()`` is called); ``status.assert_consumed()`` makes either an error.
+        Entries whose shape or dtype differ are an error naming them; nothing is assigned
+        then. ``save_counter`` is restored too. ``None`` (nothing saved yet) restores nothing.
         """
-        if path is None:
-            return None
-        path = os.fspath(path)
         strategy = self._strategy("restore")
-        collectives = strategy.extended.collectives
-        collectives.agree("checkpoint.restore")
+        # Collective even for None, so a rank that found no checkpoint fails every rank instead of hanging.
+        strategy.extended.collectives.agree(
+            "checkpoint.restore",
+            fingerprint=int(save_path is None),
+            describe=lambda: {"leaves": [("save_path", "None" if save_path is None else "a path", ())]},
+        )
+        if save_path is None:
+            return CheckpointLoadStatus(None, [], [])
+        return self._load(os.fspath(save_path), "restore", strategy)
 
-        body = collectives.on_root(lambda: _read(path), kind="checkpoint.restore (read)")
+    def read(self, save_path: str | os.PathLike[str]) -> CheckpointLoadStatus:
+        """Load a file written by :meth:`write` (collective); as :meth:`restore`, but ``None`` is an error."""
+        if save_path is None:
+            raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
+        strategy = self._strategy("read")
+        strategy.extended.collectives.agree("checkpoint.restore")
+        return self._load(os.fspath(save_path), "read", strategy)
+
+    def _load(self, path: str, method: str, strategy: Any) -> CheckpointLoadStatus:
+        collectives = strategy.extended.collectives
+        body = collectives.on_root(lambda: _read(path), kind=f"checkpoint.{method} (read)")
         if _META not in body:
-            raise InvalidArgumentError(f"Checkpoint.restore: {path} is not an mpistrat checkpoint")
+            raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
         body.pop(_META)
+        counter = body.pop(SAVE_COUNTER, None)  # absent from files of older versions
         self._build_slots(sorted(body))
         entries = self._entries()
-        _check_match(path, entries, body, expect_partial)
+        _check_shapes(f"Checkpoint.{method}({path!r})", entries, body)
         with strategy.extended.writes_in_sync():  # every rank assigns rank 0's broadcast values
             for name, var in entries.items():
-                var.assign(body[name])
-        return path
+                if name in body:
+                    var.assign(body[name])
+        if counter is not None:
+            self._save_counter.assign(np.int64(counter))
+        missing = [n for n in entries if n not in body]
+        return CheckpointLoadStatus(path, missing, [n for n in body if n not in entries])
 
-    def latest(self, directory: str | os.PathLike[str]) -> str | None:
-        """The path of the newest checkpoint saved in ``directory``, or None (collective).
 
-        Read from the directory's index file. If that file exists but is unreadable
-        (truncated, corrupt) or names a file that is gone, a warning says so and the
-        newest valid mpistrat checkpoint file in ``directory`` (by modification time)
-        is returned instead; None if there is none. No index file: None.
-        """
-        strategy = self._strategy("latest")
-        collectives = strategy.extended.collectives
-        collectives.agree("checkpoint.latest")
-        return collectives.on_root(
-            lambda: _find_latest(os.fspath(directory)), kind="checkpoint.latest (read)"
+class CheckpointLoadStatus:
+    """What :meth:`Checkpoint.restore` matched, as tf's load status (the same on every rank).
+
+    ``assert_consumed()`` raises ``AssertionError`` unless every entry of the file was
+    restored into a tracked object and every tracked object got a value;
+    ``assert_existing_objects_matched()`` only checks the second. ``expect_partial()``
+    silences the warning about unused entries. Each returns the status.
+    """
+
+    def __init__(self, path: str | None, missing: list[str], unused: list[str]):
+        self._path, self._missing, self._unused = path, missing, unused
+        self._silenced = [False]  # shared with the finalizer, which must not hold the status
+        if unused:
+            weakref.finalize(self, _warn_unused, path, unused, self._silenced)
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Every entry of the file restored, every tracked object matched; else ``AssertionError``."""
+        self.assert_existing_objects_matched()
+        if self._unused:
+            raise AssertionError(
+                f"Checkpoint.restore({self._path!r}): values in the checkpoint that nothing here tracks: "
+                f"{', '.join(self._unused)}"
+            )
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Every tracked object got a value from the file; else ``AssertionError`` naming the others."""
+        if self._path is None:
+            raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+        if self._missing:
+            raise AssertionError(
+                f"Checkpoint.restore({self._path!r}): tracked objects with no value in the checkpoint "
+                f"(they keep their values): {', '.join(self._missing)}"
+            )
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Say that a partial restore is intended: no warning about unused entries."""
+        self._silenced[0] = True
+        return self
+
+
+def _warn_unused(path: str | None, unused: list[str], silenced: list[bool]) -> None:
+    if not silenced[0]:
+        logger.warning(
+            "Checkpoint.restore(%r): values in the checkpoint that nothing here tracks were not restored: %s "
+            "(call expect_partial() on the status restore returns to silence this)",
+            path,
+            ", ".join(unused),
         )
 
 
-def _check_match(path: str, entries: dict[str, Variable], data: dict[str, np.ndarray], partial: bool) -> None:
-    missing = [n for n in entries if n not in data]
-    unused = [n for n in data if n not in entries]
+def _check_shapes(what: str, entries: dict[str, Variable], data: dict[str, np.ndarray]) -> None:
     mismatched = [
         f"{n} (checkpoint: {data[n].dtype}{list(data[n].shape)}, here: {v.dtype}{list(v.shape)})"
         for n, v in entries.items()
         if n in data and (data[n].shape != v.shape or data[n].dtype != v.dtype)
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {', '.join(missing)}")
     if mismatched:
-        problems.append(f"different shape or dtype: {'; '.join(mismatched)}")
-    if unused and not partial:
-        problems.append(
-            f"in the checkpoint but not tracked here: {', '.join(unused)} (pass expect_partial=True)"
+        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}")
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The path of the newest checkpoint saved in ``directory``, or None, as ``tf.train.latest_checkpoint``.
+
+    Read from the directory's index file. If that file exists but is unreadable
+    (truncated, corrupt) or names a file that is gone, a warning says so and the
+    newest valid mpistrat checkpoint file in ``directory`` (by modification time)
+    is returned instead; None if there is none. No index file: None.
+
+    Collective over the current strategy: in ``strategy.scope()`` rank 0 reads and every
+    rank gets its answer; outside any scope each rank reads for itself.
+    """
+    mode = context.current_mode()
+    if mode.kind in ("replica", "merge"):
+        raise ContextError(
+            "latest_checkpoint is collective: call it on every rank in cross-replica context "
+            "(outside strategy.run and merge_fn)"
         )
-    if problems:
-        raise InvalidArgumentError(f"Checkpoint.restore({path!r}): " + ". ".join(problems))
+    collectives = mode.strategy.extended.collectives
+    collectives.agree("checkpoint.latest")
+    return collectives.on_root(lambda: _find_latest(os.fspath(directory)), kind="checkpoint.latest (read)")
 
 
 def _write_atomic(path: str, content: dict[str, np.ndarray] | str) -> None:
@@ -308,34 +417,51 @@ def _is_valid(path: str) -> bool:
         return False
 
 
+def _write_index(directory: str, names: list[str]) -> None:
+    """Record checkpoint file names (oldest first; the last is the latest) in the directory's index."""
+    _write_atomic(os.path.join(directory, INDEX), json.dumps({"latest": names[-1], "all": names}))
+
+
 def _find_latest(directory: str) -> str | None:
+    return _checkpoint_state(directory)[0]
+
+
+def _checkpoint_state(directory: str) -> tuple[str | None, list[str]]:
+    """The latest checkpoint's path and every recorded one (oldest first), from the directory's index.
+
+    No index: ``(None, [])``. An unreadable index, or one naming a file that is gone: a
+    warning, and the newest valid checkpoint file in ``directory`` as the only one.
+    """
     index = os.path.join(directory, INDEX)
     try:
         with open(index, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        return None  # nothing was ever saved here
+        return None, []  # nothing was ever saved here
     except OSError as exc:
         problem = f"cannot be read ({type(exc).__name__}: {exc})"
     else:
         try:
-            latest = json.loads(raw.decode())["latest"]
-            candidate = os.path.join(directory, os.path.basename(latest))
+            state = json.loads(raw.decode())
+            names = state.get("all", [state["latest"]])  # files of older versions hold only "latest"
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in [state["latest"], *names]):
+                raise TypeError(f"expected names of files; got {state!r}")
+            candidate = os.path.join(directory, os.path.basename(state["latest"]))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             problem = f"is truncated or corrupt ({type(exc).__name__}: {exc})"
         else:
             if os.path.isfile(candidate):
-                return candidate
+                return candidate, [os.path.join(directory, os.path.basename(n)) for n in names]
             problem = f"names {candidate}, which does not exist"
     fallback = _newest_valid(directory)
     logger.warning(
-        "Checkpoint.latest: the index %s %s; using the newest valid checkpoint in %s instead: %s",
+        "latest_checkpoint: the index %s %s; using the newest valid checkpoint in %s instead: %s",
         index,
         problem,
         directory,
         fallback,
     )
-    return fallback
+    return fallback, [] if fallback is None else [fallback]
 
 
 def _newest_valid(directory: str) -> str | None:

@@ -1,13 +1,12 @@
 """A training job for tests/test_checkpoint.py, run under its own ``mpiexec``.
 
 ``python checkpoint_job.py save DIR STEPS`` trains STEPS Adam steps of the least-squares
-model of tests/test_optimizers.py and saves a checkpoint in DIR;
+model of tests/test_optimizers.py and saves a checkpoint in DIR (numbered by the step);
 ``python checkpoint_job.py restore DIR STEPS OUT`` restores the latest one, trains
 STEPS more and writes what it saw (rank 0) to the JSON file OUT.
 """
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -30,9 +29,11 @@ def main(mode: str, directory: str, steps: int, out: str | None = None) -> None:
         step = mpistrat.Variable(np.int64(0), name="step")
         opt = Adam(0.1)
     ckpt = mpistrat.Checkpoint(model={"w": w, "b": b}, optimizer=opt, step=step, seen=seen)
+    manager = mpistrat.CheckpointManager(ckpt, directory, max_to_keep=1)
     report = {}
     if mode == "restore":
-        path = ckpt.restore(ckpt.latest(directory))
+        path = manager.latest_checkpoint
+        ckpt.restore(path).assert_consumed()
         with strategy.scope():
             report["restored"] = {"path": path, "w": w.numpy().tolist(), "seen": float(seen.numpy())}
             report["restored"]["iterations"] = int(opt.iterations.numpy())
@@ -48,7 +49,7 @@ def main(mode: str, directory: str, steps: int, out: str | None = None) -> None:
             step.assign_add(1)
     with strategy.scope():
         if mode == "save":
-            ckpt.save(os.path.join(directory, f"ckpt-{int(step.numpy())}"))
+            manager.save(checkpoint_number=step)
         report.update(
             w=w.numpy().tolist(),
             b=float(b.numpy()),

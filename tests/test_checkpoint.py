@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,15 +57,17 @@ def test_round_trip(group, tmp_path):
     with group.strategy.scope():
         step.assign(7)
         expected = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
-        path = ckpt.save(os.path.join(directory, "ckpt-7"))
-        for var in (w, total, mean, opt.get_slot(w, "momentum")):
-            var.assign(np.zeros(var.shape))
+        path = ckpt.save(os.path.join(directory, "ckpt"))
+        for var in (w, total, mean, opt.get_slot(w, "momentum"), ckpt.save_counter):
+            var.assign(np.zeros(var.shape, var.dtype))
         step.assign(0)
-        restored = ckpt.restore(ckpt.latest(directory))
+        latest = mpistrat.latest_checkpoint(directory)
+        ckpt.restore(latest).assert_consumed()
         got = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
         iterations, step_value = int(opt.iterations.numpy()), int(step.numpy())
     n = group.size
-    ok = restored == path and step_value == 7 and iterations == 1
+    ok = latest == path == os.path.join(directory, "ckpt-1") and int(ckpt.save_counter) == 1
+    ok = ok and step_value == 7 and iterations == 1
     ok = ok and expected[1] == n * (n + 1) / 2 and expected[2] == (n + 1) / 2
     ok = ok and all(np.allclose(g, e) for g, e in zip(got, expected, strict=True))
     all_ranks_agree(group.comm, ok, f"{got} != {expected}")
@@ -74,7 +77,7 @@ def test_restore_creates_optimizer_slots(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     w, _, _, _, opt = make_state(group)
     group.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
-    mpistrat.Checkpoint(w=w, opt=opt).save(os.path.join(directory, "a"))
+    mpistrat.Checkpoint(w=w, opt=opt).write(os.path.join(directory, "a"))
     w2, _, _, _, fresh = make_state(group)
     mpistrat.Checkpoint(w=w2, opt=fresh).restore(os.path.join(directory, "a"))
     slot = fresh.get_slot(w2, "momentum")
@@ -82,27 +85,75 @@ def test_restore_creates_optimizer_slots(group, tmp_path):
     all_ranks_agree(group.comm, ok and np.allclose(w2.numpy(), w.numpy()), repr(slot))
 
 
-def test_missing_and_mismatched_entries_are_named(group, tmp_path):
+def test_mismatched_entries_are_an_error_and_nothing_is_assigned(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     with group.strategy.scope():
         a, c = mpistrat.Variable(np.zeros(2)), mpistrat.Variable(np.int64(3))
-    path = mpistrat.Checkpoint(a=a, c=c).save(os.path.join(directory, "ab"))
+    path = mpistrat.Checkpoint(a=a, c=c).write(os.path.join(directory, "ab"))
     with group.strategy.scope():
         wrong, b = mpistrat.Variable(np.zeros(3)), mpistrat.Variable(1.0)
+        c.assign(0)
     message = raises_on_every_rank(
         group.comm, InvalidArgumentError, lambda: mpistrat.Checkpoint(a=wrong, b=b, c=c).restore(path)
     )
-    assert (
-        "missing from the checkpoint: b" in message
-        and "a (checkpoint: float64[2], here: float64[3])" in message
+    assert message.endswith("different shape or dtype: a (checkpoint: float64[2], here: float64[3])")
+    assert int(c.numpy()) == 0 and float(b.numpy()) == 1.0 and wrong.numpy().tolist() == [0.0] * 3
+
+
+def test_restore_is_partial_unless_asked_to_be_strict(group, tmp_path, mpistrat_log):
+    """tf's CheckpointLoadStatus: restore assigns what matches; assert_consumed() and
+    assert_existing_objects_matched() raise AssertionError naming what did not."""
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        a, c = mpistrat.Variable(np.ones(2)), mpistrat.Variable(np.int64(3))
+    path = mpistrat.Checkpoint(a=a, c=c).write(os.path.join(directory, "ac"))
+    with group.strategy.scope():
+        b = mpistrat.Variable(1.0)
+        c.assign(0)
+    # b is tracked but not in the file; a is in the file but not tracked: c is restored anyway.
+    status = mpistrat.Checkpoint(b=b, c=c).restore(path)
+    with pytest.raises(AssertionError, match=r"no value in the checkpoint .*: b$"):
+        status.assert_existing_objects_matched()
+    with pytest.raises(AssertionError, match="no value in the checkpoint"):
+        status.assert_consumed()
+    assert int(c.numpy()) == 3 and float(b.numpy()) == 1.0
+    status.expect_partial()
+    # Only unused values: the tracked objects all matched, but not everything was consumed.
+    status = mpistrat.Checkpoint(c=c).restore(path)
+    assert status.assert_existing_objects_matched() is status
+    with pytest.raises(AssertionError, match=r"nothing here tracks: a$"):
+        status.assert_consumed()
+    assert mpistrat.Checkpoint(a=a, c=c).restore(path).assert_consumed() is not None
+    # tf warns about unused values when the status goes away, unless expect_partial() was called.
+    del status
+    assert mpistrat.Checkpoint(c=c).restore(path).expect_partial() is not None
+    warnings = [m for level, m in mpistrat_log if level == "WARNING"]
+    if WORLD.Get_rank() == 0:  # the group's rank 0, whose warnings the logger lets through
+        assert len(warnings) == 1 and "nothing here tracks were not restored: a" in warnings[0], warnings
+
+
+def test_restore_of_none_restores_nothing(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    status = ckpt.restore(None)
+    # tf's InitializationOnlyStatus: nothing to assert about, expect_partial() is harmless.
+    assert status.expect_partial() is status
+    with pytest.raises(AssertionError, match=re.escape("No checkpoint specified (save_path=None)")):
+        status.assert_consumed()
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) is None
+    assert mpistrat.latest_checkpoint(os.path.join(directory, "no such directory")) is None
+
+
+def test_a_rank_without_a_checkpoint_fails_every_rank(group, tmp_path):
+    if group.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    path = ckpt.write(os.path.join(directory, "c"))
+    raises_on_every_rank(
+        group.comm, mpistrat.CollectiveMismatchError, lambda: ckpt.restore(path if group.rank == 0 else None)
     )
-    message = raises_on_every_rank(
-        group.comm, InvalidArgumentError, lambda: mpistrat.Checkpoint(c=c).restore(path)
-    )
-    assert "not tracked here: a" in message
-    c.assign(0)
-    assert mpistrat.Checkpoint(c=c).restore(path, expect_partial=True) == path and int(c.numpy()) == 3
-    assert float(b.numpy()) == 1.0 and wrong.numpy().tolist() == [0.0] * 3  # nothing was assigned
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeypatch):
@@ -110,7 +161,9 @@ def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeyp
     with group.strategy.scope():
         v = mpistrat.Variable(np.arange(4.0))
     ckpt = mpistrat.Checkpoint(v=v)
-    path = ckpt.save(os.path.join(directory, "ckpt"))
+    prefix = os.path.join(directory, "ckpt")
+    path = ckpt.save(prefix)
+    fixed = ckpt.write(os.path.join(directory, "fixed"))
 
     def crash(tmp, target):
         assert os.path.getsize(tmp) > 0
@@ -119,17 +172,27 @@ def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeyp
     monkeypatch.setattr(checkpoint_module, "_before_rename", crash)
     with group.strategy.scope():
         v.assign(np.full(4, -1.0))
-    raises_on_every_rank(group.comm, OSError, lambda: ckpt.save(path), "simulated")
+    raises_on_every_rank(group.comm, OSError, lambda: ckpt.save(prefix), "simulated")
+    raises_on_every_rank(group.comm, OSError, lambda: ckpt.write(fixed), "simulated")
     monkeypatch.undo()
-    ckpt.restore(ckpt.latest(directory))
-    leftovers = [f for f in os.listdir(directory) if ".tmp" in f]
-    all_ranks_agree(group.comm, v.numpy().tolist() == [0, 1, 2, 3] and not leftovers, f"{v!r} {leftovers}")
+    with group.strategy.scope():
+        latest = mpistrat.latest_checkpoint(directory)
+    for good in (latest, fixed):  # the numbered one and the one a write would have replaced
+        with group.strategy.scope():
+            v.assign(np.full(4, -1.0))
+        ckpt.restore(good).assert_consumed()
+        all_ranks_agree(group.comm, v.numpy().tolist() == [0, 1, 2, 3], f"{good}: {v!r}")
+    files = sorted(os.listdir(directory))
+    # The failed save did not count: the next one is ckpt-2 again.
+    ok = latest == path and int(ckpt.save_counter) == 1 and files == ["checkpoint", "ckpt-1", "fixed"]
+    all_ranks_agree(group.comm, ok, f"{latest} {int(ckpt.save_counter)} {files}")
 
 
 def test_reading_errors_reach_every_rank(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
     raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "nope")))
+    raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.read(os.path.join(directory, "nope")))
     if group.rank == 0:
         np.savez(os.path.join(directory, "foreign.npz"), v=np.zeros(3))
     group.comm.Barrier()
@@ -139,7 +202,8 @@ def test_reading_errors_reach_every_rank(group, tmp_path):
         lambda: ckpt.restore(os.path.join(directory, "foreign.npz")),
         "not an mpistrat checkpoint",
     )
-    assert ckpt.latest(directory) is None and ckpt.restore(None) is None
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) is None
 
 
 def corrupt_copies(data):
@@ -157,7 +221,7 @@ def test_corrupt_files_raise_one_clear_error_on_every_rank(group, tmp_path):
     with group.strategy.scope():
         v = mpistrat.Variable(np.arange(4.0))
     ckpt = mpistrat.Checkpoint(v=v)
-    path = ckpt.save(os.path.join(directory, "good"))
+    path = ckpt.write(os.path.join(directory, "good"))
     names = []
     if group.rank == 0:
         data = Path(path).read_bytes()
@@ -220,8 +284,8 @@ def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable
     with group.strategy.scope():
         v = mpistrat.Variable(np.arange(4.0))
     ckpt = mpistrat.Checkpoint(v=v)
-    for name in ("ckpt-1", "ckpt-2", "ckpt-3"):
-        ckpt.save(os.path.join(directory, name))
+    for _ in range(3):
+        ckpt.save(os.path.join(directory, "ckpt"))
     if group.rank == 0:
         now = time.time()
         index = Path(directory, checkpoint_module.INDEX)
@@ -245,7 +309,8 @@ def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable
             os.utime(Path(directory, name), (now, now))
     group.comm.Barrier()
     want = os.path.join(directory, "ckpt-2" if damage == "names a deleted file" else "ckpt-3")
-    got = ckpt.latest(directory)
+    with group.strategy.scope():
+        got = mpistrat.latest_checkpoint(directory)
     all_ranks_agree(group.comm, got == want, f"{got} != {want}")
     if WORLD.Get_rank() == 0:  # the group's rank 0, whose warnings the logger lets through
         warnings = [m for level, m in mpistrat_log if level == "WARNING" and "index" in m]
@@ -259,18 +324,20 @@ def test_latest_without_an_index_is_still_none(group, tmp_path, mpistrat_log):
     if group.rank == 0:
         os.remove(os.path.join(directory, checkpoint_module.INDEX))
     group.comm.Barrier()
-    assert ckpt.latest(directory) is None and not [m for lv, m in mpistrat_log if lv == "WARNING"]
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) is None
+    assert not [m for lv, m in mpistrat_log if lv == "WARNING"]
 
 
 def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
-    ckpt.save(os.path.join(directory, "ckpt"))
+    ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-1
     host = checkpoint_module._host()
     dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
     alive = os.getppid()
     old = time.time() - 2 * checkpoint_module._STALE_AFTER
-    npz, index = Path(directory, "ckpt").read_bytes(), b'{"latest": "x"}'
+    npz, index = Path(directory, "ckpt-1").read_bytes(), b'{"latest": "x"}'
     files = {  # name: (content, old?, removed?)
         f"ckpt.tmp{dead}-{host}": (npz, False, True),  # a killed save on this host
         f"checkpoint.tmp{dead}-{host}": (index, False, True),  # the index's
@@ -292,12 +359,13 @@ def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
             if is_old:
                 os.utime(Path(directory, name), (old, old))
     group.comm.Barrier()
-    ckpt.save(os.path.join(directory, "ckpt"))
+    ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-2
     present = set(os.listdir(directory))
     wrong = [name for name, (_, _, removed) in files.items() if (name in present) == removed]
-    ok = not wrong and {"ckpt", checkpoint_module.INDEX} <= present
+    ok = not wrong and {"ckpt-1", "ckpt-2", checkpoint_module.INDEX} <= present
     all_ranks_agree(group.comm, ok, f"wrongly kept or removed: {wrong}")
-    assert ckpt.restore(ckpt.latest(directory)) == os.path.join(directory, "ckpt")
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) == os.path.join(directory, "ckpt-2")
 
 
 def test_ranks_in_different_checkpoint_calls_fail_instead_of_hanging(group, tmp_path):
@@ -305,8 +373,17 @@ def test_ranks_in_different_checkpoint_calls_fail_instead_of_hanging(group, tmp_
         pytest.skip("needs two ranks to disagree")
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
-    call = (lambda: ckpt.latest(directory)) if group.rank == 0 else (lambda: ckpt.save(f"{directory}/c"))
-    raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, call, "different collectives")
+    call = (
+        (lambda: mpistrat.latest_checkpoint(directory))
+        if group.rank == 0
+        else (lambda: ckpt.save(f"{directory}/c"))
+    )
+
+    def in_scope():
+        with group.strategy.scope():
+            call()
+
+    raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, in_scope, "different collectives")
 
 
 def test_context_and_argument_rules(world, tmp_path):
@@ -318,11 +395,17 @@ def test_context_and_argument_rules(world, tmp_path):
         mpistrat.Checkpoint(w="not a variable")
     with pytest.raises(InvalidArgumentError, match="reserved"):
         mpistrat.Checkpoint(__mpistrat__=w)
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        mpistrat.Checkpoint(save_counter=w)
     world.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
     with pytest.raises(InvalidArgumentError, match="does not track"):
         mpistrat.Checkpoint(opt=opt).save(str(tmp_path / "y"))
     with pytest.raises(InvalidArgumentError, match="index file"):
-        ckpt.save(str(tmp_path / "checkpoint"))
+        ckpt.write(str(tmp_path / "checkpoint"))
+    with pytest.raises(InvalidArgumentError, match="got None"):
+        ckpt.read(None)
+    with pytest.raises(ContextError, match="cross-replica"):
+        world.strategy.run(lambda: mpistrat.latest_checkpoint(str(tmp_path)))
 
 
 # -- separate jobs (serial pass only) --------------------------------------------------------
@@ -372,7 +455,7 @@ ckpt.save(directory + "/ckpt")
 v.assign(np.full(4, -1.0))
 
 def hang(tmp, path):
-    if path.endswith("ckpt"):
+    if path.endswith("ckpt-2"):
         print("WRITTEN", tmp, flush=True)
         time.sleep(100)
 
@@ -398,10 +481,12 @@ def test_killed_save_leaves_the_old_checkpoint_loadable(tmp_path):
     assert Path(line[1]).is_file()  # the new checkpoint was written, never renamed
     v = mpistrat.Variable(np.zeros(4))
     ckpt = mpistrat.Checkpoint(v=v)
-    assert ckpt.restore(ckpt.latest(tmp_path)) == str(tmp_path / "ckpt")
+    assert mpistrat.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
+    ckpt.restore(mpistrat.latest_checkpoint(tmp_path)).assert_consumed()
     assert v.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
-    ckpt.save(tmp_path / "ckpt")  # the next save reclaims the killed one's temporary file
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt"]
+    # The restored save_counter numbers the next save, which reclaims the killed one's temporary file.
+    assert ckpt.save(tmp_path / "ckpt") == str(tmp_path / "ckpt-2")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1", "ckpt-2"]
 
 
 def test_a_name_that_only_looks_like_a_temporary_never_fails_a_save(group, tmp_path):
@@ -412,4 +497,6 @@ def test_a_name_that_only_looks_like_a_temporary_never_fails_a_save(group, tmp_p
         Path(directory, f"model.tmp{10**20}-{checkpoint_module._host()}").write_bytes(Path(path).read_bytes())
     group.comm.Barrier()
     ckpt.save(os.path.join(directory, "model"))
-    all_ranks_agree(group.comm, ckpt.latest(directory) == os.path.join(directory, "model"))
+    with group.strategy.scope():
+        latest = mpistrat.latest_checkpoint(directory)
+    all_ranks_agree(group.comm, latest == os.path.join(directory, "model-2"), str(latest))

@@ -31,7 +31,7 @@ def test_training_example_trains_and_resumes_at_another_size(tmp_path):
     want = "w = [ 1.5 -2.   0.5] b = 0.25 examples seen: 12800.0"
     assert want in run(tmp_path, BLOCKS[0], 2)
     saved = {p.name for p in (tmp_path / "checkpoints").iterdir()}
-    assert saved == {"checkpoint", "ckpt-50", "ckpt-100", "ckpt-150", "ckpt-200"}
+    assert saved == {"checkpoint", "ckpt-100", "ckpt-150", "ckpt-200"}  # max_to_keep=3 deleted ckpt-50
     assert want in run(tmp_path, BLOCKS[0], 3)  # resumes from ckpt-200: nothing left to train
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -152,12 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = mpistrat.Checkpoint(
         optimizer=optimizer, epoch=epoch, **dict(zip(names, params, strict=True))
     )
-    if args.resume and args.checkpoint_dir:
-        path = checkpoint.latest(args.checkpoint_dir)
+    manager = None
+    if args.checkpoint_dir:  # numbered files ckpt-<epoch>, of which the two newest are kept
+        manager = mpistrat.CheckpointManager(checkpoint, args.checkpoint_dir, max_to_keep=2)
+    if args.resume and manager is not None:
+        path = manager.latest_checkpoint
         if path is None:
             say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
         else:
-            checkpoint.restore(path)
+            checkpoint.restore(path).assert_consumed()
             say(f"resumed from {path} (epoch {int(epoch.numpy())})")
 
     def train_step(x: Any, y: Any, global_batch: int) -> tuple[Any, Any]:
@@ -190,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         with strategy.scope():
             epoch.assign(np.int64(e + 1))
-        if args.checkpoint_dir:
-            # One file, replaced atomically: a job killed mid-save still has the previous epoch's.
-            checkpoint.save(os.path.join(args.checkpoint_dir, "ckpt"))
+        if manager is not None:
+            # Written atomically: a job killed mid-save still has the previous epoch's.
+            manager.save(checkpoint_number=epoch)
 
     correct = 0
     for x, y in strategy.experimental_distribute_dataset(list(global_batches(x_test, y_test, 256, None))):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["array_module", "init_params", "loss_and_grads", "predict"]
+__all__ = ["array_module", "init_params", "logits", "loss_and_grads", "predict"]
 
 
 def array_module(x: Any) -> ModuleType:
@@ -77,6 +77,11 @@ def loss_and_grads(params: list[Any], x: Any, labels: Any) -> tuple[Any, list[An
         if i:
             delta = (delta @ params[i].T) * (inputs[i // 2] > 0)
     return losses, grads
+
+
+def logits(params: list[Any], x: Any) -> Any:
+    """The unnormalised class scores of each row of ``x``."""
+    return _forward(params, x)[0]
 
 
 def predict(params: list[Any], x: Any) -> Any:

@@ -22,7 +22,7 @@ with strategy.scope():
         if what == "dataset":
             next(it)
         elif what == "checkpoint":
-            mpistrat.Checkpoint(w=w).save(os.path.join(tempfile.gettempdir(), f"skip-{os.getpid()}.npz"))
+            mpistrat.Checkpoint(w=w).write(os.path.join(tempfile.gettempdir(), f"skip-{os.getpid()}.npz"))
         else:
             mpistrat.Variable(np.ones(2), name="v")
 time.sleep(60)  # rank 1 is busy elsewhere
