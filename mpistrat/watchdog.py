@@ -254,11 +254,7 @@ def collective(default_kind: str) -> Callable[[F], F]:
             if not mon.busy.acquire(blocking=False):
                 if mon.thread != me:
                     raise ContextError(_two_threads(mon, me, default_kind))
-                start = mon.start  # a helper inside this thread's collective: part of it
-                result = method(self, *args, **kwargs)
-                if default_kind == "handshake" and start is not None and _handshake_sent(self, kwargs):
-                    mon.agreed = start  # every rank has entered this collective: the handshake completed
-                return result
+                return method(self, *args, **kwargs)  # a helper inside this thread's collective: part of it
             mon.thread = me
             try:
                 if not mon.watched:
@@ -285,13 +281,6 @@ def collective(default_kind: str) -> Callable[[F], F]:
         return watched  # type: ignore[return-value]
 
     return decorate
-
-
-def _handshake_sent(collectives: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether the handshake just completed exchanged messages (with the check off it may only count)."""
-    from mpistrat.collectives.handshake import check_enabled
-
-    return kwargs.get("extras") is not None or check_enabled(collectives, kwargs.get("options"))
 
 
 def _two_threads(mon: Monitor, me: int, kind: str) -> str:

@@ -113,6 +113,7 @@ def agree(
     if top[8] or top[:4] != [-f for f in top[4:8]]:
         self.disagreements += 1
         mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
+    self.monitor.agreed = self.monitor.start  # every rank has entered this collective (for the watchdog)
     if extras is None:
         return None if maximum is None else top[9]
     mine = np.asarray(extras, dtype=np.int64)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.transport import Transport
+from mpistrat.comm.base import Transport
 
 __all__ = ["NcclTransport", "nccl_reduce_type"]
 

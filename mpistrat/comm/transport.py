@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.comm import cuda
+from mpistrat.comm.base import Transport
 from mpistrat.comm.mpi import buffer_spec, mpi_datatype
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
@@ -46,28 +47,6 @@ __all__ = [
     "device_capabilities",
     "nccl_status",
 ]
-
-
-class Transport:
-    """Moves 1-D contiguous buffers of one dtype across the ranks of a communicator."""
-
-    name = "transport"
-
-    def supports_reduce(self, dtype: np.dtype) -> bool:
-        return True
-
-    def allreduce(self, send: Any, recv: Any) -> None:
-        raise NotImplementedError
-
-    def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
-        raise NotImplementedError
-
-    def bcast(self, buf: Any, root: int) -> None:
-        """Overwrite ``buf`` on every rank with root's ``buf``."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release what the transport holds (communicators, pinned memory)."""
 
 
 class HostMPI(Transport):
