@@ -49,12 +49,10 @@ class RankFilter(logging.Filter):
     """Stamp ``record.rank``; drop records below ERROR from ranks other than 0 unless allowed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = world_rank()
+        rank = world_rank()
+        record.rank = rank
         return (
-            record.rank == 0
-            or record.levelno >= logging.ERROR
-            or getattr(record, "any_rank", False)
-            or _everyone()
+            rank == 0 or record.levelno >= logging.ERROR or getattr(record, "any_rank", False) or _everyone()
         )
 
 

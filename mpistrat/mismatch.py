@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -34,8 +35,6 @@ __all__ = [
     "rank_list",
 ]
 
-_fingerprints: dict[tuple[Any, ...], int] = {}
-
 
 def hash64(text: str) -> int:
     """A 62-bit code of ``text`` (room for its negation in the handshake's int64 slots).
@@ -46,25 +45,25 @@ def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
-def fingerprint(*parts: Any) -> int:
+def fingerprint(*parts: Any, memo: Any = None) -> int:
     """A 62-bit code of hashable ``parts`` that is the same on every rank for equal parts.
 
-    Memoized: a training loop repeats the same calls, and the cache lookup is several
-    times cheaper than formatting the parts.
+    ``memo`` (a strategy's ``Caches.codes``) remembers it: a training loop repeats the same
+    calls, and the lookup is several times cheaper than formatting the parts.
 
     >>> fingerprint("SUM", (3,)) == fingerprint("SUM", (3,)) != fingerprint("SUM", (4,))
     True
     """
-    return cached_code(parts, lambda: repr(parts))
+    return cached_code(memo, parts, lambda: repr(parts))
 
 
-def cached_code(key: Any, text: Any) -> int:
-    """``hash64(text())`` computed once per process for each hashable ``key`` standing in for it."""
-    code = _fingerprints.get(key)
+def cached_code(memo: Any, key: Any, text: Callable[[], str]) -> int:
+    """``hash64(text())``, remembered in ``memo`` (a ``Memo``, or None) under the hashable ``key``."""
+    if memo is None:
+        return hash64(text())
+    code = memo.get(key)
     if code is None:
-        if len(_fingerprints) >= 4096:
-            _fingerprints.clear()
-        code = _fingerprints[key] = hash64(text())
+        code = memo.keep(key, hash64(text()))
     return code
 
 

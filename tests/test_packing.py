@@ -162,17 +162,17 @@ def test_fast_flatten_is_optree_flatten(value):
 
 
 def test_large_buffers_are_recycled_only_when_nothing_refers_to_them():
-    shape = (packing._POOL_MIN_BYTES // 4 + 7,)  # a size no other test uses
-    a = packing.empty(shape, np.float32)
+    shape, pool = (packing._POOL_MIN_BYTES // 4 + 7,), []
+    a = packing.empty(shape, np.float32, np, pool)
     first = id(a)
     del a
-    b = packing.empty(shape, np.float32)
+    b = packing.empty(shape, np.float32, np, pool)
     assert id(b) == first  # dropped by its holder: reused
-    held = [packing.empty(shape, np.float32) for _ in range(2)]
+    held = [packing.empty(shape, np.float32, np, pool) for _ in range(2)]
     assert all(h is not b for h in held) and held[0] is not held[1]
     view, exported = b[1:3], memoryview(held[0])
     del b
-    fresh = packing.empty(shape, np.float32)
+    fresh = packing.empty(shape, np.float32, np, pool)
     assert id(fresh) not in (first, id(held[0]), id(held[1]))  # a view or an export keeps it busy
     del view, exported
 
@@ -203,3 +203,26 @@ def test_fast_flatten_never_mistakes_a_nested_container_for_a_flat_one():
         leaves, spec = _flatten(value)
         want_leaves, want_spec = optree.tree_flatten(value, none_is_leaf=True, namespace="mpistrat")
         assert spec == want_spec and all(a is b for a, b in zip(leaves, want_leaves, strict=True))
+
+
+def test_each_strategy_owns_its_caches_and_a_loop_reuses_them(group):
+    """Flattening, pack plans and fingerprints are remembered per strategy (not per process),
+    bounded, and a training loop's repeated calls find them."""
+    grads = {"w": np.ones((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+    other = mpistrat.MPIStrategy(group.comm)
+    caches = other.extended.collectives.caches
+    assert caches is not group.strategy.extended.collectives.caches
+    assert not caches.plans and not caches.flat
+
+    def step():
+        return mpistrat.get_replica_context().all_reduce("sum", grads)
+
+    for _ in range(5):
+        got = other.run(step)
+    sizes = (len(caches.flat), len(caches.plans), len(caches.packs))
+    ok = sizes == (1, 1, 1) and np.array_equal(got["w"], grads["w"] * group.size)
+    caches.clear()
+    again = other.run(step)
+    ok = ok and np.array_equal(again["b"], grads["b"]) and len(caches.plans) == 1
+    all_ranks_agree(group.comm, ok, f"{sizes}")
+    other.experimental_finalize()

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config, watchdog
-from mpistrat.collectives import all_gather, all_reduce, broadcast, handshake, objects
+from mpistrat.collectives import all_gather, all_reduce, broadcast, caches, handshake, objects
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
@@ -46,6 +46,7 @@ class Collectives:
         self.options = options or CommunicationOptions()
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
+        self.caches = caches.Caches()  # what its collectives remember between calls
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self._handshake_send = np.empty(10, dtype=np.int64)
         self._handshake_recv = np.empty(10, dtype=np.int64)

@@ -45,12 +45,14 @@ def all_gather(
     kind: str = "all_gather",
 ) -> Any:
     """Concatenate every rank's arrays along ``axis``; sizes along ``axis`` may differ."""
-    opts, error, leaves, treespec, arrays, axes = self.options, None, [], None, [], []
+    opts, error, arrays, axes = self.options, None, [], []
+    leaves: list[Any] = []
+    treespec: Any = None
     try:
         opts = self.options.merge(options)
         if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
             raise InvalidArgumentError(f"{kind}: axis must be an int; got {axis!r}")
-        leaves, treespec = lv.flatten(value)
+        leaves, treespec = lv.flatten(value, self.caches.flat)
         arrays = lv.to_arrays(value, leaves, kind)
         for i, arr in enumerate(arrays):
             if arr.ndim == 0:
@@ -66,7 +68,9 @@ def all_gather(
     rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
     impl = lv.device_implementation(arrays, opts)
     leaves_key = [(packing.dtype_name(a), ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]
-    fingerprint = mismatch.fingerprint(impl, opts.bytes_per_pack, treespec, *leaves_key)
+    fingerprint = mismatch.fingerprint(
+        impl, opts.bytes_per_pack, treespec, *leaves_key, memo=self.caches.codes
+    )
     sizes = self.agree(  # always: the sizes along axis are needed, check or not
         kind,
         fingerprint=fingerprint,
@@ -92,7 +96,7 @@ def all_gather(
         moved = [lv.moveaxis_to_front(arrays[i], axes[i]) for i in rest]
         part: list[Any] = [None] * len(rest)
         rest_sizes = sizes if not direct else sizes[:, rest]
-        for p in packing.plan_packs(moved, opts.bytes_per_pack):
+        for p in packing.plan_packs(moved, opts.bytes_per_pack, None, self.caches.packs):
             _allgather_pack(self, moved, p, rest_sizes, part, opts.implementation)
         for k, i in enumerate(rest):
             o, ax = part[k], axes[i]
@@ -158,11 +162,11 @@ def _allgather_pack(
         elements = sizes[:, p.indices] * np.array([math.prod(moved[i].shape[1:]) for i in p.indices])
         counts = elements.sum(axis=1).tolist()
     displs = [0, *itertools.accumulate(counts[:-1])]
-    recv = packing.empty((sum(counts),), p.dtype, xp)
+    recv = packing.empty((sum(counts),), p.dtype, xp, self.caches.buffers)
     if len(p.indices) == 1 and packing.is_contiguous(moved[p.indices[0]]):
         send = moved[p.indices[0]]
     else:
-        send = packing.pack(moved, p)
+        send = packing.pack(moved, p, self.caches.buffers)
     self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
     if len(p.indices) == 1:
         out[i] = recv.reshape((sum(rows), *moved[i].shape[1:]))

@@ -46,11 +46,13 @@ def all_reduce(
         op = lv.known_reduce_op(reduce_op)
         if op is not None:
             return _all_reduce_array(self, op, value, kind)
-    opts, op, leaves, treespec, arrays = self.options, None, [], None, []
+    opts, op, arrays = self.options, None, []
+    leaves: list[Any] = []
+    treespec: Any = None
     try:
         opts = self.options.merge(options)
         op = lv.reduce_op(reduce_op)
-        leaves, treespec = lv.flatten(value)
+        leaves, treespec = lv.flatten(value, self.caches.flat)
         arrays = lv.to_arrays(value, leaves, kind)
     except MpistratError as exc:
         error = error or exc
@@ -58,9 +60,11 @@ def all_reduce(
     packs = None
     impl = None if numpy_only else lv.device_implementation(arrays, opts)
     if numpy_only and error is None:
-        fingerprint, packs = lv.numpy_plan(op, treespec, arrays, opts.bytes_per_pack)
+        fingerprint, packs = lv.numpy_plan(self.caches, op, treespec, arrays, opts.bytes_per_pack)
     else:
-        fingerprint = lv.fingerprint(op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack)
+        fingerprint = lv.fingerprint(
+            self.caches.codes, op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack
+        )
     self.agree(
         kind,
         fingerprint=fingerprint,
@@ -77,7 +81,7 @@ def all_reduce(
 
 def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
     """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
-    fingerprint, packs = lv.numpy_plan(op, lv.LEAF_SPEC, [x], self.options.bytes_per_pack)
+    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], self.options.bytes_per_pack)
     bpp = self.options.bytes_per_pack
     self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp))
     divisor = self.size if op is ReduceOp.MEAN else None
@@ -97,22 +101,22 @@ def allreduce_arrays(
     ``packs``: the cached plan for plain NumPy ``arrays`` if the caller has it.
     """
     if packs is None:
-        packs = packing.plan_packs(arrays, bytes_per_pack)
+        packs = packing.plan_packs(arrays, bytes_per_pack, None, self.caches.packs)
     out: list[Any] = [None] * len(arrays)
     for p in packs:
         # Host arrays go straight to MPI (it reads their type); device arrays pick a transport.
         host = p.module is np
-        transport = None if host else self.transports.get(p.module, implementation, p.dtype, "allreduce")
+        transport: Any = None if host else self.transports.get(p.module, implementation, p.dtype, "allreduce")
         if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
             i = p.indices[0]
-            recv = packing.empty(arrays[i].shape, p.dtype, p.module)
+            recv = packing.empty(arrays[i].shape, p.dtype, p.module, self.caches.buffers)
             if host:
                 self.comm.Allreduce(arrays[i], recv, op=MPI.SUM)
             else:
                 transport.allreduce(arrays[i], recv)
             out[i] = recv if divisor is None else lv.divide(recv, divisor)
         else:
-            buf = packing.pack(arrays, p)
+            buf = packing.pack(arrays, p, self.caches.buffers)
             if host:
                 self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             else:

@@ -39,18 +39,22 @@ def broadcast(
     Every rank passes a nest of the same structure, dtypes and shapes (checked); only
     root's contents count. The result is a copy on every rank, root too.
     """
-    leaves, treespec, arrays = [], None, []
+    arrays: list[Any] = []
+    leaves: list[Any] = []
+    treespec: Any = None
     try:
-        leaves, treespec = lv.flatten(value)
+        leaves, treespec = lv.flatten(value, self.caches.flat)
         arrays = lv.to_arrays(value, leaves, kind)
     except MpistratError as exc:
         error = error or exc
     numpy_only = arrays is leaves
     packs = None
     if numpy_only and error is None:
-        fingerprint, packs = lv.numpy_plan(None, treespec, arrays, self.options.bytes_per_pack)
+        fingerprint, packs = lv.numpy_plan(self.caches, None, treespec, arrays, self.options.bytes_per_pack)
     else:
-        fingerprint = lv.fingerprint(None, None, treespec, arrays, bytes_per_pack=self.options.bytes_per_pack)
+        fingerprint = lv.fingerprint(
+            self.caches.codes, None, None, treespec, arrays, bytes_per_pack=self.options.bytes_per_pack
+        )
     self.agree(
         kind,
         fingerprint=fingerprint,
@@ -58,7 +62,7 @@ def broadcast(
         error=error,
     )
     if packs is None:
-        packs = packing.plan_packs(arrays, self.options.bytes_per_pack)
+        packs = packing.plan_packs(arrays, self.options.bytes_per_pack, None, self.caches.packs)
     out: list[Any] = [None] * len(arrays)
     for p in packs:
         transport = self.transports.host if p.module is np else self.transports.ring(p.module)
@@ -67,12 +71,12 @@ def broadcast(
             if self.rank == root:
                 buf = packing.array_module(arrays[i]).array(arrays[i], order="C", copy=True)
             else:
-                buf = packing.empty(arrays[i].shape, p.dtype, p.module)
+                buf = packing.empty(arrays[i].shape, p.dtype, p.module, self.caches.buffers)
             transport.bcast(buf, root)
             out[i] = buf
             continue
         if self.rank == root:
-            buf = packing.pack(arrays, p)
+            buf = packing.pack(arrays, p, self.caches.buffers)
         else:
             buf = packing.empty((sum(arrays[i].size for i in p.indices),), p.dtype, p.module)
         transport.bcast(buf, root)

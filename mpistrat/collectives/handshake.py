@@ -21,7 +21,6 @@ number's maximum over the ranks rides in the handshake itself.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -54,10 +53,9 @@ def check_level(collectives: Collectives, options: CommunicationOptions | None =
     return collectives.check
 
 
-@functools.lru_cache(maxsize=256)
-def code(text: str) -> int:
+def code(text: str, memo: Any = None) -> int:
     """A number for ``text`` that is the same on every rank (a kind, a description)."""
-    return mismatch.hash64(text)
+    return mismatch.cached_code(memo, text, lambda: text)
 
 
 @watchdog.collective("handshake")  # watched on its own when a caller opens with it alone
@@ -98,7 +96,8 @@ def agree(
         self.seq += 1
         return None
     self.seq += 1
-    seq, kind_code = self.seq, code(kind)
+    codes = self.caches.codes
+    seq, kind_code = self.seq, codes.get(kind) or code(kind, codes)
     send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
     send[:8] = (_MAGIC, seq, kind_code, fingerprint, -_MAGIC, -seq, -kind_code, -fingerprint)
     send[8], send[9] = error is not None, maximum or 0

@@ -14,7 +14,7 @@ step, so both are cached by structure, dtypes and shapes.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
@@ -24,6 +24,9 @@ from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from mpistrat.collectives.caches import Caches
 
 __all__ = [
     "LEAF_SPEC",
@@ -102,6 +105,7 @@ def reduce_op(value: ReduceOp | str) -> ReduceOp:
 
 
 def fingerprint(
+    memo: Any,
     op: ReduceOp | None,
     impl: str | None,
     treespec: Any,
@@ -125,6 +129,7 @@ def fingerprint(
         sig if sig is not None else tuple((packing.dtype_name(a), a.shape) for a in arrays),
     )
     return mismatch.cached_code(
+        memo,
         key,
         lambda: repr(
             (op, impl, bytes_per_pack, str(treespec), [(packing.dtype_name(a), a.shape) for a in arrays])
@@ -132,40 +137,38 @@ def fingerprint(
     )
 
 
-# The last plan per structure: comparing a signature costs less than hashing it.
-_LAST_PLAN: dict[Any, tuple[Any, ...]] = {}
-
-
 def numpy_plan(
-    op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int
+    caches: Caches, op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int
 ) -> tuple[int, list[packing.Pack]]:
-    """(fingerprint, pack plan) for plain NumPy ``arrays``."""
+    """(fingerprint, pack plan) for plain NumPy ``arrays``.
+
+    The last plan per structure is kept: comparing a signature costs less than hashing it.
+    """
     sig = tuple(map(_DTYPE_SHAPE, arrays))
-    last = _LAST_PLAN.get(treespec)
+    last = caches.plans.get(treespec)
     if last is not None and last[0] is op and last[1] == bytes_per_pack and last[2] == sig:
         return last[3], last[4]
-    code = fingerprint(op, None, treespec, arrays, sig, bytes_per_pack)
-    packs = packing.plan_packs(arrays, bytes_per_pack, sig)
-    if len(_LAST_PLAN) >= 256:
-        _LAST_PLAN.clear()
-    _LAST_PLAN[treespec] = (op, bytes_per_pack, sig, code, packs)
+    code = fingerprint(caches.codes, op, None, treespec, arrays, sig, bytes_per_pack)
+    packs = packing.plan_packs(arrays, bytes_per_pack, sig, caches.packs)
+    caches.plans.keep(treespec, (op, bytes_per_pack, sig, code, packs))
     return code, packs
 
 
-# Flat lists, tuples and dicts of NumPy arrays (gradients, metrics) are flattened from
-# remembered structures: optree spends ~0.2 us per leaf deciding that an array is a leaf.
-_FLAT: dict[Any, tuple[Any, tuple[Any, ...] | None]] = {}
+def flatten(value: Any, memo: Any = None) -> tuple[list[Any], Any]:
+    """``nest.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays.
 
-
-def flatten(value: Any) -> tuple[list[Any], Any]:
-    """``nest.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays."""
+    Flat lists, tuples and dicts of NumPy arrays (gradients, metrics) are flattened from the
+    structures ``memo`` (a strategy's ``Caches.flat``) remembers: optree spends ~0.2 us per
+    leaf deciding that an array is a leaf.
+    """
     kind = type(value)
     if kind is np.ndarray:
         return [value], LEAF_SPEC
     flat = kind is list or kind is tuple or kind is dict
+    flat = flat and memo is not None
     if flat:
         key = (kind, tuple(value) if kind is dict else len(value))
-        known = _FLAT.get(key)
+        known = memo.get(key)
         if known is not None:
             spec, order = known
             leaves = list(map(value.__getitem__, order)) if order is not None else list(value)
@@ -180,9 +183,7 @@ def flatten(value: Any) -> tuple[list[Any], Any]:
         order = None
         if kind is dict:  # the keys in optree's leaf order
             order = tuple(path[0] for path in nest.tree_paths(value))
-        if len(_FLAT) >= 256:
-            _FLAT.clear()
-        _FLAT[key] = (spec, order)
+        memo.keep(key, (spec, order))
     return leaves, spec
 
 

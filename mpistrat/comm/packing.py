@@ -49,41 +49,37 @@ _NUMPY_ONLY = frozenset({np.ndarray})
 _DTYPE = operator.attrgetter("dtype")
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 # Cached plans of all-NumPy leaf lists, by (bytes_per_pack, (dtype, shape)...); cleared when full.
-_PLANS: dict[tuple[Any, ...], list[Pack]] = {}
-_MAX_PLANS = 256
-
-
 # Large NumPy results reuse buffers handed out earlier that nobody references any more: a
 # fresh allocation that size is mmap'ed, and faulting its pages in costs several times the
 # Allreduce itself (2 ranks, 1 MiB: ~990 us with a fresh receive buffer, ~265 us without).
-_POOL: list[np.ndarray] = []
 _POOL_MIN_BYTES = 128 << 10
 _POOL_SIZE = 4
 
 
-def empty(shape: tuple[int, ...], dtype: Any, module: Any = np) -> Any:
-    """An uninitialized array, like ``module.empty``; large NumPy ones may be recycled.
+def empty(shape: tuple[int, ...], dtype: Any, module: Any = np, pool: list[Any] | None = None) -> Any:
+    """An uninitialized array, like ``module.empty``; large NumPy ones may come from ``pool``.
 
-    A recycled array is one this function returned before whose only remaining reference
-    is the pool's (no caller holds it, a view of it, or a buffer exported from it).
+    ``pool`` (a strategy's ``Caches.buffers``) holds arrays this function returned before; one
+    is recycled when the pool's is its only remaining reference (no caller holds it, a view of
+    it, or a buffer exported from it).
     """
-    if module is not np:
+    if module is not np or pool is None:
         return module.empty(shape, dtype=dtype)
     if not isinstance(dtype, np.dtype):  # the collectives pass dtypes: no conversion then
         dtype = np.dtype(dtype)
     if math.prod(shape) * dtype.itemsize < _POOL_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
     shape = tuple(shape)
-    for i in range(len(_POOL)):
-        arr = _POOL[i]
+    for i in range(len(pool)):
+        arr = pool[i]
         # three references: the pool's list, ``arr`` here, getrefcount's argument
         if sys.getrefcount(arr) == 3 and arr.shape == shape and arr.dtype == dtype:
-            _POOL.append(_POOL.pop(i))  # most recently used last
+            pool.append(pool.pop(i))  # most recently used last
             return arr
     arr = np.empty(shape, dtype=dtype)
-    if len(_POOL) >= _POOL_SIZE:
-        _POOL.pop(0)
-    _POOL.append(arr)
+    if len(pool) >= _POOL_SIZE:
+        pool.pop(0)
+    pool.append(arr)
     return arr
 
 
@@ -182,25 +178,26 @@ class Pack:
     slices: tuple[slice, ...] = ()
 
 
-def plan_packs(arrays: list[Any], bytes_per_pack: int = 0, sig: tuple[Any, ...] | None = None) -> list[Pack]:
+def plan_packs(
+    arrays: list[Any], bytes_per_pack: int = 0, sig: tuple[Any, ...] | None = None, memo: Any = None
+) -> list[Pack]:
     """Group arrays by (array module, dtype), in first-seen order.
 
     With ``bytes_per_pack > 0`` a group is split, between leaves, into packs of
     about that many bytes; a leaf larger than that travels alone. For plain NumPy
-    arrays the plan is cached and shared: callers must not modify it. ``sig``:
-    ``signature(arrays)`` if the caller has it already.
+    arrays and a ``memo`` (a strategy's ``Caches.packs``) the plan is remembered and shared:
+    callers must not modify it. ``sig``: ``signature(arrays)`` if the caller has it already.
     """
+    if memo is None:
+        return _plan(arrays, bytes_per_pack)
     if sig is None:
         sig = signature(arrays)
         if sig is None:
             return _plan(arrays, bytes_per_pack)
     key = (bytes_per_pack, sig)
-    packs = _PLANS.get(key)
+    packs = memo.get(key)
     if packs is None:
-        packs = [_with_views(p, arrays) for p in _plan(arrays, bytes_per_pack)]
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = packs
+        packs = memo.keep(key, [_with_views(p, arrays) for p in _plan(arrays, bytes_per_pack)])
     return packs
 
 
@@ -249,11 +246,11 @@ def is_contiguous(arr: Any) -> bool:
     return bool(flags.c_contiguous and flags.aligned)
 
 
-def pack(arrays: list[Any], p: Pack) -> Any:
+def pack(arrays: list[Any], p: Pack, pool: list[Any] | None = None) -> Any:
     """One contiguous 1-D buffer holding the pack's leaves, always a fresh copy."""
     if p.views:  # NumPy: one C loop over the leaves, each flattened in C order
         leaves = arrays if len(p.indices) == len(arrays) else [arrays[i] for i in p.indices]
-        return np.concatenate(leaves, axis=None, out=empty((p.size,), p.dtype))
+        return np.concatenate(leaves, axis=None, out=empty((p.size,), p.dtype, np, pool))
     xp = p.module
     total = sum(arrays[i].size for i in p.indices)
     buf = xp.empty(total, dtype=p.dtype)

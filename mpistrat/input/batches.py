@@ -25,7 +25,7 @@ import optree
 from mpistrat import nest
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
-from mpistrat.mismatch import hash64
+from mpistrat.mismatch import cached_code
 
 __all__ = [
     "ArraySpec",
@@ -183,29 +183,26 @@ def empty_batch(spec: Any) -> Any:
     return nest.tree_map(lambda s: s.empty(), spec)
 
 
-_FINGERPRINTS: dict[Any, int] = {}
-
-
-def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False) -> int:
+def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False, memo: Any = None) -> int:
     """A number that differs between nests of different structure or dtypes (or shapes, if asked).
 
-    ``leaves`` are arrays or :class:`ArraySpec` (both have ``dtype`` and ``shape``). Cached,
-    because an iterator computes one at every step and the answer rarely changes.
+    ``leaves`` are arrays or :class:`ArraySpec` (both have ``dtype`` and ``shape``).
+    ``memo`` (a strategy's ``Caches.codes``) remembers it: an iterator computes one at every
+    step, and the answer rarely changes.
     """
-    key = (treespec, shapes, tuple((a.dtype, tuple(a.shape) if shapes else None) for a in leaves))
-    code = _FINGERPRINTS.get(key)
-    if code is None:
-        if len(_FINGERPRINTS) > 1024:
-            _FINGERPRINTS.clear()
+    key = ("batch", treespec, shapes, tuple((a.dtype, tuple(a.shape) if shapes else None) for a in leaves))
+
+    def text() -> str:
         described = [(np.dtype(a.dtype).str, tuple(a.shape) if shapes else None) for a in leaves]
-        code = _FINGERPRINTS[key] = hash64(repr((treespec, described)))
-    return code
+        return repr((treespec, described))
+
+    return cached_code(memo, key, text)
 
 
-def spec_fingerprint(spec: Any) -> int:
+def spec_fingerprint(spec: Any, memo: Any = None) -> int:
     """:func:`fingerprint` of an element spec: structure and dtypes, not shapes."""
     leaves, treespec = nest.tree_flatten(spec)
-    return fingerprint(treespec, leaves)
+    return fingerprint(treespec, leaves, memo=memo)
 
 
 def agree_specs(specs: list[Any], where: str) -> Any:

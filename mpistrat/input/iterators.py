@@ -240,7 +240,9 @@ class SplitIterator(DistributedIterator):
         if check_enabled(collectives):
             fingerprint = _END_CODE
             if isinstance(batch, Batch):
-                fingerprint = batch_fingerprint(batch.treespec, batch.leaves, shapes=True)
+                fingerprint = batch_fingerprint(
+                    batch.treespec, batch.leaves, shapes=True, memo=collectives.caches.codes
+                )
             try:
                 collectives.agree(
                     "dataset_step", fingerprint=fingerprint, describe=lambda: _describe(batch), error=error
@@ -365,7 +367,9 @@ class PipelineIterator(DistributedIterator):
             fingerprint = 0
             if check_enabled(collectives) and spec is not None:
                 fingerprint = (
-                    batch_fingerprint(batch.treespec, batch.leaves) if have else spec_fingerprint(spec)
+                    batch_fingerprint(batch.treespec, batch.leaves, memo=collectives.caches.codes)
+                    if have
+                    else spec_fingerprint(spec, collectives.caches.codes)
                 )
             counts = [
                 batch.size if have else -1,
