@@ -31,7 +31,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
 from mpistrat.extended import current_colocation
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
 
 __all__ = [
     "Variable",
@@ -79,7 +79,7 @@ _AGGREGATION_HELP = (
 )
 
 
-class Variable:
+class Variable(HasLocalCopy):
     """A mutable array: NumPy or CuPy, with ``assign``/``assign_add``/``assign_sub``.
 
     Args:
@@ -154,6 +154,9 @@ class Variable:
     def _local(self) -> Any:
         """This rank's copy, never communicating (for metadata and ``repr``)."""
         return self._value
+
+    def _local_copy(self) -> Any:
+        return self._local()
 
     # -- reads ------------------------------------------------------------------------
 
@@ -343,6 +346,9 @@ class DistributedVariable(Variable, DistributedValues):
 
     def _local(self) -> Any:
         return self._component._value
+
+    def _local_variable(self) -> Variable:
+        return self._component
 
     @property
     def device(self) -> str:
