@@ -42,7 +42,7 @@ from mpistrat.input import (
     InputReplicationMode,
     ValueContext,
 )
-from mpistrat.losses import compute_average_loss
+from mpistrat.losses import compute_average_loss, scale_regularization_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
@@ -101,5 +101,6 @@ __all__ = [
     "in_cross_replica_context",
     "nest",
     "optimizers",
+    "scale_regularization_loss",
     "set_abort_on_exception",
 ]

@@ -91,10 +91,8 @@ class Strategy:
         True
         """
         mode = context.require_cross_replica("Strategy.run")
-        if mode.kind == "merge":
-            raise ContextError(
-                "Strategy.run cannot be called inside a merge_fn: merge_fn runs on rank 0 alone"
-            )
+        if mode.kind == "merge" and not self._extended.is_default:
+            return self._run_on_root(fn, tuple(args), dict(kwargs or {}))
         self._extended.collectives  # noqa: B018 (raises if finalized)
         rank = self._extended.rank
         args = self._unwrap(tuple(args), rank)
@@ -103,6 +101,27 @@ class Strategy:
             return fn(*args, **kwargs)
 
     experimental_run_v2 = run
+
+    def _run_on_root(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``run`` inside a root-mode merge_fn: rank 0 holds every replica's arguments, so it calls
+        ``fn`` once per replica, in turn, as tf's MirroredStrategy does; a ``PerReplica`` of the results.
+
+        Each call is in that replica's context, but on rank 0 alone: communicating, or touching a
+        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``).
+        """
+        size = self.num_replicas_in_sync
+        results = []
+        for replica in range(size):
+            a = self._unwrap(args, replica)
+            kw = self._unwrap(kwargs, replica)
+            with context.push(context.Mode(self, ReplicaContext(self, replica), "merge")):
+                results.append(fn(*a, **kw))
+        if size == 1:
+            return results[0]
+        try:  # PerReplica leaves in the results' common structure, as tf's regroup gives
+            return nest.tree_map(lambda *xs: PerReplica(xs), *results)
+        except ValueError:
+            return PerReplica(tuple(results))
 
     def experimental_run(self, fn: Callable[..., Any], input_iterator: Any = None) -> Any:
         """Call ``fn`` on each rank with its part of the next input, as tf.distribute's older ``run``.
