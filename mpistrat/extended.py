@@ -384,7 +384,7 @@ class StrategyExtended:
 
         For the default strategy: True for variables created outside any scope.
         """
-        if not hasattr(v, "distribute_strategy"):
+        if not isinstance(v, HasLocalCopy):
             raise InvalidArgumentError(
                 f"variable_created_in_scope: expected a Variable; got {type(v).__name__}"
             )
@@ -417,7 +417,7 @@ def _check_destinations(destinations: Any, method: str) -> None:
     ok = (
         isinstance(destinations, (DistributedValues, np.ndarray, np.generic))
         or type(destinations) in (bool, int, float, complex)  # a value passed as its own destination
-        or hasattr(destinations, "distribute_strategy")  # a variable
+        or isinstance(destinations, HasLocalCopy)  # a variable
         or type(destinations).__module__.startswith("cupy")
     )
     if isinstance(destinations, str):
