@@ -356,3 +356,16 @@ def test_variables_in_run_inside_a_root_merge_fn(group):
         lambda: in_merge_fn(group.strategy, lambda s, _: s.run(lambda: mirrored.assign(1.0)), 0),
         "rank 0",
     )
+
+
+def test_variables_of_different_shapes_in_all_reduce_name_the_shapes(group):
+    # Not a tf value: ranks that disagree about a variable's shape get an error naming both shapes.
+    if group.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    var = mpistrat.Variable(np.zeros(group.rank + 1, np.float32))
+    message = raises_on_every_rank(
+        group.comm,
+        mpistrat.CollectiveMismatchError,
+        lambda: group.strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", {"v": var})),
+    )
+    all_ranks_agree(group.comm, "shape (1,)" in message and "shape (2,)" in message, message)
