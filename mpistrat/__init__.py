@@ -43,7 +43,7 @@ from mpistrat.input import (
     InputReplicationMode,
     ValueContext,
 )
-from mpistrat.losses import compute_average_loss
+from mpistrat.losses import compute_average_loss, scale_regularization_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
@@ -106,5 +106,6 @@ __all__ = [
     "metrics",
     "nest",
     "optimizers",
+    "scale_regularization_loss",
     "set_abort_on_exception",
 ]

@@ -38,7 +38,9 @@ class Mode:
 
     ``kind`` is ``"default"`` (no scope), ``"cross_replica"`` (SPMD: inside ``scope()``,
     every rank executes), ``"replica"`` (inside ``run``), or ``"merge"`` (inside a
-    ``merge_fn``: rank 0 alone, holding every replica's values).
+    ``merge_fn``: rank 0 alone, holding every replica's values). A ``"merge"`` mode with a
+    ``replica_context`` is ``strategy.run`` called inside such a merge_fn: one replica at a
+    time on rank 0 alone, where nothing may communicate.
     """
 
     strategy: Strategy

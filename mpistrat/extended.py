@@ -19,7 +19,6 @@ writes to variables travel back with merge_call's broadcast.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 import weakref
@@ -29,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import context, nest, watchdog
+from mpistrat import context, merge, nest, watchdog
 from mpistrat.collectives import Collectives
 from mpistrat.comm import devices
-from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, component, local_copy
 
 if TYPE_CHECKING:
     from mpistrat.replica_context import ReplicaContext
@@ -214,8 +213,8 @@ class StrategyExtended:
         op = _reduce_op(reduce_op, "reduce_to")
         _check_destinations(destinations, "reduce_to")
         if mode.kind == "merge" or self.is_default:
-            return self._mirrored(self._reduce_locally(op, value, "reduce_to"))
-        return self._all_reduce(op, _local(value, self.rank), "reduce_to")
+            return self._mirrored(merge.reduce_here(op, value, self.size, "reduce_to"))
+        return self._all_reduce(op, value, "reduce_to")
 
     def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any) -> list[Any]:
         """Several ``reduce_to`` calls in one: a single fused all-reduce for the whole batch.
@@ -226,44 +225,23 @@ class StrategyExtended:
         op = _reduce_op(reduce_op, "batch_reduce_to")
         pairs = _pairs(value_destination_pairs)
         if mode.kind == "merge" or self.is_default:
-            return [self._mirrored(self._reduce_locally(op, v, "batch_reduce_to")) for v, _ in pairs]
-        return list(self._all_reduce(op, [_local(v, self.rank) for v, _ in pairs], "batch_reduce_to"))
+            return [self._mirrored(merge.reduce_here(op, v, self.size, "batch_reduce_to")) for v, _ in pairs]
+        return list(self._all_reduce(op, [v for v, _ in pairs], "batch_reduce_to"))
 
     def _mirrored(self, value: Any) -> Any:
         """A merge_fn's reduced value, mirrored to every replica (the default strategy: the value)."""
         return value if self.is_default else Mirrored((value,) * self.size)
 
-    def _all_reduce(self, op: str | ReduceOp, local: Any, kind: str) -> Any:
+    def _all_reduce(self, op: str | ReduceOp, value: Any, kind: str) -> Any:
+        """One collective over every rank's part of ``value`` (an error here reaches every rank)."""
+        local, error = None, None
+        try:
+            local = _local(value, self.rank, self.size, kind)
+        except MpistratError as exc:
+            error = exc
         if op == ONLY_FIRST_REPLICA:  # replica 0's value: a broadcast, not a sum with zeros
-            return self.collectives.broadcast(local, kind=kind)
-        return self.collectives.all_reduce(op, local, kind=kind)
-
-    def _reduce_locally(self, op: str | ReduceOp, value: Any, method: str) -> Any:
-        """Rank 0 in a merge_fn holds every replica's value: reduce with array arithmetic."""
-        n = self.size
-        if isinstance(value, DistributedValues) and hasattr(value, "_component"):  # a mirrored variable
-            value = Mirrored((value.value(),) * n)
-        if isinstance(value, PerReplica):
-            if len(value.values) not in (1, n):
-                raise InvalidArgumentError(
-                    f"{method}: a PerReplica value has {len(value.values)} components; expected {n}"
-                )
-            parts = list(value.values) * (n if len(value.values) == 1 else 1)
-        elif isinstance(value, Mirrored):
-            parts = [value.values[0]] * n
-        elif op != ReduceOp.SUM or n == 1:
-            parts = [value] * n
-        else:
-            raise InvalidArgumentError(
-                f"{method}: a value that is not a DistributedValues cannot be reduced with SUM across "
-                f"{n} replicas inside merge_fn; pass the PerReplica value merge_fn received"
-            )
-        if op == ONLY_FIRST_REPLICA:
-            return parts[0]
-        total = functools.reduce(lambda a, b: nest.tree_map(np.add, a, b), parts)
-        if op == ReduceOp.MEAN:
-            return nest.tree_map(lambda t: np.true_divide(t, n), total)
-        return total
+            return self.collectives.broadcast(local, kind=kind, error=error)
+        return self.collectives.all_reduce(op, local, kind=kind, error=error)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every replica (``destinations``: a variable or device string).
@@ -301,15 +279,15 @@ class StrategyExtended:
             if self.is_default:
                 result = fn(var, *a, **kw)
             else:
-                component = getattr(var, "_component", None)
                 if (
-                    component is None
+                    not isinstance(var, HasLocalCopy)
                     or getattr(var, "distribute_strategy", None) is not self._container_strategy
                 ):
                     raise InvalidArgumentError(
                         f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
                         "Create it inside `with strategy.scope():`"
                     )
+                component = var._local_variable()
                 self.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
                 try:
                     result = fn(component, *a, **kw)
@@ -406,7 +384,7 @@ class StrategyExtended:
 
         For the default strategy: True for variables created outside any scope.
         """
-        if not hasattr(v, "distribute_strategy"):
+        if not isinstance(v, HasLocalCopy):
             raise InvalidArgumentError(
                 f"variable_created_in_scope: expected a Variable; got {type(v).__name__}"
             )
@@ -439,7 +417,7 @@ def _check_destinations(destinations: Any, method: str) -> None:
     ok = (
         isinstance(destinations, (DistributedValues, np.ndarray, np.generic))
         or type(destinations) in (bool, int, float, complex)  # a value passed as its own destination
-        or hasattr(destinations, "distribute_strategy")  # a variable
+        or isinstance(destinations, HasLocalCopy)  # a variable
         or type(destinations).__module__.startswith("cupy")
     )
     if isinstance(destinations, str):
@@ -467,17 +445,11 @@ _NOTHING = contextlib.nullcontext()
 _CONTAINERS = (list, tuple, dict)  # what optree would walk into; anything else is a leaf here
 
 
-def _local(value: Any, rank: int) -> Any:
-    """This rank's component of a distributed value (SPMD context)."""
+def _local(value: Any, rank: int, size: int, method: str) -> Any:
+    """This rank's component of a distributed value (SPMD context); a variable's local copy."""
 
     def one(x: Any) -> Any:
-        if isinstance(x, PerReplica):
-            return x.values[rank] if len(x.values) > 1 else x.values[0]
-        if isinstance(x, Mirrored):
-            return x.values[0]
-        if isinstance(x, DistributedValues) and hasattr(x, "_component"):
-            return x.value()
-        return x
+        return local_copy(component(x, rank, size, method))
 
     if not isinstance(value, _CONTAINERS):  # one leaf (a gradient): no tree walk
         return one(value)
@@ -495,8 +467,7 @@ def _unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: 
             )
         if isinstance(x, Mirrored):
             return x.values[0]
-        component = getattr(x, "_component", None)
-        return x if component is None else component
+        return x._local_variable() if isinstance(x, HasLocalCopy) else x
 
     args, kwargs = arguments
     if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):  # flat (an optimizer's update)

@@ -22,6 +22,7 @@ from mpistrat import nest
 from mpistrat.comm import packing
 from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError, portable
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import local_copy
 from mpistrat.watchdog import call_site
 
 __all__ = [
@@ -142,7 +143,7 @@ def describe(
         leaves.append(("<root>", structure, None))
     for path, leaf in pairs:
         try:
-            arr = packing.as_array(leaf)
+            arr = packing.as_array(local_copy(leaf))
             shape: tuple[Any, ...] = tuple(arr.shape)
             if isinstance(axis, int) and arr.ndim and -arr.ndim <= axis < arr.ndim:
                 shape = tuple("*" if d == axis % arr.ndim else n for d, n in enumerate(shape))

@@ -1,6 +1,7 @@
 """tf.nest-style helpers over optree.
 
-Dicts flatten in sorted key order and ``None`` is a leaf, as in ``tf.nest``.
+Dicts flatten in sorted key order and ``None`` is a leaf, as in ``tf.nest``. An
+``OrderedDict`` flattens in insertion order (optree's rule; tf.nest sorts its keys too).
 
 >>> flatten({"b": [1, 2], "a": 0})
 [0, 1, 2]
@@ -10,12 +11,12 @@ Dicts flatten in sorted key order and ``None`` is a leaf, as in ``tf.nest``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
 
-from mpistrat.errors import InvalidArgumentError
+from mpistrat.errors import InvalidArgumentError, UnsupportedTypeError
 
 __all__ = [
     "tree_flatten",
@@ -89,35 +90,69 @@ def pack_sequence_as(structure: Any, flat_sequence: list[Any]) -> Any:
     return optree.tree_unflatten(treespec, flat)
 
 
-def map_structure(func: Callable[..., Any], *structures: Any) -> Any:
-    """Apply ``func`` to corresponding leaves of structures that have the same shape."""
+def map_structure(func: Callable[..., Any], *structures: Any, check_types: bool = True) -> Any:
+    """Apply ``func`` to corresponding leaves of structures that have the same shape.
+
+    The result has the first structure's shape; ``check_types`` as in :func:`assert_same_structure`.
+    """
     if not structures:
         raise InvalidArgumentError("map_structure needs at least one structure")
     for other in structures[1:]:
-        assert_same_structure(structures[0], other)
-    return optree.tree_map(func, *structures, **_OPTS)
+        assert_same_structure(structures[0], other, check_types=check_types)
+    leaves = [optree.tree_leaves(s, **_OPTS) for s in structures]
+    return optree.tree_unflatten(
+        tree_structure(structures[0]), [func(*xs) for xs in zip(*leaves, strict=True)]
+    )
 
 
-def assert_same_structure(nest1: Any, nest2: Any) -> None:
-    """Raise ``ValueError`` naming the first differing key path if the nests differ."""
-    spec1 = optree.tree_structure(nest1, **_OPTS)
-    spec2 = optree.tree_structure(nest2, **_OPTS)
+def assert_same_structure(nest1: Any, nest2: Any, check_types: bool = True) -> None:
+    """Raise if the nests differ, naming the first differing key path, as ``tf.nest`` does.
+
+    A different container type (a list for a tuple, a namedtuple for a tuple) raises
+    ``TypeError`` when ``check_types`` (mappings count as one type); a different number
+    of elements, different dict keys or a leaf for a container raises ``ValueError``.
+    Without ``check_types`` only the number of leaves under each container counts.
+
+    >>> assert_same_structure([1, 2], (3, 4), check_types=False)
+    """
+    spec1, spec2 = tree_structure(nest1), tree_structure(nest2)
     if spec1 == spec2:
         return
-    paths1 = [p for p, _ in flatten_with_paths(nest1)]
-    paths2 = [p for p, _ in flatten_with_paths(nest2)]
-    for p1, p2 in zip(paths1, paths2, strict=False):
-        if p1 != p2:
-            where = f"first difference at {path_str(p1)} vs {path_str(p2)}"
-            break
-    else:
-        longer, name = (paths1, "first") if len(paths1) > len(paths2) else (paths2, "second")
-        extra = path_str(longer[min(len(paths1), len(paths2))])
-        where = f"{len(paths1)} leaves vs {len(paths2)} leaves; {extra} is only in the {name}"
-    raise InvalidArgumentError(
+    found = _first_difference(spec1, spec2, (), check_types)
+    if found is None:
+        return
+    error, where = found
+    raise error(
         f"The two structures don't have the same nested structure ({where}).\n"
         f"First structure: {spec1}\nSecond structure: {spec2}"
     )
+
+
+def _first_difference(
+    spec1: optree.PyTreeSpec, spec2: optree.PyTreeSpec, path: tuple[Any, ...], check_types: bool
+) -> tuple[type[Exception], str] | None:
+    leaf1, leaf2 = spec1.is_leaf(), spec2.is_leaf()
+    if leaf1 or leaf2:
+        if leaf1 and leaf2:
+            return None
+        kinds = [
+            ("a leaf" if leaf else f"a {s.type.__name__}") for leaf, s in ((leaf1, spec1), (leaf2, spec2))
+        ]
+        return InvalidArgumentError, f"at {path_str(path)}: {kinds[0]} vs {kinds[1]}"
+    type1, type2 = spec1.type, spec2.type
+    mappings = issubclass(type1, Mapping) and issubclass(type2, Mapping)
+    if check_types and type1 is not type2 and not mappings:
+        return UnsupportedTypeError, f"at {path_str(path)}: a {type1.__name__} vs a {type2.__name__}"
+    entries1, entries2 = spec1.entries(), spec2.entries()
+    if len(entries1) != len(entries2):
+        return InvalidArgumentError, f"at {path_str(path)}: {len(entries1)} vs {len(entries2)} elements"
+    if check_types and mappings and entries1 != entries2:
+        return InvalidArgumentError, f"at {path_str(path)}: keys {entries1} vs {entries2}"
+    for entry, child1, child2 in zip(entries1, spec1.children(), spec2.children(), strict=True):
+        found = _first_difference(child1, child2, (*path, entry), check_types)
+        if found is not None:
+            return found
+    return None
 
 
 def is_nested(structure: Any) -> bool:

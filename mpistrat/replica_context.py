@@ -136,6 +136,12 @@ class ReplicaContext:
 
     def _require_current(self, method: str) -> None:
         mode = context.require_replica(f"ReplicaContext.{method}")
+        if mode.kind == "merge":
+            raise ContextError(
+                f"ReplicaContext.{method}: this is strategy.run inside a merge_fn, which runs every replica "
+                "in turn on rank 0 alone, so it cannot communicate; use "
+                "MPIStrategy(merge_call='every_rank'), or call strategy.run outside merge_fn"
+            )
         if mode.replica_context is not self:
             raise ContextError(
                 f"ReplicaContext.{method} called on a replica context that is not the current one; "

@@ -8,11 +8,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import abort, context, merge, nest
+from mpistrat import abort, context, merge, nest, values
 from mpistrat.collectives import to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
@@ -92,10 +91,8 @@ class Strategy:
         True
         """
         mode = context.require_cross_replica("Strategy.run")
-        if mode.kind == "merge":
-            raise ContextError(
-                "Strategy.run cannot be called inside a merge_fn: merge_fn runs on rank 0 alone"
-            )
+        if mode.kind == "merge" and not self._extended.is_default:
+            return self._run_on_root(fn, tuple(args), dict(kwargs or {}))
         self._extended.collectives  # noqa: B018 (raises if finalized)
         rank = self._extended.rank
         args = self._unwrap(tuple(args), rank)
@@ -104,6 +101,27 @@ class Strategy:
             return fn(*args, **kwargs)
 
     experimental_run_v2 = run
+
+    def _run_on_root(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``run`` inside a root-mode merge_fn: rank 0 holds every replica's arguments, so it calls
+        ``fn`` once per replica, in turn, as tf's MirroredStrategy does; a ``PerReplica`` of the results.
+
+        Each call is in that replica's context, but on rank 0 alone: communicating, or touching a
+        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``).
+        """
+        size = self.num_replicas_in_sync
+        results = []
+        for replica in range(size):
+            a = self._unwrap(args, replica)
+            kw = self._unwrap(kwargs, replica)
+            with context.push(context.Mode(self, ReplicaContext(self, replica), "merge")):
+                results.append(fn(*a, **kw))
+        if size == 1:
+            return results[0]
+        try:  # PerReplica leaves in the results' common structure, as tf's regroup gives
+            return nest.tree_map(lambda *xs: PerReplica(xs), *results)
+        except ValueError:
+            return PerReplica(tuple(results))
 
     def experimental_run(self, fn: Callable[..., Any], input_iterator: Any = None) -> Any:
         """Call ``fn`` on each rank with its part of the next input, as tf.distribute's older ``run``.
@@ -135,75 +153,47 @@ class Strategy:
         return optree.tree_unflatten(spec, [self._local_component(leaf, rank) for leaf in leaves])
 
     def _local_component(self, value: Any, rank: int) -> Any:
-        if not isinstance(value, (PerReplica, Mirrored)):
-            return value
-        if isinstance(value, Mirrored) or len(value.values) == 1:
-            return value.values[0]
-        if len(value.values) != self.num_replicas_in_sync:
-            raise InvalidArgumentError(
-                f"run: a PerReplica argument has {len(value.values)} components; "
-                f"expected 1 or {self.num_replicas_in_sync} (one per replica)"
-            )
-        return value.values[rank]
+        return values.component(value, rank, self.num_replicas_in_sync, "run")
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduce a per-replica value (or a nest of them) across replicas.
 
         With ``axis``, each replica's value is first reduced along it; MEAN then
         divides by the number of elements along ``axis`` over all replicas, so
-        uneven batches give the exact global mean.
+        uneven batches give the exact global mean. MEAN keeps a float dtype
+        (integers give float64); a variable counts as this rank's copy of it.
 
         >>> import mpistrat, numpy as np
         >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
-        >>> float(strategy.reduce("mean", np.array([1.0, 2.0, 6.0]), axis=0))
-        3.0
+        >>> strategy.reduce("mean", np.array([1.0, 2.0, 6.0], np.float32), axis=0)
+        np.float32(3.0)
         """
         mode = context.require_cross_replica("Strategy.reduce")
         if mode.kind == "merge":
             op = ReduceOp.from_any(reduce_op)
-            return nest.tree_map(lambda v: self._reduce_in_merge(op, v, axis), value)
-        local = nest.tree_map(lambda x: self._local_component(x, self._extended.rank), value)
+            return merge.reduce_here(op, value, self.num_replicas_in_sync, "reduce", axis)
         collectives = self._extended.collectives
-        if axis is None:
-            return collectives.all_reduce(reduce_op, local, kind="reduce")
+        rank, size = self._extended.rank, self.num_replicas_in_sync
         try:
             op = ReduceOp.from_any(reduce_op)
-            leaves, spec = nest.tree_flatten(local)
-            arrays = to_arrays(local, leaves, "reduce")
-            for a in arrays:
-                if not -a.ndim <= axis < a.ndim:
-                    raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
+            local = nest.tree_map(lambda x: values.component(x, rank, size, "reduce"), value)
+            if axis is not None:
+                leaves, spec = nest.tree_flatten(local)
+                arrays = to_arrays(local, leaves, "reduce")
+                for a in arrays:
+                    if not -a.ndim <= axis < a.ndim:
+                        raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
         except MpistratError as exc:
             collectives.agree("reduce", error=exc)  # the others are entering the all_reduce: tell them
             raise
+        if axis is None:
+            return collectives.all_reduce(op, local, kind="reduce")
         sums = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
         counts = [a.shape[axis] for a in arrays]
         total_sums, total_counts = collectives.all_reduce(ReduceOp.SUM, (sums, counts), kind="reduce")
         if op is ReduceOp.MEAN:
-            total_sums = [s / c for s, c in zip(total_sums, total_counts, strict=True)]
+            total_sums = [merge.mean_of(s, c) for s, c in zip(total_sums, total_counts, strict=True)]
         return optree.tree_unflatten(spec, total_sums)
-
-    def _reduce_in_merge(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        """Rank 0 inside merge_fn: every replica's value is here, so reduce with NumPy."""
-        n = self.num_replicas_in_sync
-        if isinstance(value, PerReplica):
-            components = list(value.values)
-        elif isinstance(value, Mirrored):
-            components = [value.value] * n
-        elif op is ReduceOp.MEAN or n == 1:
-            components = [value]
-        else:
-            raise InvalidArgumentError(
-                "reduce: a value that is not PerReplica cannot be reduced with SUM inside merge_fn; "
-                "pass the PerReplica value merge_fn received"
-            )
-        xp = _common_module(components)
-        arrays = [xp.asarray(c) for c in components]
-        if axis is None:
-            total = functools.reduce(xp.add, arrays)
-            return total / len(arrays) if op is ReduceOp.MEAN else total
-        total = functools.reduce(xp.add, [a.sum(axis=axis, dtype=a.dtype) for a in arrays])
-        return total / sum(a.shape[axis] for a in arrays) if op is ReduceOp.MEAN else total
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the replicas' values along ``axis`` (cross-replica context).
@@ -362,16 +352,8 @@ class _DefaultStrategy(Strategy):
         super().__init__(StrategyExtended(self, MPI.COMM_SELF, CommunicationOptions(), is_default=True))
 
 
-def _common_module(components: Any) -> Any:
-    """``cupy`` if any component is a CuPy array (the rest are then copied to the device), else ``numpy``."""
-    for c in components:
-        if packing.is_device_array(c):
-            return packing.array_module(c)
-    return np
-
-
 def _concatenate(components: Any, axis: int) -> Any:
-    xp = _common_module(components)
+    xp = packing.common_module(components)
     return xp.concatenate([xp.asarray(c) for c in components], axis=axis)
 
 

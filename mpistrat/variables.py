@@ -31,7 +31,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
 from mpistrat.extended import current_colocation
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
 
 __all__ = [
     "Variable",
@@ -79,7 +79,7 @@ _AGGREGATION_HELP = (
 )
 
 
-class Variable:
+class Variable(HasLocalCopy):
     """A mutable array: NumPy or CuPy, with ``assign``/``assign_add``/``assign_sub``.
 
     Args:
@@ -154,6 +154,9 @@ class Variable:
     def _local(self) -> Any:
         """This rank's copy, never communicating (for metadata and ``repr``)."""
         return self._value
+
+    def _local_copy(self) -> Any:
+        return self._local()
 
     # -- reads ------------------------------------------------------------------------
 
@@ -332,7 +335,15 @@ class DistributedVariable(Variable, DistributedValues):
         extended = strategy.extended
         # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
         kind = f"variable_creation({self._name}, {self._synchronization.name}, {self._aggregation.name})"
-        value = extended.collectives.broadcast(self._value, kind=kind)
+        error = None
+        if self._aggregation is VariableAggregation.MEAN and self._value.dtype.kind not in "fc":
+            # as tf: a mean of integer copies would truncate (0.5 becomes 0)
+            error = InvalidArgumentError(
+                f"Variable {self._name!r}: creating a distributed variable with aggregation=MEAN and a "
+                f"non-floating dtype ({self._value.dtype}) is not supported; use a float dtype or another "
+                "aggregation"
+            )
+        value = extended.collectives.broadcast(self._value, kind=kind, error=error)
         del self._value
         self._component = Variable._plain(value, self._name, self._trainable)
         self._component._owner = self
@@ -343,6 +354,9 @@ class DistributedVariable(Variable, DistributedValues):
 
     def _local(self) -> Any:
         return self._component._value
+
+    def _local_variable(self) -> Variable:
+        return self._component
 
     @property
     def device(self) -> str:
@@ -364,6 +378,16 @@ class DistributedVariable(Variable, DistributedValues):
             raise ContextError(
                 f"{self._name}.{method}: this variable belongs to {self._distribute_strategy}, but the "
                 f"current strategy is {mode.strategy}; use it inside its own strategy's scope()"
+            )
+        if (
+            mode.kind == "merge"
+            and mode.replica_context is not None
+            and (method != "value" or not self.mirrored)
+        ):
+            raise ContextError(
+                f"{self._name}.{method}: strategy.run inside a merge_fn runs every replica in turn on rank 0 "
+                "alone, which holds only its own copy of the variable and cannot communicate; only reading "
+                "a mirrored variable works there. Use MPIStrategy(merge_call='every_rank')"
             )
         return mode
 
@@ -451,12 +475,6 @@ class MirroredVariable(DistributedVariable):
             raise InvalidArgumentError(
                 f"{self._name}.{how}: " + _AGGREGATION_HELP.format(kind="MirroredVariable")
             )
-        if agg is VariableAggregation.MEAN and self.dtype.kind not in "fc":
-            raise InvalidArgumentError(
-                f"{self._name}.{how}: cannot update a non-float ({self.dtype}) variable with MEAN "
-                "aggregation in replica context; make the variable float, or update it in cross-replica "
-                "context"
-            )
         error, local = None, None
         try:
             local = self._coerce(value, how)
@@ -498,16 +516,29 @@ class SyncOnReadVariable(DistributedVariable):
         if mode.kind == "replica":
             self._component._write(how, value)
             return
-        if how != "assign":
-            raise ContextError(
-                f"{self._name}.{how}: sync-on-read variables cannot be updated with {how} in cross-replica "
-                "context; update each replica's copy inside strategy.run, or set the aggregated value with "
-                "assign"
+        sums = self._aggregation is VariableAggregation.SUM
+        if how != "assign" and sums:
+            raise InvalidArgumentError(  # as tf: each copy would add the delta, the sum n times it
+                f"{self._name}.{how}: a sync-on-read variable with SUM aggregation does not support {how} in "
+                "cross-replica context; update each replica's copy inside strategy.run, or set the summed "
+                "value with assign"
             )
         new = self._agreed(how, value, mode)
-        if self._aggregation is VariableAggregation.SUM:  # the copies must sum to the value
+        if sums:  # the copies must sum to the value
             new = (new / self._extended.size).astype(self.dtype, copy=False)
-        self._component._write("assign", new)
+        if how != "assign" and mode.kind == "merge":  # rank 0 alone: every rank updates its own copy
+            self._component._value = _combine(how, self._component._value, new)
+            self._extended.merge_writes.append((self._synced_key, (how, new)))
+            return
+        self._component._write(how, new)
+
+    def apply_merge_write(self, payload: Any) -> None:
+        if isinstance(payload, tuple):  # (how, delta): applied to this rank's own copy
+            how, delta = payload
+            local = self._local()
+            self._component._value = _combine(how, local, packing.array_module(local).asarray(delta))
+            return
+        super().apply_merge_write(payload)
 
 
 def _class_to_create(synchronization: Any) -> type[Variable]:

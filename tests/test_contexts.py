@@ -91,9 +91,9 @@ def test_mixing_strategies_is_an_error(world):
         pass
 
 
-def test_run_inside_merge_fn_is_an_error(world):
+def test_communicating_in_run_inside_merge_fn_is_an_error(world):
     def merge_fn(strategy):
-        strategy.run(lambda: None)
+        strategy.run(lambda: mpistrat.get_replica_context().all_gather(np.ones(1), axis=0))
 
     raises_on_every_rank(
         world.comm,

@@ -6,7 +6,6 @@ gradient are plain means over it.
 """
 
 import numpy as np
-import pytest
 
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
@@ -116,9 +115,20 @@ def test_refusals(group):
     )
 
 
-@pytest.mark.parametrize("given", [None, 6])
-def test_cross_replica_context_counts_over_every_rank(group, given):
+def test_cross_replica_context_needs_global_batch_size_as_in_tf(group):
+    # tf.nn.compute_average_loss in cross-replica context: RuntimeError ("You are calling
+    # `compute_average_loss` in cross replica context") without global_batch_size; with it,
+    # sum / global_batch_size (tf gives 0.75 for [1.0, 2.0] and 4 at 1, 2 and 3 replicas).
+    raises_on_every_rank(
+        group.comm,
+        RuntimeError,
+        lambda: _in_scope(group, lambda: mpistrat.compute_average_loss(np.ones(3))),
+        "cross replica context",
+    )
+    got = _in_scope(group, lambda: mpistrat.compute_average_loss(np.array([1.0, 2.0]), global_batch_size=4))
+    all_ranks_agree(group.comm, got == 0.75, f"{got}")
+
+
+def _in_scope(group, fn):
     with group.strategy.scope():
-        got = mpistrat.compute_average_loss(np.ones(3), global_batch_size=given)
-    want = 3 / (given or 3 * group.size)
-    all_ranks_agree(group.comm, np.isclose(got, want), f"{got} != {want}")
+        return fn()

@@ -36,3 +36,51 @@ def test_flatten_with_paths():
 def test_pack_sequence_as_length_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 leaves"):
         nest.pack_sequence_as([1, 2], [1])
+
+
+# tf.nest.assert_same_structure (TensorFlow 2.21): a different container type is a TypeError
+# (check_types=True, the default), a mapping counts as one type whatever its class; a different
+# length, different keys or a leaf for a container is a ValueError; with check_types=False
+# only the leaves under each container count, so list/tuple, dict/list and dicts with other keys pass.
+@pytest.mark.parametrize(
+    "nest1, nest2, check_types, error",
+    [
+        ([1, 2], (1, 2), True, TypeError),
+        ([1, 2], (1, 2), False, None),
+        ((1, 2), Point(1, 2), True, TypeError),
+        ((1, 2), Point(1, 2), False, None),
+        ({"a": 1}, collections.OrderedDict(a=1), True, None),
+        ({"a": 1}, [1], True, TypeError),
+        ({"a": 1}, [1], False, None),
+        ({"a": 1}, {"b": 1}, True, ValueError),
+        ({"a": 1}, {"b": 1}, False, None),
+        ([1, 2], [1], True, ValueError),
+        (1, [1], True, ValueError),
+        ({"a": [1]}, {"a": (1,)}, True, TypeError),
+        ([None], [1], True, None),
+    ],
+)
+def test_assert_same_structure_raises_as_tf_nest(nest1, nest2, check_types, error):
+    if error is None:
+        nest.assert_same_structure(nest1, nest2, check_types=check_types)
+    else:
+        with pytest.raises(error, match="same nested structure") as info:
+            nest.assert_same_structure(nest1, nest2, check_types=check_types)
+        other = ValueError if error is TypeError else TypeError
+        assert not isinstance(info.value, other)
+
+
+def test_map_structure_check_types_as_tf_nest():
+    # tf.nest.map_structure(lambda x, y: x + y, [1], (2,), check_types=False) == [3]; with the
+    # default check_types=True it raises TypeError.
+    assert nest.map_structure(lambda x, y: x + y, [1], (2,), check_types=False) == [3]
+    with pytest.raises(TypeError):
+        nest.map_structure(lambda x, y: x + y, [1], (2,))
+
+
+def test_ordered_dict_flattens_in_insertion_order_unlike_tf_nest():
+    # A documented difference: tf.nest.flatten(OrderedDict(b=1, a=2)) == [2, 1] (sorted keys);
+    # optree, and so mpistrat.nest, keeps the insertion order. Both rebuild the same OrderedDict.
+    ordered = collections.OrderedDict([("b", 1), ("a", 2)])
+    assert nest.flatten(ordered) == [1, 2]
+    assert nest.pack_sequence_as(ordered, nest.flatten(ordered)) == ordered

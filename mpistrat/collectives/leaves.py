@@ -24,6 +24,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import HasLocalCopy, local_copy
 
 if TYPE_CHECKING:
     from mpistrat.collectives.caches import Caches
@@ -51,9 +52,9 @@ MAX_DEPTH = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
 
 
 def like_leaves(leaves: list[Any], out: list[Any]) -> list[Any]:
-    """Results for number leaves as NumPy scalars (0-d arrays otherwise)."""
+    """Results for number leaves as NumPy scalars (0-d arrays otherwise, variables included)."""
     return [
-        o if isinstance(x, np.ndarray) or packing.array_module(x) is not np else o[()]
+        o if isinstance(x, (np.ndarray, HasLocalCopy)) or packing.array_module(x) is not np else o[()]
         for x, o in zip(leaves, out, strict=True)
     ]
 
@@ -67,12 +68,14 @@ def leaf_path(value: Any, index: int) -> str:
 
 
 def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
-    """The leaves as arrays; on bad input, an error naming the leaf's key path."""
+    """The leaves as arrays (a variable: its local copy); on bad input, an error naming the leaf."""
     try:
         return packing.as_arrays(leaves)
     except MpistratError:
         for path, leaf in nest.flatten_with_paths(value):
-            packing.as_array(leaf, f"{kind}: leaf {nest.path_str(path)}")
+            packing.as_array(local_copy(leaf), f"{kind}: leaf {nest.path_str(path)}")
+        if any(isinstance(leaf, HasLocalCopy) for leaf in leaves):  # read as tf reads them: no copy
+            return packing.as_arrays([local_copy(leaf) for leaf in leaves])
         raise
 
 

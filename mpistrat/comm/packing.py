@@ -106,6 +106,14 @@ def array_module(x: Any) -> Any:
     return np
 
 
+def common_module(values: Any) -> Any:
+    """``cupy`` if any of ``values`` is a CuPy array (the rest are then copied to it), else ``numpy``."""
+    for v in values:
+        if is_device_array(v):
+            return array_module(v)
+    return np
+
+
 def dtype_name(arr: Any) -> str:
     """The dtype as shown in messages and fingerprints: ``float32``, or ``cupy:float32`` on a device."""
     return _dtype_name(arr.dtype, is_device_array(arr))
