@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from mpistrat.errors import ContextError
 
@@ -62,10 +62,21 @@ def current_mode() -> Mode:
     stack = _stack()
     if stack:
         return stack[-1]
-    from mpistrat.strategy import default_strategy
-
-    strategy = default_strategy()
+    strategy = _default_strategy()
     return Mode(strategy, strategy.extended.default_replica_context, "default")
+
+
+def set_default_strategy(factory: Callable[[], Strategy]) -> None:
+    """Register what ``get_strategy()`` returns outside any scope (``strategy.py`` does, on import)."""
+    global _default_strategy
+    _default_strategy = factory
+
+
+def _no_default_strategy() -> Strategy:
+    raise ContextError("no default strategy: import mpistrat (not mpistrat.context alone)")
+
+
+_default_strategy: Callable[[], Strategy] = _no_default_strategy
 
 
 @contextlib.contextmanager
@@ -76,6 +87,25 @@ def push(mode: Mode) -> Iterator[Mode]:
         yield mode
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def colocation(extended: Any, target: Any) -> Iterator[None]:
+    """A ``colocate_vars_with`` block: variables created in it are placed with ``target``."""
+    stack = getattr(_local, "colocation", None)
+    if stack is None:
+        stack = _local.colocation = []
+    stack.append((extended, target))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_colocation() -> tuple[Any, Any] | None:
+    """The innermost ``colocate_vars_with`` block of this thread: ``(extended, target)``, or None."""
+    stack = getattr(_local, "colocation", None)
+    return stack[-1] if stack else None
 
 
 def get_strategy() -> Strategy:

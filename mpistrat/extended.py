@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -34,23 +33,15 @@ from mpistrat.comm import devices
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.replica_context import ReplicaContext
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, component, local_copy
 
 if TYPE_CHECKING:
-    from mpistrat.replica_context import ReplicaContext
     from mpistrat.strategy import Strategy
 
-__all__ = ["StrategyExtended", "current_colocation"]
+__all__ = ["StrategyExtended"]
 
 ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
-
-_colocation = threading.local()
-
-
-def current_colocation() -> tuple[StrategyExtended, Any] | None:
-    """The innermost ``colocate_vars_with`` block of this thread: ``(extended, target)``, or None."""
-    stack = getattr(_colocation, "stack", None)
-    return stack[-1] if stack else None
 
 
 class StrategyExtended:
@@ -94,7 +85,6 @@ class StrategyExtended:
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
         self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._synced_keys = itertools.count()
-        from mpistrat.replica_context import ReplicaContext
 
         self.default_replica_context: ReplicaContext = ReplicaContext(container_strategy, 0)
 
@@ -361,18 +351,7 @@ class StrategyExtended:
                     "colocate_vars_with must only be passed a variable created in this strategy's scope() "
                     f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
                 )
-        return self._colocation_block(colocate_with_variable)
-
-    @contextlib.contextmanager
-    def _colocation_block(self, target: Any) -> Iterator[None]:
-        stack = getattr(_colocation, "stack", None)
-        if stack is None:
-            stack = _colocation.stack = []
-        stack.append((self, target))
-        try:
-            yield
-        finally:
-            stack.pop()
+        return context.colocation(self, colocate_with_variable)
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` (a per-rank copy) belongs to, else ``value`` itself."""

@@ -361,3 +361,6 @@ def _concatenate(components: Any, axis: int) -> Any:
 def default_strategy() -> Strategy:
     """The default single-replica strategy (what ``get_strategy()`` returns outside a scope)."""
     return _DefaultStrategy()
+
+
+context.set_default_strategy(default_strategy)

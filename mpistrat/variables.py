@@ -29,7 +29,6 @@ from mpistrat import context, mismatch
 from mpistrat.collectives import check_enabled
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
-from mpistrat.extended import current_colocation
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
 
@@ -121,7 +120,7 @@ class Variable(HasLocalCopy):
         self._trainable = (not on_read) if trainable is None else bool(trainable)
         self._name = "Variable" if name is None else str(name)
         self._value = _initial(initial_value, dtype, self._name)
-        colocation = current_colocation()
+        colocation = context.current_colocation()
         self.colocated_with = None if colocation is None else colocation[1]
 
     @classmethod
@@ -545,7 +544,7 @@ def _class_to_create(synchronization: Any) -> type[Variable]:
     """Which variable ``Variable(...)`` makes here: plain outside a scope, else mirrored or sync-on-read."""
     mode = context.current_mode()
     extended = mode.strategy.extended
-    colocation = current_colocation()
+    colocation = context.current_colocation()
     if colocation is not None and colocation[0] is not extended:
         raise ContextError(
             "creating a variable inside colocate_vars_with() of a strategy whose scope is not active; "
