@@ -133,6 +133,13 @@ def test_a_killed_rank_ends_the_job():
     assert "signal 9" in out or "Killed" in out or "timed out" in out, out
 
 
+def test_a_killed_rank_ends_the_job_with_default_settings():
+    """The launcher sees the process die and ends the job (Open MPI names the rank, MPICH its PID)."""
+    code, out = run_job("kill_rank.py", "--default", limit=20)
+    assert code != 0, out
+    assert "signal 9" in out or "Killed" in out, out
+
+
 def test_a_frozen_rank_is_named_as_not_answering():
     code, out = run_job("freeze_rank.py", limit=5 + 10)
     assert code != 0, out

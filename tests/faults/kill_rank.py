@@ -1,14 +1,17 @@
-"""Rank 1 is killed with SIGKILL while the others are inside all_reduce (timeout 5 s)."""
+"""Rank 1 is killed with SIGKILL while the others are inside all_reduce (timeout 5 s; with
+``--default``, default settings)."""
 
 import os
 import signal
+import sys
 import time
 
 import numpy as np
 
 import mpistrat
 
-strategy = mpistrat.MPIStrategy(communication_options=mpistrat.CommunicationOptions(timeout_seconds=5))
+options = None if "--default" in sys.argv else mpistrat.CommunicationOptions(timeout_seconds=5)
+strategy = mpistrat.MPIStrategy(communication_options=options)
 ctx_sum = lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(4))  # noqa: E731
 strategy.run(ctx_sum)
 if strategy.extended.rank == 1:
