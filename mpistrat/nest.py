@@ -32,12 +32,14 @@ __all__ = [
     "path_str",
 ]
 
+
 class _TreeOptions(TypedDict):
     none_is_leaf: bool
     namespace: str
 
 
-_OPTS: _TreeOptions = {"none_is_leaf": True, "namespace": "mpistrat"}  # the one place mpistrat's tree options live
+# The one place mpistrat's tree options live.
+_OPTS: _TreeOptions = {"none_is_leaf": True, "namespace": "mpistrat"}
 
 
 # optree's functions with mpistrat's options: every tree walk in the package goes through these.
@@ -141,7 +143,8 @@ def _first_difference(
         if leaf1 and leaf2:
             return None
         kinds = [
-            ("a leaf" if leaf else f"a {_node_type(s).__name__}") for leaf, s in ((leaf1, spec1), (leaf2, spec2))
+            ("a leaf" if leaf else f"a {_node_type(s).__name__}")
+            for leaf, s in ((leaf1, spec1), (leaf2, spec2))
         ]
         return InvalidArgumentError, f"at {path_str(path)}: {kinds[0]} vs {kinds[1]}"
     type1, type2 = _node_type(spec1), _node_type(spec2)

@@ -171,9 +171,7 @@ class Optimizer:
         self.build([v for _, v in pairs])
         # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
         # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
-        replica._merge_call(
-            self._distributed_apply, (pairs,), None, "every_rank", agree=False
-        )
+        replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
         return self.iterations
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
