@@ -94,6 +94,7 @@ bench-gpu: install-gpu
 lint: install
 	$(PY) -m ruff check mpistrat tests tools
 	$(PY) -m ruff format --check mpistrat tests tools
+	$(PY) -m mypy
 
 format: install
 	$(PY) -m ruff format mpistrat tests tools

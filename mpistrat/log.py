@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 from mpi4py import MPI
 
@@ -60,11 +61,11 @@ class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time (test runners swap it)."""
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:
+    def stream(self, value: TextIO) -> None:
         pass
 
 

@@ -36,7 +36,7 @@ import optree
 from mpistrat import context, mismatch, nest
 from mpistrat.collectives import Unsendable, check_level
 from mpistrat.comm import packing
-from mpistrat.errors import ContextError, InvalidArgumentError, UnsupportedTypeError
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
 
@@ -73,6 +73,8 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
 
     def run() -> tuple[Any, list[tuple[int, Any]], bool]:  # on rank 0 alone
         nonlocal components
+        if gathered is None:  # gather_to_root returns the list on rank 0, where run() runs
+            raise MpistratError("merge_call: rank 0 holds no gathered arguments")
         m_args, m_kwargs = _regroup(local, gathered)
         extended.merge_writes = []
         try:

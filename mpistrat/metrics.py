@@ -170,7 +170,8 @@ class _MeanOf(Mean):
 
     _fn: Callable[[Any, Any, str], Any]
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+    # Keras's signature: its MeanMetricWrapper subclasses Mean and takes (y_true, y_pred) too.
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add this batch: ``y_true`` the labels, ``y_pred`` the predictions, one row per example."""
         self._check_replica_context()
         xp = packing.array_module(y_pred)

@@ -77,7 +77,7 @@ def checksum(arr: Any) -> int:
     True
     """
     host = np.ascontiguousarray(arr if packing.array_module(arr) is np else arr.get())
-    data = host.reshape(-1).view(np.uint8)
+    data = host.reshape(-1).view(np.uint8).data
     return ((zlib.crc32(data) << 31) ^ zlib.adler32(data)) & (2**63 - 1)
 
 

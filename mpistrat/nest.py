@@ -12,11 +12,11 @@ Dicts flatten in sorted key order and ``None`` is a leaf, as in ``tf.nest``. An
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import optree
 
-from mpistrat.errors import InvalidArgumentError, UnsupportedTypeError
+from mpistrat.errors import InvalidArgumentError, MpistratError, UnsupportedTypeError
 
 __all__ = [
     "tree_flatten",
@@ -32,7 +32,14 @@ __all__ = [
     "path_str",
 ]
 
-_OPTS = {"none_is_leaf": True, "namespace": "mpistrat"}  # the one place mpistrat's tree options live
+
+class _TreeOptions(TypedDict):
+    none_is_leaf: bool
+    namespace: str
+
+
+# The one place mpistrat's tree options live.
+_OPTS: _TreeOptions = {"none_is_leaf": True, "namespace": "mpistrat"}
 
 
 # optree's functions with mpistrat's options: every tree walk in the package goes through these.
@@ -42,20 +49,20 @@ def tree_map(
     fn: Callable[..., Any], tree: Any, *rests: Any, is_leaf: Callable[[Any], bool] | None = None
 ) -> Any:
     """``optree.tree_map`` with ``None`` a leaf and sorted dict keys."""
-    return optree.tree_map(fn, tree, *rests, is_leaf=is_leaf, **_OPTS)  # type: ignore[arg-type]
+    return optree.tree_map(fn, tree, *rests, is_leaf=is_leaf, **_OPTS)
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """``(leaves, treespec)``; ``optree.tree_unflatten(treespec, leaves)`` inverts it."""
-    return optree.tree_flatten(tree, **_OPTS)  # type: ignore[arg-type]
+    return optree.tree_flatten(tree, **_OPTS)
 
 
 def tree_structure(tree: Any) -> optree.PyTreeSpec:
-    return optree.tree_structure(tree, **_OPTS)  # type: ignore[arg-type]
+    return optree.tree_structure(tree, **_OPTS)
 
 
 def tree_paths(tree: Any) -> list[tuple[Any, ...]]:
-    return optree.tree_paths(tree, **_OPTS)  # type: ignore[arg-type]
+    return optree.tree_paths(tree, **_OPTS)
 
 
 def flatten(structure: Any) -> list[Any]:
@@ -136,10 +143,11 @@ def _first_difference(
         if leaf1 and leaf2:
             return None
         kinds = [
-            ("a leaf" if leaf else f"a {s.type.__name__}") for leaf, s in ((leaf1, spec1), (leaf2, spec2))
+            ("a leaf" if leaf else f"a {_node_type(s).__name__}")
+            for leaf, s in ((leaf1, spec1), (leaf2, spec2))
         ]
         return InvalidArgumentError, f"at {path_str(path)}: {kinds[0]} vs {kinds[1]}"
-    type1, type2 = spec1.type, spec2.type
+    type1, type2 = _node_type(spec1), _node_type(spec2)
     mappings = issubclass(type1, Mapping) and issubclass(type2, Mapping)
     if check_types and type1 is not type2 and not mappings:
         return UnsupportedTypeError, f"at {path_str(path)}: a {type1.__name__} vs a {type2.__name__}"
@@ -153,6 +161,14 @@ def _first_difference(
         if found is not None:
             return found
     return None
+
+
+def _node_type(spec: optree.PyTreeSpec) -> type:
+    """The container type at the root of a non-leaf ``spec`` (optree types only leaves as ``None``)."""
+    node_type = spec.type
+    if node_type is None:
+        raise MpistratError(f"a tree node without a container type: {spec}")
+    return node_type
 
 
 def is_nested(structure: Any) -> bool:

@@ -151,7 +151,8 @@ class Optimizer:
         Gradients are summed across replicas with one ``batch_reduce_to``; pairs
         whose gradient is None are skipped. Returns ``iterations``.
         """
-        if context.in_cross_replica_context():
+        replica = context.get_replica_context()
+        if replica is None:
             raise ContextError(
                 f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
                 "strategy.run(fn) to enter replica context"
@@ -170,9 +171,7 @@ class Optimizer:
         self.build([v for _, v in pairs])
         # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
         # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
-        context.get_replica_context()._merge_call(
-            self._distributed_apply, (pairs,), None, "every_rank", agree=False
-        )
+        replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
         return self.iterations
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:

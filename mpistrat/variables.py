@@ -312,9 +312,9 @@ for _name, _op in {
 for _name, _op in {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
                    "eq": operator.eq, "ne": operator.ne}.items():  # fmt: skip
     setattr(Variable, f"__{_name}__", _binary(_op))
-for _name, _op in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
-    setattr(Variable, f"__{_name}__", lambda self, _op=_op: _op(self.value()))
-del _name, _op
+for _name, _unary in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
+    setattr(Variable, f"__{_name}__", lambda self, _op=_unary: _op(self.value()))
+del _name, _op, _unary
 
 
 class DistributedVariable(Variable, DistributedValues):
@@ -413,7 +413,9 @@ class DistributedVariable(Variable, DistributedValues):
         extended = self._extended
         if mode.kind == "merge" or extended.in_sync or not check_enabled(extended.collectives):
             return self._coerce(value, how)
-        new, error, code = None, None, 0
+        new: Any = None  # stays None only on a rank that raises ``error`` (then ``describe`` is not called)
+        error: MpistratError | None = None
+        code = 0
         try:
             new = self._coerce(value, how)
             code = mismatch.checksum(new)
@@ -526,8 +528,11 @@ class SyncOnReadVariable(DistributedVariable):
         if sums:  # the copies must sum to the value
             new = (new / self._extended.size).astype(self.dtype, copy=False)
         if how != "assign" and mode.kind == "merge":  # rank 0 alone: every rank updates its own copy
+            writes = self._extended.merge_writes
+            if writes is None:  # merge_call sets the list before it runs merge_fn
+                raise MpistratError(f"{self._name}.{how}: a merge write outside merge_call")
             self._component._value = _combine(how, self._component._value, new)
-            self._extended.merge_writes.append((self._synced_key, (how, new)))
+            writes.append((self._synced_key, (how, new)))
             return
         self._component._write(how, new)
 

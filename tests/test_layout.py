@@ -74,7 +74,7 @@ def test_no_import_cycle():
 
     def visit(name: str) -> None:
         if name in stack:
-            cycles.append(" -> ".join(stack[stack.index(name) :] + [name]))
+            cycles.append(" -> ".join([*stack[stack.index(name) :], name]))
             return
         if name in done:
             return

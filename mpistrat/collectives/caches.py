@@ -21,7 +21,7 @@ import numpy as np
 __all__ = ["Caches", "Memo"]
 
 
-class Memo(dict):  # type: ignore[type-arg]
+class Memo(dict[Any, Any]):
     """A dict that forgets everything when it holds ``limit`` entries and one more comes."""
 
     __slots__ = ("limit",)

@@ -18,7 +18,7 @@ import io
 import itertools
 import pickle
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -68,7 +68,8 @@ def gather_to_root(
         if raw:
             self.comm.Gatherv([data if not inline else _NO_BYTES, MPI.BYTE], None, root=root)
         return None
-    messages = self.comm.gather(None, root=root)  # root's own entry is ``obj``: it never travels
+    # On root ``gather`` returns the list (``None`` is for the others); root's own entry is ``obj``.
+    messages = cast("list[Any]", self.comm.gather(None, root=root))
     sizes = [m[1] if r != root and not isinstance(m[1], bytes) else 0 for r, m in enumerate(messages)]
     displs = [0, *itertools.accumulate(sizes[:-1])]
     everything = np.empty(sum(sizes), dtype=np.uint8)
@@ -148,7 +149,9 @@ def scatter_from_root(
     raw = any(sizes)
     error = next((e for _, _, e in splits if e is not None), None)
     failure = None if error is None else str(error)
-    messages = [(h, n or d.tobytes(), raw, failure) for (h, d, _), n in zip(splits, sizes, strict=True)]
+    messages: list[tuple[Any, int | bytes, bool, str | None] | None] = [
+        (h, n or d.tobytes(), raw, failure) for (h, d, _), n in zip(splits, sizes, strict=True)
+    ]
     messages[root] = None
     self.comm.scatter(messages, root=root)
     if raw:

@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         init = mlp.init_params(sizes, np.random.default_rng(args.seed))
         names = [f"{kind}{i // 2 + 1}" for i, kind in enumerate(["w", "b"] * (len(init) // 2))]
         params = [mpistrat.Variable(xp.asarray(p), name=n) for n, p in zip(names, init, strict=True)]
+        optimizer: mpistrat.optimizers.Optimizer
         if args.optimizer == "adam":
             optimizer = mpistrat.optimizers.Adam(args.learning_rate)
         else:
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({n_ranks} rank{'s' * (n_ranks > 1)}, global batch {args.batch_size}, {args.device})"
         )
     if args.weights_out and rank == 0:
-        arrays = {n: _to_numpy(v.read_value()) for n, v in zip(names, params, strict=True)}
+        # Any: numpy's stub would match a **dict of arrays against savez's allow_pickle: bool.
+        arrays: dict[str, Any] = {n: _to_numpy(v.read_value()) for n, v in zip(names, params, strict=True)}
         np.savez(args.weights_out, accuracy=accuracy, **arrays)
     return 0
 

@@ -125,6 +125,8 @@ class DistributedDatasetsFromFunction:
             if cause is not None:
                 raise exc from cause
             raise
+        if source is None:  # agree raised above when dataset_fn failed, here or on any rank
+            raise MpistratError(f"{where}: dataset_fn made no pipeline")
         self._source = source
 
     def __iter__(self) -> DistributedIterator:

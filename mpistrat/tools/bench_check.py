@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import mpistrat
+from mpistrat.tools.replica import replica_context
 
 
 def timed(comm: MPI.Intracomm, call, iters: int, repeats: int) -> tuple[float, float]:
@@ -46,7 +49,7 @@ def main() -> None:
     strategy = mpistrat.MPIStrategy(world)
     x = np.ones(args.size)
     out = np.empty_like(x)
-    variants = {
+    variants: dict[str, Callable[[], Any] | mpistrat.CommunicationOptions] = {
         "raw comm.Allreduce": lambda: comm.Allreduce(x, out, op=MPI.SUM),
         "raw comm.Iallreduce + Wait": lambda: comm.Iallreduce(x, out, op=MPI.SUM).Wait(),
         "all_reduce, check off": mpistrat.CommunicationOptions(check=False),
@@ -60,7 +63,7 @@ def main() -> None:
             continue
 
         def loop(options: mpistrat.CommunicationOptions = variant) -> tuple[float, float]:
-            ctx = mpistrat.get_replica_context()
+            ctx = replica_context()
             return timed(comm, lambda: ctx.all_reduce("sum", x, options), args.iters, args.repeats)
 
         results[name] = strategy.run(loop)

@@ -26,12 +26,15 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
 
 from mpistrat.tools.sizes import parse_size
+
+if TYPE_CHECKING:
+    from mpistrat.comm.nccl import NcclTransport
 
 __all__ = ["main", "parse_size", "sizes_between"]
 
@@ -88,7 +91,9 @@ class Bench:
         self.direct = CudaAwareMPI(comm, cupy) if aware.aware else None
         if not aware.aware:
             self.skipped.append(f"cuda-aware mpi rows: {aware.how}")
-        self.nccl_transport = self.raw_nccl = self.nccl = None
+        self.nccl_transport: NcclTransport | None = None
+        self.nccl: Any = None  # cupy.cuda.nccl and a bare communicator of it (CuPy is untyped)
+        self.raw_nccl: Any = None
         if self.nccl_ok:
             from mpistrat.comm.nccl import NcclTransport
 
@@ -103,21 +108,25 @@ class Bench:
         """Name -> one in-place sum all-reduce of ``buf`` (``host`` for the host baseline)."""
         import mpistrat
         from mpistrat.comm.nccl import nccl_reduce_type
+        from mpistrat.errors import InvalidArgumentError
 
         comm = self.comm
         steps: dict[str, Callable[[], Any]] = {}
-        for implementation in ("AUTO", "RING", "NCCL"):
-            if implementation == "NCCL" and not self.nccl_ok:
+        for implementation in mpistrat.CommunicationImplementation:
+            if implementation is mpistrat.CommunicationImplementation.NCCL and not self.nccl_ok:
                 continue
             options = mpistrat.CommunicationOptions(implementation=implementation)
-            steps[f"mpistrat {implementation}"] = functools.partial(self._through_run, buf, options)
+            steps[f"mpistrat {implementation.value}"] = functools.partial(self._through_run, buf, options)
         steps["transport mpi (host staging)"] = functools.partial(self.staged.allreduce, buf, buf)
         if self.direct is not None:
             steps["transport cuda-aware mpi"] = functools.partial(self.direct.allreduce, buf, buf)
             steps["raw mpi4py device"] = functools.partial(comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
         if self.nccl_transport is not None:
             steps["transport nccl"] = functools.partial(self.nccl_transport.allreduce, buf, buf)
-            datatype, per_item = nccl_reduce_type(self.nccl, buf.dtype)
+            nccl_type = nccl_reduce_type(self.nccl, buf.dtype)
+            if nccl_type is None:
+                raise InvalidArgumentError(f"raw nccl: NCCL cannot sum {buf.dtype}")
+            datatype, per_item = nccl_type
             stream = self.cupy.cuda.get_current_stream()
             steps["raw nccl"] = functools.partial(
                 self.raw_nccl.allReduce,
@@ -132,10 +141,10 @@ class Bench:
         return steps
 
     def _through_run(self, buf: Any, options: Any) -> Any:
-        import mpistrat
+        from mpistrat.tools.replica import replica_context
 
         def step() -> Any:
-            return mpistrat.get_replica_context().all_reduce("sum", buf, options)
+            return replica_context().all_reduce("sum", buf, options)
 
         return self.strategy.run(step)
 

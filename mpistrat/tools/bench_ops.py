@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat.comm.mpi import mpi_datatype
+from mpistrat.tools.replica import replica_context
 
 __all__ = ["OPS", "Case", "Op", "Setup", "DEFAULT_OPS", "OPT_IN"]
 
@@ -111,7 +112,7 @@ def _all_reduce(s: Setup) -> Case:
     count = max(1, s.nbytes // s.dtype.itemsize)
     x, want = _filled(count, s)
     recv = np.empty_like(x)
-    ctx = mpistrat.get_replica_context()
+    ctx = replica_context()
     comm = s.comm
 
     def raw() -> np.ndarray:
@@ -148,7 +149,7 @@ def _all_reduce_nest(s: Setup) -> Case:
     tree, wants = _nest(count, s)
     recvs = {k: np.empty_like(v) for k, v in tree.items()}
     flat, flat_recv = np.concatenate(list(tree.values())), np.empty(count, s.dtype)
-    ctx = mpistrat.get_replica_context()
+    ctx = replica_context()
     comm = s.comm
 
     def raw() -> dict[str, np.ndarray]:
@@ -190,7 +191,7 @@ def _all_gather(s: Setup, uneven: bool) -> Case:
     counts = _gather_counts(max(1, s.nbytes // s.dtype.itemsize), s.size, uneven)
     pieces = [_pattern(c, s.dtype) * s.dtype.type(r + 1) for r, c in enumerate(counts)]
     x, want = pieces[s.rank], np.concatenate(pieces)
-    ctx = mpistrat.get_replica_context()
+    ctx = replica_context()
     comm = s.comm
     datatype = mpi_datatype(s.dtype)
     check = _equal(want)
@@ -230,7 +231,7 @@ def _sum_values(strategy: Any, value: Any) -> np.ndarray:
 def _merge_call(s: Setup) -> Case:
     count = max(1, s.nbytes // s.dtype.itemsize)
     x, want = _filled(count, s)
-    ctx = mpistrat.get_replica_context()
+    ctx = replica_context()
     comm = s.comm
 
     def raw() -> np.ndarray:
@@ -285,7 +286,7 @@ def _run_step(s: Setup) -> Case:
     bounds = np.cumsum([0, *[grads[k].size for k in names]]).tolist()
 
     def step(g: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return mpistrat.get_replica_context().all_reduce("mean", g)
+        return replica_context().all_reduce("mean", g)
 
     def raw() -> dict[str, np.ndarray]:
         buf = np.concatenate([grads[k] for k in names])
@@ -337,7 +338,7 @@ def _train_step(s: Setup) -> Case:
         return {k: x.T @ (x @ weights[k] - y) / dtype.type(local) for k, y in zip(names, ys, strict=True)}
 
     def step() -> dict[str, np.ndarray]:
-        return mpistrat.get_replica_context().all_reduce("mean", grads())
+        return replica_context().all_reduce("mean", grads())
 
     def raw() -> dict[str, np.ndarray]:
         g = grads()
