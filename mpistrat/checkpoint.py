@@ -350,7 +350,8 @@ def _write_atomic(path: str, content: dict[str, np.ndarray] | str) -> None:
             if isinstance(content, str):
                 f.write(content.encode())
             else:
-                np.savez(f, **content)
+                arrays: dict[str, Any] = content  # numpy's stub reads **kwargs as allow_pickle
+                np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         _before_rename(tmp, path)

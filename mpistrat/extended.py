@@ -367,9 +367,8 @@ class StrategyExtended:
             raise InvalidArgumentError(
                 f"variable_created_in_scope: expected a Variable; got {type(v).__name__}"
             )
-        if self.is_default:
-            return v.distribute_strategy is None
-        return v.distribute_strategy is self._container_strategy
+        owner = getattr(v, "distribute_strategy", None)
+        return owner is (None if self.is_default else self._container_strategy)
 
     def call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -152,7 +152,7 @@ class Monitor:
         """Where this rank is now: inside which collective, or where its program is."""
         now, start = time.monotonic(), self.start
         thread = self.thread or self.last_thread or threading.main_thread().ident
-        frame = sys._current_frames().get(thread)
+        frame = sys._current_frames().get(thread) if thread is not None else None
         return {
             "world": MPI.COMM_WORLD.Get_rank(),
             "seq": self.seq,
