@@ -46,7 +46,9 @@ from mpistrat.losses import compute_average_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
+from mpistrat.stragglers import StragglerRow, Stragglers
 from mpistrat.strategy import MPIStrategy, Strategy
+from mpistrat.timeline import start_timeline, stop_timeline, trace
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 from mpistrat.variables import (
     MirroredVariable,
@@ -87,6 +89,8 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "StragglerRow",
+    "Stragglers",
     "SyncOnReadVariable",
     "UnsupportedTypeError",
     "ValueContext",
@@ -102,4 +106,7 @@ __all__ = [
     "nest",
     "optimizers",
     "set_abort_on_exception",
+    "start_timeline",
+    "stop_timeline",
+    "trace",
 ]

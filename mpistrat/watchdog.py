@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 
 from mpi4py import MPI
 
-from mpistrat import abort
+from mpistrat import abort, flight, stragglers, timeline
 from mpistrat.errors import CollectiveTimeoutError, InvalidArgumentError
 from mpistrat.log import ANY_RANK, logger
 
@@ -179,7 +179,25 @@ class Monitor:
             "agreed": start is not None and self.agreed == start,
             "last": None if self.last is None else (self.last[0], self.last[1], now - self.last[2]),
             "site": call_site(frame) if frame is not None else "<no Python frame>",
+            "flight": _flight(self, now, start),
         }
+
+
+def _flight(mon: Monitor, now: float, start: float | None) -> str | None:
+    owner = mon.owner()
+    if owner is None or not hasattr(owner, "flight"):
+        return None
+    busy = start is not None
+    return owner.flight.describe(now, busy=busy, agreed=busy and mon.agreed == start)
+
+
+def _records(mon: Monitor, answers: dict[int, dict[str, Any]]) -> str:
+    """Every rank's flight record (from the answers), to end a diagnosis."""
+    owner = mon.owner()
+    kept = len(owner.flight.ring) if owner is not None and hasattr(owner, "flight") else 0
+    if not kept:
+        return ""
+    return flight.block({r: a.get("flight") for r, a in answers.items()}, mon.size, kept)
 
 
 def watch(collectives: Any) -> Monitor:
@@ -284,6 +302,8 @@ def collective(default_kind: str) -> Callable[[F], F]:
             finally:
                 mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
                 mon.last = (kind, self.seq, time.monotonic())
+                if timeline.writer is not None:
+                    timeline.writer.collective(self, kind, now, mon.last[2], args)
 
         return watched  # type: ignore[return-value]
 
@@ -411,7 +431,8 @@ def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
     with _lock:
         answers = mon.answers.pop(qid)
     answers[mon.rank] = mon.state()
-    return _explain(seq, kind, answers, mon.size, {mon.rank})
+    explanation, waiting = _explain(seq, kind, answers, mon.size, {mon.rank})
+    return explanation + _records(mon, answers), waiting
 
 
 # -- the side channel (every function here is called with _lock held) ----------------
@@ -492,7 +513,7 @@ def _advance(mon: Monitor) -> None:
                 passed = "rank 0" if mon.rank == 1 else f"ranks 0 to {mon.rank - 1}"
                 explanation += f" ({passed} did not answer as the watchdog's coordinator; "
                 explanation += f"rank {mon.rank} stood in)"
-            result = (explanation, waiting)
+            result = (explanation + _records(mon, answers), waiting)
             _remember(mon.results, event, result)
             for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
                 _send(mon, ("result", event, *result), r)
@@ -610,12 +631,15 @@ def _headline(mon: Monitor) -> str:
 
 
 def _warn(mon: Monitor, start: float, waited: float, result: Result) -> None:
-    explanation, waiting = result
+    (explanation, records), waiting = flight.split(result[0]), result[1]
     if mon.start != start or (waiting and mon.rank != min(waiting)):
         return  # it completed meanwhile, or the lowest waiting rank speaks for all of them
+    late = stragglers.note(getattr(mon.owner(), "stragglers", None))
     logger.warning(
         f"{_headline(mon)} has waited {waited:.0f} s: {explanation}. "
-        "(MPISTRAT_STALL_WARNING_SECONDS sets when this warning comes; MPISTRAT_TIMEOUT ends the job.)",
+        + (f"Before it, {late}. " if late else "")
+        + "(MPISTRAT_STALL_WARNING_SECONDS sets when this warning comes; MPISTRAT_TIMEOUT ends the job.)"
+        + records,
         extra=ANY_RANK,
     )
 
@@ -624,9 +648,11 @@ def _time_out(mon: Monitor, start: float, timeout: float, explanation: str) -> N
     headline = _headline(mon)
     if mon.start != start:
         return
+    explanation, records = flight.split(explanation)
     message = (
         f"{headline} did not complete within its timeout of {timeout:g} s: "
         f"{explanation}. The job is aborted: a timed-out collective leaves the communicator unusable."
+        f"{records}"
     )
     if mon.polling:
         mon.expired = message  # the main thread raises CollectiveTimeoutError with it

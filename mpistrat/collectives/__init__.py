@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import watchdog
+from mpistrat import flight, observe, stragglers, timeline, watchdog
 from mpistrat.collectives import all_gather, all_reduce, broadcast, handshake, objects
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
@@ -48,16 +48,24 @@ class Collectives:
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
-        self._handshake_send = np.empty(10, dtype=np.int64)
-        self._handshake_recv = np.empty(10, dtype=np.int64)
-        error = None
+        self._handshake_send = np.empty(handshake.SLOTS, dtype=np.int64)
+        self._handshake_recv = np.empty(handshake.SLOTS, dtype=np.int64)
+        error, seen = None, observe.Settings()
+        try:
+            seen = observe.settings()  # MPISTRAT_TIMELINE, MPISTRAT_FLIGHT_RECORDS, straggler settings
+            timeline.from_environment(seen.timeline)
+        except InvalidArgumentError as exc:
+            error = exc
+        self.stragglers = stragglers.Tally(self.rank, self.size, seen.straggler_ms, seen.straggler_summary)
+        self.flight = flight.Flight(seen.flight_records)
         try:
             self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         except InvalidArgumentError as exc:
-            self.monitor, error = watchdog.Monitor(self), exc
+            self.monitor, error = watchdog.Monitor(self), error or exc
         # A bad setting on one rank (its own environment, in an MPMD launch) fails every rank.
         self.agree("strategy creation", error=error, extras=[])
         self.seq = 0  # the program's first collective is #1 in messages
+        self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce

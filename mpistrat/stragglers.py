@@ -1,0 +1,198 @@
+"""Who arrives last: straggler attribution carried in the handshake, at no extra message.
+
+Each rank times how long it waited in a collective's handshake: the last rank to arrive
+waits about nothing, the first waits the whole spread. The next handshake carries that
+time in two more slots of its ``Allreduce(MAX)``, encoded with the rank in the low bits:
+``(-wait, rank)`` selects the last arrival, ``(wait, rank)`` the longest wait. Every rank
+so learns, one collective later, who arrived last and how long it kept the others
+waiting (longest wait minus shortest), and keeps the same running tally.
+
+>>> tally = Tally(rank=0, size=2)
+>>> tally.learn(NOTHING, NOTHING, 0.0)  # the first handshake: nothing measured before it
+>>> tally.collectives
+0
+>>> last, longest = _combine([_pair(0, 30_000), _pair(1, 5)])  # rank 1 came 30 ms after rank 0
+>>> tally.learn(last, longest, 0.0)
+>>> table = tally.table()
+>>> table.rows[1].times_last, round(table.rows[1].mean_ms, 3)
+(1, 29.995)
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import weakref
+
+from mpistrat.log import ANY_RANK, logger
+
+__all__ = ["StragglerRow", "Stragglers", "Tally", "significant"]
+
+RANK_BITS = 20  # ranks up to 2**20 fit below the wait
+_MASK = (1 << RANK_BITS) - 1
+_MAX_WAIT_US = (1 << 40) - 1  # 12 days: the encoded pair stays far inside int64
+NOTHING = -(1 << 62)  # "no measured handshake": loses every MAX
+MIN_MEAN_MS = 1.0  # a rank imposing less than this on average is not called a straggler
+SIGMAS = 3.0  # a straggler is last this many standard deviations more often than chance
+
+_tallies: weakref.WeakSet[Tally] = weakref.WeakSet()
+
+
+def _pair(rank: int, wait_us: int) -> tuple[int, int]:
+    """The two slot values one rank sends: (-wait, rank) and (wait, rank)."""
+    return (-wait_us << RANK_BITS) | rank, (wait_us << RANK_BITS) | rank
+
+
+def _combine(pairs: list[tuple[int, int]]) -> tuple[int, int]:
+    """What MAX over the ranks makes of their pairs (for examples and tests)."""
+    return max(p[0] for p in pairs), max(p[1] for p in pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerRow:
+    """One rank's record: how often it arrived last, and how long the others waited for it."""
+
+    rank: int
+    times_last: int
+    share: float  # of the collectives tallied
+    total_ms: float
+    mean_ms: float  # per collective in which it was last
+    worst_ms: float
+    flagged: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Stragglers:
+    """The tally of every rank, as :meth:`StrategyExtended.stragglers` returns it.
+
+    ``str()`` of it is a table; ``flagged`` lists the ranks that were last markedly
+    more often than chance, by ``MIN_MEAN_MS`` or more on average.
+    """
+
+    collectives: int
+    rows: list[StragglerRow]
+
+    @property
+    def flagged(self) -> list[int]:
+        return [row.rank for row in self.rows if row.flagged]
+
+    def __str__(self) -> str:
+        lines = [
+            f"last arrivals over {self.collectives:,} collectives",
+            f"{'rank':>5} {'last':>7} {'share':>6} {'mean ms':>8} {'worst ms':>9} {'total s':>8}",
+        ]
+        for r in self.rows:
+            mark = "  <- straggler" if r.flagged else ""
+            lines.append(
+                f"{r.rank:5d} {r.times_last:7d} {r.share:6.0%} {r.mean_ms:8.2f} {r.worst_ms:9.2f} "
+                f"{r.total_ms / 1e3:8.3f}{mark}"
+            )
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One sentence per flagged rank; empty when none is flagged."""
+        return "; ".join(
+            f"rank {r.rank} was the last to arrive in {r.share:.0%} of {self.collectives:,} collectives, "
+            f"{r.mean_ms:.1f} ms late on average ({r.total_ms / 1e3:.2f} s in all)"
+            for r in self.rows
+            if r.flagged
+        )
+
+
+def significant(times_last: int, collectives: int, size: int, mean_ms: float, min_mean_ms: float) -> bool:
+    """Whether a rank last ``times_last`` of ``collectives`` times is a straggler, not chance.
+
+    Chance makes each of ``size`` ranks last with probability 1/size; a straggler is last
+    ``SIGMAS`` binomial standard deviations more often, and late by ``min_mean_ms`` on average.
+
+    >>> significant(48, 50, 4, 20.0, 1.0), significant(16, 50, 4, 20.0, 1.0)
+    (True, False)
+    """
+    if collectives == 0 or size < 2 or mean_ms < min_mean_ms:
+        return False
+    p = 1.0 / size
+    return times_last > collectives * p + SIGMAS * math.sqrt(collectives * p * (1 - p))
+
+
+class Tally:
+    """The running tally of one communicator's handshakes; the same on every rank."""
+
+    def __init__(self, rank: int, size: int, min_mean_ms: float = MIN_MEAN_MS, summary: str = "auto"):
+        self.rank, self.size, self.min_mean_ms, self.summary = rank, size, min_mean_ms, summary
+        self.enabled = size > 1 and size <= _MASK + 1
+        self.collectives = 0
+        self.times_last = [0] * size
+        self.total_us = [0] * size
+        self.worst_us = [0] * size
+        self.outgoing = (NOTHING, NOTHING)  # what the next handshake carries from this rank
+        if self.enabled:
+            _tallies.add(self)
+            _at_exit_once()
+
+    def learn(self, last: int, longest: int, waited: float) -> None:
+        """Take the previous handshake's result from this one, and this rank's wait (seconds) in it."""
+        if last > NOTHING:
+            rank = last & _MASK
+            imposed = (longest >> RANK_BITS) + (last >> RANK_BITS)  # longest wait - shortest
+            self.collectives += 1
+            self.times_last[rank] += 1
+            self.total_us[rank] += imposed
+            if imposed > self.worst_us[rank]:
+                self.worst_us[rank] = imposed
+        if self.enabled:
+            us = min(int(waited * 1e6), _MAX_WAIT_US)
+            self.outgoing = ((-us << RANK_BITS) | self.rank, (us << RANK_BITS) | self.rank)
+
+    def forget(self) -> None:
+        """Send nothing at the next handshake (the one just done is not worth tallying)."""
+        self.outgoing = (NOTHING, NOTHING)
+
+    def table(self) -> Stragglers:
+        n = self.collectives
+        rows = []
+        for r in range(self.size):
+            last, total = self.times_last[r], self.total_us[r] / 1e3
+            mean = total / last if last else 0.0
+            rows.append(
+                StragglerRow(
+                    rank=r,
+                    times_last=last,
+                    share=last / n if n else 0.0,
+                    total_ms=total,
+                    mean_ms=mean,
+                    worst_ms=self.worst_us[r] / 1e3,
+                    flagged=significant(last, n, self.size, mean, self.min_mean_ms),
+                )
+            )
+        return Stragglers(n, rows)
+
+
+def note(tally: Tally | None) -> str:
+    """The flagged ranks in a sentence for a warning (empty when none is flagged)."""
+    return "" if tally is None or tally.collectives == 0 else tally.table().summary()
+
+
+_registered = False
+
+
+def _at_exit_once() -> None:
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(summarize)  # after mpi4py's: atexit runs it first, while MPI is up
+
+
+def summarize() -> None:
+    """The end-of-job summary, logged by each communicator's rank 0 (``MPISTRAT_STRAGGLER_SUMMARY``)."""
+    for tally in list(_tallies):
+        if tally.rank != 0 or tally.summary == "off" or tally.collectives == 0:
+            continue
+        table = tally.table()
+        if tally.summary == "always" or table.flagged:
+            found = table.summary() or "no rank was a straggler"
+            logger.warning(
+                f"stragglers over {tally.size} ranks: {found}\n{table}\n"
+                "(MPISTRAT_STRAGGLER_SUMMARY=off silences this; =always prints it every time)",
+                extra=ANY_RANK,
+            )
