@@ -282,7 +282,7 @@ def collective(default_kind: str) -> Callable[[F], F]:
         @functools.wraps(method)
         def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
             mon: Monitor = self.monitor
-            if mon.start is not None or not mon.watched:
+            if mon.start is not None or not (mon.watched or timeline.writer is not None):
                 start = mon.start
                 result = method(self, *args, **kwargs)
                 if default_kind == "handshake" and start is not None and _handshake_sent(self, kwargs):
