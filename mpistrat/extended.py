@@ -161,7 +161,7 @@ class StrategyExtended:
         Every rank keeps the same tally, learned in the handshakes at no extra message (each
         collective's result arrives with the next one); it is empty with the check off.
         ``print()`` it for a table; ``.flagged`` lists the ranks late markedly more often than
-        chance, by ``MPISTRAT_STRAGGLER_MS`` (default 1 ms) or more on average.
+        chance, by ``MPISTRAT_STRAGGLER_MS`` (default 5 ms) or more on average.
 
         >>> import mpistrat
         >>> mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF).extended.stragglers().flagged

@@ -13,8 +13,8 @@ it costs about 1 µs); the site of the collective in progress is always in the d
 >>> _ = ring.enter(2, "all_gather", 7, began=11.0)
 >>> for part in ring.describe(now=13.0, busy=True, agreed=False).split("; "):
 ...     print(part)
-#1 all_reduce [fp 000000000000002a] done 2.5 s ago
-#2 all_gather [fp 0000000000000007] in its handshake for 2.0 s
+#1 all_reduce [fp 0000002a] done 2.5 s ago
+#2 all_gather [fp 00000007] in its handshake for 2.0 s
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Flight:
             else:
                 how = f"done {now - ended:.1f} s ago"
             where = f" at {site}" if site else ""
-            parts.append(f"#{seq} {kind}{where} [fp {fp & (2**64 - 1):016x}] {how}")
+            parts.append(f"#{seq} {kind}{where} [fp {fp & (2**32 - 1):08x}] {how}")
         return "; ".join(parts)
 
 

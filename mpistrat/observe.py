@@ -5,7 +5,7 @@
 ``MPISTRAT_FLIGHT_RECORDS=N``      collectives each rank remembers for a diagnosis (default 8)
 ``MPISTRAT_STRAGGLER_SUMMARY``     ``auto`` (default): the end-of-job summary when a rank was a
                                    straggler; ``always``; ``off``
-``MPISTRAT_STRAGGLER_MS=X``        mean lateness below which no rank is called a straggler (1)
+``MPISTRAT_STRAGGLER_MS=X``        mean lateness below which no rank is called a straggler (5)
 =================================  =============================================================
 
 >>> settings().flight_records >= 0
@@ -30,7 +30,7 @@ class Settings:
     timeline: str | None = None
     flight_records: int = 8
     straggler_summary: str = "auto"
-    straggler_ms: float = 1.0
+    straggler_ms: float = 5.0
 
 
 def settings() -> Settings:
@@ -44,7 +44,7 @@ def settings() -> Settings:
     if summary not in _SUMMARY:
         expected = ", ".join(_SUMMARY)
         raise InvalidArgumentError(f"MPISTRAT_STRAGGLER_SUMMARY must be one of {expected}; got {summary!r}")
-    raw_ms = env.get("MPISTRAT_STRAGGLER_MS", "").strip() or "1"
+    raw_ms = env.get("MPISTRAT_STRAGGLER_MS", "").strip() or "5"
     try:
         ms = float(raw_ms)
     except ValueError:

@@ -33,7 +33,7 @@ RANK_BITS = 20  # ranks up to 2**20 fit below the wait
 _MASK = (1 << RANK_BITS) - 1
 _MAX_WAIT_US = (1 << 40) - 1  # 12 days: the encoded pair stays far inside int64
 NOTHING = -(1 << 62)  # "no measured handshake": loses every MAX
-MIN_MEAN_MS = 1.0  # a rank imposing less than this on average is not called a straggler
+MIN_MEAN_MS = 5.0  # below this on average a rank is not called a straggler (scheduling noise reaches ms)
 SIGMAS = 3.0  # a straggler is last this many standard deviations more often than chance
 
 _tallies: weakref.WeakSet[Tally] = weakref.WeakSet()
