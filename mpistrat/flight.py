@@ -8,9 +8,9 @@ this rank's. The call site of each entry is found only while the timeline is on 
 it costs about 1 µs); the site of the collective in progress is always in the diagnosis.
 
 >>> ring = Flight(2)
->>> entry = ring.enter(1, "all_reduce", 0x2A, began=10.0)
->>> entry[ENDED] = 10.5
->>> _ = ring.enter(2, "all_gather", 7, began=11.0)
+>>> ring.append(entry(1, "all_reduce", 0x2A, began=10.0))
+>>> ring[-1][ENDED] = 10.5
+>>> ring.append(entry(2, "all_gather", 7, began=11.0))
 >>> for part in ring.describe(now=13.0, busy=True, agreed=False).split("; "):
 ...     print(part)
 #1 all_reduce [fp 0000002a] done 2.5 s ago
@@ -19,6 +19,7 @@ it costs about 1 µs); the site of the collective in progress is always in the d
 
 from __future__ import annotations
 
+import collections
 import time
 import weakref
 from typing import Any
@@ -31,30 +32,25 @@ SEQ, KIND, FINGERPRINT, BEGAN, ENDED, STATE, SITE = range(7)  # the fields of an
 MARK = "\nflight records"  # where a diagnosis's records begin (see split)
 
 
-class Flight:
-    """A ring of the last ``n`` handshake entries of one communicator (lists, for cheap writes)."""
+def entry(seq: int, kind: str, fingerprint: int, began: float) -> list[Any]:
+    """A new entry (the handshake builds the same list inline, then sets ``ENDED``, perhaps ``STATE``)."""
+    return [seq, kind, fingerprint, began, None, None, None]
+
+
+class Flight(collections.deque):  # type: ignore[type-arg]
+    """A ring of the last ``n`` handshake entries of one communicator (a deque: C-speed appends)."""
+
+    __eq__ = object.__eq__  # one ring per communicator: identity, not contents (kept in a WeakSet)
+    __hash__ = object.__hash__
 
     def __init__(self, n: int):
-        self.ring: list[list[Any] | None] = [None] * n
-        self.count = 0
+        super().__init__(maxlen=n)
         if n:
             _live.add(self)
 
-    def enter(self, seq: int, kind: str, fingerprint: int, began: float) -> list[Any]:
-        """A new entry; the handshake then sets its ``ENDED`` (and ``STATE`` if it failed)."""
-        entry = [seq, kind, fingerprint, began, None, None, None]
-        if self.ring:
-            self.ring[self.count % len(self.ring)] = entry
-            self.count += 1
-        return entry
-
     def entries(self) -> list[list[Any]]:
         """The entries, oldest first."""
-        n = len(self.ring)
-        if self.count <= n:
-            return [e for e in self.ring[: self.count] if e is not None]
-        at = self.count % n
-        return [e for e in self.ring[at:] + self.ring[:at] if e is not None]
+        return list(self)
 
     def describe(self, now: float, busy: bool, agreed: bool) -> str:
         """The record on one line. ``busy``: this rank is in a collective; ``agreed``: past its handshake."""
@@ -83,10 +79,10 @@ _live: weakref.WeakSet[Flight] = weakref.WeakSet()
 def last_words() -> str:
     """This rank's flight records, printed when an uncaught exception aborts the job."""
     now = time.monotonic()
-    records = [f.describe(now, busy=False, agreed=False) for f in list(_live) if f.count]
+    records = [f.describe(now, busy=False, agreed=False) for f in list(_live) if len(f)]
     if not records:
         return ""
-    kept = max(len(f.ring) for f in _live)
+    kept = max(f.maxlen or 0 for f in _live)
     return f"{MARK[1:]} (this rank's last {kept} handshakes per strategy, oldest first):\n" + "\n".join(
         f"  {r}" for r in records
     )

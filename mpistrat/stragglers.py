@@ -25,6 +25,8 @@ import dataclasses
 import math
 import weakref
 
+import numpy as np
+
 from mpistrat.log import ANY_RANK, logger
 
 __all__ = ["StragglerRow", "Stragglers", "Tally", "significant"]
@@ -32,6 +34,8 @@ __all__ = ["StragglerRow", "Stragglers", "Tally", "significant"]
 RANK_BITS = 20  # ranks up to 2**20 fit below the wait
 _MASK = (1 << RANK_BITS) - 1
 _MAX_WAIT_US = (1 << 40) - 1  # 12 days: the encoded pair stays far inside int64
+_MAX_WAIT_S = _MAX_WAIT_US / 1e6
+_FOLD_EVERY = 8192  # numbers filed before a bulk decode
 NOTHING = -(1 << 62)  # "no measured handshake": loses every MAX
 MIN_MEAN_MS = 5.0  # below this on average a rank is not called a straggler (scheduling noise reaches ms)
 SIGMAS = 3.0  # a straggler is last this many standard deviations more often than chance
@@ -116,15 +120,20 @@ def significant(times_last: int, collectives: int, size: int, mean_ms: float, mi
 
 
 class Tally:
-    """The running tally of one communicator's handshakes; the same on every rank."""
+    """The running tally of one communicator's handshakes; the same on every rank.
+
+    ``learn`` runs in every handshake, so it only files the two numbers; they are
+    decoded in bulk (NumPy) every few thousand, and whenever the table is asked for.
+    """
 
     def __init__(self, rank: int, size: int, min_mean_ms: float = MIN_MEAN_MS, summary: str = "auto"):
         self.rank, self.size, self.min_mean_ms, self.summary = rank, size, min_mean_ms, summary
         self.enabled = size > 1 and size <= _MASK + 1
-        self.collectives = 0
-        self.times_last = [0] * size
-        self.total_us = [0] * size
-        self.worst_us = [0] * size
+        self._collectives = 0
+        self.times_last = np.zeros(size, dtype=np.int64)
+        self.total_us = np.zeros(size, dtype=np.int64)
+        self.worst_us = np.zeros(size, dtype=np.int64)
+        self._filed: list[int] = []  # (last, longest) pairs not yet decoded
         self.outgoing = (NOTHING, NOTHING)  # what the next handshake carries from this rank
         if self.enabled:
             _tallies.add(self)
@@ -133,26 +142,42 @@ class Tally:
     def learn(self, last: int, longest: int, waited: float) -> None:
         """Take the previous handshake's result from this one, and this rank's wait (seconds) in it."""
         if last > NOTHING:
-            rank = last & _MASK
-            imposed = (longest >> RANK_BITS) + (last >> RANK_BITS)  # longest wait - shortest
-            self.collectives += 1
-            self.times_last[rank] += 1
-            self.total_us[rank] += imposed
-            if imposed > self.worst_us[rank]:
-                self.worst_us[rank] = imposed
+            filed = self._filed
+            filed += (last, longest)
+            if len(filed) >= _FOLD_EVERY:
+                self._fold()
         if self.enabled:
-            us = min(int(waited * 1e6), _MAX_WAIT_US)
-            self.outgoing = ((-us << RANK_BITS) | self.rank, (us << RANK_BITS) | self.rank)
+            shifted = (int(waited * 1e6) if waited < _MAX_WAIT_S else _MAX_WAIT_US) << RANK_BITS
+            self.outgoing = (self.rank - shifted, shifted + self.rank)
+
+    def _fold(self) -> None:
+        filed, self._filed = self._filed, []
+        if not filed:
+            return
+        pairs = np.array(filed, dtype=np.int64).reshape(-1, 2)
+        last, longest = pairs[:, 0], pairs[:, 1]
+        ranks = last & _MASK
+        imposed = (longest >> RANK_BITS) + (last >> RANK_BITS)  # longest wait - shortest
+        self._collectives += len(pairs)
+        np.add.at(self.times_last, ranks, 1)
+        np.add.at(self.total_us, ranks, imposed)
+        np.maximum.at(self.worst_us, ranks, imposed)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives tallied so far."""
+        return self._collectives + len(self._filed) // 2
 
     def forget(self) -> None:
         """Send nothing at the next handshake (the one just done is not worth tallying)."""
         self.outgoing = (NOTHING, NOTHING)
 
     def table(self) -> Stragglers:
-        n = self.collectives
+        self._fold()
+        n = self._collectives
         rows = []
         for r in range(self.size):
-            last, total = self.times_last[r], self.total_us[r] / 1e3
+            last, total = int(self.times_last[r]), int(self.total_us[r]) / 1e3
             mean = total / last if last else 0.0
             rows.append(
                 StragglerRow(
@@ -161,7 +186,7 @@ class Tally:
                     share=last / n if n else 0.0,
                     total_ms=total,
                     mean_ms=mean,
-                    worst_ms=self.worst_us[r] / 1e3,
+                    worst_ms=int(self.worst_us[r]) / 1e3,
                     flagged=significant(last, n, self.size, mean, self.min_mean_ms),
                 )
             )

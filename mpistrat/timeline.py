@@ -23,6 +23,8 @@ one module attribute.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import itertools
 import json
 import os
@@ -65,7 +67,7 @@ class Writer:
             self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by stop_timeline)
         except OSError as exc:
             raise InvalidArgumentError(f"cannot write the timeline in {directory!r}: {exc}") from None
-        self._events: list[dict[str, Any]] = []
+        self._events: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
         self._main = threading.main_thread().ident
         self.pending_handshake = 0.0  # seconds in handshakes since the current collective began
@@ -82,18 +84,18 @@ class Writer:
         self._file.write(json.dumps(header) + "\n")
         self._file.flush()
 
-    def add(self, event: dict[str, Any]) -> None:
+    def add(self, cat: str, name: str, began: float, ended: float, args: tuple[Any, ...] = ()) -> None:
+        """One event; kept as a tuple until written (this runs per collective). ``args``: see ``_line``."""
         ident = threading.get_ident()
-        event["tid"] = 0 if ident == self._main else ident % 100_000
         with self._lock:
-            self._events.append(event)
+            self._events.append((cat, name, began, ended - began, 0 if ident == self._main else ident, args))
             if len(self._events) >= FLUSH_EVERY:
                 self._write()
 
     def _write(self) -> None:
         events, self._events = self._events, []
         if events and not self._file.closed:
-            self._file.write("".join(json.dumps(e, default=str) + "\n" for e in events))
+            self._file.write("".join(_line(*e) for e in events))
             self._file.flush()
 
     def close(self) -> None:
@@ -109,15 +111,7 @@ class Writer:
         self.pending_handshake += ended - began
         self.pending_site = site
         comm = getattr(collectives, "timeline_label", None) or _label(collectives)
-        self.add(
-            {
-                "cat": "handshake",
-                "name": "handshake",
-                "ts": began,
-                "dur": ended - began,
-                "args": {"comm": comm, "seq": seq, "kind": kind, "ranks": collectives.size},
-            }
-        )
+        self.add("handshake", "handshake", began, ended, (comm, seq, kind))
         return site
 
     def collective(self, collectives: Any, kind: str, began: float, ended: float, args: Any) -> None:
@@ -125,33 +119,72 @@ class Writer:
         handshake, self.pending_handshake = self.pending_handshake, 0.0
         site, self.pending_site = self.pending_site, None
         self.add(
-            {
-                "cat": "collective",
-                "name": kind,
-                "ts": began,
-                "dur": ended - began,
-                "args": {
-                    "seq": collectives.seq,
-                    "site": site or _site(),
-                    "bytes": _bytes(args),
-                    "handshake_ms": round(handshake * 1e3, 6),
-                    "transfer_ms": round(max(ended - began - handshake, 0.0) * 1e3, 6),
-                },
-            }
+            "collective", kind, began, ended, (collectives.seq, site or _site(), _bytes(args), handshake)
         )
 
 
-def _site() -> str:
-    from mpistrat.watchdog import call_site
+@functools.lru_cache(maxsize=4096)
+def _quoted(text: str) -> str:
+    return json.dumps(text)
 
-    return call_site(sys._getframe(1))  # the first frame outside mpistrat
+
+def _line(cat: str, name: str, ts: float, dur: float, tid: int, args: tuple[Any, ...]) -> str:
+    """One event as a JSON line, times in seconds (formatted by hand: ``json.dumps`` is 10x slower).
+
+    ``args`` by ``cat``: a handshake's (communicator, seq, kind), a collective's (seq, call
+    site, bytes, seconds in handshakes), none for a span.
+    """
+    head = f'{{"cat":"{cat}","name":{_quoted(name)},"ts":{ts!r},"dur":{dur!r},"tid":{tid % 100_000}'
+    if cat == "handshake":
+        comm, seq, kind = args
+        return f'{head},"args":{{"comm":{_quoted(comm)},"seq":{seq},"kind":{_quoted(kind)}}}}}\n'
+    if cat == "collective":
+        seq, site, nbytes, handshake = args
+        transfer = max(dur - handshake, 0.0)
+        return (
+            f'{head},"args":{{"seq":{seq},"site":{_quoted(site)},"bytes":{nbytes},'
+            f'"handshake_ms":{handshake * 1e3:.6f},"transfer_ms":{transfer * 1e3:.6f}}}}}\n'
+        )
+    return head + "}\n"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_inside: set[int] = set()  # ids of mpistrat's code objects (they live as long as the process)
+_sites: dict[tuple[str, str, int], str] = {}
+
+
+def _site() -> str:
+    """Where the program called into mpistrat, as ``file:line in function`` (cached per place)."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if id(code) not in _inside:
+            if not code.co_filename.startswith(_PACKAGE):
+                break
+            _inside.add(id(code))
+        f = f.f_back
+    if f is None:
+        return "<inside mpistrat>"
+    key = (f.f_code.co_filename, f.f_code.co_name, f.f_lineno)
+    site = _sites.get(key)
+    if site is None:
+        from mpistrat.watchdog import call_site
+
+        site = _sites[key] = call_site(f)
+    return site
 
 
 def _bytes(args: Any) -> int:
-    try:
-        return int(sum(getattr(leaf, "nbytes", 0) or 0 for leaf in nest.tree_flatten(args)[0]))
-    except Exception:  # arguments optree cannot walk: their size is unknown, not an error
-        return 0
+    """Bytes of the arrays in a collective's arguments (plain arrays at once, nests walked)."""
+    total = 0
+    for a in args:
+        nbytes = getattr(a, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+        elif isinstance(a, (list, tuple, dict)):
+            with contextlib.suppress(Exception):  # what optree cannot walk has no known size: not an error
+                total += sum(getattr(leaf, "nbytes", 0) or 0 for leaf in nest.tree_flatten(a)[0])
+    return int(total)
 
 
 def register(collectives: Any) -> None:
@@ -183,8 +216,7 @@ class _Span:
     def __exit__(self, *exc: Any) -> None:
         active = writer
         if active is not None:
-            ended = time.monotonic()
-            active.add({"cat": "span", "name": self.name, "ts": self.began, "dur": ended - self.began})
+            active.add("span", self.name, self.began, time.monotonic())
 
 
 class _Off:

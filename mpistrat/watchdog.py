@@ -194,7 +194,7 @@ def _flight(mon: Monitor, now: float, start: float | None) -> str | None:
 def _records(mon: Monitor, answers: dict[int, dict[str, Any]]) -> str:
     """Every rank's flight record (from the answers), to end a diagnosis."""
     owner = mon.owner()
-    kept = len(owner.flight.ring) if owner is not None and hasattr(owner, "flight") else 0
+    kept = (owner.flight.maxlen or 0) if owner is not None and hasattr(owner, "flight") else 0
     if not kept:
         return ""
     return flight.block({r: a.get("flight") for r, a in answers.items()}, mon.size, kept)

@@ -119,12 +119,15 @@ def agree(
     self.seq += 1
     seq, kind_code, tally = self.seq, code(kind), self.stragglers
     send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
-    send[:] = (
-        *(_MAGIC, seq, kind_code, fingerprint, -_MAGIC, -seq, -kind_code, -fingerprint),
-        *(error is not None, maximum or 0, *tally.outgoing),
-    )
+    last, longest = tally.outgoing
+    send[:] = (  # in slot order: one flat tuple (unpacking parts costs 70 ns per call)
+        _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
+        -_MAGIC, -seq, -kind_code, -fingerprint,  # at NEGATED
+        error is not None, maximum or 0, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
+    )  # fmt: skip
     began = time.monotonic()
-    entry = self.flight.enter(seq, kind, fingerprint, began)
+    entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
+    self.flight.append(entry)
     # Always the non-blocking form: MPI never matches a blocking collective with a non-blocking
     # one, and a rank whose timeout is set (per call, or in its environment) must poll.
     request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
