@@ -47,7 +47,9 @@ from mpistrat.losses import compute_average_loss, scale_regularization_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
+from mpistrat.stragglers import StragglerRow, Stragglers
 from mpistrat.strategy import MPIStrategy, Strategy
+from mpistrat.timeline import start_timeline, stop_timeline, trace
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 from mpistrat.variables import (
     MirroredVariable,
@@ -90,6 +92,8 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "StragglerRow",
+    "Stragglers",
     "SyncOnReadVariable",
     "UnsupportedTypeError",
     "ValueContext",
@@ -108,4 +112,7 @@ __all__ = [
     "optimizers",
     "scale_regularization_loss",
     "set_abort_on_exception",
+    "start_timeline",
+    "stop_timeline",
+    "trace",
 ]

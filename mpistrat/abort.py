@@ -25,9 +25,10 @@ from typing import Any, NoReturn
 from mpi4py import MPI
 
 from mpistrat import config
+from mpistrat.errors import CollectiveTimeoutError
 from mpistrat.log import world_rank
 
-__all__ = ["abort_job", "abort_later", "enabled", "install", "set_abort_on_exception"]
+__all__ = ["abort_job", "abort_later", "add_last_words", "enabled", "install", "set_abort_on_exception"]
 
 _enabled: bool | None = None  # None: the environment decides
 # mpiexec/srun forward output through their own processes; MPI_Abort can kill those before
@@ -37,6 +38,26 @@ _installed = False
 _previous_hook: Any = None
 _previous_thread_hook: Any = None
 _doomed: str | None = None
+_last_words: list[Any] = []  # callables returning text to print before an uncaught exception aborts
+
+
+def add_last_words(say: Any) -> None:
+    """Have ``say()`` (returning text, or "") printed with the rank when an uncaught exception aborts."""
+    if say not in _last_words:
+        _last_words.append(say)
+
+
+def _say_last_words(exc: BaseException | None) -> None:
+    if isinstance(exc, CollectiveTimeoutError):  # its diagnosis has every rank's records already
+        return
+    prefix = f"[rank {world_rank()}] "
+    for say in _last_words:
+        try:
+            text = say()
+        except Exception:  # last words must never stop the abort
+            continue
+        if text:
+            _write("".join(prefix + line for line in text.splitlines(True)) + "\n")
 
 
 def set_abort_on_exception(enabled: bool) -> None:
@@ -95,6 +116,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
             _previous_hook(exc_type, exc, tb)  # someone else's hook (a debugger, a logger) goes first
         except BaseException:
             _print_with_rank(exc_type, exc, tb)
+    _say_last_words(exc)
     abort_job(f"uncaught {exc_type.__name__} (MPISTRAT_ABORT_ON_EXCEPTION=0 leaves the other ranks running)")
 
 
@@ -104,6 +126,7 @@ def _thread_excepthook(args: Any) -> None:
         return
     name = args.thread.name if args.thread is not None else "a thread"
     _print_with_rank(args.exc_type, args.exc_value, args.exc_traceback, f"Exception in thread {name}:\n")
+    _say_last_words(args.exc_value)
     abort_job(f"uncaught {args.exc_type.__name__} in thread {name}")
 
 

@@ -5,10 +5,10 @@ the setting does not expect gives a ``RuntimeWarning`` naming the variable (once
 value) and the default, as mpi4py does with its ``MPI4PY_RC_*`` variables. Ranks may
 see different values (an MPMD launch): nothing here depends on them agreeing.
 
-A strategy's settings (``CHECK``, ``TIMEOUT``, ``STALL_WARNING_SECONDS``) are read when the
-strategy is created; the process's (``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``,
-``CUDA_AWARE``, ``DEVICE``) when they take effect. ``docs/configuration.md`` is the table
-of :data:`SETTINGS`.
+A strategy's settings (``CHECK``, ``TIMEOUT``, ``STALL_WARNING_SECONDS``, ``TIMELINE``,
+``FLIGHT_RECORDS``, ``STRAGGLER_*``) are read when the strategy is created; the process's
+(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``) when they take effect.
+``docs/configuration.md`` is the table of :data:`SETTINGS`.
 
 >>> read("MPISTRAT_STALL_WARNING_SECONDS", env={})
 60.0
@@ -62,6 +62,33 @@ def _check(raw: str) -> int:
         raise ValueError("0/off, 1/on or strict") from None
 
 
+def _count(raw: str) -> int:
+    if not raw.isdigit():
+        raise ValueError("a whole number >= 0")
+    return int(raw)
+
+
+def _milliseconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0 or math.isinf(value):
+        raise ValueError("milliseconds >= 0")
+    return value
+
+
+def _summary(raw: str) -> str:
+    named = {"1": "always", "on": "always", "0": "off", "no": "off", "false": "off"}.get(raw, raw)
+    if named not in ("auto", "always", "off"):
+        raise ValueError("auto, always or off")
+    return named
+
+
+def _directory(raw: str) -> str | None:
+    return None if raw in ("0", "off", "no", "false") else raw
+
+
 def _device(raw: str) -> str:
     if raw not in ("auto", "gpu", "cpu"):
         raise ValueError("auto, gpu or cpu")
@@ -104,6 +131,35 @@ SETTINGS: dict[str, Setting] = {
             60.0,
             "seconds; `0`/`off` disables",
             "Warn once, naming the missing ranks, when a collective waits this long.",
+        ),
+        Setting(
+            "MPISTRAT_TIMELINE",
+            _directory,
+            None,
+            "a directory; unset or `off`: no timeline",
+            "Each rank writes its collectives and `mpistrat.trace` spans there "
+            "(`mpistrat timeline DIR` merges them into one trace).",
+        ),
+        Setting(
+            "MPISTRAT_FLIGHT_RECORDS",
+            _count,
+            8,
+            "a whole number",
+            "Collectives each rank remembers and shows in stall warnings, timeouts and aborts.",
+        ),
+        Setting(
+            "MPISTRAT_STRAGGLER_SUMMARY",
+            _summary,
+            "auto",
+            "`auto`, `always`, `off`",
+            "The end-of-job straggler summary on rank 0: when a rank was a straggler, always, or never.",
+        ),
+        Setting(
+            "MPISTRAT_STRAGGLER_MS",
+            _milliseconds,
+            5.0,
+            "milliseconds",
+            "Mean lateness below which no rank is called a straggler.",
         ),
         Setting(
             "MPISTRAT_ABORT_ON_EXCEPTION",
@@ -172,5 +228,5 @@ def given(name: str, env: Mapping[str, str] | None = None) -> bool:
 
 def _shown(value: Any) -> str:
     if value is None:
-        return "auto"
+        return "unset"
     return f"{value:g}" if isinstance(value, float) else str(value)

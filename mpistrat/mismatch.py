@@ -19,11 +19,11 @@ import optree
 from mpi4py import MPI
 
 from mpistrat import nest
+from mpistrat.callsite import call_site
 from mpistrat.comm import packing
 from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError, portable
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import local_copy
-from mpistrat.watchdog import call_site
 
 __all__ = [
     "by_rank",

@@ -58,7 +58,6 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import os
 import sys
 import threading
 import time
@@ -68,11 +67,12 @@ from typing import Any, TypeVar
 
 from mpi4py import MPI
 
-from mpistrat import abort, config
+from mpistrat import abort, config, flight, stragglers, timeline
+from mpistrat.callsite import call_site
 from mpistrat.errors import CollectiveTimeoutError, ContextError
 from mpistrat.log import ANY_RANK, logger
 
-__all__ = ["Monitor", "call_site", "collective", "unwatch", "wait", "watch"]
+__all__ = ["Monitor", "collective", "unwatch", "wait", "watch"]
 
 TAG = 0x6D73  # reserved on the private communicator for the watchdog's messages
 POLL = 0.1  # seconds between the watchdog's looks (and the latency of its answers)
@@ -82,7 +82,6 @@ PATIENCE = 2 * WAIT + GRACE  # seconds after a deadline to wait for its diagnosi
 ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abort
 STALL_DEFAULT = 60.0
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Weak: a strategy that is dropped without experimental_finalize() is collected, and its
 # communicator freed (see release), instead of living on here until MPI runs out of them.
 _registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
@@ -162,7 +161,25 @@ class Monitor:
             "agreed": start is not None and self.agreed == start,
             "last": None if self.last is None else (self.last[0], self.last[1], now - self.last[2]),
             "site": call_site(frame) if frame is not None else "<no Python frame>",
+            "flight": _flight(self, now, start),
         }
+
+
+def _flight(mon: Monitor, now: float, start: float | None) -> str | None:
+    owner = mon.owner()
+    if owner is None or not hasattr(owner, "flight"):
+        return None
+    busy = start is not None
+    return owner.flight.describe(now, busy=busy, agreed=busy and mon.agreed == start)
+
+
+def _records(mon: Monitor, answers: dict[int, dict[str, Any]]) -> str:
+    """Every rank's flight record (from the answers), to end a diagnosis."""
+    owner = mon.owner()
+    kept = (owner.flight.maxlen or 0) if owner is not None and hasattr(owner, "flight") else 0
+    if not kept:
+        return ""
+    return flight.block({r: a.get("flight") for r, a in answers.items()}, mon.size, kept)
 
 
 def watch(collectives: Any) -> Monitor:
@@ -257,7 +274,7 @@ def collective(default_kind: str) -> Callable[[F], F]:
                 return method(self, *args, **kwargs)  # a helper inside this thread's collective: part of it
             mon.thread = me
             try:
-                if not mon.watched:
+                if not (mon.watched or timeline.writer is not None):
                     return method(self, *args, **kwargs)
                 kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
                 options = args[options_at] if 0 <= options_at < len(args) else kwargs.get("options")
@@ -274,6 +291,8 @@ def collective(default_kind: str) -> Callable[[F], F]:
                     mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
                     mon.polled = False
                     mon.last = (kind, self.seq, time.monotonic())
+                    if timeline.writer is not None:
+                        timeline.writer.collective(self, kind, now, mon.last[2], args)
             finally:
                 mon.last_thread, mon.thread = me, None
                 mon.busy.release()
@@ -315,29 +334,6 @@ def wait(mon: Monitor, request: MPI.Request) -> None:
                     abort.abort_later(ABORT_DELAY, mon.expired)
     finally:
         mon.polling = False
-
-
-# -- where the program is ------------------------------------------------------------
-
-
-def call_site(frame: Any = None) -> str:
-    """The innermost place outside mpistrat on a stack, as ``file:line in function``.
-
-    >>> call_site().endswith("in <module>")
-    True
-    """
-    f = frame if frame is not None else sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
-        f = f.f_back
-    if f is None:
-        return "<inside mpistrat>"
-    path = f.f_code.co_filename
-    try:
-        relative = os.path.relpath(path)
-        path = relative if not relative.startswith("..") else path
-    except ValueError:
-        pass
-    return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -409,7 +405,8 @@ def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
     with _lock:
         answers = mon.answers.pop(qid)
     answers[mon.rank] = mon.state()
-    return _explain(seq, kind, answers, mon.size, {mon.rank})
+    explanation, waiting = _explain(seq, kind, answers, mon.size, {mon.rank})
+    return explanation + _records(mon, answers), waiting
 
 
 # -- the side channel (every function here is called with _lock held) ----------------
@@ -536,7 +533,7 @@ def _advance(mon: Monitor) -> None:
                 passed = "rank 0" if mon.rank == 1 else f"ranks 0 to {mon.rank - 1}"
                 explanation += f" ({passed} did not answer as the watchdog's coordinator; "
                 explanation += f"rank {mon.rank} stood in)"
-            result = (explanation, waiting)
+            result = (explanation + _records(mon, answers), waiting)
             _remember(mon.results, event, result)
             for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
                 _send(mon, ("result", event, *result), r)
@@ -668,12 +665,15 @@ def _headline(mon: Monitor) -> str:
 
 
 def _warn(mon: Monitor, start: float, waited: float, result: Result) -> None:
-    explanation, waiting = result
+    (explanation, records), waiting = flight.split(result[0]), result[1]
     if mon.start != start or (waiting and mon.rank != min(waiting)):
         return  # it completed meanwhile, or the lowest waiting rank speaks for all of them
+    late = stragglers.note(getattr(mon.owner(), "stragglers", None))
     logger.warning(
         f"{_headline(mon)} has waited {waited:.0f} s: {explanation}. "
-        "(MPISTRAT_STALL_WARNING_SECONDS sets when this warning comes; MPISTRAT_TIMEOUT ends the job.)",
+        + (f"Before it, {late}. " if late else "")
+        + "(MPISTRAT_STALL_WARNING_SECONDS sets when this warning comes; MPISTRAT_TIMEOUT ends the job.)"
+        + records,
         extra=ANY_RANK,
     )
 
@@ -688,7 +688,11 @@ def _end(mon: Monitor, start: float, problem: str) -> None:
     """End the job: this collective cannot complete (raise it first where the main thread polls)."""
     if mon.start != start:
         return
-    message = f"{problem}. The job is aborted: a collective left half-done leaves the communicator unusable."
+    problem, records = flight.split(problem)  # the ranks' flight records go last
+    message = (
+        f"{problem}. The job is aborted: a collective left half-done leaves the communicator unusable."
+        f"{records}"
+    )
     if mon.polling:
         mon.expired = message  # the main thread raises CollectiveTimeoutError with it
         abort.abort_later(ABORT_DELAY, f"{mon.kind} (collective #{mon.seq}) could not complete")

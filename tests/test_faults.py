@@ -267,3 +267,37 @@ def test_a_rank_stopped_for_good_ends_the_job_by_the_default_timeout():
     assert code != 0, out
     assert "did not complete within its timeout of 4 s (MPISTRAT_TIMEOUT's default" in out, out
     assert "waiting for rank 1" in out, out
+
+
+def test_a_hang_prints_every_ranks_flight_record_and_the_straggler_before_it():
+    """Rank 1, late at every step, then hangs: the stall warning names it as the straggler, and the
+    stall warning and the timeout show each rank's last handshakes (rank 1 finished #20, the others
+    wait in #21's handshake; the tally of #20 would have come with #21)."""
+    env = {"MPISTRAT_STALL_WARNING_SECONDS": "1"}
+    code, out = run_job("straggler_hang.py", limit=4 + 15, env=env)
+    assert code != 0, out
+    warning = next((line for line in out.splitlines() if "WARNING: all_reduce (collective #21" in line), "")
+    assert "Before it, rank 1 was the last to arrive in 100% of 19 collectives" in warning, out
+    timeout = out[out.index("CollectiveTimeoutError: all_reduce (collective #21") :]
+    for text in (out[out.index(warning) :], timeout):
+        records = text[text.index("flight records (each rank's last 8 handshakes, oldest first):") :]
+        found = re.findall(r"^(?:\[rank \d\] )?  rank (\d): (.*)$", records, re.MULTILINE)[:3]
+        assert [int(r) for r, _ in found] == [0, 1, 2], records
+        lines = [line for _, line in found]
+        assert "#20 all_reduce" in lines[1] and "#21" not in lines[1], records  # rank 1 never entered #21
+        for waiting in (lines[0], lines[2]):
+            assert waiting.split("; ")[-1].startswith("#21 all_reduce") and "in its handshake for" in waiting
+    assert "[rank 0] mpistrat.errors.CollectiveTimeoutError" in out and "[rank 2] mpistrat" in out, out
+
+
+@pytest.mark.parametrize(("late", "summary"), [("2", None), ("-1", None), ("2", "off")])
+def test_the_end_of_job_summary_names_a_straggler_and_is_quiet_otherwise(tmp_path, late, summary):
+    env = {"MPISTRAT_TIMELINE": str(tmp_path)}
+    if summary:
+        env["MPISTRAT_STRAGGLER_SUMMARY"] = summary
+    code, out = run_job("stragglers_summary.py", late, limit=30, env=env)
+    assert code == 0 and on_every_rank(out, "finished"), out
+    said = "rank 2 was the last to arrive in 100% of 30 collectives" in out
+    assert said == (late == "2" and summary is None), out
+    assert out.count("WARNING: stragglers over 3 ranks") == int(said), out  # rank 0 alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-0000{r}.jsonl" for r in range(3)]

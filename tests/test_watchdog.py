@@ -9,6 +9,7 @@ import pytest
 
 import mpistrat
 from mpistrat import CommunicationOptions, abort, watchdog
+from mpistrat.callsite import call_site
 from mpistrat.log import RankFilter, logger
 from tests.conftest import all_ranks_agree
 from tests.counting import CountingComm, Ledger
@@ -68,8 +69,8 @@ def test_single_rank_strategies_are_not_watched():
 
 
 def test_call_site_is_the_first_frame_outside_mpistrat():
-    assert watchdog.call_site().startswith("tests/test_watchdog.py:")
-    assert watchdog.call_site().endswith("in test_call_site_is_the_first_frame_outside_mpistrat")
+    assert call_site().startswith("tests/test_watchdog.py:")
+    assert call_site().endswith("in test_call_site_is_the_first_frame_outside_mpistrat")
 
 
 def test_diagnose_asks_every_rank_where_it_is(world):

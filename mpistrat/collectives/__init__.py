@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import config, watchdog
+from mpistrat import config, flight, stragglers, timeline, watchdog
 from mpistrat.collectives import all_gather, all_reduce, broadcast, caches, handshake, objects
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
@@ -48,12 +48,21 @@ class Collectives:
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.caches = caches.Caches()  # what its collectives remember between calls
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
-        self._handshake_send = np.empty(10, dtype=np.int64)
-        self._handshake_recv = np.empty(10, dtype=np.int64)
+        self._handshake_send = np.empty(handshake.SLOTS, dtype=np.int64)
+        self._handshake_recv = np.empty(handshake.SLOTS, dtype=np.int64)
         self.check: int = config.read("MPISTRAT_CHECK")
+        timeline.from_environment(config.read("MPISTRAT_TIMELINE"))
+        self.stragglers = stragglers.Tally(
+            self.rank,
+            self.size,
+            config.read("MPISTRAT_STRAGGLER_MS"),
+            config.read("MPISTRAT_STRAGGLER_SUMMARY"),
+        )
+        self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"))
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         self.agree("strategy creation", extras=[])
         self.seq = 0  # the program's first collective is #1 in messages
+        self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce

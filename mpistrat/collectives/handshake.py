@@ -2,7 +2,8 @@
 
 Every collective is numbered (a per-communicator sequence) and, while checking is
 on, opens with one small ``Allreduce(MAX)`` of ``[magic, seq, kind, fingerprint]``,
-their negations, an error flag and a spare number. ``max(x) == -max(-x)`` exactly
+their negations, an error flag, a spare number, and who arrived last at the previous
+handshake (see :mod:`mpistrat.stragglers`). ``max(x) == -max(-x)`` exactly
 when every rank sent the same ``x``, so every rank learns at once, at a cost that
 does not grow with the number of ranks, whether all entered the same collective
 with compatible arguments (nest structure, dtypes, shapes, reduce op). A mismatch
@@ -21,21 +22,32 @@ number's maximum over the ranks rides in the handshake itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import mismatch, watchdog
+from mpistrat import mismatch, timeline, watchdog
+from mpistrat.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["agree", "check_enabled", "check_level", "code"]
+__all__ = ["SLOTS", "agree", "check_enabled", "check_level", "code"]
 
 _MAGIC = 0x6D707374  # "mpst"
+
+# The slots of the handshake's int64 vector. A new one is a name here and SLOTS one more.
+MAGIC, SEQ, KIND, FINGERPRINT = range(4)  # the same on every rank; their negations follow
+NEGATED = 4  # -MAGIC at NEGATED + MAGIC, ...
+ERROR = 8  # 1: some rank found bad input
+MAXIMUM = 9  # a number whose largest value over the ranks the caller asked for
+LAST_ARRIVAL = 10  # (-wait, rank) at the previous handshake: the last to arrive (stragglers.py)
+LONGEST_WAIT = 11  # (wait, rank) at the previous handshake: how long the first waited
+SLOTS = 12
 
 
 def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
@@ -97,10 +109,17 @@ def agree(
         return None
     self.seq += 1
     codes = self.caches.codes
-    seq, kind_code = self.seq, codes.get(kind) or code(kind, codes)
+    seq, kind_code, tally = self.seq, codes.get(kind) or code(kind, codes), self.stragglers
     send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
-    send[:8] = (_MAGIC, seq, kind_code, fingerprint, -_MAGIC, -seq, -kind_code, -fingerprint)
-    send[8], send[9] = error is not None, maximum or 0
+    last, longest = tally.outgoing
+    send[:] = (  # in slot order: one flat tuple (unpacking parts costs 70 ns per call)
+        _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
+        -_MAGIC, -seq, -kind_code, -fingerprint,  # at NEGATED
+        error is not None, maximum or 0, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
+    )  # fmt: skip
+    began = time.monotonic()
+    entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
+    self.flight.append(entry)
     # Always the non-blocking form: MPI never matches a blocking collective with a non-blocking
     # one, and a rank whose timeout is set (per call, or in its environment) must poll.
     request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
@@ -108,13 +127,18 @@ def agree(
         request.Wait()
     else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
         watchdog.wait(self.monitor, request)
+    entry[ENDED] = ended = time.monotonic()
     top = recv.tolist()
-    if top[8] or top[:4] != [-f for f in top[4:8]]:
+    tally.learn(top[LAST_ARRIVAL], top[LONGEST_WAIT], ended - began)
+    if timeline.writer is not None:
+        entry[SITE] = timeline.writer.handshake(self, seq, kind, began, ended)
+    if top[ERROR] or top[:NEGATED] != [-f for f in top[NEGATED : 2 * NEGATED]]:
         self.disagreements += 1
+        entry[STATE] = "raised: the ranks disagreed"
         mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
     self.monitor.agreed = self.monitor.start  # every rank has entered this collective (for the watchdog)
     if extras is None:
-        return None if maximum is None else top[9]
+        return None if maximum is None else top[MAXIMUM]
     mine = np.asarray(extras, dtype=np.int64)
     everyone = np.empty((self.size, mine.size), dtype=np.int64)
     if mine.size:

@@ -10,8 +10,11 @@
   fixed global work, ideal speed-up ``n/n0``; ``weak``: fixed work per rank, ideal
   efficiency 1), relative to the smallest rank count ``n0``.
 
-``auto`` (the default) is ``scaling`` when the files cover several rank counts,
-else ``bandwidth``.
+- ``--kind heatmap``: from a timeline (``mpistrat timeline``'s trace, or its
+  ``MPISTRAT_TIMELINE`` directory), a rank x time heat map of the wait each rank imposed.
+
+``auto`` (the default) is ``heatmap`` for a timeline, ``scaling`` when the files cover
+several rank counts, else ``bandwidth``.
 
 >>> speedup_efficiency("strong", [1, 2, 4], [8.0, 4.0, 4.0])
 ([1.0, 2.0, 2.0], [1.0, 1.0, 0.5])
@@ -26,6 +29,7 @@ import sys
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.tools import heatmap
 from mpistrat.tools.bench_report import human, load
 from mpistrat.tools.sizes import parse_size
 
@@ -50,9 +54,10 @@ def speedup_efficiency(mode: str, ranks: list[int], times: list[float]) -> tuple
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpistrat plot", description="Plot mpistrat bench results (JSON files).")
-    p.add_argument("results", nargs="+", help="files written by `mpistrat bench --json`")
+    p.add_argument("results", nargs="+", help="files of `mpistrat bench --json`, or one timeline")
     p.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
-    p.add_argument("--kind", choices=("auto", "bandwidth", "ratio", "scaling"), default="auto")
+    p.add_argument("--kind", choices=("auto", "bandwidth", "ratio", "scaling", "heatmap"), default="auto")
+    p.add_argument("--bins", type=int, default=None, help="heatmap: time bins (default: up to 100)")
     p.add_argument("--ops", default=None, help="comma-separated operations to draw (default: all found)")
     p.add_argument("--metric", choices=("busbw", "algbw", "time"), default="busbw", help="bandwidth plot's y")
     p.add_argument("--op", default=None, help="scaling: the operation (default train_step, else the first)")
@@ -240,6 +245,8 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.kind == "heatmap" or (args.kind == "auto" and heatmap.is_timeline(args.results[0])):
+            return _heatmap(args)
         runs = [load(path) for path in args.results]
         plt = _pyplot()
         ops = _ops(runs, args.ops)
@@ -259,6 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     fig.savefig(args.output, dpi=110)
     plt.close(fig)
     print(f"mpistrat plot: wrote {args.output} ({kind}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
+    return 0
+
+
+def _heatmap(args: argparse.Namespace) -> int:
+    if len(args.results) != 1:
+        raise InvalidArgumentError(f"a heat map is of one timeline; got {len(args.results)} files")
+    plt = _pyplot()
+    fig = heatmap.draw(plt, heatmap.read_trace(args.results[0]), bins=args.bins and max(args.bins, 1))
+    if args.title:
+        fig.axes[0].set_title(args.title)
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=110)
+    plt.close(fig)
+    print(f"mpistrat plot: wrote {args.output} (heatmap)")
     return 0
 
 

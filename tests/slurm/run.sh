@@ -175,10 +175,10 @@ collect=$(echo "$series" | sed -n 's/^submitted collect: job \([0-9]*\).*/\1/p')
 mapfile -t members < <(echo "$series" | sed -n 's/^submitted bench on .*: job \([0-9]*\)$/\1/p')
 ids=("$bench" "${members[@]}" "$collect" ${viampiexec:+"$viampiexec"})
 if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
-    train=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
-    say "submitted jobs/train.sbatch: job $train"
+    train=$(TIMELINE=1 sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    say "submitted jobs/train.sbatch with TIMELINE=1: job $train"
 else  # the job script itself, with a module that exists here standing in for the example
-    train=$(TRAIN_MODULE=mpistrat TRAIN_ARGS="bench --ops all_reduce --max 64 --iters 2 --quiet" \
+    train=$(TIMELINE=1 TRAIN_MODULE=mpistrat TRAIN_ARGS="bench --ops all_reduce --max 64 --iters 2 --quiet" \
         sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
     say "submitted jobs/train.sbatch with TRAIN_MODULE=mpistrat (mpistrat.examples.digits is not installed): job $train"
 fi
@@ -240,5 +240,8 @@ import json, sys
 
 info = json.load(open(sys.argv[1]))
 assert info["ranks"] == 2 and info["seconds"] > 0, info
+# TIMELINE=1: both ranks' timelines merged into one trace
+trace = json.load(open(sys.argv[1].replace("train.json", "trace.json")))
+assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}, trace["otherData"]
 PY
 say "PASSED"
