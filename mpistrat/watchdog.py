@@ -72,7 +72,7 @@ from mpistrat.callsite import call_site
 from mpistrat.errors import CollectiveTimeoutError, ContextError
 from mpistrat.log import ANY_RANK, logger
 
-__all__ = ["Monitor", "collective", "unwatch", "wait", "watch"]
+__all__ = ["WATCHDOG", "Monitor", "Watchdog", "collective", "unwatch", "wait", "watch"]
 
 TAG = 0x6D73  # reserved on the private communicator for the watchdog's messages
 POLL = 0.1  # seconds between the watchdog's looks (and the latency of its answers)
@@ -80,17 +80,7 @@ GRACE = 1.0  # seconds to wait for answers to a query
 WAIT = GRACE + 5 * POLL  # seconds a reporter waits for a result before reporting to the next rank
 PATIENCE = 2 * WAIT + GRACE  # seconds after a deadline to wait for its diagnosis (one stand-in fits)
 ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abort
-STALL_DEFAULT = 60.0
 
-# Weak: a strategy that is dropped without experimental_finalize() is collected, and its
-# communicator freed (see release), instead of living on here until MPI runs out of them.
-_registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
-_lock = threading.Lock()  # guards the registry and every side-channel MPI call
-_doomed: list[tuple[Monitor, MPI.Intracomm, Callable[[], None] | None]] = []  # to free once _lock is free
-_stop = threading.Event()
-_thread: threading.Thread | None = None
-_queries = itertools.count(1)
-_sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
 _KEEP = 32  # events remembered per strategy (results, reports)
 NO_SIDE_CHANNEL = "which ranks are missing is unknown (MPI thread level is below MULTIPLE: no side channel)"
 FINALIZED = "which ranks are missing is unknown (the strategy was finalized)"
@@ -136,7 +126,7 @@ class Monitor:
         self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
         self.side = False
         self.noticed: tuple[float, float] | None = None  # (start, time) this rank saw the stall
-        # Side-channel state, touched under _lock:
+        # Side-channel state, touched under WATCHDOG.lock:
         self.answers: dict[int, dict[int, dict[str, Any]]] = {}  # query id -> rank -> its state
         self.diagnosing: dict[Event, Diagnosis] = {}  # events this rank diagnoses for everyone
         self.results: dict[Event, Result] = {}  # made here or sent by the rank that diagnosed
@@ -182,6 +172,96 @@ def _records(mon: Monitor, answers: dict[int, dict[str, Any]]) -> str:
     return flight.block({r: a.get("flight") for r, a in answers.items()}, mon.size, kept)
 
 
+class Watchdog:
+    """The process's watchdog: its thread, the strategies it watches, and its side-channel sends.
+
+    One per process (:data:`WATCHDOG`); the module's functions use it. Its thread starts with
+    the first strategy of 2+ ranks and stops at exit, after this rank says it leaves.
+    """
+
+    def __init__(self) -> None:
+        # Weak: a strategy that is dropped without experimental_finalize() is collected, and its
+        # communicator freed (see release), instead of living on here until MPI runs out of them.
+        self.registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        self.lock = threading.Lock()  # guards the registry and every side-channel MPI call
+        self.doomed: list[tuple[Monitor, MPI.Intracomm, Callable[[], None] | None]] = []  # to free
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.queries = itertools.count(1)
+        self.sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
+
+    def start(self) -> None:
+        if self.thread is not None and self.thread.is_alive():
+            return
+        self.stop.clear()
+        self.thread = threading.Thread(target=self.run, name="mpistrat-watchdog", daemon=True)
+        self.thread.start()
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Say this rank leaves, then stop the thread before MPI is finalized (atexit runs before
+        mpi4py finalizes MPI)."""
+        with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
+            announce_exit()
+        self.stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * POLL + GRACE)
+
+    def run(self) -> None:
+        failed: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        while not self.stop.wait(POLL):
+            if MPI.Is_finalized():
+                return
+            self.look(failed)  # holds the monitors only while it looks: a dropped strategy stays collectable
+            self.reap(block=False)
+
+    def look(self, failed: weakref.WeakSet[Monitor]) -> None:
+        with self.lock:
+            monitors = list(self.registry)
+        for mon in monitors:
+            try:
+                _serve(mon)
+                _advance(mon)
+                _tend(mon)
+            except Exception:  # the watchdog must never take the job down itself
+                if mon not in failed:
+                    failed.add(mon)
+                    logger.exception(
+                        "the collective watchdog failed; stall diagnosis is off for this strategy"
+                    )
+        with self.lock:
+            self.sends[:] = [r for r in self.sends if not r.Test()]
+
+    def reap(self, block: bool) -> None:
+        """Free the communicators ``release`` was given, if this thread may now."""
+        if not self.doomed:
+            return
+        if MPI.Is_finalized():
+            self.doomed.clear()
+            return
+        if (
+            threading.current_thread() is not threading.main_thread()
+            and MPI.Query_thread() < MPI.THREAD_MULTIPLE
+        ):
+            return
+        if not self.lock.acquire(blocking=block):
+            return
+        try:
+            while self.doomed:
+                mon, comm, close = self.doomed.pop()
+                self.registry.discard(mon)
+                mon.watched = False
+                if close is not None:
+                    close()
+                if comm != MPI.COMM_NULL:
+                    comm.Free()
+        finally:
+            self.lock.release()
+
+
+WATCHDOG = Watchdog()
+
+
 def watch(collectives: Any) -> Monitor:
     """A monitor for ``collectives``; registered with the watchdog thread when there are 2+ ranks.
 
@@ -193,17 +273,17 @@ def watch(collectives: Any) -> Monitor:
     mon.stall_after = config.read("MPISTRAT_STALL_WARNING_SECONDS")
     if mon.watched:
         mon.side = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-        with _lock:
-            _registry.add(mon)
-        _start()
-    _reap(block=False)  # communicators of collected strategies that could not be freed then
+        with WATCHDOG.lock:
+            WATCHDOG.registry.add(mon)
+        WATCHDOG.start()
+    WATCHDOG.reap(block=False)  # communicators of collected strategies that could not be freed then
     return mon
 
 
 def unwatch(mon: Monitor) -> None:
     """Stop watching (before the communicator is freed); takes the lock the watchdog's MPI calls hold."""
-    with _lock:
-        _registry.discard(mon)
+    with WATCHDOG.lock:
+        WATCHDOG.registry.discard(mon)
     mon.watched = False
 
 
@@ -214,39 +294,15 @@ def release(
 
     Safe from a garbage-collection finalizer in any thread: it never runs after
     ``MPI_Finalize``, never frees a communicator while the watchdog uses it (it takes
-    ``_lock``), and when it cannot take the lock now (``wait`` False and the lock is held,
+    ``WATCHDOG.lock``), and when it cannot take the lock now (``wait`` False and the lock is held,
     perhaps by this very thread, collecting inside a side-channel call) or may not call MPI
     from this thread (thread level below ``MULTIPLE``), it leaves the work to the watchdog
     thread's next look or the next strategy created. ``MPI_Comm_free`` does not communicate
     (it only marks the communicator for deallocation, after its pending operations), so
     ranks may free it at different times.
     """
-    _doomed.append((mon, comm, close))
-    _reap(block=wait)
-
-
-def _reap(block: bool) -> None:
-    """Free the communicators ``release`` was given, if this thread may now."""
-    if not _doomed:
-        return
-    if MPI.Is_finalized():
-        _doomed.clear()
-        return
-    if threading.current_thread() is not threading.main_thread() and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        return
-    if not _lock.acquire(blocking=block):
-        return
-    try:
-        while _doomed:
-            mon, comm, close = _doomed.pop()
-            _registry.discard(mon)
-            mon.watched = False
-            if close is not None:
-                close()
-            if comm != MPI.COMM_NULL:
-                comm.Free()
-    finally:
-        _lock.release()
+    WATCHDOG.doomed.append((mon, comm, close))
+    WATCHDOG.reap(block=wait)
 
 
 def collective(default_kind: str) -> Callable[[F], F]:
@@ -394,26 +450,26 @@ def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
     seq, kind = mon.seq, mon.kind
     if not mon.side:
         return NO_SIDE_CHANNEL, []
-    with _lock:
-        if mon not in _registry:
+    with WATCHDOG.lock:
+        if mon not in WATCHDOG.registry:
             return FINALIZED, []
         qid = _query(mon)
     end = time.monotonic() + grace
     while time.monotonic() < end and len(mon.answers[qid]) < mon.size - 1 and mon.start == start:
         time.sleep(POLL / 5)
         _serve(mon)
-    with _lock:
+    with WATCHDOG.lock:
         answers = mon.answers.pop(qid)
     answers[mon.rank] = mon.state()
     explanation, waiting = _explain(seq, kind, answers, mon.size, {mon.rank})
     return explanation + _records(mon, answers), waiting
 
 
-# -- the side channel (every function here is called with _lock held) ----------------
+# -- the side channel (every function here is called with WATCHDOG.lock held) ----------------
 
 
 def _send(mon: Monitor, message: tuple[Any, ...], dest: int) -> None:
-    _sends.append(mon.comm.isend(message, dest=dest, tag=TAG))
+    WATCHDOG.sends.append(mon.comm.isend(message, dest=dest, tag=TAG))
 
 
 def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:
@@ -424,7 +480,7 @@ def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:
 
 def _query(mon: Monitor) -> int:
     """Ask every other rank where it is; their answers are filed under the returned id."""
-    qid = next(_queries)
+    qid = next(WATCHDOG.queries)
     mon.answers[qid] = {}
     for r in range(mon.size):
         if r != mon.rank:
@@ -449,8 +505,8 @@ def _serve(mon: Monitor) -> None:
     """Answer queries, file answers and results, and take reports of events to diagnose."""
     if not mon.side:
         return
-    with _lock:
-        if mon not in _registry:
+    with WATCHDOG.lock:
+        if mon not in WATCHDOG.registry:
             return
         status = MPI.Status()
         while (message := mon.comm.improbe(MPI.ANY_SOURCE, TAG, status)) is not None:
@@ -495,14 +551,14 @@ def announce_exit() -> None:
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     why = _exit_reason()
-    with _lock:
-        for mon in list(_registry):
+    with WATCHDOG.lock:
+        for mon in list(WATCHDOG.registry):
             if mon.side and mon.watched:
                 _send(mon, ("left", mon.rank, mon.seq, why), _coordinator(mon))
     ends = time.monotonic() + GRACE
-    while _sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
-        with _lock:
-            _sends[:] = [r for r in _sends if not r.Test()]
+    while WATCHDOG.sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
+        with WATCHDOG.lock:
+            WATCHDOG.sends[:] = [r for r in WATCHDOG.sends if not r.Test()]
         time.sleep(POLL / 20)
 
 
@@ -518,8 +574,8 @@ def _advance(mon: Monitor) -> None:
     if not mon.diagnosing:
         return
     now = time.monotonic()
-    with _lock:
-        if mon not in _registry:
+    with WATCHDOG.lock:
+        if mon not in WATCHDOG.registry:
             return
         for event, job in list(mon.diagnosing.items()):
             answers = mon.answers[job.qid]
@@ -543,8 +599,8 @@ def _result(mon: Monitor, event: Event, now: float) -> Result | None:
     """The diagnosis of ``event`` (this rank waits in it) if it is here; else see that one is on its way."""
     if not mon.side:
         return NO_SIDE_CHANNEL, []
-    with _lock:
-        if mon not in _registry:
+    with WATCHDOG.lock:
+        if mon not in WATCHDOG.registry:
             return FINALIZED, []
         if event in mon.results:
             return mon.results[event]
@@ -563,51 +619,6 @@ def _result(mon: Monitor, event: Event, now: float) -> Result | None:
 
 
 # -- the watchdog thread ------------------------------------------------------------
-
-
-def _start() -> None:
-    global _thread
-    if _thread is not None and _thread.is_alive():
-        return
-    _stop.clear()
-    _thread = threading.Thread(target=_run, name="mpistrat-watchdog", daemon=True)
-    _thread.start()
-    atexit.register(_shutdown)
-
-
-def _shutdown() -> None:
-    """Say this rank leaves, then stop the thread before MPI is finalized (atexit runs before
-    mpi4py finalizes MPI)."""
-    with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
-        announce_exit()
-    _stop.set()
-    if _thread is not None and _thread is not threading.current_thread():
-        _thread.join(timeout=2 * POLL + GRACE)
-
-
-def _run() -> None:
-    failed: weakref.WeakSet[Monitor] = weakref.WeakSet()
-    while not _stop.wait(POLL):
-        if MPI.Is_finalized():
-            return
-        _look(failed)  # holds the monitors only while it looks: a dropped strategy stays collectable
-        _reap(block=False)
-
-
-def _look(failed: weakref.WeakSet[Monitor]) -> None:
-    with _lock:
-        monitors = list(_registry)
-    for mon in monitors:
-        try:
-            _serve(mon)
-            _advance(mon)
-            _tend(mon)
-        except Exception:  # the watchdog must never take the job down itself
-            if mon not in failed:
-                failed.add(mon)
-                logger.exception("the collective watchdog failed; stall diagnosis is off for this strategy")
-    with _lock:
-        _sends[:] = [r for r in _sends if not r.Test()]
 
 
 def _tend(mon: Monitor) -> None:

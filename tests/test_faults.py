@@ -277,7 +277,8 @@ def test_a_hang_prints_every_ranks_flight_record_and_the_straggler_before_it():
     code, out = run_job("straggler_hang.py", limit=4 + 15, env=env)
     assert code != 0, out
     warning = next((line for line in out.splitlines() if "WARNING: all_reduce (collective #21" in line), "")
-    assert "Before it, rank 1 was the last to arrive in 100% of 19 collectives" in warning, out
+    share = re.search(r"Before it, rank 1 was the last to arrive in (\d+)% of 19 collectives", warning)
+    assert share and int(share[1]) >= 90, out  # late at every step; a loaded machine may delay another once
     timeout = out[out.index("CollectiveTimeoutError: all_reduce (collective #21") :]
     for text in (out[out.index(warning) :], timeout):
         records = text[text.index("flight records (each rank's last 8 handshakes, oldest first):") :]
@@ -297,7 +298,9 @@ def test_the_end_of_job_summary_names_a_straggler_and_is_quiet_otherwise(tmp_pat
         env["MPISTRAT_STRAGGLER_SUMMARY"] = summary
     code, out = run_job("stragglers_summary.py", late, limit=30, env=env)
     assert code == 0 and on_every_rank(out, "finished"), out
-    said = "rank 2 was the last to arrive in 100% of 30 collectives" in out
+    # 20 ms late at every step: last nearly always (a loaded machine may delay another rank once)
+    shares = [int(p) for p in re.findall(r"rank 2 was the last to arrive in (\d+)% of 30 collectives", out)]
+    said = bool(shares) and min(shares) >= 90
     assert said == (late == "2" and summary is None), out
     assert out.count("WARNING: stragglers over 3 ranks") == int(said), out  # rank 0 alone
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-0000{r}.jsonl" for r in range(3)]

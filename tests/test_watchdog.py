@@ -196,7 +196,7 @@ def test_finalize_stops_watching(world):
     strategy = mpistrat.MPIStrategy(world.comm)
     monitor = strategy.extended.collectives.monitor
     strategy.experimental_finalize()
-    assert not monitor.watched and monitor not in watchdog._registry
+    assert not monitor.watched and monitor not in watchdog.WATCHDOG.registry
 
 
 # -- abort on exception -----------------------------------------------------------
@@ -256,15 +256,17 @@ def test_dropped_strategies_free_their_communicators(world):
     import gc
 
     gc.collect()
-    before = len(watchdog._registry)  # the fixtures' strategies
+    before = len(watchdog.WATCHDOG.registry)  # the fixtures' strategies
     for i in range(2100):
         strategy = mpistrat.MPIStrategy(world.comm)
         del strategy
         if i % 50 == 0:
             gc.collect()
     gc.collect()
-    watchdog._reap(block=True)  # those collected while the watchdog held its lock wait for its next look
-    live = len(watchdog._registry) - before
+    watchdog.WATCHDOG.reap(
+        block=True
+    )  # those collected while the watchdog held its lock wait for its next look
+    live = len(watchdog.WATCHDOG.registry) - before
     last = mpistrat.MPIStrategy(world.comm)  # still possible, and it works
     got = last.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1.0))
     all_ranks_agree(world.comm, got == world.size and live == 0, f"{got}, {live} monitors still watched")
