@@ -45,6 +45,7 @@ from mpistrat.input import (
 )
 from mpistrat.losses import compute_average_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
+from mpistrat.preemption import PreemptionCheckpointHandler, TerminationConfig
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
 from mpistrat.strategy import MPIStrategy, Strategy
@@ -86,11 +87,13 @@ __all__ = [
     "MirroredVariable",
     "MpistratError",
     "PerReplica",
+    "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",
+    "TerminationConfig",
     "UnsupportedTypeError",
     "ValueContext",
     "Variable",

@@ -47,8 +47,13 @@ class Collectives:
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
-        self._handshake_send = np.empty(10, dtype=np.int64)
-        self._handshake_recv = np.empty(10, dtype=np.int64)
+        self._handshake_send = np.empty(11, dtype=np.int64)
+        self._handshake_recv = np.empty(11, dtype=np.int64)
+        # A preemption handler sets stop_requested (a signal came); the handshake carries it
+        # (MAX) and sets stop_agreed on every rank at the same collective. handshakes counts them.
+        self.stop_requested = False
+        self.stop_agreed = False
+        self.handshakes = 0
         self.check: int = config.read("MPISTRAT_CHECK")
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         self.agree("strategy creation", extras=[])

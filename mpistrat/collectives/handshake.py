@@ -2,7 +2,7 @@
 
 Every collective is numbered (a per-communicator sequence) and, while checking is
 on, opens with one small ``Allreduce(MAX)`` of ``[magic, seq, kind, fingerprint]``,
-their negations, an error flag and a spare number. ``max(x) == -max(-x)`` exactly
+their negations, an error flag, a spare number and a stop flag. ``max(x) == -max(-x)`` exactly
 when every rank sent the same ``x``, so every rank learns at once, at a cost that
 does not grow with the number of ranks, whether all entered the same collective
 with compatible arguments (nest structure, dtypes, shapes, reduce op). A mismatch
@@ -11,7 +11,9 @@ or bad input on any one rank is then raised on every rank instead of deadlocking
 :func:`agree` is the entry for every caller, collective or not: it applies the check
 setting, numbers the call, and is watched (timeouts, stall diagnosis) when its caller
 is not. Per-rank numbers (all_gather's sizes) follow in one ``Allgather``; one
-number's maximum over the ranks rides in the handshake itself.
+number's maximum over the ranks rides in the handshake itself, and so does
+``Collectives.stop_requested`` (a preemption signal seen on any rank): once any rank sets
+it, every rank's ``stop_agreed`` turns true at the same collective, at no extra cost.
 
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["agree", "check_enabled", "check_level", "code"]
 
 _MAGIC = 0x6D707374  # "mpst"
+_STOP = 10  # the slot of the stop flag (mpistrat.preemption)
 
 
 def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
@@ -101,7 +104,7 @@ def agree(
     seq, kind_code = self.seq, code(kind)
     send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
     send[:8] = (_MAGIC, seq, kind_code, fingerprint, -_MAGIC, -seq, -kind_code, -fingerprint)
-    send[8], send[9] = error is not None, maximum or 0
+    send[8], send[9], send[_STOP] = error is not None, maximum or 0, self.stop_requested
     # Always the non-blocking form: MPI never matches a blocking collective with a non-blocking
     # one, and a rank whose timeout is set (per call, or in its environment) must poll.
     request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
@@ -110,6 +113,9 @@ def agree(
     else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
         watchdog.wait(self.monitor, request)
     top = recv.tolist()
+    self.handshakes += 1
+    if top[_STOP]:
+        self.stop_agreed = True
     if top[8] or top[:4] != [-f for f in top[4:8]]:
         self.disagreements += 1
         mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
