@@ -162,11 +162,10 @@ class PreemptionCheckpointHandler:
 
         _watch_signals(self)
         if config.termination_watcher_fn is not None:
-            self._stop_watcher = threading.Event()
             threading.Thread(
-                target=self._watch,
-                args=(config.termination_watcher_fn,),
-                name="mpistrat-preemption",
+                target=_poll_watcher,
+                args=(weakref.ref(self), config.termination_watcher_fn),
+                name="mpistrat-preemption-watcher",
                 daemon=True,
             ).start()
 
@@ -261,12 +260,6 @@ class PreemptionCheckpointHandler:
 
     # -- the triggers besides signals ---------------------------------------------------------
 
-    def _watch(self, watcher: Callable[[], bool]) -> None:
-        while not self._stop_watcher.wait(_WATCHER_POLL):
-            if watcher():
-                self._request("termination_watcher_fn returned True")
-                return
-
     def _allocation_deadline(self, grace_period: float | None) -> float | None:
         """When to stop (seconds since the epoch): the Slurm job's end minus ``grace_period`` (collective)."""
         if grace_period is None:
@@ -284,6 +277,19 @@ class PreemptionCheckpointHandler:
             grace_period,
         )
         return end - float(grace_period)
+
+
+def _poll_watcher(handler: weakref.ref[PreemptionCheckpointHandler], watcher: Callable[[], bool]) -> None:
+    """Call ``watcher`` every ``_WATCHER_POLL`` seconds until it returns True or the handler is gone."""
+    while True:
+        time.sleep(_WATCHER_POLL)
+        if handler() is None:
+            return
+        if watcher():
+            live = handler()
+            if live is not None:
+                live._request("termination_watcher_fn returned True")
+            return
 
 
 def _slurm_end_time() -> float | None:
