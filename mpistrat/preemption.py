@@ -161,6 +161,11 @@ class PreemptionCheckpointHandler:
         self._deadline = self._allocation_deadline(config.grace_period)
 
         _watch_signals(self)
+        logger.warning(
+            "PreemptionCheckpointHandler: watching for SIGTERM and SIGUSR1%s; saves go to %s",
+            " and termination_watcher_fn" if config.termination_watcher_fn is not None else "",
+            manager.directory,
+        )
         if config.termination_watcher_fn is not None:
             threading.Thread(
                 target=_poll_watcher,
@@ -183,6 +188,7 @@ class PreemptionCheckpointHandler:
         self._check_and_maybe_save()
         result = distributed_train_function(*args, **kwargs)
         self._total_run_calls += 1
+        self._run_calls.assign(np.int64(self._total_run_calls))  # saved by every save, not only ours
         return result
 
     @contextlib.contextmanager
@@ -232,7 +238,6 @@ class PreemptionCheckpointHandler:
             "PreemptionCheckpointHandler: every rank stops after run call %d; saving a checkpoint",
             self._total_run_calls,
         )
-        self._run_calls.assign(np.int64(self._total_run_calls))
         if self._config.save_fn is not None:
             self._config.save_fn()
             logger.warning("PreemptionCheckpointHandler: saved (save_fn)")
