@@ -23,6 +23,7 @@ the next, and ``exit_fn`` runs: by default, under Slurm, rank 0 requeues the job
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -37,7 +38,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
+from mpistrat import watchdog
 from mpistrat.checkpoint import Checkpoint
 from mpistrat.checkpoint_manager import CheckpointManager
 from mpistrat.errors import InvalidArgumentError
@@ -97,6 +100,15 @@ def _watch_signals(handler: PreemptionCheckpointHandler) -> None:
         return  # Python runs signal handlers in the main thread only; elsewhere the other triggers work
     for signum in SIGNALS:
         _previous[signum] = signal.signal(signum, _on_signal)
+
+
+def _unwatch_signals() -> None:
+    global _watching
+    _watching = ()
+    if threading.current_thread() is threading.main_thread():
+        for signum, previous in _previous.items():
+            signal.signal(signum, previous)
+        _previous.clear()
 
 
 class PreemptionCheckpointHandler:
@@ -245,6 +257,7 @@ class PreemptionCheckpointHandler:
             path = self._manager.save(*save_args, **save_kwargs)
             logger.warning("PreemptionCheckpointHandler: saved %s", path)
         self._collectives.stop_requested = self._collectives.stop_agreed = False
+        _unwatch_signals()  # saved: from here on a SIGTERM (Slurm ending the job) ends the process
         if self._config.exit_fn is not None:
             self._config.exit_fn()
         else:
@@ -253,10 +266,12 @@ class PreemptionCheckpointHandler:
     def _default_exit(self) -> None:
         job = os.environ.get("SLURM_JOB_ID")
         if job:
-            requeued = self._collectives.on_root(lambda: _requeue(job), kind="preemption (requeue)")
-            if requeued:
-                logger.warning("PreemptionCheckpointHandler: requeued Slurm job %s; exiting", job)
-                sys.exit(0)
+            # Requeueing ends this run of the job: rank 0 does it once every rank has finished
+            # (after MPI_Finalize), so no rank is killed mid-exit.
+            if self._collectives.rank == 0:
+                atexit.register(_requeue_at_exit, job)
+            logger.warning("PreemptionCheckpointHandler: exiting; rank 0 then requeues Slurm job %s", job)
+            sys.exit(0)
         logger.warning(
             "PreemptionCheckpointHandler: exiting with status %d: run the job again to continue",
             RESTART_EXIT_CODE,
@@ -319,12 +334,16 @@ def _slurm_end_time() -> float | None:
         return None
 
 
-def _requeue(job: str) -> bool:
-    """``scontrol requeue <job>`` (rank 0); whether it worked."""
+def _requeue_at_exit(job: str) -> None:
+    """At rank 0's exit: stop the watchdog, finalize MPI (every rank has finished), requeue."""
+    watchdog._shutdown()  # as at any exit: say this rank leaves, stop the thread, before MPI_Finalize
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
     try:
         subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=True)
-        return True
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or exc
-        logger.error("PreemptionCheckpointHandler: scontrol requeue %s failed: %s", job, str(detail).strip())
-        return False
+        detail = str(getattr(exc, "stderr", None) or exc).strip()
+        logger.error("PreemptionCheckpointHandler: scontrol requeue %s failed: %s", job, detail)
+        sys.stderr.flush()
+        os._exit(RESTART_EXIT_CODE)
+    logger.warning("PreemptionCheckpointHandler: requeued Slurm job %s", job)

@@ -200,12 +200,19 @@ if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
     grep -q "watching for SIGTERM and SIGUSR1" "$out" || { say "job $preempted never started watching"; exit 1; }
     scancel --signal=USR1 "$preempted"
     say "sent SIGUSR1 to job $preempted (scancel --signal=USR1)"
-    # Slurm holds a requeued job back (Reason=BeginTime) before it may start again; release it now.
-    for _ in $(seq 120); do
-        if squeue -h -j "$preempted" -o %r 2> /dev/null | grep -q BeginTime; then
-            scontrol update JobId="$preempted" StartTime=now
-            break
-        fi
+    # Slurm holds a requeued job back (Reason=BeginTime) before it may start again; release it.
+    for _ in $(seq 240); do
+        [ "$(scontrol show job "$preempted" | grep -o 'Restarts=[0-9]*')" = Restarts=0 ] || break
+        sleep 0.5
+    done
+    for _ in $(seq 240); do
+        case "$(squeue -h -j "$preempted" -o %T 2> /dev/null)" in
+            PENDING) scontrol update JobId="$preempted" StartTime=now 2> /dev/null || true ;;
+            RUNNING | "") break ;;
+        esac
+        sleep 0.5
+    done
+fi
         [ "$(scontrol show job "$preempted" | grep -o 'Restarts=[0-9]*')" = Restarts=0 ] || break
         sleep 0.5
     done
@@ -281,7 +288,7 @@ b = json.load(open(f"{results}/{preempted}/train.json"))
 assert a["runs"] == 1 and b["runs"] == 2, (a, b)
 assert a["weights_sha256"] and a["weights_sha256"] == b["weights_sha256"], (a, b)
 log = open(f"{results}/slurm-{preempted}.out").read()
-for stage in ("SIGUSR1 on this rank", "saving a checkpoint", "requeued Slurm job", "restored "):
+for stage in ("SIGUSR1 on this rank", "saving a checkpoint", "requeued Slurm job", "restored ", "run 2"):
     assert stage in log, f"no {stage!r} in the preempted job's output:\n{log}"
 print(f"test-slurm: job {preempted} was preempted, requeued and resumed to the uninterrupted weights")
 PY
