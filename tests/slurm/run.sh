@@ -122,6 +122,9 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MinJobAge=600
+# Job IDs unlike earlier runs on this machine: MPICH names shared-memory segments after the
+# job and step, and a segment left by a killed process of an earlier run would be reused.
+FirstJobId=$((1000 + RANDOM % 50000))
 ${node[*]} NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=test Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -202,18 +205,16 @@ if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
     say "sent SIGUSR1 to job $preempted (scancel --signal=USR1)"
     # Slurm holds a requeued job back (Reason=BeginTime) before it may start again; release it.
     for _ in $(seq 240); do
-        [ "$(scontrol show job "$preempted" | grep -o 'Restarts=[0-9]*')" = Restarts=0 ] || break
+        restarts=$(scontrol show job "$preempted" 2> /dev/null | grep -o 'Restarts=[0-9]*' || true)
+        [ "$restarts" = Restarts=0 ] || break
         sleep 0.5
     done
     for _ in $(seq 240); do
-        case "$(squeue -h -j "$preempted" -o %T 2> /dev/null)" in
+        job_state=$(squeue -h -j "$preempted" -o %T 2> /dev/null || true)
+        case "$job_state" in
             PENDING) scontrol update JobId="$preempted" StartTime=now 2> /dev/null || true ;;
             RUNNING | "") break ;;
         esac
-        sleep 0.5
-    done
-fi
-        [ "$(scontrol show job "$preempted" | grep -o 'Restarts=[0-9]*')" = Restarts=0 ] || break
         sleep 0.5
     done
 fi
