@@ -45,6 +45,7 @@ from mpistrat.input import (
 )
 from mpistrat.losses import compute_average_loss, scale_regularization_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
+from mpistrat.preemption import PreemptionCheckpointHandler, TerminationConfig
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
 from mpistrat.stragglers import StragglerRow, Stragglers
@@ -88,6 +89,7 @@ __all__ = [
     "MirroredVariable",
     "MpistratError",
     "PerReplica",
+    "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
@@ -95,6 +97,7 @@ __all__ = [
     "StragglerRow",
     "Stragglers",
     "SyncOnReadVariable",
+    "TerminationConfig",
     "UnsupportedTypeError",
     "ValueContext",
     "Variable",

@@ -50,6 +50,11 @@ class Collectives:
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         self._handshake_send = np.empty(handshake.SLOTS, dtype=np.int64)
         self._handshake_recv = np.empty(handshake.SLOTS, dtype=np.int64)
+        # A preemption handler sets stop_requested (a signal came); the handshake carries it
+        # (MAX) and sets stop_agreed on every rank at the same collective. handshakes counts them.
+        self.stop_requested = False
+        self.stop_agreed = False
+        self.handshakes = 0
         self.check: int = config.read("MPISTRAT_CHECK")
         timeline.from_environment(config.read("MPISTRAT_TIMELINE"))
         self.stragglers = stragglers.Tally(

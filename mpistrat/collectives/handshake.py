@@ -2,8 +2,9 @@
 
 Every collective is numbered (a per-communicator sequence) and, while checking is
 on, opens with one small ``Allreduce(MAX)`` of ``[magic, seq, kind, fingerprint]``,
-their negations, an error flag, a spare number, and who arrived last at the previous
-handshake (see :mod:`mpistrat.stragglers`). ``max(x) == -max(-x)`` exactly
+their negations, an error flag, a spare number, who arrived last at the previous
+handshake (see :mod:`mpistrat.stragglers`) and a stop flag (:mod:`mpistrat.preemption`).
+``max(x) == -max(-x)`` exactly
 when every rank sent the same ``x``, so every rank learns at once, at a cost that
 does not grow with the number of ranks, whether all entered the same collective
 with compatible arguments (nest structure, dtypes, shapes, reduce op). A mismatch
@@ -12,7 +13,9 @@ or bad input on any one rank is then raised on every rank instead of deadlocking
 :func:`agree` is the entry for every caller, collective or not: it applies the check
 setting, numbers the call, and is watched (timeouts, stall diagnosis) when its caller
 is not. Per-rank numbers (all_gather's sizes) follow in one ``Allgather``; one
-number's maximum over the ranks rides in the handshake itself.
+number's maximum over the ranks rides in the handshake itself, and so does
+``Collectives.stop_requested`` (a preemption signal seen on any rank): once any rank sets
+it, every rank's ``stop_agreed`` turns true at the same collective, at no extra cost.
 
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
@@ -47,7 +50,8 @@ ERROR = 8  # 1: some rank found bad input
 MAXIMUM = 9  # a number whose largest value over the ranks the caller asked for
 LAST_ARRIVAL = 10  # (-wait, rank) at the previous handshake: the last to arrive (stragglers.py)
 LONGEST_WAIT = 11  # (wait, rank) at the previous handshake: how long the first waited
-SLOTS = 12
+STOP = 12  # 1: some rank was asked to stop (a preemption signal; see mpistrat.preemption)
+SLOTS = 13
 
 
 def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
@@ -116,6 +120,7 @@ def agree(
         _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
         -_MAGIC, -seq, -kind_code, -fingerprint,  # at NEGATED
         error is not None, maximum or 0, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
+        self.stop_requested,  # STOP
     )  # fmt: skip
     began = time.monotonic()
     entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
@@ -132,6 +137,9 @@ def agree(
     tally.learn(top[LAST_ARRIVAL], top[LONGEST_WAIT], ended - began)
     if timeline.writer is not None:
         entry[SITE] = timeline.writer.handshake(self, seq, kind, began, ended)
+    self.handshakes += 1
+    if top[STOP]:
+        self.stop_agreed = True
     if top[ERROR] or top[:NEGATED] != [-f for f in top[NEGATED : 2 * NEGATED]]:
         self.disagreements += 1
         entry[STATE] = "raised: the ranks disagreed"

@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the checkpoint is saved after every epoch (digits-checkpoints); '' for none",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--preemptible",
+        action="store_true",
+        help="on SIGTERM/SIGUSR1 save mid-epoch and exit (requeue under Slurm); resumes by itself",
+    )
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="NumPy (cpu) or CuPy (gpu)")
     p.add_argument("--weights-out", default=None, metavar="PATH", help="save the final weights (.npz)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.learning_rate = 0.005 if args.optimizer == "adam" else 0.1
     if args.epochs < 0 or args.batch_size < 1:
         p.error("--epochs must be >= 0 and --batch-size >= 1")
+    if args.preemptible and not args.checkpoint_dir:
+        p.error("--preemptible needs a --checkpoint-dir")
     return args
 
 
@@ -155,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     manager = None
     if args.checkpoint_dir:  # numbered files ckpt-<epoch>, of which the two newest are kept
         manager = mpistrat.CheckpointManager(checkpoint, args.checkpoint_dir, max_to_keep=2)
-    if args.resume and manager is not None:
+    handler = None
+    if args.preemptible and manager is not None:
+        # Restores the newest checkpoint (an epoch's end, or the step a preempted run stopped at).
+        handler = mpistrat.PreemptionCheckpointHandler(manager)
+    elif args.resume and manager is not None:
         path = manager.latest_checkpoint
         if path is None:
             say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
@@ -176,15 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         return (mlp.predict([v.read_value() for v in params], x) == y).sum()
 
     train_time, steps, seen = 0.0, 0, 0
-    for e in range(int(epoch.numpy()), args.epochs):
+    steps_per_epoch = -(-len(y_train) // args.batch_size)
+    done_steps = handler.total_run_calls if handler is not None else int(epoch.numpy()) * steps_per_epoch
+    for e in range(done_steps // steps_per_epoch, args.epochs):
         batches = list(global_batches(x_train, y_train, args.batch_size, _epoch_rng(args.seed, e)))
+        if e == done_steps // steps_per_epoch:  # a preempted run stopped mid-epoch: skip what it did
+            batches = batches[done_steps % steps_per_epoch :]
         bar = _progress(len(batches), f"epoch {e + 1}/{args.epochs}", rank == 0 and not args.no_progress)
         loss_sum, correct_sum, count = 0.0, 0, 0
         start = time.perf_counter()
         dist_batches = strategy.experimental_distribute_dataset(batches)
         for (x, y), (_, y_global) in zip(dist_batches, batches, strict=True):
             n = len(y_global)
-            loss, correct = strategy.reduce("sum", strategy.run(train_step, args=(x, y, n)))
+            if handler is not None:  # checks for a stop agreed in earlier steps, then runs this one
+                per_replica = handler.run(strategy.run, train_step, args=(x, y, n))
+            else:
+                per_replica = strategy.run(train_step, args=(x, y, n))
+            loss, correct = strategy.reduce("sum", per_replica)
             loss_sum, correct_sum, count = loss_sum + float(loss) * n, correct_sum + int(correct), count + n
             bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct_sum / count:.4f}", refresh=False)
             bar.update()

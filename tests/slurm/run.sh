@@ -122,6 +122,9 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MinJobAge=600
+# Job IDs unlike earlier runs on this machine: MPICH names shared-memory segments after the
+# job and step, and a segment left by a killed process of an earlier run would be reused.
+FirstJobId=$((1000 + RANDOM % 50000))
 ${node[*]} NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=test Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -184,6 +187,38 @@ else  # the job script itself, with a module that exists here standing in for th
 fi
 ids+=("$train")
 
+# Preemption: the same digits run twice, once left alone and once sent SIGUSR1 (as
+# --signal=USR1@120 does before the time limit) while it trains; that one must save,
+# requeue itself, resume in its second run and end with the same weights.
+preempt_plain="" preempted=""
+if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
+    export TRAIN_ARGS="--preemptible --epochs 300 --no-progress --weights-out weights.npz"
+    preempt_plain=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    preempted=$(sbatch --parsable --ntasks=2 --requeue --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    unset TRAIN_ARGS
+    say "submitted jobs/train.sbatch --preemptible twice: job $preempt_plain, and job $preempted to preempt"
+    ids+=("$preempt_plain" "$preempted")
+    out="$WORK/results/slurm-$preempted.out"
+    for _ in $(seq 240); do grep -q "watching for SIGTERM and SIGUSR1" "$out" 2> /dev/null && break; sleep 0.5; done
+    grep -q "watching for SIGTERM and SIGUSR1" "$out" || { say "job $preempted never started watching"; exit 1; }
+    scancel --signal=USR1 "$preempted"
+    say "sent SIGUSR1 to job $preempted (scancel --signal=USR1)"
+    # Slurm holds a requeued job back (Reason=BeginTime) before it may start again; release it.
+    for _ in $(seq 240); do
+        restarts=$(scontrol show job "$preempted" 2> /dev/null | grep -o 'Restarts=[0-9]*' || true)
+        [ "$restarts" = Restarts=0 ] || break
+        sleep 0.5
+    done
+    for _ in $(seq 240); do
+        job_state=$(squeue -h -j "$preempted" -o %T 2> /dev/null || true)
+        case "$job_state" in
+            PENDING) scontrol update JobId="$preempted" StartTime=now 2> /dev/null || true ;;
+            RUNNING | "") break ;;
+        esac
+        sleep 0.5
+    done
+fi
+
 say "waiting for jobs ${ids[*]} (at most $TIMEOUT s)"
 deadline=$((SECONDS + TIMEOUT))
 while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]}")" 2> /dev/null)" ]; do
@@ -244,4 +279,22 @@ assert info["ranks"] == 2 and info["seconds"] > 0, info
 trace = json.load(open(sys.argv[1].replace("train.json", "trace.json")))
 assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}, trace["otherData"]
 PY
+if [ -n "$preempted" ]; then
+    restarts=$(scontrol show job "$preempted" | grep -o 'Restarts=[0-9]*')
+    say "job $preempted: $restarts"
+    [ "$restarts" = Restarts=1 ] || { say "job $preempted was not requeued once"; exit 1; }
+    "$PYTHON" - "$WORK/results" "$preempt_plain" "$preempted" << 'PY'
+import json, sys
+
+results, plain, preempted = sys.argv[1:]
+a = json.load(open(f"{results}/{plain}/train.json"))
+b = json.load(open(f"{results}/{preempted}/train.json"))
+assert a["runs"] == 1 and b["runs"] == 2, (a, b)
+assert a["weights_sha256"] and a["weights_sha256"] == b["weights_sha256"], (a, b)
+log = open(f"{results}/slurm-{preempted}.out").read()
+for stage in ("SIGUSR1 on this rank", "saving a checkpoint", "requeued Slurm job", "restored ", "run 2"):
+    assert stage in log, f"no {stage!r} in the preempted job's output:\n{log}"
+print(f"test-slurm: job {preempted} was preempted, requeued and resumed to the uninterrupted weights")
+PY
+fi
 say "PASSED"
