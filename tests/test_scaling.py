@@ -16,7 +16,7 @@ from mpistrat.optimizers import SGD, Adam
 from tests.conftest import WORLD, all_ranks_agree
 from tests.counting import CountingComm, Ledger
 
-HANDSHAKE = 96  # bytes of one handshake: twelve int64 in one Allreduce(MAX)
+HANDSHAKE = 104  # bytes of one handshake: thirteen int64 in one Allreduce(MAX)
 SHAPES = [(64, 32), (32,), (32, 16), (16,), (128,), (8, 8, 4), (1,), (40, 20)] * 2  # 16 leaves
 GRAD_BYTES = sum(int(np.prod(s)) for s in SHAPES) * 4  # float32
 
