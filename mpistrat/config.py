@@ -32,16 +32,18 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _flag(raw: str) -> bool:
+    raw = raw.lower()
     if raw in _TRUE + _FALSE:
         return raw in _TRUE
     raise ValueError("1/true/yes/on or 0/false/no/off")
 
 
 def _optional_flag(raw: str) -> bool | None:
-    return None if raw == "auto" else _flag(raw)
+    return None if raw.lower() == "auto" else _flag(raw)
 
 
 def _seconds(raw: str) -> float | None:
+    raw = raw.lower()
     if raw in ("off", "none", "no", "false"):
         return None
     try:
@@ -54,6 +56,7 @@ def _seconds(raw: str) -> float | None:
 
 
 def _check(raw: str) -> int:
+    raw = raw.lower()
     if raw in ("2", "strict"):
         return 2
     try:
@@ -79,6 +82,7 @@ def _milliseconds(raw: str) -> float:
 
 
 def _summary(raw: str) -> str:
+    raw = raw.lower()
     named = {"1": "always", "on": "always", "0": "off", "no": "off", "false": "off"}.get(raw, raw)
     if named not in ("auto", "always", "off"):
         raise ValueError("auto, always or off")
@@ -86,10 +90,11 @@ def _summary(raw: str) -> str:
 
 
 def _directory(raw: str) -> str | None:
-    return None if raw in ("0", "off", "no", "false") else raw
+    return None if raw.lower() in ("0", "off", "no", "false") else raw  # a path keeps its case
 
 
 def _device(raw: str) -> str:
+    raw = raw.lower()
     if raw not in ("auto", "gpu", "cpu"):
         raise ValueError("auto, gpu or cpu")
     return raw
@@ -100,7 +105,7 @@ class Setting:
     """One environment variable: how its value is read, its default, and what it does."""
 
     name: str
-    parse: Callable[[str], Any]  # the lower-cased, stripped value; ValueError says what it expects
+    parse: Callable[[str], Any]  # the stripped value; ValueError says what it expects
     default: Any
     values: str
     means: str
@@ -202,7 +207,7 @@ def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     if not raw:
         return setting.default
     try:
-        return setting.parse(raw.lower())
+        return setting.parse(raw)
     except ValueError as exc:
         if (name, raw) not in _warned:
             _warned.add((name, raw))
@@ -220,7 +225,7 @@ def given(name: str, env: Mapping[str, str] | None = None) -> bool:
     if not raw:
         return False
     try:
-        SETTINGS[name].parse(raw.lower())
+        SETTINGS[name].parse(raw)
     except ValueError:
         return False
     return True

@@ -169,8 +169,9 @@ def first_difference(descriptions: list[Any]) -> str:
         if len(set(seen)) > 1:
             return f"ranks passed different {key}: {by_rank(seen)}. Every rank must pass the same {key}."
     gather = descriptions[0].get("axis") is not None
-    for i in range(max(len(d["leaves"]) for d in descriptions)):
-        entries = [d["leaves"][i] if i < len(d["leaves"]) else None for d in descriptions]
+    leaves = [d.get("leaves", []) for d in descriptions]
+    for i in range(max(map(len, leaves))):
+        entries = [ls[i] if i < len(ls) else None for ls in leaves]
         if any(e != entries[0] for e in entries):
             path = next(e[0] for e in entries if e is not None)
             what = by_rank(["no such leaf" if e is None else f"{e[0]} {e[1]}{_shape(e[2])}" for e in entries])

@@ -106,10 +106,27 @@ def map_structure(func: Callable[..., Any], *structures: Any, check_types: bool 
         raise InvalidArgumentError("map_structure needs at least one structure")
     for other in structures[1:]:
         assert_same_structure(structures[0], other, check_types=check_types)
-    leaves = [optree.tree_leaves(s, **_OPTS) for s in structures]
-    return optree.tree_unflatten(
-        tree_structure(structures[0]), [func(*xs) for xs in zip(*leaves, strict=True)]
-    )
+    # Leaves pair up in tf.nest's order, every mapping by sorted key: a dict and an OrderedDict
+    # with the same keys pair by key although optree flattens the OrderedDict as inserted.
+    paths, first, spec = optree.tree_flatten_with_path(structures[0], **_OPTS)
+    order = sorted(range(len(paths)), key=paths.__getitem__)
+    others = [_in_tf_order(s) for s in structures[1:]]
+    out: list[Any] = [None] * len(first)
+    for k, i in enumerate(order):
+        out[i] = func(first[i], *(o[k] for o in others))
+    return optree.tree_unflatten(spec, out)
+
+
+def _by_key(entries: list[Any], children: list[Any]) -> tuple[list[Any], list[Any]]:
+    pairs = sorted(zip(entries, children, strict=True), key=lambda pair: pair[0])
+    return [e for e, _ in pairs], [c for _, c in pairs]
+
+
+def _in_tf_order(structure: Any) -> list[Any]:
+    """The leaves in tf.nest's order: depth first, every mapping's entries by sorted key (the
+    lexicographic order of their key paths)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(structure, **_OPTS)
+    return [leaves[i] for i in sorted(range(len(paths)), key=paths.__getitem__)]
 
 
 def assert_same_structure(nest1: Any, nest2: Any, check_types: bool = True) -> None:
@@ -154,9 +171,13 @@ def _first_difference(
     entries1, entries2 = spec1.entries(), spec2.entries()
     if len(entries1) != len(entries2):
         return InvalidArgumentError, f"at {path_str(path)}: {len(entries1)} vs {len(entries2)} elements"
-    if check_types and mappings and entries1 != entries2:
-        return InvalidArgumentError, f"at {path_str(path)}: keys {entries1} vs {entries2}"
-    for entry, child1, child2 in zip(entries1, spec1.children(), spec2.children(), strict=True):
+    children1, children2 = spec1.children(), spec2.children()
+    if mappings:  # tf.nest sorts every mapping's keys; optree keeps an OrderedDict's insertion order
+        if check_types and set(entries1) != set(entries2):
+            return InvalidArgumentError, f"at {path_str(path)}: keys {sorted(entries1)} vs {sorted(entries2)}"
+        entries1, children1 = _by_key(entries1, children1)
+        entries2, children2 = _by_key(entries2, children2)
+    for entry, child1, child2 in zip(entries1, children1, children2, strict=True):
         found = _first_difference(child1, child2, (*path, entry), check_types)
         if found is not None:
             return found

@@ -39,6 +39,7 @@ from mpi4py import MPI
 from mpistrat import nest
 from mpistrat.callsite import call_site
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.log import ANY_RANK, logger
 
 __all__ = ["Writer", "start_timeline", "stop_timeline", "trace", "writer"]
 
@@ -66,6 +67,8 @@ class Writer:
             os.makedirs(directory, exist_ok=True)
             self.path = os.path.join(directory, f"rank-{self.rank:05d}.jsonl")
             self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by stop_timeline)
+            self._file.write(json.dumps(self._header()) + "\n")
+            self._file.flush()
         except OSError as exc:
             raise InvalidArgumentError(f"cannot write the timeline in {directory!r}: {exc}") from None
         self._events: list[tuple[Any, ...]] = []
@@ -73,7 +76,9 @@ class Writer:
         self._main = threading.main_thread().ident
         self.pending_handshake = 0.0  # seconds in handshakes since the current collective began
         self.pending_site: str | None = None
-        header = {
+
+    def _header(self) -> dict[str, Any]:
+        return {
             "format": FORMAT,
             "rank": self.rank,
             "size": self.size,
@@ -82,8 +87,6 @@ class Writer:
             "clock": "monotonic",
             "started": time.monotonic(),
         }
-        self._file.write(json.dumps(header) + "\n")
-        self._file.flush()
 
     def add(self, cat: str, name: str, began: float, ended: float, args: tuple[Any, ...] = ()) -> None:
         """One event; kept as a tuple until written (this runs per collective). ``args``: see ``_line``."""
@@ -94,15 +97,27 @@ class Writer:
                 self._write()
 
     def _write(self) -> None:
+        """Write the buffered events. Never raises: it runs inside collectives, and an error on one
+        rank there would strand the others. A failed write (a full disk) ends the timeline."""
+        global writer
         events, self._events = self._events, []
-        if events and not self._file.closed:
+        if not events or self._file.closed:
+            return
+        try:
             self._file.write("".join(_line(*e) for e in events))
             self._file.flush()
+        except OSError as exc:
+            if writer is self:
+                writer = None
+            with contextlib.suppress(OSError):
+                self._file.close()
+            logger.warning(f"the timeline stopped: writing {self.path} failed ({exc})", extra=ANY_RANK)
 
     def close(self) -> None:
         with self._lock:
             self._write()
-            self._file.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
 
     # -- the collectives' hooks (the library calls these only while the timeline is on) --
 

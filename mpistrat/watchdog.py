@@ -58,6 +58,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import os
 import sys
 import threading
 import time
@@ -123,6 +124,7 @@ class Monitor:
         self.env_timeout: float | None = None
         self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
         self.stall_after: float | None = None
+        self.completed = 0  # the last collective this rank completed (not one it left by an error)
         self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
         self.side = False
         self.noticed: tuple[float, float] | None = None  # (start, time) this rank saw the stall
@@ -189,6 +191,7 @@ class Watchdog:
         self.thread: threading.Thread | None = None
         self.queries = itertools.count(1)
         self.sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
+        self.pid = os.getpid()  # a forked child inherits this object and the exit hook, not the rank
 
     def start(self) -> None:
         if self.thread is not None and self.thread.is_alive():
@@ -342,7 +345,9 @@ def collective(default_kind: str) -> Callable[[F], F]:
                 mon.polled = timeout is not None and (chosen is not None or mon.env_polled)
                 mon.start = now
                 try:
-                    return method(self, *args, **kwargs)
+                    result = method(self, *args, **kwargs)
+                    mon.completed = self.seq
+                    return result
                 finally:
                     mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
                     mon.polled = False
@@ -548,13 +553,13 @@ def announce_exit() -> None:
     instead of waiting for a timeout. One message per strategy from each exiting rank and
     at most R-1 from the coordinator, so a job's normal end costs O(R) messages.
     """
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return
+    if not MPI.Is_initialized() or MPI.Is_finalized() or os.getpid() != WATCHDOG.pid:
+        return  # (a forked child inherits the exit hook, not the rank: its parent goes on)
     why = _exit_reason()
     with WATCHDOG.lock:
         for mon in list(WATCHDOG.registry):
             if mon.side and mon.watched:
-                _send(mon, ("left", mon.rank, mon.seq, why), _coordinator(mon))
+                _send(mon, ("left", mon.rank, mon.completed, why), _coordinator(mon))
     ends = time.monotonic() + GRACE
     while WATCHDOG.sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
         with WATCHDOG.lock:
@@ -589,10 +594,13 @@ def _advance(mon: Monitor) -> None:
                 passed = "rank 0" if mon.rank == 1 else f"ranks 0 to {mon.rank - 1}"
                 explanation += f" ({passed} did not answer as the watchdog's coordinator; "
                 explanation += f"rank {mon.rank} stood in)"
-            result = (explanation + _records(mon, answers), waiting)
-            _remember(mon.results, event, result)
+            # Every rank's flight record goes to one rank, the one that speaks for the waiting
+            # ones: sent to each, the records would cost O(R^2) bytes and lines.
+            full = explanation + _records(mon, answers)
+            speaker = min(waiting) if waiting else mon.rank
+            _remember(mon.results, event, (full if mon.rank == speaker else explanation, waiting))
             for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
-                _send(mon, ("result", event, *result), r)
+                _send(mon, ("result", event, full if r == speaker else explanation, waiting), r)
 
 
 def _result(mon: Monitor, event: Event, now: float) -> Result | None:

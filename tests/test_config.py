@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import mpistrat
-from mpistrat import config
+from mpistrat import CollectiveMismatchError, InvalidArgumentError, config
+from tests.conftest import raises_on_every_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,3 +84,26 @@ def test_the_docs_table_lists_every_setting_with_its_default():
     assert set(rows) == set(config.SETTINGS), rows
     for name, setting in config.SETTINGS.items():
         assert rows[name].strip().strip("`") == config._shown(setting.default), name
+
+
+def test_a_path_keeps_its_case():
+    assert config.read("MPISTRAT_TIMELINE", {"MPISTRAT_TIMELINE": " /tmp/MyRun "}) == "/tmp/MyRun"
+    assert config.read("MPISTRAT_TIMELINE", {"MPISTRAT_TIMELINE": "OFF"}) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_would_check_differently_fail_strategy_creation_on_every_rank(world, monkeypatch):
+    """A rank that skips the handshake would strand the ones that send it."""
+    if world.rank == world.size - 1:
+        monkeypatch.setenv("MPISTRAT_CHECK", "0")
+    raises_on_every_rank(world.comm, CollectiveMismatchError, lambda: mpistrat.MPIStrategy(world.comm))
+
+
+def test_a_timeline_directory_that_cannot_be_written_fails_every_rank(world, monkeypatch, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    if world.rank == world.size - 1:
+        monkeypatch.setenv("MPISTRAT_TIMELINE", str(blocked / "timeline"))
+    raises_on_every_rank(
+        world.comm, InvalidArgumentError, lambda: mpistrat.MPIStrategy(world.comm), "timeline"
+    )

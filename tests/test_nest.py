@@ -84,3 +84,21 @@ def test_ordered_dict_flattens_in_insertion_order_unlike_tf_nest():
     ordered = collections.OrderedDict([("b", 1), ("a", 2)])
     assert nest.flatten(ordered) == [1, 2]
     assert nest.pack_sequence_as(ordered, nest.flatten(ordered)) == ordered
+
+
+def test_map_structure_pairs_a_dict_and_an_ordered_dict_by_key():
+    # tf.nest.map_structure(lambda a, b: (a, b), {"b": 1, "a": 2}, OrderedDict(b=10, a=20))
+    # == {"a": (2, 20), "b": (1, 10)}: tf sorts every mapping's keys.
+    got = nest.map_structure(lambda a, b: (a, b), {"b": 1, "a": 2}, collections.OrderedDict(b=10, a=20))
+    assert got == {"a": (2, 20), "b": (1, 10)}
+    got = nest.map_structure(
+        lambda a, b: a + b, {"b": 1, "a": 2}, collections.OrderedDict(b=10, a=20), check_types=False
+    )
+    assert got == {"a": 22, "b": 11}
+
+
+def test_without_check_types_mappings_pair_by_sorted_key():
+    # tf.nest.map_structure(lambda a, b: (a, b), {"a": 1, "c": 2}, {"b": 10, "d": 20},
+    # check_types=False) == {"a": (1, 10), "c": (2, 20)}: keys may differ, sorted order pairs them.
+    got = nest.map_structure(lambda a, b: (a, b), {"a": 1, "c": 2}, {"b": 10, "d": 20}, check_types=False)
+    assert got == {"a": (1, 10), "c": (2, 20)}

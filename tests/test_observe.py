@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import config
+from mpistrat import config, timeline
 from mpistrat.tools import heatmap
 from mpistrat.tools import timeline as merge_tool
 from tests.conftest import all_ranks_agree
@@ -151,3 +152,16 @@ def test_offsets_align_shifted_clocks_through_a_shared_rank():
     }
     shift = merge_tool.offsets(events)
     assert shift[0] == 0.0 and shift[1] == pytest.approx(5.0) and shift[2] == pytest.approx(-3.0)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_timeline_that_cannot_be_written_stops_instead_of_raising(tmp_path):
+    """Its writes happen inside collectives: an error on one rank there would strand the others."""
+    timeline.start_timeline(str(tmp_path))
+    writer = timeline.writer
+    writer._file.close()
+    writer._file = open("/dev/full", "w")  # noqa: SIM115 - every write fails: no space left
+    for i in range(timeline.FLUSH_EVERY + 1):
+        writer.add("span", "x", float(i), float(i) + 1)
+    assert timeline.writer is None
+    timeline.stop_timeline()  # nothing left to do, and no error

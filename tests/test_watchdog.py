@@ -1,6 +1,7 @@
 """The watchdog, the abort hook and the rank-aware logger, in process (the faults: test_faults.py)."""
 
 import logging
+import os
 import sys
 import time
 
@@ -270,3 +271,17 @@ def test_dropped_strategies_free_their_communicators(world):
     last = mpistrat.MPIStrategy(world.comm)  # still possible, and it works
     got = last.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1.0))
     all_ranks_agree(world.comm, got == world.size and live == 0, f"{got}, {live} monitors still watched")
+
+
+def test_a_forked_child_does_not_announce_that_its_rank_left(world, monkeypatch):
+    """A child made by os.fork() inherits the exit hook; only the rank's own process may say it left."""
+    sent = []
+    monkeypatch.setattr(watchdog, "_send", lambda mon, message, dest: sent.append((message[0], dest)))
+    monkeypatch.setattr(watchdog.WATCHDOG, "pid", -1)  # as in a child: another process
+    watchdog.announce_exit()
+    assert sent == []
+    monkeypatch.setattr(watchdog.WATCHDOG, "pid", os.getpid())
+    watchdog.announce_exit()
+    watched = [m for m in watchdog.WATCHDOG.registry if m.side and m.watched]
+    assert len(sent) == len(watched) and all(what == "left" for what, _ in sent)
+    assert (len(watched) > 0) == (world.size > 1)

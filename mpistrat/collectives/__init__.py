@@ -31,6 +31,7 @@ from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.comm.transport import Transports
+from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
 __all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
@@ -56,7 +57,11 @@ class Collectives:
         self.stop_agreed = False
         self.handshakes = 0
         self.check: int = config.read("MPISTRAT_CHECK")
-        timeline.from_environment(config.read("MPISTRAT_TIMELINE"))
+        error = None
+        try:
+            timeline.from_environment(config.read("MPISTRAT_TIMELINE"))
+        except InvalidArgumentError as exc:  # raised on this rank alone: every rank must fail with it
+            error = exc
         self.stragglers = stragglers.Tally(
             self.rank,
             self.size,
@@ -65,7 +70,17 @@ class Collectives:
         )
         self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"))
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
-        self.agree("strategy creation", extras=[])
+        # Every rank must check alike (a rank that skips the handshake would strand the others).
+        self.agree(
+            "strategy creation",
+            fingerprint=handshake.check_level(self),
+            describe=lambda: {
+                "leaves": [("the check", f"level {handshake.check_level(self)}", None)],
+                "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check.",
+            },
+            error=error,
+            extras=[],
+        )
         self.seq = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 

@@ -2,17 +2,34 @@
 
 How it leaves is the first argument: ``exit0``/``exit3`` (``sys.exit``), ``raise`` (an uncaught
 exception, run with MPISTRAT_ABORT_ON_EXCEPTION=0), ``skip`` (it catches an error, skips the
-all_reduce and reaches the end of its program). The others must end at once, naming rank 1.
+all_reduce and reaches the end of its program), ``inside`` (its second all_reduce fails after
+the handshake, in the transfer, and the error ends it: the others are inside that all_reduce).
+The others must end at once, naming rank 1.
 """
 
 import sys
 
 import numpy as np
+from mpi4py import MPI
 
 import mpistrat
 
 how = sys.argv[1]
-strategy = mpistrat.MPIStrategy()
+
+
+class FailingTransfer(MPI.Intracomm):
+    """Rank 1's second data transfer fails (the handshakes are Iallreduce: they still work)."""
+
+    calls = 0
+
+    def Allreduce(self, *args, **kwargs):
+        FailingTransfer.calls += 1
+        if how == "inside" and self.Get_rank() == 1 and FailingTransfer.calls == 2:
+            raise OSError("the network card of rank 1 failed")
+        return super().Allreduce(*args, **kwargs)
+
+
+strategy = mpistrat.MPIStrategy(FailingTransfer(MPI.COMM_WORLD))
 rank = strategy.extended.rank
 
 
