@@ -81,7 +81,7 @@ class Collectives:
             error=error,
             extras=[],
         )
-        self.seq = 0  # the program's first collective is #1 in messages
+        self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
     agree = handshake.agree
