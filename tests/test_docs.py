@@ -1,7 +1,8 @@
 """The documentation covers the package: every page is reachable and every public name documented.
 
 The strict MkDocs build (``make docs``) catches broken links; these checks catch what it
-cannot: a page left out of the navigation or the index, a public name left out of the reference.
+cannot: a page left out of the navigation or the index, a public name left out of the reference
+or of the overview.
 """
 
 import re
@@ -31,3 +32,10 @@ def test_every_public_name_is_in_the_api_reference():
     documented = set(re.findall(r"^::: mpistrat\.(\w+)\s*$", (DOCS / "api.md").read_text(), re.M))
     public = set(mpistrat.__all__) - {"MPI"}  # mpi4py's module, re-exported for convenience
     assert public - documented == set(), "public names missing from docs/api.md"
+
+
+def test_every_public_name_is_in_the_overview():
+    text = (DOCS / "overview.md").read_text()
+    code = " ".join(re.findall(r"```.*?```|`[^`\n]+`", text, re.S))  # code blocks and spans
+    mentioned = set(re.findall(r"\w+", code))
+    assert set(mpistrat.__all__) - mentioned == set(), "public names missing from docs/overview.md"
