@@ -56,7 +56,9 @@ class Collectives:
         self.stop_requested = False
         self.stop_agreed = False
         self.handshakes = 0
-        self.check: int = config.read("MPISTRAT_CHECK")
+        # The strategy's check level: its option, else the environment (read once, here).
+        check = self.options.check
+        self.check: int = config.read("MPISTRAT_CHECK") if check is None else handshake.level(check)
         error = None
         try:
             timeline.from_environment(config.read("MPISTRAT_TIMELINE"))

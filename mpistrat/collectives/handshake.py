@@ -39,7 +39,7 @@ from mpistrat.options import CommunicationOptions
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["SLOTS", "agree", "check_enabled", "check_level", "code"]
+__all__ = ["SLOTS", "agree", "check_enabled", "check_level", "code", "level"]
 
 _MAGIC = 0x6D707374  # "mpst"
 
@@ -61,12 +61,16 @@ def check_enabled(collectives: Collectives, options: CommunicationOptions | None
 
 def check_level(collectives: Collectives, options: CommunicationOptions | None = None) -> int:
     """0: no check; 1: the handshake (the default); 2 (``strict``): also compare the copies of
-    the variables every-rank merge functions update. The call's option, else the strategy's,
-    else ``MPISTRAT_CHECK`` as it was when the strategy was created."""
-    for chosen in (options, collectives.options):
-        if chosen is not None and chosen.check is not None:
-            return 2 if chosen.check == "strict" else int(bool(chosen.check))
-    return collectives.check
+    the variables every-rank merge functions update. The call's option, else the strategy's
+    level (``Collectives.check``: its option, else ``MPISTRAT_CHECK`` at its creation)."""
+    if options is None or options.check is None:
+        return collectives.check
+    return level(options.check)
+
+
+def level(check: bool | str) -> int:
+    """The level of a ``CommunicationOptions.check`` value."""
+    return 2 if check == "strict" else int(bool(check))
 
 
 def code(text: str, memo: Any = None) -> int:
