@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat import context
+from mpistrat import context, mismatch
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.optimizer_state import FlatState, ShardedSlot, own_copy
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.variables import Variable, VariableAggregation
 
@@ -45,7 +46,9 @@ class Optimizer:
 
     slot_names: tuple[str, ...] = ()
 
-    def __init__(self, learning_rate: float | Callable[[int], float], name: str):
+    def __init__(
+        self, learning_rate: float | Callable[[int], float], name: str, *, shard_state: bool = False
+    ):
         if not callable(learning_rate) and not isinstance(
             learning_rate, (int, float, np.floating, np.integer)
         ):
@@ -56,7 +59,27 @@ class Optimizer:
         self._name = name
         self._strategy = context.get_strategy() if context.has_strategy() else None
         self._iterations: Variable | None = None
-        self._slots: dict[int, tuple[Variable, dict[str, Variable]]] = {}
+        self._slots: dict[int, tuple[Variable, dict[str, Any]]] = {}  # slots: Variable or ShardedSlot
+        flat = type(self)._update_flat is not Optimizer._update_flat
+        if shard_state and not flat:
+            raise InvalidArgumentError(
+                f"{name}: shard_state=True needs an optimizer with a flat update (_update_flat), as SGD and "
+                f"Adam have; {type(self).__name__} updates one variable at a time (_apply_dense)"
+            )
+        self._shard_state = bool(shard_state)
+        self._state: FlatState | None = None  # set by _flat_state() once the slots are known
+        self._flat = flat
+
+    @property
+    def shard_state(self) -> bool:
+        """Whether each rank holds only its 1/R part of the slots (ZeRO stage 1)."""
+        return self._shard_state
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds besides the variables: slots and step buffers."""
+        if self._state is not None:
+            return self._state.nbytes()
+        return sum(int(s._local().nbytes) for _, slots in self._slots.values() for s in slots.values())
 
     @property
     def name(self) -> str:
@@ -104,9 +127,44 @@ class Optimizer:
         for var in var_list:
             self._adopt(var)
         self.iterations  # noqa: B018 (creates it)
+        new = list({id(v): v for v in var_list if id(v) not in self._slots}.values())
+        if not new:
+            return
+        state = self._flat_state()
+        if state is None:
+            self._slot_variables(new)
+            return
+        new.sort(key=_creation_order)  # the same order on every rank, whatever order each was given
+        extended = context.get_strategy().extended if self._strategy is None else self._strategy.extended
+        bytes_per_pack = 0
+        if not extended.is_default:
+            collectives = extended.collectives
+            bytes_per_pack = collectives.options.bytes_per_pack
+            described = [("shard_state", str(self._shard_state), None)] + [
+                (repr(v.name), f"variable #{_creation_order(v)} {v.dtype}", v.shape) for v in new
+            ]
+            collectives.agree(
+                f"{self._name}.build",
+                fingerprint=mismatch.fingerprint(*described),
+                describe=lambda: {"leaves": described, "advice": _SAME_BUILD},
+            )
+        slots = None if self._shard_state else self._slot_variables(new)
+        state.add(new, slots, ranks=extended.size, rank=extended.rank, bytes_per_pack=bytes_per_pack)
+        if self._shard_state:
+            for var in new:
+                group, j = state.where[id(var)]
+                self._slots[id(var)] = (
+                    var,
+                    {
+                        n: ShardedSlot(group, j, n, f"{var.name}/{n}", extended.collectives)
+                        for n in self.slot_names
+                    },
+                )
+
+    def _slot_variables(self, var_list: list[Variable]) -> dict[str, list[Variable]]:
+        """Create each variable's slot variables (zeros, colocated with it); record and return them."""
+        out: dict[str, list[Variable]] = {n: [] for n in self.slot_names}
         for var in var_list:
-            if id(var) in self._slots:
-                continue
             with self._creation_scope():
                 extended = context.get_strategy().extended
                 with extended.colocate_vars_with(var):
@@ -118,6 +176,9 @@ class Optimizer:
                         for n in self.slot_names
                     }
             self._slots[id(var)] = (var, slots)
+            for n, slot in slots.items():
+                out[n].append(slot)
+        return out
 
     def _adopt(self, var: Variable) -> None:
         """The optimizer's strategy is its variables' (or the one in scope when it was made)."""
@@ -168,11 +229,34 @@ class Optimizer:
                     f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; "
                     f"got a {type(v).__name__}"
                 )
-        self.build([v for _, v in pairs])
-        # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
-        # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
-        replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
+        variables = [v for _, v in pairs]
+        state = self._flat_state()
+        if state is None:
+            self.build(variables)
+            # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
+            # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
+            replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
+            return self.iterations
+        if not state.has_plan(variables):
+            self.build(variables)
+        extended = replica._strategy.extended
+        counter = own_copy(self.iterations)
+        step = int(counter._value)
+        state.step(
+            None if extended.is_default else extended.collectives,
+            pairs,
+            self._update_flat,
+            self.learning_rate(step),
+            step,
+        )
+        counter.assign_add(1)  # this rank's copy: every rank counts the same steps
         return self.iterations
+
+    def _flat_state(self) -> FlatState | None:
+        """The flat state of an optimizer with a flat update (None for a per-variable one)."""
+        if self._state is None and self._flat:
+            self._state = FlatState(self.slot_names, self._shard_state)
+        return self._state
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
         extended = strategy.extended
@@ -189,6 +273,17 @@ class Optimizer:
         )
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+        """Update ``var`` and its ``slots`` (this rank's copies) from the summed ``grad``: a subclass
+        that updates one variable at a time implements this."""
+        raise NotImplementedError
+
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int, scratch: Any) -> None:
+        """Update matching 1-D blocks in place: weights ``w``, summed gradient ``g`` (which may be
+        overwritten), ``slots`` in ``slot_names`` order, a ``scratch`` block of the same size.
+
+        A subclass that implements this runs on flat storage (see :mod:`mpistrat.optimizer_state`):
+        every variable's block in a few vectorised passes, and ``shard_state=True`` works.
+        """
         raise NotImplementedError
 
 
@@ -197,6 +292,7 @@ class SGD(Optimizer):
 
     ``velocity = momentum * velocity - lr * g``; ``w += velocity`` (Nesterov:
     ``w += momentum * velocity - lr * g``); plain ``w -= lr * g`` when momentum is 0.
+    ``shard_state=True`` keeps on each rank only its 1/R part of the velocity.
     """
 
     def __init__(
@@ -205,27 +301,31 @@ class SGD(Optimizer):
         momentum: float = 0.0,
         nesterov: bool = False,
         name: str = "SGD",
+        *,
+        shard_state: bool = False,
     ):
-        super().__init__(learning_rate, name)
+        super().__init__(learning_rate, name, shard_state=shard_state)
         if not 0.0 <= momentum <= 1.0:
             raise InvalidArgumentError(f"{name}: momentum must be in [0, 1]; got {momentum!r}")
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if momentum else ()
 
-    def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
-        # In place, as a hand-written NumPy update would be: no temporaries the size of a variable
-        # beyond lr * grad.
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int, scratch: Any) -> None:
+        # In place, as a hand-written NumPy update would be, rounding as the formulas above read.
+        g *= lr
         if not slots:
-            with var._writable() as w:
-                w -= lr * grad
+            w -= g
             return
         (velocity,) = slots
-        with velocity._writable() as v:
-            v *= self.momentum
-            v -= lr * grad
-        with var._writable() as w:
-            w += self.momentum * v - lr * grad if self.nesterov else v
+        velocity *= self.momentum
+        velocity -= g
+        if self.nesterov:
+            packing.array_module(w).multiply(velocity, self.momentum, out=scratch)
+            scratch -= g
+            w += scratch
+        else:
+            w += velocity
 
 
 class Adam(Optimizer):
@@ -233,6 +333,7 @@ class Adam(Optimizer):
 
     With ``t = step + 1``: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
     ``w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)``.
+    ``shard_state=True`` keeps on each rank only its 1/R part of ``m`` and ``v``.
     """
 
     slot_names = ("m", "v")
@@ -244,22 +345,41 @@ class Adam(Optimizer):
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
         name: str = "Adam",
+        *,
+        shard_state: bool = False,
     ):
-        super().__init__(learning_rate, name)
+        super().__init__(learning_rate, name, shard_state=shard_state)
         for what, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= beta < 1.0:
                 raise InvalidArgumentError(f"{name}: {what} must be in [0, 1); got {beta!r}")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
-    def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int, scratch: Any) -> None:
         m, v = slots
         t = step + 1
         b1, b2 = self.beta_1, self.beta_2
         lr_t = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-        with m._writable() as m_t:
-            m_t += (grad - m_t) * (1.0 - b1)
-        with v._writable() as v_t:
-            v_t += (grad * grad - v_t) * (1.0 - b2)
-        xp = packing.array_module(v_t)
-        with var._writable() as w:
-            w -= lr_t * m_t / (xp.sqrt(v_t) + self.epsilon)
+        xp = packing.array_module(w)
+        xp.subtract(g, m, out=scratch)  # m += (g - m) * (1 - b1)
+        scratch *= 1.0 - b1
+        m += scratch
+        xp.multiply(g, g, out=g)  # v += (g * g - v) * (1 - b2)
+        g -= v
+        g *= 1.0 - b2
+        v += g
+        xp.sqrt(v, out=g)  # w -= lr_t * m / (sqrt(v) + epsilon)
+        g += self.epsilon
+        xp.multiply(m, lr_t, out=scratch)
+        scratch /= g
+        w -= scratch
+
+
+def _creation_order(var: Variable) -> int:
+    """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
+    return int(getattr(var, "_synced_key", 0))
+
+
+_SAME_BUILD = (
+    "Every rank must build the optimizer with the same shard_state and for the same variables: "
+    "create the optimizer the same way on every rank and pass every rank the same variables."
+)

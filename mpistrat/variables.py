@@ -21,7 +21,7 @@ import enum
 import operator
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
+
+if TYPE_CHECKING:
+    from mpistrat.flat_storage import FlatBuffer
 
 __all__ = [
     "Variable",
@@ -92,6 +95,7 @@ class Variable(HasLocalCopy):
 
     _owner: DistributedVariable | None = None  # the distributed variable this copy belongs to
     _distribute_strategy: Any = None
+    _storage: FlatBuffer | None = None  # the optimizer's flat array this copy is a slice of, if any
     colocated_with: Any = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
@@ -193,10 +197,11 @@ class Variable(HasLocalCopy):
         return self
 
     def _write(self, how: str, value: Any) -> None:
-        new, old = self._coerce(value, how), self._value
-        if sys.getrefcount(old) > _PRIVATE:  # someone holds the current value: leave it as it is
-            self._set(_combine(how, old, new.copy() if how == "assign" else new))
+        new = self._coerce(value, how)
+        if not self._private():  # someone holds the current value: leave it as it is
+            self._set(_combine(how, self._value, new.copy() if how == "assign" else new))
             return
+        old = self._value
         # Nobody else holds it (not a value() read earlier, nor a view of it): write in place, as
         # tf does, instead of allocating (and page-faulting) a new array at every optimizer step.
         xp = packing.array_module(old)
@@ -205,6 +210,12 @@ class Variable(HasLocalCopy):
         else:
             (xp.add if how == "assign_add" else xp.subtract)(old, new, out=old)
         self._set(old)
+
+    def _private(self) -> bool:
+        """Whether nothing outside holds this copy's array (a ``value()`` read, a view of it)."""
+        if self._storage is not None:
+            return self._storage.private(self)
+        return sys.getrefcount(self._value) <= _PRIVATE
 
     def _writable(self) -> _Writable:
         """A context giving this variable's array to update in place (the optimizers' arithmetic).
@@ -595,7 +606,7 @@ class _Writable:
 
     def __enter__(self) -> Any:
         var = self.var
-        if sys.getrefcount(var._value) > _PRIVATE - 1:  # held elsewhere: write into a copy
+        if not var._private():  # held elsewhere: write into a copy
             var._value = var._value.copy()
         return var._value
 
@@ -604,14 +615,13 @@ class _Writable:
 
 
 class _Probe:
-    """Counts the references a variable's value has in ``Variable._write`` when nothing else holds it."""
+    """Counts the references a variable's value has in ``Variable._private`` when nothing else holds it."""
 
     def __init__(self) -> None:
         self._value = np.empty(1)
 
     def count(self) -> int:
-        old = self._value
-        return sys.getrefcount(old)
+        return sys.getrefcount(self._value)
 
 
 _PRIVATE = _Probe().count()

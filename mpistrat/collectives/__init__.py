@@ -7,6 +7,7 @@
 ``all_gather.py``   concatenate along an axis, uneven sizes, ``Allgatherv``
 ``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
 ``objects.py``      pickled transfers to and from rank 0, and :func:`on_root`
+``in_place.py``     one flat buffer in place, after the caller's own handshake
 ==================  ==========================================================
 
 A new collective is a function ``name(self: Collectives, ..., *, kind=...)`` in a file
@@ -26,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config, flight, stragglers, timeline, watchdog
-from mpistrat.collectives import all_gather, all_reduce, broadcast, caches, handshake, objects
+from mpistrat.collectives import all_gather, all_reduce, broadcast, caches, handshake, in_place, objects
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
@@ -94,3 +95,6 @@ class Collectives:
     broadcast_from_root = objects.broadcast_from_root
     scatter_from_root = objects.scatter_from_root
     on_root = objects.on_root
+    all_reduce_in_place = in_place.all_reduce_in_place
+    reduce_scatter_block = in_place.reduce_scatter_block
+    all_gather_in_place = in_place.all_gather_in_place
