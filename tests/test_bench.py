@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.tools import bench, bench_report
+import mpistrat
+from mpistrat.tools import bench, bench_ops, bench_report
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 from tests.launch import launcher_options
@@ -119,6 +120,8 @@ def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
         csv_lines = (tmp_path / "run.csv").read_text().splitlines()
         if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
             problems.append(f"csv: {csv_lines[:2]}")
+        if data["meta"]["shard"] is not False or data["meta"]["options"]["shard"] is not False:
+            problems.append(f"shard recorded as {data['meta']['shard']}")
     elif printed:
         problems.append(f"rank {rank} printed {printed[:80]!r}")
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
@@ -156,6 +159,78 @@ def test_optimizer_step_checks_weights_after_however_many_steps(group, op, dtype
         if check(k - 1) or check(k + 1):  # the weights after k steps are not those after k -/+ 1
             problems.append(f"{name}: the check cannot tell step {k} from its neighbours")
     all_ranks_agree(group.comm, not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("rule", ["_SGD", "_ADAM"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_flat_update_is_the_per_variable_update_over_the_whole_arrays(rule, dtype):
+    """raw2's in-place passes over flat arrays give raw's per-variable update, step after step."""
+    r = getattr(bench_ops, rule)
+    rng = np.random.default_rng(1)
+    sizes = [3, 10, 1, 7]
+    w = rng.standard_normal(sum(sizes)).astype(dtype)
+    slots = [np.zeros_like(w) for _ in range(r.slots)]
+    leaves = np.split(w.copy(), np.cumsum(sizes)[:-1])  # raw's K variables, stepped one at a time
+    leaf_slots = [[np.zeros_like(leaf) for _ in range(r.slots)] for leaf in leaves]
+    for step in range(5):
+        g = rng.standard_normal(w.size).astype(dtype)
+        parts = np.split(g, np.cumsum(sizes)[:-1])
+        for leaf, part, slot in zip(leaves, parts, leaf_slots, strict=True):
+            r.update(step, leaf, part, slot)
+        r.flat(step, w, g.copy(), slots)
+        tol = 50 * np.finfo(dtype).eps
+        np.testing.assert_allclose(w, np.concatenate(leaves), rtol=tol, atol=tol)
+        for i in range(r.slots):
+            np.testing.assert_allclose(
+                slots[i], np.concatenate([s[i] for s in leaf_slots]), rtol=tol, atol=tol
+            )
+
+
+@pytest.mark.parametrize("op", OPTIMIZER_OPS)
+def test_optimizer_ops_time_the_flat_step_as_raw2(group, op):
+    """raw2, the weights and each slot one flat array, is a third side checked like the others."""
+    setup = Setup(group.strategy, group.comm, np.dtype("float32"), 4000, 7, 1, "weak")
+    case = OPS[op].build(setup)
+    assert OPS[op].raw2 and list(case.variants) == ["mpistrat", "raw", "raw2"]  # the same on every rank
+    fn, check = case.variants["raw2"]
+    problems = []
+    for _ in range(5):
+        k = fn()
+        if not check(k) or check(k + 1):
+            problems.append(f"raw2: check after step {k}")
+    all_ranks_agree(group.comm, not problems, "; ".join(problems))
+
+
+def test_shard_builds_the_optimizers_with_shard_state_and_is_recorded(tmp_path, capsys, monkeypatch):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    made: list[dict] = []
+    for name in ("SGD", "Adam"):
+        real = getattr(mpistrat.optimizers, name)
+
+        def spy(*args, real=real, **kwargs):
+            made.append(dict(kwargs))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mpistrat.optimizers, name, spy)
+    out, csv_out = tmp_path / "run.json", tmp_path / "run.csv"
+    ops = [*OPTIMIZER_OPS, "all_reduce"]
+    args = ["--ops", ",".join(ops), "--min", "512", "--shard", "--no-progress"]
+    code = bench.main([*SMALL, *args, "--json", str(out), "--csv", str(csv_out)])
+    printed = capsys.readouterr().out
+    problems = [f"exit code {code}"] if code else []
+    if not made or any(kw.get("shard_state") is not True for kw in made):
+        problems.append(f"optimizers made with {made}")
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, ops, 1024)
+        if data["meta"]["shard"] is not True or data["meta"]["options"]["shard"] is not True:
+            problems.append(f"meta {data['meta']}")
+        if "optimizer state sharded" not in printed.splitlines()[0]:
+            problems.append(f"table header {printed.splitlines()[:1]}")
+        header, *rows = [line.split(",") for line in csv_out.read_text().splitlines()]
+        if len(rows) != len(data["results"]) or any(row[header.index("shard")] != "True" for row in rows):
+            problems.append(f"csv {header} {rows[:1]}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
 def test_optimizer_steps_through_the_cli_without_warm_up(tmp_path):

@@ -105,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
         help="train_step: batch is global (strong) or per rank (weak)",
     )
     p.add_argument("--batch", type=int, default=256, help="train_step batch size (default 256)")
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="apply_gradients ops: the mpistrat optimizer shards its state (shard_state=True)",
+    )
     p.add_argument("--label", default=None, help="name of this run in tables and plots")
     p.add_argument("--json", metavar="PATH", help="write results and metadata as JSON")
     p.add_argument("--csv", metavar="PATH", help="write results as CSV (metadata in # comment lines)")
@@ -218,6 +223,7 @@ def _metadata(
         "nodes": len(set(hosts)),
         "hosts": sorted(set(hosts)),
         "scaling": args.scaling,
+        "shard": args.shard,
         "check": check_enabled(strategy.extended.collectives),
         "mpistrat": mpistrat.__version__,
         "mpi4py": mpi4py.__version__,
@@ -275,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     seen: set[tuple[str, int]] = set()
     for op_name, nbytes in tasks:
         bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
-        setup = Setup(strategy, comm, np.dtype(args.dtype), nbytes, args.leaves, args.batch, args.scaling)
+        setup = Setup(
+            strategy, comm, np.dtype(args.dtype), nbytes, args.leaves, args.batch, args.scaling, args.shard
+        )
         # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
         case, timed = _run_case(strategy, op_name, setup, args, seen)
         bar.update(1)

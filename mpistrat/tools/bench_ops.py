@@ -52,6 +52,7 @@ class Setup:
     leaves: int
     batch: int
     scaling: str
+    shard: bool = False  # the optimizer ops: build the mpistrat optimizer with shard_state=True
 
     @property
     def rank(self) -> int:
@@ -370,10 +371,13 @@ def _train_step(s: Setup) -> Case:
 class _Rule:
     """An optimizer, its update written out by hand, and its closed form on a constant gradient."""
 
-    make: Callable[[], mpistrat.optimizers.Optimizer]
+    make: Callable[[bool], mpistrat.optimizers.Optimizer]  # make(shard): shard_state=True when shard
     slots: int
     # update(step, w, g, slots): one step on one leaf, in place; step counts from 0 as in _apply_dense
     update: Callable[[int, np.ndarray, np.ndarray, list[np.ndarray]], None]
+    # flat(step, w, g, slots): the same step on flat arrays holding every leaf, in place and
+    # without temporaries: g is the step's own buffer, which it overwrites
+    flat: Callable[[int, np.ndarray, np.ndarray, list[np.ndarray]], None]
     # drift(k, g): w_k - w_0 after k steps from zero slots, gradient g every step (float64, elementwise)
     drift: Callable[[int, np.ndarray], np.ndarray]
 
@@ -386,6 +390,14 @@ def _sgd_update(step: int, w: np.ndarray, g: np.ndarray, slots: list[np.ndarray]
     (velocity,) = slots
     velocity *= _MOMENTUM  # velocity = momentum * velocity - lr * g
     velocity -= _LR * g
+    w += velocity
+
+
+def _sgd_flat(step: int, w: np.ndarray, g: np.ndarray, slots: list[np.ndarray]) -> None:
+    (velocity,) = slots
+    velocity *= _MOMENTUM
+    g *= _LR
+    velocity -= g
     w += velocity
 
 
@@ -404,6 +416,24 @@ def _adam_update(step: int, w: np.ndarray, g: np.ndarray, slots: list[np.ndarray
     w -= lr_t * m / (np.sqrt(v) + _EPS)
 
 
+def _adam_flat(step: int, w: np.ndarray, g: np.ndarray, slots: list[np.ndarray]) -> None:
+    m, v = slots
+    t = step + 1
+    lr_t = _LR * math.sqrt(1.0 - _B2**t) / (1.0 - _B1**t)
+    m -= g  # m += (g - m)(1 - b1), as m = g + b1 (m - g)
+    m *= _B1
+    m += g
+    np.square(g, out=g)  # g no longer needed: g^2 in its place, then v = g^2 + b2 (v - g^2)
+    v -= g
+    v *= _B2
+    v += g
+    np.sqrt(v, out=g)  # w -= lr_t m / (sqrt(v) + eps)
+    g += _EPS
+    np.divide(m, g, out=g)
+    g *= lr_t
+    w -= g
+
+
 def _adam_drift(k: int, g: np.ndarray) -> np.ndarray:
     # a constant g gives m_t = g (1 - b1^t) and v_t = g^2 (1 - b2^t), so the bias corrections cancel
     # but for epsilon: step t moves w by -lr s_t g / (|g| s_t + eps), s_t = sqrt(1 - b2^t)
@@ -412,12 +442,19 @@ def _adam_drift(k: int, g: np.ndarray) -> np.ndarray:
 
 
 _SGD = _Rule(
-    lambda: mpistrat.optimizers.SGD(learning_rate=_LR, momentum=_MOMENTUM), 1, _sgd_update, _sgd_drift
+    lambda shard: mpistrat.optimizers.SGD(learning_rate=_LR, momentum=_MOMENTUM, shard_state=shard),
+    1,
+    _sgd_update,
+    _sgd_flat,
+    _sgd_drift,
 )
 _ADAM = _Rule(
-    lambda: mpistrat.optimizers.Adam(learning_rate=_LR, beta_1=_B1, beta_2=_B2, epsilon=_EPS),
+    lambda shard: mpistrat.optimizers.Adam(
+        learning_rate=_LR, beta_1=_B1, beta_2=_B2, epsilon=_EPS, shard_state=shard
+    ),
     2,
     _adam_update,
+    _adam_flat,
     _adam_drift,
 )
 
@@ -431,6 +468,8 @@ def _apply_gradients(s: Setup, rule: _Rule) -> Case:
     weights (and, for mpistrat, ``iterations``) with the closed form at that count, so
     the harness may call a side any number of times. One untimed step per side at
     build time creates the optimizer's slots, which a timed step must not pay for.
+    ``raw`` updates each variable in turn, as Horovod does; ``raw2`` keeps the weights
+    and each slot in one flat array and updates them all in a few vectorised passes.
     """
     dtype = s.dtype if s.dtype.kind == "f" and s.dtype.itemsize >= 4 else np.dtype(np.float32)
     count = max(s.leaves, s.nbytes // dtype.itemsize)
@@ -458,8 +497,8 @@ def _apply_gradients(s: Setup, rule: _Rule) -> Case:
     strategy, comm = s.strategy, s.comm
     with strategy.scope():
         variables = [mpistrat.Variable(initial[a:b], name=f"layer{i:03d}") for i, (a, b) in enumerate(spans)]
-        opt = rule.make()
-    steps = {"mpistrat": 0, "raw": 0}
+        opt = rule.make(s.shard)
+    steps = {"mpistrat": 0, "raw": 0, "raw2": 0}
 
     def step() -> int:
         strategy.run(lambda: opt.apply_gradients(zip(grads, variables, strict=True)))
@@ -484,12 +523,30 @@ def _apply_gradients(s: Setup, rule: _Rule) -> Case:
         steps["raw"] += 1
         return steps["raw"]
 
-    step(), raw()
+    # The flat step a user would write: the weights and each slot one array for all K variables
+    # (a variable's weights are a view of it), the same fused Allreduce, then whole-array passes.
+    params = initial.copy()
+    views = [params[a:b] for a, b in spans]
+    flat_slots = [np.zeros(count, dtype) for _ in range(rule.slots)]
+    flat_grads = np.empty(count, dtype)
+
+    def raw_flat() -> int:
+        np.concatenate(grads, out=flat_grads)
+        comm.Allreduce(MPI.IN_PLACE, flat_grads, op=MPI.SUM)
+        rule.flat(steps["raw2"], params, flat_grads, flat_slots)
+        steps["raw2"] += 1
+        return steps["raw2"]
+
+    step(), raw(), raw_flat()
     return Case(
         count * dtype.itemsize,
         count,
         s.leaves,
-        {"mpistrat": (step, check), "raw": (raw, lambda k: weights_at(k, weights))},
+        {
+            "mpistrat": (step, check),
+            "raw": (raw, lambda k: weights_at(k, weights)),
+            "raw2": (raw_flat, lambda k: weights_at(k, views)),
+        },
     )
 
 
@@ -571,8 +628,8 @@ OPS: dict[str, Op] = {
         Op(
             "apply_gradients_sgd",
             "SGD(momentum=0.9).apply_gradients, K variables",
-            "concatenate + Allreduce + SGD update by hand",
-            None,
+            "concatenate + Allreduce + SGD update by hand, per variable",
+            "flat params/slots + Allreduce + one vectorised update",
             "none",
             _allreduce_factor,
             lambda s: _apply_gradients(s, _SGD),
@@ -580,8 +637,8 @@ OPS: dict[str, Op] = {
         Op(
             "apply_gradients_adam",
             "Adam().apply_gradients, K variables",
-            "concatenate + Allreduce + Adam update by hand",
-            None,
+            "concatenate + Allreduce + Adam update by hand, per variable",
+            "flat params/slots + Allreduce + one vectorised update",
             "none",
             _allreduce_factor,
             lambda s: _apply_gradients(s, _ADAM),

@@ -28,6 +28,7 @@ CSV_META = (
     "ranks",
     "nodes",
     "scaling",
+    "shard",
     "check",
     "mpistrat",
     "mpi4py",
@@ -63,9 +64,10 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     from mpistrat.tools.bench_ops import OPS
 
     hosts = ", ".join(meta["hosts"][:4]) + (", ..." if len(meta["hosts"]) > 4 else "")
+    sharded = ", optimizer state sharded" if meta.get("shard") else ""  # absent from older files
     lines = [
         f"# mpistrat bench: {meta['ranks']} ranks on {meta['nodes']} node(s) ({hosts}), "
-        f"check {'on' if meta['check'] else 'off'}, {meta['date']}",
+        f"check {'on' if meta['check'] else 'off'}{sharded}, {meta['date']}",
         f"# {meta['mpi_library'][:100]}",
         "# time: mean per iteration on each rank, in us, avg over ranks (min..max); "
         "algbw/busbw in GB/s (nccl-tests); ratio = mpistrat / raw",
