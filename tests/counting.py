@@ -122,8 +122,15 @@ class CountingComm(MPI.Intracomm):
         return super().Iallreduce(sendbuf, recvbuf, op)
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
-        _note("Allgather", _nbytes(sendbuf), _nbytes(recvbuf))
+        received = _nbytes(recvbuf)
+        # in place, this rank's block of the receive buffer is what it hands to MPI
+        sent = received // self.Get_size() if sendbuf is MPI.IN_PLACE else _nbytes(sendbuf)
+        _note("Allgather", sent, received)
         return super().Allgather(sendbuf, recvbuf)
+
+    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> None:
+        _note("Reduce_scatter_block", _nbytes(sendbuf), _nbytes(recvbuf))
+        return super().Reduce_scatter_block(sendbuf, recvbuf, op)
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
         _note("Allgatherv", _nbytes(sendbuf), _nbytes(recvbuf))
@@ -193,6 +200,25 @@ class CountingComm(MPI.Intracomm):
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         _note("send", _pickled(obj), 0)
         return super().send(obj, dest, tag)
+
+
+def ring_bytes(call: Call, size: int) -> float:
+    """Bytes a bandwidth-optimal (ring) algorithm sends from this rank for ``call``, among ``size`` ranks.
+
+    An all-reduce of n bytes sends 2n(R-1)/R; a reduce-scatter of n bytes, or an all-gather
+    into n bytes, sends n(R-1)/R each: together, what the all-reduce sends.
+
+    >>> ring_bytes(Call("Allreduce", 100, 100), 4), ring_bytes(Call("Reduce_scatter_block", 100, 25), 4)
+    (150.0, 75.0)
+    """
+    share = (size - 1) / size
+    if call.name == "Allreduce":
+        return 2 * call.received * share
+    if call.name == "Reduce_scatter_block":
+        return call.sent * share
+    if call.name == "Allgather":
+        return call.received * share
+    raise ValueError(f"no ring model for {call.name}")
 
 
 def nbytes(*arrays: Any) -> int:

@@ -7,6 +7,8 @@ component per rank, ...); anything that grew with the number of ranks would fail
 3 or 4 ranks. The values are checked against serial NumPy at the same time.
 """
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ import mpistrat
 from mpistrat import CommunicationOptions, PerReplica
 from mpistrat.optimizers import SGD, Adam
 from tests.conftest import WORLD, all_ranks_agree
-from tests.counting import CountingComm, Ledger
+from tests.counting import CountingComm, Ledger, ring_bytes
 
 HANDSHAKE = 104  # bytes of one handshake: thirteen int64 in one Allreduce(MAX)
 SHAPES = [(64, 32), (32,), (32, 16), (16,), (128,), (8, 8, 4), (1,), (40, 20)] * 2  # 16 leaves
@@ -90,7 +92,7 @@ def test_optimizer_step_is_one_allreduce_of_the_gradients(name, bytes_per_pack):
         strategy.run(step)
     strategy.experimental_finalize()
 
-    packs = 1 if not bytes_per_pack else len(_packs([g.nbytes for g in grads], bytes_per_pack))
+    packs = 1 if not bytes_per_pack else -(-GRAD_BYTES // bytes_per_pack)  # the flat buffer cut in packs
     payload = ledger.only("Allreduce")
     ok = (
         ledger.names() == ["Allreduce"] * len(ledger.log)  # nothing but all-reduces: no Bcast, no gather
@@ -107,14 +109,98 @@ def test_optimizer_step_is_one_allreduce_of_the_gradients(name, bytes_per_pack):
     all_ranks_agree(WORLD, all(s == same[0] for s in same), "the copies differ between ranks")
 
 
-def _packs(sizes, limit):
-    packs, current = [], 0
-    for n in sizes:
-        if current and current + n > limit:
-            packs.append(current)
-            current = 0
-        current += n
-    return [*packs, current]
+def _optimizer_step(name, bytes_per_pack, shard):
+    """A strategy on a counting communicator, its variables, optimizer and one step's closure."""
+    strategy = _strategy(communication_options=CommunicationOptions(bytes_per_pack=bytes_per_pack))
+    rank = strategy.extended.rank
+    with strategy.scope():
+        ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(SHAPES)]
+        opt = (
+            SGD(0.1, momentum=0.9, shard_state=shard) if name == "momentum" else Adam(0.1, shard_state=shard)
+        )
+    grads = _grads(rank)
+    return strategy, ws, opt, lambda: opt.apply_gradients(zip(grads, ws, strict=True))
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("bytes_per_pack", [0, 8 << 10])
+def test_sharded_step_moves_what_the_all_reduce_moves(name, bytes_per_pack):
+    """Sharded state: per pack one reduce-scatter of the gradients and one all-gather of the weights;
+    each rank hands MPI the pack and gets back its 1/R (and the reverse), which a ring moves in the
+    bytes of one all-reduce. The weights match the serial reference and the unsharded step's."""
+    strategy, ws, _, step = _optimizer_step(name, bytes_per_pack, shard=True)
+    rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
+    strategy.run(step)
+    with Ledger.recording() as ledger:
+        strategy.run(step)
+    plain_strategy, plain_ws, _, plain_step = _optimizer_step(name, bytes_per_pack, shard=False)
+    plain_strategy.run(plain_step)
+    with Ledger.recording() as plain:
+        plain_strategy.run(plain_step)
+    strategy.experimental_finalize()
+    plain_strategy.experimental_finalize()
+
+    count = GRAD_BYTES // 4
+    pack = count if not bytes_per_pack else bytes_per_pack // 4  # elements
+    per_rank = -(-pack // size)  # each rank's block of a pack, the pack padded to R blocks
+    packs = -(-count // (per_rank * size))
+    padded = packs * per_rank * size * 4  # bytes
+    if size == 1:  # nothing to shard: the unsharded step
+        ok = ledger.names() == plain.names() and ledger.sent == plain.sent
+    else:
+        scatter, gather = ledger.only("Reduce_scatter_block"), ledger.only("Allgather")
+        ok = (
+            ledger.names() == ["Allreduce"] + ["Reduce_scatter_block", "Allgather"] * packs
+            and ledger.only("Allreduce").sent == HANDSHAKE
+            and (scatter.sent, scatter.received) == (padded, padded // size)
+            and (gather.sent, gather.received) == (padded // size, padded)
+        )
+        ring = sum(ring_bytes(c, size) for c in ledger.log)
+        ideal = sum(ring_bytes(c, size) for c in plain.log)
+        ok = ok and ideal <= ring <= 1.10 * ideal
+    all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log} against {plain.log}")
+    _every_rank_the_same((ledger.calls, ledger.sent, ledger.received))
+    want = _reference(name, size, steps=2)
+    close = all(np.allclose(w.numpy(), r, rtol=1e-5, atol=1e-6) for w, r in zip(ws, want, strict=True))
+    same = all(
+        np.allclose(w.numpy(), p.numpy(), rtol=1e-6, atol=1e-7) for w, p in zip(ws, plain_ws, strict=True)
+    )
+    all_ranks_agree(WORLD, close and same, f"rank {rank}: the weights differ from the reference or unsharded")
+    copies = WORLD.allgather([w.numpy().tobytes() for w in ws])
+    all_ranks_agree(WORLD, all(c == copies[0] for c in copies), "the copies differ between ranks")
+
+
+@pytest.mark.parametrize("name,slots", [("momentum", 1), ("adam", 2)])
+@pytest.mark.parametrize("shard", [False, True])
+def test_optimizer_state_per_rank_is_slots_over_r_plus_one_pack(name, slots, shard):
+    """Memory NumPy allocates for the optimizer (tracemalloc, from before its slots exist to after a
+    step): the slots of 1/R of the parameters sharded (all of them unsharded), one pack of gradient
+    staging and a block or two of scratch; the variables move into flat storage at no cost."""
+    strategy = _strategy()
+    size = strategy.num_replicas_in_sync
+    shapes = [(256, 256), (1000,), (64, 64, 8)]  # float32: 256 KiB + 4 KB + 128 KiB
+    count = sum(int(np.prod(s)) for s in shapes)
+    tracemalloc.start()  # before the variables: their arrays' release counts when they move
+    try:
+        with strategy.scope():
+            ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(shapes)]
+            momentum = SGD(0.1, momentum=0.9, shard_state=shard)
+            opt = momentum if name == "momentum" else Adam(0.1, shard_state=shard)
+        grads = [np.full(s, 0.5, np.float32) for s in shapes]
+        strategy.extended.collectives.caches.clear()
+        before = tracemalloc.get_traced_memory()[0]
+        strategy.run(lambda: opt.apply_gradients(zip(grads, ws, strict=True)))
+        strategy.extended.collectives.caches.clear()  # the strategy's pool of spare receive buffers
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    strategy.experimental_finalize()
+    per_rank = -(-count // size) if shard and size > 1 else count  # elements whose slots this rank holds
+    staging = per_rank * size if shard and size > 1 else count  # one pack of gradients (padded)
+    scratch = per_rank * (2 if shard and size > 1 else 1)  # the reduced block and the update's scratch
+    ideal = 4 * (slots * per_rank + staging + scratch)
+    ok = ideal <= held <= ideal + (64 << 10)  # Python objects: a few KiB, whatever R
+    all_ranks_agree(WORLD, ok, f"{size} ranks, shard={shard}: held {held} bytes, ideal {ideal}")
 
 
 @pytest.mark.parametrize("nbytes", [1 << 10, 1 << 18])  # inside the pickled message, and a raw transfer
