@@ -112,9 +112,9 @@ class Checkpoint:
 
     # -- what is saved --------------------------------------------------------------------
 
-    def _entries(self) -> dict[str, Variable]:
-        """Every entry, in name order (the same on every rank)."""
-        entries = dict(self._variables)
+    def _entries(self) -> dict[str, Any]:
+        """Every entry (a variable, or a sharded optimizer's slot), in name order (the same on every rank)."""
+        entries: dict[str, Any] = dict(self._variables)
         names = {id(v): n for n, v in self._variables.items()}
         for opt_name, opt in self._optimizers.items():
             entries[f"{opt_name}/iterations"] = opt.iterations
@@ -186,7 +186,12 @@ class Checkpoint:
     def _write_file(
         self, path: str, method: str, counter: int, after: Callable[[], None] | None = None
     ) -> str:
-        """Rank 0 writes every entry to ``path`` atomically, then runs ``after`` (the index's update)."""
+        """Rank 0 writes every entry to ``path`` atomically, then runs ``after`` (the index's update).
+
+        Entries travel one at a time: a sharded slot is assembled from its parts (one
+        all-gather of that variable), written, and dropped before the next, so no rank ever
+        holds more than one variable beyond its own state.
+        """
         strategy = self._strategy(method)
         collectives = strategy.extended.collectives
         entries = self._entries()
@@ -194,18 +199,17 @@ class Checkpoint:
         collectives.agree(
             "checkpoint.save", fingerprint=code(repr(described)), describe=lambda: {"leaves": described}
         )
-        arrays = {n: _to_numpy(v.value()) for n, v in entries.items()}  # sync-on-read values aggregate here
-        arrays[SAVE_COUNTER] = np.array(counter, np.int64)
-        meta = {"format": _FORMAT, "num_replicas": strategy.num_replicas_in_sync}
-        arrays[_META] = np.array(json.dumps(meta))
-
-        def write() -> None:
-            _remove_stale_temporaries(os.path.dirname(path) or ".")
-            _write_atomic(path, arrays)
-            if after is not None:
-                after()
-
-        collectives.on_root(write, kind=f"checkpoint.{method} (write)")
+        archive = _Archive(path) if collectives.rank == 0 else None
+        for name, var in entries.items():
+            value = var.value()  # collective for sync-on-read variables (aggregated) and sharded slots
+            if archive is not None:
+                archive.add(name, _to_numpy(value))
+            del value
+        if archive is not None:
+            archive.add(SAVE_COUNTER, np.array(counter, np.int64))
+            meta = {"format": _FORMAT, "num_replicas": strategy.num_replicas_in_sync}
+            archive.add(_META, np.array(json.dumps(meta)))
+        collectives.on_root(lambda: _commit(archive, after), kind=f"checkpoint.{method} (write)")
         return path
 
     def restore(self, save_path: str | os.PathLike[str] | None) -> CheckpointLoadStatus:
@@ -237,23 +241,34 @@ class Checkpoint:
         return self._load(os.fspath(save_path), "read", strategy)
 
     def _load(self, path: str, method: str, strategy: Any) -> CheckpointLoadStatus:
+        """Rank 0 checks the file and reads what it holds; then each entry travels alone (one
+        broadcast), so no rank holds more than one variable beyond its own state."""
         collectives = strategy.extended.collectives
-        body = collectives.on_root(lambda: _read(path), kind=f"checkpoint.{method} (read)")
-        if _META not in body:
+        index, counter = collectives.on_root(lambda: _read_index(path), kind=f"checkpoint.{method} (read)")
+        if index is None:
             raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
-        body.pop(_META)
-        counter = body.pop(SAVE_COUNTER, None)  # absent from files of older versions
-        self._build_slots(sorted(body))
+        self._build_slots(sorted(index))
         entries = self._entries()
-        _check_shapes(f"Checkpoint.{method}({path!r})", entries, body)
-        with strategy.extended.writes_in_sync():  # every rank assigns rank 0's broadcast values
-            for name, var in entries.items():
-                if name in body:
-                    var.assign(body[name])
+        _check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
+        reader = _Reader(path) if collectives.rank == 0 else None
+        try:
+            with strategy.extended.writes_in_sync():  # every rank assigns rank 0's broadcast values
+                for name, var in entries.items():
+                    if name in index:
+                        dtype, shape = index[name]
+                        value, error = np.empty(shape, dtype), None
+                        if reader is not None:
+                            value, error = reader.get(name, value)
+                        var.assign(
+                            collectives.broadcast(value, kind=f"checkpoint.{method} ({name})", error=error)
+                        )
+        finally:
+            if reader is not None:
+                reader.close()
         if counter is not None:
             self._save_counter.assign(np.int64(counter))
-        missing = [n for n in entries if n not in body]
-        return CheckpointLoadStatus(path, missing, [n for n in body if n not in entries])
+        missing = [n for n in entries if n not in index]
+        return CheckpointLoadStatus(path, missing, [n for n in index if n not in entries])
 
 
 class CheckpointLoadStatus:
@@ -308,11 +323,13 @@ def _warn_unused(path: str | None, unused: list[str], silenced: list[bool]) -> N
         )
 
 
-def _check_shapes(what: str, entries: dict[str, Variable], data: dict[str, np.ndarray]) -> None:
+def _check_shapes(
+    what: str, entries: dict[str, Any], index: dict[str, tuple[np.dtype, tuple[int, ...]]]
+) -> None:
     mismatched = [
-        f"{n} (checkpoint: {data[n].dtype}{list(data[n].shape)}, here: {v.dtype}{list(v.shape)})"
+        f"{n} (checkpoint: {index[n][0]}{list(index[n][1])}, here: {v.dtype}{list(v.shape)})"
         for n, v in entries.items()
-        if n in data and (data[n].shape != v.shape or data[n].dtype != v.dtype)
+        if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)
     ]
     if mismatched:
         raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}")
@@ -340,32 +357,87 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     return collectives.on_root(lambda: _find_latest(os.fspath(directory)), kind="checkpoint.latest (read)")
 
 
-def _write_atomic(path: str, content: dict[str, np.ndarray] | str) -> None:
-    """Write to a temporary file in the same directory, fsync it, rename it over ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}-{_host()}"
+def _write_atomic(path: str, content: str) -> None:
+    """Write ``content`` to a temporary file in the same directory, fsync it, rename it over ``path``."""
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
-            if isinstance(content, str):
-                f.write(content.encode())
-            else:
-                arrays: dict[str, Any] = content  # numpy's stub reads **kwargs as allow_pickle
-                np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        _before_rename(tmp, path)
-        os.replace(tmp, path)
+            f.write(content.encode())
+        _replace_durably(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        fd = os.open(directory, os.O_RDONLY)
+
+
+def _temporary(path: str) -> str:
+    """The temporary file a write of ``path`` goes to (its directory made if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return f"{path}.tmp{os.getpid()}-{_host()}"
+
+
+def _replace_durably(tmp: str, path: str) -> None:
+    """fsync the finished ``tmp``, rename it over ``path`` and make the rename itself durable."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    _before_rename(tmp, path)
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class _Archive:
+    """Rank 0's checkpoint file in the making: ``.npz`` members (as ``np.savez`` writes them, no
+    pickles) added one at a time to a temporary file. The first error is kept, not raised: the
+    other ranks are in the same loop of collectives, and :func:`_commit` raises it on every rank."""
+
+    def __init__(self, path: str):
+        self.path, self.error = path, None
+        self.tmp = ""
+        self.zip: zipfile.ZipFile | None = None
+        try:
+            _remove_stale_temporaries(os.path.dirname(path) or ".")
+            self.tmp = _temporary(path)
+            self.zip = zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
+        except BaseException as exc:
+            self.error = exc
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self.error is not None or self.zip is None:
+            return
+        try:
+            with self.zip.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+        except BaseException as exc:
+            self.error = exc
+
+    def close(self) -> None:
+        if self.zip is not None:
+            zip_, self.zip = self.zip, None
+            zip_.close()
+
+
+def _commit(archive: _Archive | None, after: Callable[[], None] | None) -> None:
+    """Finish rank 0's archive and rename it into place, then run ``after``; or raise its error."""
+    assert archive is not None  # run on rank 0 alone
+    try:
+        if archive.error is not None:
+            raise archive.error
+        archive.close()
+        _replace_durably(archive.tmp, archive.path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            archive.close()
+        with contextlib.suppress(OSError):
+            if archive.tmp:
+                os.remove(archive.tmp)
+        raise
+    if after is not None:
+        after()
 
 
 # -- faults: corrupt files, unreadable indexes, abandoned temporaries ---------------------------
@@ -384,36 +456,103 @@ _CORRUPT = (
 )
 
 
-def _read(path: str) -> dict[str, np.ndarray]:
-    """Every array of the checkpoint file ``path`` (on rank 0).
+def _read_index(path: str) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...]]] | None, Any]:
+    """What the checkpoint file ``path`` holds: ``{entry: (dtype, shape)}`` and its save counter
+    (None if absent); the index is None for a file that is not an mpistrat checkpoint. On rank 0.
 
-    A missing or unopenable file raises what ``open`` raises (``FileNotFoundError``...);
-    a file that opens but cannot be decoded raises ``InvalidArgumentError`` naming it.
+    Every member's CRC is checked first (reading the file through once, in small pieces), so a
+    truncated or corrupt file raises ``InvalidArgumentError`` naming it before anything is
+    restored. A missing or unopenable file raises what ``open`` raises.
     """
     with open(path, "rb") as f:
         try:
-            with np.load(f, allow_pickle=False) as data:
-                body = {k: data[k] for k in data.files}
-            if _META in body:
-                meta = json.loads(str(body[_META]))
-                if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-                    raise ValueError(f"unknown format {meta!r}")
+            with zipfile.ZipFile(f) as archive:
+                bad = archive.testzip()
+                if bad is not None:
+                    raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
+                index: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+                for info in archive.infolist():
+                    with archive.open(info) as member:
+                        shape, dtype = _header(member)
+                    index[info.filename.removesuffix(".npy")] = (dtype, tuple(shape))
+                if _META not in index:
+                    return None, None
+                small = {k: _member(archive, k) for k in (_META, SAVE_COUNTER) if k in index}
+            meta = json.loads(str(small[_META]))
+            if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+                raise ValueError(f"unknown format {meta!r}")
         except _CORRUPT as exc:
             raise InvalidArgumentError(
                 f"Checkpoint.restore: {path} is truncated or corrupt and cannot be read "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
-    return body
+    counter = small.get(SAVE_COUNTER)
+    index.pop(_META)
+    index.pop(SAVE_COUNTER, None)
+    return index, None if counter is None else int(counter)
+
+
+def _header(member: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype an ``.npy`` member's header gives, read without its data."""
+    version = np.lib.format.read_magic(member)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    else:
+        raise ValueError(f"unsupported .npy format version {version}")
+    return shape, dtype
+
+
+def _member(archive: zipfile.ZipFile, name: str) -> np.ndarray:
+    with archive.open(f"{name}.npy") as member:
+        return np.lib.format.read_array(member, allow_pickle=False)
+
+
+class _Reader:
+    """Rank 0's open checkpoint file, read one entry at a time (after :func:`_read_index`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.archive: zipfile.ZipFile | None = None
+        self.error: InvalidArgumentError | None = None
+        try:
+            self.archive = zipfile.ZipFile(path)
+        except (OSError, *_CORRUPT) as exc:
+            self.error = self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"Checkpoint.restore: {self.path} could not be read ({type(exc).__name__}: {exc}); "
+            "was it changed while being restored?"
+        )
+
+    def get(self, name: str, placeholder: np.ndarray) -> tuple[np.ndarray, InvalidArgumentError | None]:
+        """Entry ``name``, or ``placeholder`` and the error to raise on every rank."""
+        if self.error is not None or self.archive is None:
+            return placeholder, self.error or self._failed(RuntimeError("not open"))
+        try:
+            value = _member(self.archive, name)
+        except (OSError, *_CORRUPT) as exc:
+            self.error = self._failed(exc)
+            return placeholder, self.error
+        if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
+            self.error = self._failed(ValueError(f"{name} is not what its header said"))
+            return placeholder, self.error
+        return value, None
+
+    def close(self) -> None:
+        if self.archive is not None:
+            self.archive.close()
 
 
 def _is_valid(path: str) -> bool:
     """Whether ``path`` is a complete mpistrat checkpoint file (every member's CRC checked)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            if f"{_META}.npy" not in archive.namelist() or archive.testzip() is not None:
+            if f"{_META}.npy" not in archive.namelist():
                 return False
-        _read(path)
-        return True
+        return _read_index(path)[0] is not None
     except (InvalidArgumentError, *_CORRUPT):
         return False
 

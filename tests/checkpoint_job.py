@@ -3,7 +3,8 @@
 ``python checkpoint_job.py save DIR STEPS`` trains STEPS Adam steps of the least-squares
 model of tests/test_optimizers.py and saves a checkpoint in DIR (numbered by the step);
 ``python checkpoint_job.py restore DIR STEPS OUT`` restores the latest one, trains
-STEPS more and writes what it saw (rank 0) to the JSON file OUT.
+STEPS more and writes what it saw (rank 0) to the JSON file OUT. ``--shard`` anywhere
+builds the optimizer with ``shard_state=True``; a save given OUT writes its report too.
 """
 
 import json
@@ -16,7 +17,7 @@ from mpistrat.optimizers import Adam
 from tests.test_optimizers import X, gradients
 
 
-def main(mode: str, directory: str, steps: int, out: str | None = None) -> None:
+def main(mode: str, directory: str, steps: int, out: str | None = None, shard: bool = False) -> None:
     strategy = mpistrat.MPIStrategy()
     rank, n = strategy.extended.rank, strategy.num_replicas_in_sync
     rows = np.array_split(np.arange(len(X)), n)[rank]
@@ -27,7 +28,7 @@ def main(mode: str, directory: str, steps: int, out: str | None = None) -> None:
         b = mpistrat.Variable(junk, name="b")
         seen = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="seen")
         step = mpistrat.Variable(np.int64(0), name="step")
-        opt = Adam(0.1)
+        opt = Adam(0.1, shard_state=shard)
     ckpt = mpistrat.Checkpoint(model={"w": w, "b": b}, optimizer=opt, step=step, seen=seen)
     manager = mpistrat.CheckpointManager(ckpt, directory, max_to_keep=1)
     report = {}
@@ -37,6 +38,8 @@ def main(mode: str, directory: str, steps: int, out: str | None = None) -> None:
         with strategy.scope():
             report["restored"] = {"path": path, "w": w.numpy().tolist(), "seen": float(seen.numpy())}
             report["restored"]["iterations"] = int(opt.iterations.numpy())
+            report["restored"]["b"] = float(b.numpy())
+            report["restored"]["slots"] = _slots(opt, w, b)
 
     def train_step():
         gw, gb = gradients(w.numpy(), b.numpy(), rows)
@@ -57,11 +60,22 @@ def main(mode: str, directory: str, steps: int, out: str | None = None) -> None:
             iterations=int(opt.iterations.numpy()),
             seen=float(seen.numpy()),
             ranks=n,
+            slots=_slots(opt, w, b),
         )
     if out is not None and rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)
 
 
+def _slots(opt: Adam, *variables: mpistrat.Variable) -> dict[str, list[float]]:
+    """Every slot's whole value (collective when the state is sharded)."""
+    return {
+        f"{v.name}/{n}": np.asarray(opt.get_slot(v, n).numpy()).reshape(-1).tolist()
+        for v in variables
+        for n in opt.slot_names
+    }
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
+    args = [a for a in sys.argv[1:] if a != "--shard"]
+    main(args[0], args[1], int(args[2]), *args[3:], shard="--shard" in sys.argv)
