@@ -101,6 +101,20 @@ def test_one_two_and_four_ranks_train_the_same_model(tmp_path):
 
 
 @SERIAL_ONLY
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_sharded_optimizer_state_trains_the_same_model(tmp_path, optimizer):
+    # Sharded slots at 3 ranks (uneven blocks) against the unsharded run at one rank.
+    common = ("--epochs", "3", "--optimizer", optimizer, "--checkpoint-dir", "")
+    whole = train(1, tmp_path, "whole", *common)
+    sharded = train(3, tmp_path, "sharded", *common, "--shard-state")
+    assert sharded.keys() == whole.keys()
+    for name in whole:
+        np.testing.assert_allclose(sharded[name], whole[name], rtol=1e-6, atol=1e-9, err_msg=name)
+    assert whole["accuracy"] >= 0.9
+
+
+@SERIAL_ONLY
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resuming_at_another_rank_count_continues_the_same_run(tmp_path):

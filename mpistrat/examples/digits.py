@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learning-rate", "--lr", type=float, default=None, help="default 0.005 adam, 0.1 sgd")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0.9)")
     p.add_argument(
+        "--shard-state",
+        action="store_true",
+        help="each rank holds 1/N of the optimizer's slots (ZeRO stage 1); same results",
+    )
+    p.add_argument(
         "--hidden", type=int, nargs="*", default=[64], metavar="N", help="hidden layer sizes (default: 64)"
     )
     p.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (0)")
@@ -151,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         params = [mpistrat.Variable(xp.asarray(p), name=n) for n, p in zip(names, init, strict=True)]
         optimizer: mpistrat.optimizers.Optimizer
         if args.optimizer == "adam":
-            optimizer = mpistrat.optimizers.Adam(args.learning_rate)
+            optimizer = mpistrat.optimizers.Adam(args.learning_rate, shard_state=args.shard_state)
         else:
-            optimizer = mpistrat.optimizers.SGD(args.learning_rate, momentum=args.momentum)
+            optimizer = mpistrat.optimizers.SGD(
+                args.learning_rate, momentum=args.momentum, shard_state=args.shard_state
+            )
         epoch = mpistrat.Variable(np.int64(0), trainable=False, name="epoch")
 
     checkpoint = mpistrat.Checkpoint(
