@@ -83,12 +83,18 @@ class FlatBuffer:
             member._value = view
             member._storage = self
 
-    def _held(self) -> bool:
-        """Whether something outside holds a view of the array (or of a member's slice)."""
-        refs = sys.getrefcount
-        # the array: itself, each view's base and the argument (a slice of a view is based on the
-        # array too); a view: see _VIEW_REFS.
-        return refs(self.array) > len(self.views) + 2 or any(refs(v) > _VIEW_REFS for v in self.views)
+    def _held(self, detached: list[int]) -> bool:
+        """Whether something outside holds the array, a view of it, or a member's slice.
+
+        ``detached``: members whose value is no longer their slice (their slice's view then has
+        one reference fewer). A slice of a view is based on the array, so it counts there.
+        """
+        refs, views = sys.getrefcount, self.views
+        if refs(self.array) > len(views) + 2:  # itself, each view's base, the argument
+            return True
+        if any(refs(v) > _VIEW_REFS for v in views):
+            return True
+        return any(refs(views[i]) > 2 for i in detached)  # the list and the argument
 
     def claim(self) -> Any:
         """The array, safe to write in place (see the module's docstring); its members follow it.
@@ -105,7 +111,7 @@ class FlatBuffer:
                     f"holds it as {self.dtype}{list(self.shapes[i])} since its first step. A variable "
                     "keeps its shape and dtype; make a new variable (and optimizer) instead"
                 )
-        held = self._held()
+        held = self._held(detached)
         if held or detached:
             self._bind(self.array.copy() if held else self.array)
         for i, value in moved.items():

@@ -61,8 +61,8 @@ class Layout:
     @classmethod
     def make(cls, size: int, itemsize: int, bytes_per_pack: int, ranks: int, rank: int) -> Layout:
         """``ranks`` > 1 shards; every rank computes the same packs from the same numbers."""
-        limit = min(size, max(1, bytes_per_pack // itemsize)) if bytes_per_pack else size
-        per_rank = -(-limit // ranks)
+        limit = min(size, bytes_per_pack // itemsize) if bytes_per_pack else size
+        per_rank = max(1, -(-limit // ranks))  # an empty group has no packs
         return cls(size, per_rank * ranks, per_rank, ranks, rank if ranks > 1 else 0)
 
     @property
