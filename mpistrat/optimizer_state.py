@@ -3,7 +3,7 @@
 ``build`` puts the variables it is given, per dtype, into a :class:`Group`: their values
 in one :class:`~mpistrat.flat_storage.FlatBuffer` (in creation order, the same on every
 rank), each slot in another (sharded: only this rank's part of it), a staging buffer for
-one pack of gradients and a scratch block for the update.
+one pack of gradients.
 
 A group's elements are cut into packs of at most ``bytes_per_pack`` (one pack when 0).
 Unsharded, a pack of gradients is all-reduced in place and every rank updates all of it.
@@ -38,14 +38,14 @@ if TYPE_CHECKING:
 __all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "ShardedSlot", "own_copy"]
 
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
-# parameters, gradients, slots and scratch stay in cache across the update's passes. Measured
+# parameters, gradients and slots stay in cache across the update's passes. Measured
 # (docs/performance.md): at 16M float32 parameters Adam's update takes 0.6x the time in 256K
 # blocks; at 1M, whole passes are as fast or faster.
 BLOCK = 1 << 18
 WHOLE = 1 << 20
 
-# update(w, g, slots, lr, step, scratch): one step on matching 1-D blocks, in place; may overwrite g.
-Update = Callable[[Any, Any, list[Any], float, int, Any], None]
+# update(w, g, slots, lr, step): one step on matching 1-D blocks, in place; g is theirs to overwrite.
+Update = Callable[[Any, Any, list[Any], float, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +130,12 @@ class Group:
             else:
                 self.slots[name] = FlatBuffer([own_copy(s) for s in slot_variables[name]])
         self.staging = xp.empty(layout.pack, dtype)
-        self.reduced = xp.empty(layout.per_rank, dtype) if layout.sharded else None
-        self.scratch = xp.empty(layout.per_rank if layout.per_rank <= WHOLE else BLOCK, dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes this rank holds besides the parameters: slots, staging, reduced block, scratch."""
+        """Bytes this rank holds besides the parameters: slots and the staging buffer."""
         held = [s.array if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
-        held += [self.staging, self.scratch] + ([] if self.reduced is None else [self.reduced])
+        held.append(self.staging)
         return sum(int(a.nbytes) for a in held)
 
     def slot_arrays(self, write: bool) -> list[Any]:
@@ -258,7 +256,7 @@ class FlatState:
         return tuple(map(id, variables)) in self._plans
 
     def nbytes(self) -> int:
-        """Bytes of optimizer state this rank holds (slots, staging, scratch), parameters aside."""
+        """Bytes of optimizer state this rank holds (slots, staging), parameters aside."""
         return sum(g.nbytes for g in self.groups)
 
     # -- the step -----------------------------------------------------------------------------
@@ -413,8 +411,9 @@ def _step_group(
     step: int,
     kind: str,
 ) -> None:
+    """Per pack: gradients into staging, reduced in place, this rank's part updated (and gathered)."""
     group, lay = s.group, s.group.layout
-    xp, staging, slots, scratch = group.xp, group.staging, group.slot_arrays(write=True), group.scratch
+    xp, staging, slots = group.xp, group.staging, group.slot_arrays(write=True)
     for k in range(lay.packs):
         lo, hi = lay.bounds(k)
         for run_lo, run_hi, parts in s.runs[k]:
@@ -425,26 +424,22 @@ def _step_group(
                 xp.concatenate([grads[j][a:b] for j, a, b in parts], out=staging[run_lo:run_hi])
         for a, b in s.gaps[k]:
             staging[a:b] = 0
-        if not lay.sharded:
+        if lay.sharded:
+            assert collectives is not None
+            collectives.reduce_scatter_in_place(staging, kind=kind)  # this rank's part: staging[:per_rank]
+            base = lay.owned(k)[0]  # the parameter whose summed gradient is staging[0]
+            shift = lay.slot_start(k) - base  # slot index - parameter index
+        else:
             if collectives is not None:
                 collectives.all_reduce_in_place(staging[: hi - lo], kind=kind)
-            reduced, base = staging, lo
-        else:
-            assert collectives is not None and group.reduced is not None
-            collectives.reduce_scatter_block(staging, group.reduced, kind=kind)
-            reduced, base = group.reduced, lay.owned(k)[0]
-        shift = lay.slot_start(k) - base if lay.sharded else 0  # slot index - parameter index
-        block = len(scratch)
+            base, shift = lo, 0
         for a, b in s.updates[k]:
+            block = b - a if b - a <= WHOLE else BLOCK
             for start in range(a, b, block):
                 stop = min(start + block, b)
+                grad = staging[start - base : stop - base]
                 update(
-                    params[start:stop],
-                    reduced[start - base : stop - base],
-                    [slot[start + shift : stop + shift] for slot in slots],
-                    lr,
-                    step,
-                    scratch[: stop - start],
+                    params[start:stop], grad, [slot[start + shift : stop + shift] for slot in slots], lr, step
                 )
         if lay.sharded:
             assert collectives is not None

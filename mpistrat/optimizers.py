@@ -277,9 +277,9 @@ class Optimizer:
         that updates one variable at a time implements this."""
         raise NotImplementedError
 
-    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int, scratch: Any) -> None:
-        """Update matching 1-D blocks in place: weights ``w``, summed gradient ``g`` (which may be
-        overwritten), ``slots`` in ``slot_names`` order, a ``scratch`` block of the same size.
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        """Update matching 1-D blocks in place: weights ``w`` and ``slots`` (in ``slot_names``
+        order) from the summed gradient ``g``, which is the optimizer's own to overwrite.
 
         A subclass that implements this runs on flat storage (see :mod:`mpistrat.optimizer_state`):
         every variable's block in a few vectorised passes, and ``shard_state=True`` works.
@@ -311,8 +311,8 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if momentum else ()
 
-    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int, scratch: Any) -> None:
-        # In place, as a hand-written NumPy update would be, rounding as the formulas above read.
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        # In place, as a hand-written NumPy update would be, with g as the only temporary.
         g *= lr
         if not slots:
             w -= g
@@ -320,10 +320,10 @@ class SGD(Optimizer):
         (velocity,) = slots
         velocity *= self.momentum
         velocity -= g
-        if self.nesterov:
-            packing.array_module(w).multiply(velocity, self.momentum, out=scratch)
-            scratch -= g
-            w += scratch
+        if self.nesterov:  # w += momentum * velocity - lr * g
+            w -= g
+            packing.array_module(w).multiply(velocity, self.momentum, out=g)
+            w += g
         else:
             w += velocity
 
@@ -354,24 +354,26 @@ class Adam(Optimizer):
                 raise InvalidArgumentError(f"{name}: {what} must be in [0, 1); got {beta!r}")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
-    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int, scratch: Any) -> None:
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        # In place, with g as the only temporary: 12 passes, no buffer of its own.
         m, v = slots
         t = step + 1
         b1, b2 = self.beta_1, self.beta_2
         lr_t = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
         xp = packing.array_module(w)
-        xp.subtract(g, m, out=scratch)  # m += (g - m) * (1 - b1)
-        scratch *= 1.0 - b1
-        m += scratch
-        xp.multiply(g, g, out=g)  # v += (g * g - v) * (1 - b2)
-        g -= v
-        g *= 1.0 - b2
+        # Sums of like-signed terms only: g + b1 (m - g) would lose float32 digits to cancellation.
+        m *= b1  # m = b1 m + (1 - b1) g
+        g *= 1.0 - b1
+        m += g
+        xp.square(g, out=g)  # v = b2 v + (1 - b2) g^2, from ((1 - b1) g)^2
+        g *= (1.0 - b2) / (1.0 - b1) ** 2
+        v *= b2
         v += g
-        xp.sqrt(v, out=g)  # w -= lr_t * m / (sqrt(v) + epsilon)
+        xp.sqrt(v, out=g)  # w -= lr_t m / (sqrt(v) + epsilon)
         g += self.epsilon
-        xp.multiply(m, lr_t, out=scratch)
-        scratch /= g
-        w -= scratch
+        xp.divide(m, g, out=g)
+        g *= lr_t
+        w -= g
 
 
 def _creation_order(var: Variable) -> int:

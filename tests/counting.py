@@ -129,7 +129,11 @@ class CountingComm(MPI.Intracomm):
         return super().Allgather(sendbuf, recvbuf)
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> None:
-        _note("Reduce_scatter_block", _nbytes(sendbuf), _nbytes(recvbuf))
+        if sendbuf is MPI.IN_PLACE:  # the input is the whole receive buffer, the result its first block
+            n = _nbytes(recvbuf)
+            _note("Reduce_scatter_block", n, n // self.Get_size())
+        else:
+            _note("Reduce_scatter_block", _nbytes(sendbuf), _nbytes(recvbuf))
         return super().Reduce_scatter_block(sendbuf, recvbuf, op)
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:

@@ -701,8 +701,7 @@ def test_variables_and_state_nbytes(group, kind):
         else []
     )
     # Every slot whole (unsharded) or its ceil(N/R) part (sharded), plus buffers: a pack of gradients
-    # (the whole flat size N, padded to R blocks when sharded), a scratch block and, sharded, the
-    # reduced block, each at most the part a rank updates.
+    # (the whole flat size N, padded to R blocks when sharded) and, sharded, the reduced block.
     full = sum(nslots * n * dt.itemsize for dt, n in sizes.items())
     part = sum(nslots * -(-n // R) * dt.itemsize for dt, n in sizes.items())
     full_buffers = sum(2 * n * dt.itemsize for dt, n in sizes.items())

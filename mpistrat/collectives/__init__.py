@@ -96,5 +96,5 @@ class Collectives:
     scatter_from_root = objects.scatter_from_root
     on_root = objects.on_root
     all_reduce_in_place = in_place.all_reduce_in_place
-    reduce_scatter_block = in_place.reduce_scatter_block
+    reduce_scatter_in_place = in_place.reduce_scatter_in_place
     all_gather_in_place = in_place.all_gather_in_place

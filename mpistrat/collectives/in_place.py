@@ -28,7 +28,7 @@ from mpistrat.errors import UnsupportedTypeError
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["all_gather_in_place", "all_reduce_in_place", "reduce_scatter_block"]
+__all__ = ["all_gather_in_place", "all_reduce_in_place", "reduce_scatter_in_place"]
 
 
 @watchdog.collective("all_reduce")
@@ -43,10 +43,11 @@ def all_reduce_in_place(self: Collectives, buf: Any, *, kind: str = "all_reduce"
 
 
 @watchdog.collective("reduce_scatter")
-def reduce_scatter_block(self: Collectives, send: Any, recv: Any, *, kind: str = "reduce_scatter") -> None:
-    """Sum ``send`` across ranks; rank ``r`` gets its elements ``[r*n, (r+1)*n)`` in ``recv`` (size n)."""
-    _host(send, kind)
-    self.comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+def reduce_scatter_in_place(self: Collectives, buf: Any, *, kind: str = "reduce_scatter") -> None:
+    """Sum ``buf`` (``size`` equal blocks) across ranks; rank ``r``'s block of the sum lands at the
+    start of its ``buf`` (the rest is left undefined)."""
+    _host(buf, kind)
+    self.comm.Reduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
 @watchdog.collective("all_gather")
