@@ -79,14 +79,25 @@ def _no_default_strategy() -> Strategy:
 _default_strategy: Callable[[], Strategy] = _no_default_strategy
 
 
-@contextlib.contextmanager
-def push(mode: Mode) -> Iterator[Mode]:
-    stack = _stack()
-    stack.append(mode)
-    try:
-        yield mode
-    finally:
-        stack.pop()
+def push(mode: Mode) -> _Pushed:
+    """``with push(mode):`` makes ``mode`` current inside the block."""
+    return _Pushed(mode)
+
+
+class _Pushed:
+    """A ``push`` block (a class, not a generator: ``strategy.run`` enters one at every step)."""
+
+    __slots__ = ("mode",)
+
+    def __init__(self, mode: Mode):
+        self.mode = mode
+
+    def __enter__(self) -> Mode:
+        _stack().append(self.mode)
+        return self.mode
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _stack().pop()
 
 
 @contextlib.contextmanager

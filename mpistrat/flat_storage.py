@@ -26,8 +26,11 @@ array([1., 1., 0., 0.])
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
@@ -92,9 +95,9 @@ class FlatBuffer:
         refs, views = sys.getrefcount, self.views
         if refs(self.array) > len(views) + 2:  # itself, each view's base, the argument
             return True
-        if any(refs(v) > _VIEW_REFS for v in views):
+        if max(map(refs, views)) > _VIEW_REFS:
             return True
-        return any(refs(views[i]) > 2 for i in detached)  # the list and the argument
+        return any(refs(views[i]) > _VIEW_REFS - 1 for i in detached)
 
     def claim(self) -> Any:
         """The array, safe to write in place (see the module's docstring); its members follow it.
@@ -102,7 +105,8 @@ class FlatBuffer:
         Raises ``InvalidArgumentError`` if a member's value changed shape or dtype.
         """
         views, members = self.views, self.members
-        detached = [i for i, (m, v) in enumerate(zip(members, views, strict=True)) if m._value is not v]
+        attached = list(map(operator.is_, map(_VALUE, members), views))
+        detached = [] if all(attached) else [i for i, a in enumerate(attached) if not a]
         moved = {i: members[i]._value for i in detached}
         for i, value in moved.items():
             if tuple(value.shape) != self.shapes[i] or value.dtype != self.dtype:
@@ -122,9 +126,25 @@ class FlatBuffer:
         """Whether ``member``'s slice may be written in place (nothing outside holds it)."""
         view = self.views[self._index[id(member)]]
         refs = sys.getrefcount
-        return member._value is view and refs(view) <= _VIEW_REFS and refs(self.array) <= len(self.views) + 2
+        # ``view`` here is one reference more than _VIEW_REFS counts
+        return (
+            member._value is view and refs(view) <= _VIEW_REFS + 1 and refs(self.array) <= len(self.views) + 2
+        )
 
 
-# A view's references when nothing outside holds it: ``views``, its member, the one local name
-# the checks above read it through, and getrefcount's argument.
-_VIEW_REFS = 4
+_VALUE = operator.attrgetter("_value")
+
+
+class _Member:
+    def __init__(self, value: Any):
+        self._value, self.name = value, "probe"
+
+
+def _view_refs() -> int:
+    """A view's references in ``_held`` when nothing outside holds it (its list, its member and
+    getrefcount's argument, as this Python counts them)."""
+    probe = FlatBuffer([_Member(np.zeros(1))])  # type: ignore[list-item]
+    return max(map(sys.getrefcount, probe.views))
+
+
+_VIEW_REFS = _view_refs()

@@ -20,6 +20,7 @@ bytes moved are those of one ring all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +159,9 @@ class _GroupStep:
     group: Group
     positions: list[int]  # index in the step's pairs of each present variable, in group order
     present: list[int]  # the group indices of those variables
-    runs: list[list[tuple[int, int, list[tuple[int, int, int]]]]]  # per pack: (lo, hi, [(j, a, b)])
+    # per pack: (lo, hi, [(j, a, b)], whole): staging[lo:hi] is gradient j's elements a:b, ...; whole
+    # when every piece is a whole gradient
+    runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]
     gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills (zeros)
     updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
 
@@ -183,7 +186,8 @@ def _plan_group(group: Group, positions: list[int], present: list[int]) -> _Grou
         filled = [(r[0], r[1]) for r in pack_runs]
         edges = [0] + [e for r in filled for e in r] + [hi - lo]
         gaps.append([(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b])
-        runs.append(pack_runs)
+        sizes = [spans[i][1] - spans[i][0] for i in present]
+        runs.append([(a, b, p, all(x == 0 and y == sizes[j] for j, x, y in p)) for a, b, p in pack_runs])
         own_lo, own_hi = lay.owned(k)
         mine: list[tuple[int, int]] = []
         for i in present:
@@ -203,6 +207,20 @@ class _Plan:
     fingerprint: int
     described: list[tuple[str, str, Any]]
     variables: list[Variable]  # keeps the variables (and so the ids the plan is cached by) alive
+    like: tuple[list[Any], list[Any], list[Any]]  # the variables' array types, shapes and dtypes
+
+    def matches(self, grads: list[Any]) -> bool:
+        """Whether ``grads`` are arrays of their variables' types, shapes and dtypes (no Python per
+        gradient: the common case, checked in C)."""
+        types, shapes, dtypes = self.like
+        return (
+            list(map(type, grads)) == types
+            and list(map(_SHAPE, grads)) == shapes
+            and list(map(_DTYPE, grads)) == dtypes
+        )
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 class FlatState:
@@ -293,13 +311,16 @@ class FlatState:
         )
         if len(self._plans) >= 64:  # a loop repeats a few sets; anything else is not worth keeping
             self._plans.clear()
-        plan = self._plans[key] = _Plan(steps, fingerprint, described, list(variables))
+        locals_ = [own_copy(v)._value for v in variables]
+        like = ([type(a) for a in locals_], [a.shape for a in locals_], [a.dtype for a in locals_])
+        plan = self._plans[key] = _Plan(steps, fingerprint, described, list(variables), like)
         return plan
 
     def step(
         self,
         collectives: Collectives | None,
-        pairs: list[tuple[Any, Variable]],
+        grads: list[Any],
+        variables: list[Variable],
         update: Update,
         lr: float,
         step: int,
@@ -312,13 +333,12 @@ class FlatState:
         Bad input found on any rank (a gradient's shape, a variable's new shape, a different
         set of variables) raises on every rank before anything is sent or written.
         """
-        variables = [v for _, v in pairs]
         error: MpistratError | None = None
         plan: _Plan | None = None
-        grads: list[Any] = []
         try:
             plan = self._plan(variables)
-            grads = _flat_gradients(pairs)
+            if not plan.matches(grads):
+                grads = _checked_gradients(grads, variables)
             params = [s.group.params.claim() for s in plan.steps]
         except MpistratError as exc:
             error = exc
@@ -375,10 +395,10 @@ def _key(var: Variable) -> int:
     return int(getattr(var, "_synced_key", -1))
 
 
-def _flat_gradients(pairs: list[tuple[Any, Variable]]) -> list[Any]:
-    """Each gradient as a 1-D array, checked against its variable's shape and dtype."""
+def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
+    """Each gradient as an array, checked against its variable's shape, dtype and array module."""
     out = []
-    for grad, var in pairs:
+    for grad, var in zip(grads, variables, strict=True):
         local = own_copy(var)._value
         if type(grad) is not type(local):
             grad = packing.as_array(grad, f"apply_gradients: the gradient of {var.name!r}")
@@ -397,7 +417,7 @@ def _flat_gradients(pairs: list[tuple[Any, Variable]]) -> list[Any]:
                 f"apply_gradients: the gradient of {var.name!r} is {grad.dtype}; its variable is "
                 f"{local.dtype}, which it cannot be cast to without losing information"
             )
-        out.append(grad.reshape(-1))
+        out.append(grad)
     return out
 
 
@@ -416,12 +436,12 @@ def _step_group(
     xp, staging, slots = group.xp, group.staging, group.slot_arrays(write=True)
     for k in range(lay.packs):
         lo, hi = lay.bounds(k)
-        for run_lo, run_hi, parts in s.runs[k]:
-            if len(parts) == 1:
-                j, a, b = parts[0]
-                staging[run_lo:run_hi] = grads[j][a:b]
+        for run_lo, run_hi, parts, whole in s.runs[k]:
+            if whole:  # one C call, whatever the gradients' shapes
+                xp.concatenate([grads[j] for j, _, _ in parts], axis=None, out=staging[run_lo:run_hi])
             else:
-                xp.concatenate([grads[j][a:b] for j, a, b in parts], out=staging[run_lo:run_hi])
+                pieces = [grads[j].reshape(-1)[a:b] for j, a, b in parts]
+                xp.concatenate(pieces, out=staging[run_lo:run_hi])
         for a, b in s.gaps[k]:
             staging[a:b] = 0
         if lay.sharded:

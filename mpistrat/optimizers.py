@@ -223,28 +223,28 @@ class Optimizer:
             raise InvalidArgumentError(
                 f"{self._name}.apply_gradients: no gradients provided for any variable"
             )
-        for _, v in pairs:
-            if not isinstance(v, Variable):
-                raise InvalidArgumentError(
-                    f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; "
-                    f"got a {type(v).__name__}"
-                )
         variables = [v for _, v in pairs]
         state = self._flat_state()
-        if state is None:
+        if state is None or not state.has_plan(variables):  # else these variables were checked and built
+            for v in variables:
+                if not isinstance(v, Variable):
+                    raise InvalidArgumentError(
+                        f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; "
+                        f"got a {type(v).__name__}"
+                    )
             self.build(variables)
+        if state is None:
             # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
             # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
             replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
             return self.iterations
-        if not state.has_plan(variables):
-            self.build(variables)
         extended = replica._strategy.extended
         counter = own_copy(self.iterations)
         step = int(counter._value)
         state.step(
             None if extended.is_default else extended.collectives,
-            pairs,
+            [g for g, _ in pairs],
+            variables,
             self._update_flat,
             self.learning_rate(step),
             step,

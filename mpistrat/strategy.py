@@ -93,11 +93,15 @@ class Strategy:
         mode = context.require_cross_replica("Strategy.run")
         if mode.kind == "merge" and not self._extended.is_default:
             return self._run_on_root(fn, tuple(args), dict(kwargs or {}))
+        if mode.kind != "default" and mode.strategy is not self:
+            raise InvalidArgumentError(
+                "Mixing different Strategy objects: a scope of another strategy is already active"
+            )
         self._extended.collectives  # noqa: B018 (raises if finalized)
         rank = self._extended.rank
-        args = self._unwrap(tuple(args), rank)
-        kwargs = self._unwrap(dict(kwargs or {}), rank)
-        with self.scope(), ReplicaContext(self, rank):
+        args = self._unwrap(tuple(args), rank) if args else ()
+        kwargs = self._unwrap(dict(kwargs), rank) if kwargs else {}
+        with ReplicaContext(self, rank):  # its replica mode is the current mode; nothing reads below it
             return fn(*args, **kwargs)
 
     experimental_run_v2 = run
