@@ -269,9 +269,9 @@ class FlatState:
                 self.where[id(variables[i])] = (group, j)
         self._plans.clear()
 
-    def has_plan(self, variables: list[Variable]) -> bool:
-        """Whether a step over ``variables`` (in this order) was planned already (so they are built)."""
-        return tuple(map(id, variables)) in self._plans
+    def cached_plan(self, variables: list[Variable]) -> _Plan | None:
+        """The plan of a step over ``variables`` in this order, if one was made (so they are built)."""
+        return self._plans.get(tuple(map(id, variables)))
 
     def nbytes(self) -> int:
         """Bytes of optimizer state this rank holds (slots, staging), parameters aside."""
@@ -325,18 +325,20 @@ class FlatState:
         lr: float,
         step: int,
         *,
+        plan: _Plan | None = None,
         kind: str = "apply_gradients",
     ) -> None:
         """One step: check, one handshake, then per group and pack: reduce, update, (gather).
+
+        ``plan``: :meth:`cached_plan` of ``variables``, if the caller has it.
 
         ``collectives`` is None for the single-replica default strategy (nothing to send).
         Bad input found on any rank (a gradient's shape, a variable's new shape, a different
         set of variables) raises on every rank before anything is sent or written.
         """
         error: MpistratError | None = None
-        plan: _Plan | None = None
         try:
-            plan = self._plan(variables)
+            plan = plan or self._plan(variables)
             if not plan.matches(grads):
                 grads = _checked_gradients(grads, variables)
             params = [s.group.params.claim() for s in plan.steps]

@@ -225,7 +225,8 @@ class Optimizer:
             )
         variables = [v for _, v in pairs]
         state = self._flat_state()
-        if state is None or not state.has_plan(variables):  # else these variables were checked and built
+        plan = None if state is None else state.cached_plan(variables)
+        if plan is None:  # else these variables were checked and built already
             for v in variables:
                 if not isinstance(v, Variable):
                     raise InvalidArgumentError(
@@ -248,8 +249,10 @@ class Optimizer:
             self._update_flat,
             self.learning_rate(step),
             step,
+            plan=plan,
         )
-        counter.assign_add(1)  # this rank's copy: every rank counts the same steps
+        with counter._writable() as count:  # this rank's copy: every rank counts the same steps
+            count += 1
         return self.iterations
 
     def _flat_state(self) -> FlatState | None:
