@@ -1,12 +1,12 @@
-"""Optimizers that update distributed variables the tf.distribute way.
+"""Optimizers that update distributed variables the tf.distribute way, in one fused step.
 
-``apply_gradients`` is called in replica context (inside ``strategy.run``) with
-this replica's gradients. It performs steps 2 to 4 of the variable-update pattern:
-``merge_call``; one ``batch_reduce_to`` summing every gradient across replicas in a
-single fused reduction; then ``extended.update`` per variable. Slot variables
-(momentum, Adam's moments) are created with ``colocate_vars_with`` their variable;
-the step counter ``iterations`` is a non-slot variable updated through
-``update_non_slot``. Scale each replica's loss by the *global* batch size, so the
+``apply_gradients`` is called in replica context (inside ``strategy.run``) with this
+replica's gradients. SGD and Adam keep the variables they update, and their slots, in flat
+per-dtype buffers (:mod:`mpistrat.optimizer_state`): a step is one handshake, one in-place
+all-reduce of the packed gradients per pack, and the update in a few vectorised passes.
+With ``shard_state=True`` each rank holds the slots of its 1/R of the parameters only
+(ZeRO stage 1): the gradients are reduce-scattered, each rank updates its block, and the
+parameters are all-gathered. Scale each replica's loss by the *global* batch size, so the
 summed gradients are those of the global mean loss.
 
 >>> import mpistrat, numpy as np
@@ -15,6 +15,10 @@ summed gradients are those of the global mean loss.
 >>> _ = opt.apply_gradients([(np.array([1.0, 1.0]), w)])
 >>> w.numpy(), int(opt.iterations.numpy())
 (array([0.5, 1.5]), 1)
+>>> adam = mpistrat.optimizers.Adam(0.1, shard_state=True)
+>>> _ = adam.apply_gradients([(np.array([1.0, -1.0]), w)])
+>>> w.numpy().round(3), adam.get_slot(w, "m").numpy()
+(array([0.4, 1.6]), array([ 0.1, -0.1]))
 """
 
 from __future__ import annotations
@@ -33,15 +37,17 @@ from mpistrat.optimizer_state import FlatState, ShardedSlot, own_copy
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.variables import Variable, VariableAggregation
 
-__all__ = ["Optimizer", "SGD", "Adam"]
+__all__ = ["Optimizer", "SGD", "Adam", "ShardedSlot"]
 
 
 class Optimizer:
     """Base class: slot bookkeeping, the step counter and the distributed apply.
 
-    Subclasses name their slots in ``slot_names`` and implement
-    ``_apply_dense(var, grad, lr, step, *slots)``, which writes ``var`` and its
-    slots (this rank's copies) given the summed gradient.
+    Subclasses name their slots in ``slot_names`` and implement one of:
+    ``_update_flat(w, g, slots, lr, step)``, an in-place update of matching 1-D blocks (flat
+    storage, one fused step, ``shard_state`` possible); or ``_apply_dense(var, grad, lr, step,
+    *slots)``, which writes one variable and its slots (this rank's copies) given the summed
+    gradient (``merge_call``, ``batch_reduce_to``, ``update`` per variable).
     """
 
     slot_names: tuple[str, ...] = ()

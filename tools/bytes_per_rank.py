@@ -21,7 +21,7 @@ import mpistrat
 from mpistrat import PerReplica
 from mpistrat.input import ArrayDataset
 from mpistrat.optimizers import SGD, Adam
-from tests.counting import CountingComm, Ledger
+from tests.counting import CountingComm, Ledger, ring_bytes
 
 WORLD = MPI.COMM_WORLD
 PARAMS, LEAVES = 1 << 20, 16  # 1M float32 parameters (4 MiB of gradients) in 16 leaves
@@ -79,6 +79,10 @@ def dataset_step():
 OPERATIONS = {
     "optimizer step, SGD momentum (G = 4 MiB)": lambda: optimizer_step(lambda: SGD(0.1, momentum=0.9)),
     "optimizer step, Adam (G = 4 MiB)": lambda: optimizer_step(lambda: Adam(0.1)),
+    "optimizer step, SGD momentum, sharded": lambda: optimizer_step(
+        lambda: SGD(0.1, momentum=0.9, shard_state=True)
+    ),
+    "optimizer step, Adam, sharded": lambda: optimizer_step(lambda: Adam(0.1, shard_state=True)),
     "merge_call returning PerReplica (S = 1 MiB each)": merge_call_per_replica,
     "merge_call with array arguments (S = 1 MiB each)": merge_call_arguments,
     "broadcast_to (S = 1 MiB)": broadcast_to,
@@ -93,9 +97,16 @@ def main() -> None:
         with Ledger.recording() as ledger:
             step()
         moved = WORLD.gather(ledger.moved)
+        try:  # what a ring algorithm sends from this rank for these calls
+            ring = f"{sum(ring_bytes(call, size) for call in ledger.log):,.0f} B"
+        except ValueError:
+            ring = "-"
         if rank == 0:
             others = max(moved[1:], default=0)
-            print(f"{size} ranks | {name} | others {others:,} B | rank 0 {moved[0]:,} B", flush=True)
+            print(
+                f"{size} ranks | {name} | others {others:,} B | rank 0 {moved[0]:,} B | ring {ring}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
