@@ -191,11 +191,19 @@ class Optimizer:
         owner = var.distribute_strategy
         if self._strategy is None and self._iterations is None:
             self._strategy = owner
-        if owner is not self._strategy:
-            raise InvalidArgumentError(
-                f"{self._name}: variable {var.name!r} belongs to {owner}, but this optimizer's "
-                f"variables belong to {self._strategy}; use one optimizer per strategy"
-            )
+        if owner is self._strategy:
+            return
+        if owner is None:
+            fix = "create it inside `with strategy.scope():`"
+        elif self._strategy is None:
+            fix = "create the optimizer, and its other variables, inside `with strategy.scope():`"
+        else:
+            fix = "use one optimizer per strategy"
+        where = "was created outside any strategy's scope" if owner is None else f"belongs to {owner}"
+        mine = "outside any scope" if self._strategy is None else f"in {self._strategy}"
+        raise InvalidArgumentError(
+            f"{self._name}: variable {var.name!r} {where}, but this optimizer updates variables {mine}; {fix}"
+        )
 
     @contextlib.contextmanager
     def _creation_scope(self) -> Iterator[None]:

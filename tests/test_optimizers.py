@@ -156,3 +156,17 @@ def test_scalar_variables_keep_updating_after_any_write(group):
     ok = float(held) == 3.0 + n and float(b.numpy()) == 4.0 + n - 3 * n
     ok = ok and isinstance(b.value(), np.ndarray) and int(opt.iterations.numpy()) == 3
     all_ranks_agree(group.comm, ok, f"{b.numpy()} {held}")
+
+
+def test_a_variable_made_outside_the_scope_is_named_with_the_fix(group):
+    plain = mpistrat.Variable(np.ones(2), name="plain")
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.ones(2), name="w")
+        opt = SGD(0.1)
+    message = raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: group.strategy.run(lambda: opt.apply_gradients([(np.ones(2), w), (np.ones(2), plain)])),
+        "'plain' was created outside any strategy's scope, but this optimizer updates variables in",
+    )
+    assert message.endswith("create it inside `with strategy.scope():`")
