@@ -170,3 +170,49 @@ def test_a_variable_made_outside_the_scope_is_named_with_the_fix(group):
         "'plain' was created outside any strategy's scope, but this optimizer updates variables in",
     )
     assert message.endswith("create it inside `with strategy.scope():`")
+
+
+class Adagrad(mpistrat.optimizers.Optimizer):
+    """An optimizer of one's own, one variable at a time: ``acc += g^2; w -= lr g / sqrt(acc)``."""
+
+    slot_names = ("acc",)
+
+    def __init__(self, learning_rate, **kwargs):
+        super().__init__(learning_rate, "Adagrad", **kwargs)
+
+    def _apply_dense(self, var, grad, lr, step, acc):
+        with acc._writable() as a:
+            a += grad * grad
+        with var._writable() as w:
+            w -= lr * grad / np.sqrt(a)
+
+
+def test_an_optimizer_of_ones_own_updates_one_variable_at_a_time(group):
+    w, b, opt = train(group, lambda: Adagrad(0.5))
+    params, acc = [np.zeros(3), np.zeros(())], [np.zeros(3), np.zeros(())]
+    for _ in range(STEPS):
+        for p, a, g in zip(params, acc, gradients(params[0], params[1], np.arange(len(X))), strict=True):
+            a += g * g
+            p -= 0.5 * g / np.sqrt(a)
+    ok = np.allclose(w.numpy(), params[0], rtol=1e-10) and np.isclose(float(b.numpy()), params[1])
+    ok = ok and np.allclose(opt.get_slot(w, "acc").numpy(), acc[0], rtol=1e-10)
+    all_ranks_agree(group.comm, ok, f"{w.numpy()} against {params[0]}")
+    with pytest.raises(InvalidArgumentError, match="_update_flat"):
+        Adagrad(0.5, shard_state=True)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_variable_whose_shape_changed_raises_on_every_rank(group, shard):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.ones(4, np.float32), name="w")
+        opt = Adam(0.1, shard_state=shard)
+    step = lambda: group.strategy.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w)]))  # noqa: E731
+    step()
+    before = w.numpy()
+    if group.rank == group.size - 1:  # a copy given another shape behind the API's back, on one rank
+        w._local_variable()._value = np.ones(5, np.float32)
+    raises_on_every_rank(group.comm, InvalidArgumentError, step, "'w' is now float32[5]")
+    if group.rank != group.size - 1:
+        all_ranks_agree(group.comm, np.array_equal(w.numpy(), before), "a failed step wrote the variable")
+    else:
+        all_ranks_agree(group.comm, True)
