@@ -203,7 +203,7 @@ class Checkpoint:
         for name, var in entries.items():
             value = var.value()  # collective for sync-on-read variables (aggregated) and sharded slots
             if archive is not None:
-                archive.add(name, _to_numpy(value))
+                archive.add(name, value)
             del value
         if archive is not None:
             archive.add(SAVE_COUNTER, np.array(counter, np.int64))
@@ -406,10 +406,12 @@ class _Archive:
         except BaseException as exc:
             self.error = exc
 
-    def add(self, name: str, array: np.ndarray) -> None:
+    def add(self, name: str, value: Any) -> None:
+        """Append ``value`` (a NumPy or device array) as member ``name``."""
         if self.error is not None or self.zip is None:
             return
         try:
+            array = _to_numpy(value)  # a device-to-host copy may fail too: kept like a write error
             with self.zip.open(f"{name}.npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
         except BaseException as exc:

@@ -66,6 +66,11 @@ def current_mode() -> Mode:
     return Mode(strategy, strategy.extended.default_replica_context, "default")
 
 
+def default_strategy() -> Strategy:
+    """The strategy in effect outside any scope (single replica)."""
+    return _default_strategy()
+
+
 def set_default_strategy(factory: Callable[[], Strategy]) -> None:
     """Register what ``get_strategy()`` returns outside any scope (``strategy.py`` does, on import)."""
     global _default_strategy

@@ -86,18 +86,27 @@ class FlatBuffer:
             member._value = view
             member._storage = self
 
-    def _held(self, detached: list[int]) -> bool:
-        """Whether something outside holds the array, a view of it, or a member's slice.
+    # Reference counts, read always through these three methods: the baselines below are read
+    # through them too (on a probe nobody else holds), so they hold for any Python's counting.
+    def _array_refs(self) -> int:
+        """References to the array beyond its views' (a slice of a view is based on the array)."""
+        return sys.getrefcount(self.array) - len(self.views)
 
-        ``detached``: members whose value is no longer their slice (their slice's view then has
-        one reference fewer). A slice of a view is based on the array, so it counts there.
-        """
-        refs, views = sys.getrefcount, self.views
-        if refs(self.array) > len(views) + 2:  # itself, each view's base, the argument
+    def _view_refs(self) -> list[int]:
+        return list(map(sys.getrefcount, self.views))
+
+    def _view_refs_at(self, i: int) -> int:
+        return sys.getrefcount(self.views[i])
+
+    def _held(self, attached: list[bool]) -> bool:
+        """Whether something outside holds the array, a view of it, or a member's slice (whose
+        view has one reference fewer once its member has another value: not ``attached``)."""
+        if self._array_refs() > _ARRAY_REFS:
             return True
-        if max(map(refs, views)) > _VIEW_REFS:
-            return True
-        return any(refs(views[i]) > _VIEW_REFS - 1 for i in detached)
+        counts = self._view_refs()
+        if all(attached):
+            return max(counts) > _VIEW_REFS
+        return any(c > _VIEW_REFS - (not a) for c, a in zip(counts, attached, strict=True))
 
     def claim(self) -> Any:
         """The array, safe to write in place (see the module's docstring); its members follow it.
@@ -115,7 +124,7 @@ class FlatBuffer:
                     f"holds it as {self.dtype}{list(self.shapes[i])} since its first step. A variable "
                     "keeps its shape and dtype; make a new variable (and optimizer) instead"
                 )
-        held = self._held(detached)
+        held = self._held(attached)
         if held or detached:
             self._bind(self.array.copy() if held else self.array)
         for i, value in moved.items():
@@ -124,12 +133,10 @@ class FlatBuffer:
 
     def private(self, member: Variable) -> bool:
         """Whether ``member``'s slice may be written in place (nothing outside holds it)."""
-        view = self.views[self._index[id(member)]]
-        refs = sys.getrefcount
-        # ``view`` here is one reference more than _VIEW_REFS counts
-        return (
-            member._value is view and refs(view) <= _VIEW_REFS + 1 and refs(self.array) <= len(self.views) + 2
-        )
+        i = self._index[id(member)]
+        if member._value is not self.views[i]:
+            return False
+        return self._view_refs_at(i) <= _VIEW_REFS_AT and self._array_refs() <= _ARRAY_REFS
 
 
 _VALUE = operator.attrgetter("_value")
@@ -140,11 +147,10 @@ class _Member:
         self._value, self.name = value, "probe"
 
 
-def _view_refs() -> int:
-    """A view's references in ``_held`` when nothing outside holds it (its list, its member and
-    getrefcount's argument, as this Python counts them)."""
+def _baselines() -> tuple[int, int, int]:
+    """The counts of a buffer whose array and views nobody else holds, as this Python counts them."""
     probe = FlatBuffer([_Member(np.zeros(1))])  # type: ignore[list-item]
-    return max(map(sys.getrefcount, probe.views))
+    return probe._array_refs(), max(probe._view_refs()), probe._view_refs_at(0)
 
 
-_VIEW_REFS = _view_refs()
+_ARRAY_REFS, _VIEW_REFS, _VIEW_REFS_AT = _baselines()

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.variables import Variable
 
-__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "ShardedSlot", "own_copy"]
+__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "ShardedSlot", "creation_order", "own_copy"]
 
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
 # parameters, gradients and slots stay in cache across the update's passes. Measured
@@ -139,11 +139,9 @@ class Group:
         held.append(self.staging)
         return sum(int(a.nbytes) for a in held)
 
-    def slot_arrays(self, write: bool) -> list[Any]:
-        """Each slot's array in ``slot_names`` order (claimed for an in-place write if ``write``)."""
-        return [
-            (s.claim() if write else s.array) if isinstance(s, FlatBuffer) else s for s in self.slots.values()
-        ]
+    def claim_slots(self) -> list[Any]:
+        """Each slot's array in ``slot_names`` order, claimed for an in-place write."""
+        return [s.claim() if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
 
 
 def own_copy(var: Variable) -> Variable:
@@ -238,9 +236,6 @@ class FlatState:
         self.where: dict[int, tuple[Group, int]] = {}  # id(variable) -> its group and index there
         self._plans: dict[tuple[int, ...], _Plan] = {}
 
-    def __contains__(self, var: Variable) -> bool:
-        return id(var) in self.where
-
     def add(
         self,
         variables: list[Variable],
@@ -300,14 +295,22 @@ class FlatState:
                     )
                 steps.append(_plan_group(group, [p for _, p in picked], [j for j, _ in picked]))
         described = [
-            (repr(s.group.variables[j].name), f"gradient for variable #{_key(s.group.variables[j])}", ())
+            (
+                repr(s.group.variables[j].name),
+                f"gradient for variable #{creation_order(s.group.variables[j])}",
+                (),
+            )
             for s in steps
             for j in s.present
         ]
         fingerprint = mismatch.fingerprint(
             "apply_gradients",
             self.shard,
-            tuple((_key(s.group.variables[j]), s.group.variables[j].shape) for s in steps for j in s.present),
+            tuple(
+                (creation_order(s.group.variables[j]), s.group.variables[j].shape)
+                for s in steps
+                for j in s.present
+            ),
         )
         if len(self._plans) >= 64:  # a loop repeats a few sets; anything else is not worth keeping
             self._plans.clear()
@@ -392,9 +395,9 @@ _SAME_VARIABLES = (
 )
 
 
-def _key(var: Variable) -> int:
-    """A variable's number, the same on every rank (its creation order in the strategy)."""
-    return int(getattr(var, "_synced_key", -1))
+def creation_order(var: Variable) -> int:
+    """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
+    return int(getattr(var, "_synced_key", 0))
 
 
 def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
@@ -435,7 +438,7 @@ def _step_group(
 ) -> None:
     """Per pack: gradients into staging, reduced in place, this rank's part updated (and gathered)."""
     group, lay = s.group, s.group.layout
-    xp, staging, slots = group.xp, group.staging, group.slot_arrays(write=True)
+    xp, staging, slots = group.xp, group.staging, group.claim_slots()
     for k in range(lay.packs):
         lo, hi = lay.bounds(k)
         for run_lo, run_hi, parts, whole in s.runs[k]:

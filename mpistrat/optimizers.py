@@ -33,7 +33,7 @@ import numpy as np
 from mpistrat import context, mismatch
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
-from mpistrat.optimizer_state import FlatState, ShardedSlot, own_copy
+from mpistrat.optimizer_state import FlatState, ShardedSlot, creation_order, own_copy
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.variables import Variable, VariableAggregation
 
@@ -66,7 +66,9 @@ class Optimizer:
         self._strategy = context.get_strategy() if context.has_strategy() else None
         self._iterations: Variable | None = None
         self._slots: dict[int, tuple[Variable, dict[str, Any]]] = {}  # slots: Variable or ShardedSlot
+        # flat when the class updates blocks and no subclass took over one variable at a time
         flat = type(self)._update_flat is not Optimizer._update_flat
+        flat = flat and type(self)._apply_dense is Optimizer._apply_dense
         if shard_state and not flat:
             raise InvalidArgumentError(
                 f"{name}: shard_state=True needs an optimizer with a flat update (_update_flat), as SGD and "
@@ -111,7 +113,7 @@ class Optimizer:
         lr = self._learning_rate
         return float(lr(step) if callable(lr) else lr)
 
-    def get_slot(self, var: Variable, slot_name: str) -> Variable:
+    def get_slot(self, var: Variable, slot_name: str) -> Variable | ShardedSlot:
         """The slot variable ``slot_name`` of ``var``."""
         entry = self._slots.get(id(var))
         if entry is None or slot_name not in entry[1]:
@@ -121,9 +123,9 @@ class Optimizer:
             )
         return entry[1][slot_name]
 
-    def variables(self) -> list[Variable]:
+    def variables(self) -> list[Variable | ShardedSlot]:
         """The step counter and every slot variable."""
-        out = [self.iterations]
+        out: list[Variable | ShardedSlot] = [self.iterations]
         for _, slots in self._slots.values():
             out.extend(slots[n] for n in self.slot_names)
         return out
@@ -140,20 +142,24 @@ class Optimizer:
         if state is None:
             self._slot_variables(new)
             return
-        new.sort(key=_creation_order)  # the same order on every rank, whatever order each was given
+        new.sort(key=creation_order)  # the same order on every rank, whatever order each was given
         extended = context.get_strategy().extended if self._strategy is None else self._strategy.extended
         bytes_per_pack = 0
         if not extended.is_default:
             collectives = extended.collectives
             bytes_per_pack = collectives.options.bytes_per_pack
-            described = [("shard_state", str(self._shard_state), None)] + [
-                (repr(v.name), f"variable #{_creation_order(v)} {v.dtype}", v.shape) for v in new
-            ]
+            described = [
+                ("shard_state", str(self._shard_state), None),
+                ("bytes_per_pack", str(bytes_per_pack), None),
+            ] + [(repr(v.name), f"variable #{creation_order(v)} {v.dtype}", v.shape) for v in new]
             collectives.agree(
                 f"{self._name}.build",
                 fingerprint=mismatch.fingerprint(*described),
                 describe=lambda: {"leaves": described, "advice": _SAME_BUILD},
+                error=_not_floating(self._name, new),
             )
+        elif (error := _not_floating(self._name, new)) is not None:
+            raise error
         slots = None if self._shard_state else self._slot_variables(new)
         state.add(new, slots, ranks=extended.size, rank=extended.rank, bytes_per_pack=bytes_per_pack)
         if self._shard_state:
@@ -253,6 +259,7 @@ class Optimizer:
             # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
             replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
             return self.iterations
+        self._require_own_replica(replica)
         extended = replica._strategy.extended
         counter = own_copy(self.iterations)
         step = int(counter._value)
@@ -268,6 +275,18 @@ class Optimizer:
         with counter._writable() as count:  # this rank's copy: every rank counts the same steps
             count += 1
         return self.iterations
+
+    def _require_own_replica(self, replica: Any) -> None:
+        """The step runs in the replica context of its variables' strategy (else it would reduce over
+        another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn."""
+        replica._require_current("apply_gradients")
+        mine = self._strategy or context.default_strategy()
+        if replica._strategy is not mine:
+            raise ContextError(
+                f"{self._name}.apply_gradients: its variables belong to {mine}, but this is the replica "
+                f"context of {replica._strategy}; call it inside that strategy's run: "
+                "`strategy.run(lambda: opt.apply_gradients(...))`"
+            )
 
     def _flat_state(self) -> FlatState | None:
         """The flat state of an optimizer with a flat update (None for a per-variable one)."""
@@ -393,9 +412,15 @@ class Adam(Optimizer):
         w -= g
 
 
-def _creation_order(var: Variable) -> int:
-    """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
-    return int(getattr(var, "_synced_key", 0))
+def _not_floating(name: str, variables: list[Variable]) -> InvalidArgumentError | None:
+    """The error for variables an optimizer cannot update (integer, bool: ``w -= lr * g``), if any."""
+    bad = [f"{v.name!r} ({v.dtype})" for v in variables if v.dtype.kind not in "fc"]
+    if not bad:
+        return None
+    return InvalidArgumentError(
+        f"{name}: cannot update variables of a non-floating dtype: {', '.join(bad)}; make them float, "
+        "or leave them out of apply_gradients (trainable=False)"
+    )
 
 
 _SAME_BUILD = (

@@ -216,3 +216,65 @@ def test_a_variable_whose_shape_changed_raises_on_every_rank(group, shard):
         all_ranks_agree(group.comm, np.array_equal(w.numpy(), before), "a failed step wrote the variable")
     else:
         all_ranks_agree(group.comm, True)
+
+
+def test_a_subclass_that_updates_one_variable_at_a_time_is_honoured(group):
+    class ClippedSGD(SGD):
+        def _apply_dense(self, var, grad, lr, step, *slots):
+            with var._writable() as w:
+                w -= np.clip(lr * grad, -0.1, 0.1)
+
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros(2), name="w")
+        opt = ClippedSGD(1.0)
+    group.strategy.run(lambda: opt.apply_gradients([(np.full(2, 5.0), w)]))
+    all_ranks_agree(group.comm, np.array_equal(w.numpy(), [-0.1, -0.1]), f"{w.numpy()}")
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_integer_variables_are_refused_at_build_on_every_rank(group, shard):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros(1, np.int64), name="count")
+        opt = SGD(0.1, shard_state=shard)
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: group.strategy.run(lambda: opt.apply_gradients([(np.ones(1, np.int64), w)])),
+        "non-floating dtype: 'count' (int64)",
+    )
+
+
+def test_a_step_outside_its_strategys_replica_context_is_refused(group):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros(2), name="w")
+        opt = SGD(0.1)
+    group.strategy.run(lambda: opt.apply_gradients([(np.ones(2), w)]))
+    other = mpistrat.MPIStrategy(group.comm)
+    # outside any strategy's run (the default replica context): each rank would apply only its own
+    raises_on_every_rank(group.comm, ContextError, lambda: opt.apply_gradients([(np.ones(2), w)]), "replica")
+    # inside another strategy's run: the gradients would be summed over another communicator
+    raises_on_every_rank(
+        group.comm,
+        ContextError,
+        lambda: other.run(lambda: opt.apply_gradients([(np.ones(2), w)])),
+        "call it inside that strategy's run",
+    )
+    other.experimental_finalize()
+    all_ranks_agree(group.comm, np.allclose(w.numpy(), -0.1 * group.size), f"{w.numpy()}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bytes_per_pack_differing_between_ranks_fails_on_every_rank(world):
+    """Packs that differ would pair different numbers of transfers: the variables' creation already
+    compares the strategy's options, and the optimizer's build compares its packing too."""
+    options = mpistrat.CommunicationOptions(bytes_per_pack=0 if world.rank == 0 else 64)
+    strategy = mpistrat.MPIStrategy(world.comm, communication_options=options)
+
+    def train():
+        with strategy.scope():
+            w = mpistrat.Variable(np.zeros(100, np.float32), name="w")
+            opt = SGD(0.1, shard_state=True)
+        strategy.run(lambda: opt.apply_gradients([(np.ones(100, np.float32), w)]))
+
+    raises_on_every_rank(world.comm, mpistrat.CollectiveMismatchError, train, "bytes_per_pack")
+    strategy.experimental_finalize()

@@ -109,15 +109,17 @@ def test_optimizer_step_is_one_allreduce_of_the_gradients(name, bytes_per_pack):
     all_ranks_agree(WORLD, all(s == same[0] for s in same), "the copies differ between ranks")
 
 
+def _optimizer(name, shard):
+    return SGD(0.1, momentum=0.9, shard_state=shard) if name == "momentum" else Adam(0.1, shard_state=shard)
+
+
 def _optimizer_step(name, bytes_per_pack, shard):
     """A strategy on a counting communicator, its variables, optimizer and one step's closure."""
     strategy = _strategy(communication_options=CommunicationOptions(bytes_per_pack=bytes_per_pack))
     rank = strategy.extended.rank
     with strategy.scope():
         ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(SHAPES)]
-        opt = (
-            SGD(0.1, momentum=0.9, shard_state=shard) if name == "momentum" else Adam(0.1, shard_state=shard)
-        )
+        opt = _optimizer(name, shard)
     grads = _grads(rank)
     return strategy, ws, opt, lambda: opt.apply_gradients(zip(grads, ws, strict=True))
 
@@ -184,8 +186,7 @@ def test_optimizer_state_per_rank_is_slots_over_r_plus_one_pack(name, slots, sha
     try:
         with strategy.scope():
             ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(shapes)]
-            momentum = SGD(0.1, momentum=0.9, shard_state=shard)
-            opt = momentum if name == "momentum" else Adam(0.1, shard_state=shard)
+            opt = _optimizer(name, shard)
         grads = [np.full(s, 0.5, np.float32) for s in shapes]
         strategy.extended.collectives.caches.clear()
         before = tracemalloc.get_traced_memory()[0]

@@ -184,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     def train_step(x: Any, y: Any, global_batch: int) -> tuple[Any, Any]:
         weights = [v.read_value() for v in params]
         per_example_loss, grads = mlp.loss_and_grads(weights, x, y)
+        correct = (mlp.predict(weights, x) == y).sum()
+        del weights  # nothing holds the values during the step, so it updates them in place
         # Each replica's share of the global-batch mean; apply_gradients sums the shares.
         loss = mpistrat.compute_average_loss(per_example_loss, global_batch_size=global_batch)
         optimizer.apply_gradients(zip([g / global_batch for g in grads], params, strict=True))
-        correct = (mlp.predict(weights, x) == y).sum()
         return loss, correct
 
     def eval_step(x: Any, y: Any) -> Any:

@@ -420,11 +420,11 @@ def _adam_flat(step: int, w: np.ndarray, g: np.ndarray, slots: list[np.ndarray])
     m, v = slots
     t = step + 1
     lr_t = _LR * math.sqrt(1.0 - _B2**t) / (1.0 - _B1**t)
-    m -= g  # m += (g - m)(1 - b1), as m = g + b1 (m - g)
-    m *= _B1
+    m *= _B1  # m = b1 m + (1 - b1) g, g then free to hold the temporaries
+    g *= 1.0 - _B1
     m += g
-    np.square(g, out=g)  # g no longer needed: g^2 in its place, then v = g^2 + b2 (v - g^2)
-    v -= g
+    np.square(g, out=g)  # v = b2 v + (1 - b2) g^2, from ((1 - b1) g)^2
+    g *= (1.0 - _B2) / (1.0 - _B1) ** 2
     v *= _B2
     v += g
     np.sqrt(v, out=g)  # w -= lr_t m / (sqrt(v) + eps)
