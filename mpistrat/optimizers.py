@@ -33,8 +33,9 @@ import numpy as np
 from mpistrat import context, mismatch
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
-from mpistrat.optimizer_state import FlatState, ShardedSlot, creation_order, own_copy
+from mpistrat.optimizer_state import FlatState, creation_order, own_copy
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.sharded_slot import ShardedSlot
 from mpistrat.variables import Variable, VariableAggregation
 
 __all__ = ["Optimizer", "SGD", "Adam", "ShardedSlot"]

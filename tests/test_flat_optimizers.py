@@ -17,8 +17,8 @@ import pytest
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions, InvalidArgumentError, MpistratError
-from mpistrat.optimizer_state import ShardedSlot
 from mpistrat.optimizers import SGD, Adam
+from mpistrat.sharded_slot import ShardedSlot
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 
 LR, MOMENTUM = 0.1, 0.9
