@@ -120,7 +120,7 @@ def _legend(fig: Any, runs: list[dict[str, Any]], sides: list[str], colours: lis
         Line2D([], [], color=c, lw=2, label=run["meta"]["label"])
         for run, c in zip(runs, colours, strict=True)
     ]
-    names = {"mpistrat": "mpistrat", "raw": "raw mpi4py", "raw2": "raw, one fused call"}
+    names = {"mpistrat": "mpistrat", "raw": "raw mpi4py", "raw2": "raw, second form (fused call; flat step)"}
     handles += [Line2D([], [], color="0.3", ls=_STYLES[s], label=names[s]) for s in sides]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), frameon=False)
 
