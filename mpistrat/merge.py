@@ -250,6 +250,13 @@ def _combine(op: Any, parts: tuple[Any, ...], axis: int | None, method: str) -> 
                 raise InvalidArgumentError(f"{method}: axis {axis} is out of range for shape {a.shape}")
         count = sum(a.shape[axis] for a in arrays)
         arrays = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
+    if len({a.shape for a in arrays}) > 1:  # NumPy would broadcast them into a wrong answer
+        shapes = ", ".join(f"replica {r}: {tuple(a.shape)}" for r, a in enumerate(arrays))
+        along = "" if axis is None else f" after summing along axis {axis}"
+        raise InvalidArgumentError(
+            f"{method}: the replicas' values have different shapes{along} ({shapes}); every replica must "
+            "pass the same shape (for batches of different sizes, reduce along the batch axis with axis=0)"
+        )
     total = arrays[0]
     for a in arrays[1:]:
         total = total + a

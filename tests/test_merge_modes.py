@@ -328,3 +328,27 @@ def test_scope_inside_a_root_merge_fn_keeps_the_merge_context(what, error):
         raises_on_every_rank(WORLD, error, call)
     total = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
     all_ranks_agree(WORLD, int(total) == size, f"{total}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["reduce", "reduce_to", "batch_reduce_to"])
+@pytest.mark.parametrize("shapes", [((3,), (1,)), ((3, 1), (1, 3))], ids=["3-and-1", "column-and-row"])
+def test_root_merge_reductions_refuse_replicas_of_different_shapes(how, shapes):
+    """NumPy would broadcast (3,) with (1,), and (3, 1) with (1, 3): a wrong answer, not tf's error."""
+    strategy = strategy_for("root")
+    rank = strategy.extended.rank
+    x = np.ones(shapes[0] if rank == 0 else shapes[1])
+
+    def merge_fn(s, v):
+        if how == "reduce":
+            return s.reduce("SUM", v, axis=None)
+        if how == "reduce_to":
+            return s.extended.reduce_to("SUM", v, destinations="/cpu:0")
+        return s.extended.batch_reduce_to("SUM", [(v, "/cpu:0")])
+
+    raises_on_every_rank(
+        WORLD,
+        InvalidArgumentError,
+        lambda: strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=(x,))),
+        "the replicas' values have different shapes",
+    )
