@@ -252,7 +252,14 @@ class Variable(HasLocalCopy):
         if type(value) in (bool, int, float, complex):
             kind = {bool: "b", int: "i", float: "f", complex: "c"}[type(value)]
             ok = kind in "bi" or (kind == "f" and local.dtype.kind in "fc") or local.dtype.kind == "c"
-            arr = np.asarray(value)
+            if kind == "i" and local.dtype.kind in "iu":  # NumPy would wrap it (300 in uint8 is 44)
+                info = np.iinfo(local.dtype)
+                if not info.min <= value <= info.max:
+                    raise InvalidArgumentError(
+                        f"{self._name}.{how}: {value} does not fit in the variable's {local.dtype} "
+                        f"({info.min} to {info.max})"
+                    )
+            arr = np.asarray(value, dtype=local.dtype) if ok else np.asarray(value)
         else:
             if xp is np and packing.array_module(value) is not np:
                 value = value.get()

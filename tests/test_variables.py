@@ -338,3 +338,23 @@ def test_a_value_read_before_a_write_keeps_its_value(group, how):
     again = {"assign": np.ones(4) * 100, "assign_add": want + 100, "assign_sub": want - 100}[how]
     ok = ok and var.numpy().tolist() == again.tolist() and var.dtype == np.float32
     all_ranks_agree(group.comm, ok, f"{before} {view} {as_array} {var.numpy()}")
+
+
+@pytest.mark.parametrize(
+    "dtype,how,value",
+    [(np.uint8, "assign_add", 300), (np.int32, "assign_add", 2**31), (np.int64, "assign", 2**70)],
+)
+def test_python_ints_out_of_a_variables_range_are_refused_not_wrapped(group, dtype, how, value):
+    plain = mpistrat.Variable(dtype(1))
+    with pytest.raises(InvalidArgumentError, match="does not fit in the variable's"):
+        getattr(plain, how)(value)
+    assert plain.numpy() == 1
+    with group.strategy.scope():
+        v = mpistrat.Variable(dtype(1), name="v")
+    # on one rank only, in cross-replica context: the error reaches every rank, nothing is written
+    bad = group.rank == group.size - 1
+    with group.strategy.scope():
+        raises_on_every_rank(
+            group.comm, InvalidArgumentError, lambda: getattr(v, how)(value if bad else 1), "does not fit"
+        )
+    all_ranks_agree(group.comm, v.numpy() == 1, f"{v.numpy()}")
