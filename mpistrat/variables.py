@@ -544,7 +544,7 @@ class SyncOnReadVariable(DistributedVariable):
             )
         new = self._agreed(how, value, mode)
         if sums:  # the copies must sum to the value
-            new = (new / self._extended.size).astype(self.dtype, copy=False)
+            new = self._share(new, mode)
         if how != "assign" and mode.kind == "merge":  # rank 0 alone: every rank updates its own copy
             writes = self._extended.merge_writes
             if writes is None:  # merge_call sets the list before it runs merge_fn
@@ -553,6 +553,19 @@ class SyncOnReadVariable(DistributedVariable):
             writes.append((self._synced_key, (how, new)))
             return
         self._component._write(how, new)
+
+    def _share(self, total: Any, mode: context.Mode) -> Any:
+        """This rank's copy of a SUM variable whose copies sum to ``total``.
+
+        Integers are split exactly: the first ``total % size`` ranks hold one more, so that
+        ``10`` over 3 ranks is 4, 3, 3 (a floor division alone would read back 9). Inside a
+        merge_fn, rank 0's share is every rank's (it alone runs there).
+        """
+        size, xp = self._extended.size, packing.array_module(total)
+        if self.dtype.kind not in "iu" or mode.kind == "merge":
+            return (total / size).astype(self.dtype, copy=False)
+        quotient, remainder = xp.divmod(total, size)
+        return (quotient + (self._extended.rank < remainder)).astype(self.dtype, copy=False)
 
     def apply_merge_write(self, payload: Any) -> None:
         if isinstance(payload, tuple):  # (how, delta): applied to this rank's own copy

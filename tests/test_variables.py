@@ -358,3 +358,17 @@ def test_python_ints_out_of_a_variables_range_are_refused_not_wrapped(group, dty
             group.comm, InvalidArgumentError, lambda: getattr(v, how)(value if bad else 1), "does not fit"
         )
     all_ranks_agree(group.comm, v.numpy() == 1, f"{v.numpy()}")
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
+def test_an_integer_sum_variable_reads_back_what_was_assigned_at_any_rank_count(group, dtype):
+    """Its copies must sum to the value: 10 over 3 ranks is 4 + 3 + 3, not 3 + 3 + 3 (a restore
+    at another rank count assigns the same way)."""
+    want = np.array([10, 7, 0, 5], dtype)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.zeros(4, dtype), synchronization="ON_READ", aggregation="SUM")
+        v.assign(want)
+        got = v.numpy()
+    copies = group.comm.allgather(v._local())
+    ok = np.array_equal(got, want) and np.array_equal(sum(c.astype(np.int64) for c in copies), want)
+    all_ranks_agree(group.comm, ok, f"read {got}, copies {copies}")
