@@ -26,6 +26,7 @@ import math
 import weakref
 
 import numpy as np
+from mpi4py import MPI
 
 from mpistrat.log import ANY_RANK, logger
 
@@ -64,6 +65,12 @@ class StragglerRow:
     mean_ms: float  # per collective in which it was last
     worst_ms: float
     flagged: bool
+    world: int  # its rank in MPI.COMM_WORLD
+
+    @property
+    def name(self) -> str:
+        """``rank 1``, or ``rank 1 (world 3)`` on a communicator that is not the world in order."""
+        return f"rank {self.rank}" if self.world == self.rank else f"rank {self.rank} (world {self.world})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,22 +89,24 @@ class Stragglers:
         return [row.rank for row in self.rows if row.flagged]
 
     def __str__(self) -> str:
+        renamed = any(r.world != r.rank for r in self.rows)
+        world = f" {'world':>5}" if renamed else ""
         lines = [
             f"last arrivals over {self.collectives:,} collectives",
-            f"{'rank':>5} {'last':>7} {'share':>6} {'mean ms':>8} {'worst ms':>9} {'total s':>8}",
+            f"{'rank':>5}{world} {'last':>7} {'share':>6} {'mean ms':>8} {'worst ms':>9} {'total s':>8}",
         ]
         for r in self.rows:
             mark = "  <- straggler" if r.flagged else ""
             lines.append(
-                f"{r.rank:5d} {r.times_last:7d} {r.share:6.0%} {r.mean_ms:8.2f} {r.worst_ms:9.2f} "
-                f"{r.total_ms / 1e3:8.3f}{mark}"
+                f"{r.rank:5d}{f' {r.world:5d}' if renamed else ''} {r.times_last:7d} {r.share:6.0%} "
+                f"{r.mean_ms:8.2f} {r.worst_ms:9.2f} {r.total_ms / 1e3:8.3f}{mark}"
             )
         return "\n".join(lines)
 
     def summary(self) -> str:
         """One sentence per flagged rank; empty when none is flagged."""
         return "; ".join(
-            f"rank {r.rank} was the last to arrive in {r.share:.0%} of {self.collectives:,} collectives, "
+            f"{r.name} was the last to arrive in {r.share:.0%} of {self.collectives:,} collectives, "
             f"{r.mean_ms:.1f} ms late on average ({r.total_ms / 1e3:.2f} s in all)"
             for r in self.rows
             if r.flagged
@@ -126,8 +135,16 @@ class Tally:
     decoded in bulk (NumPy) every few thousand, and whenever the table is asked for.
     """
 
-    def __init__(self, rank: int, size: int, min_mean_ms: float = MIN_MEAN_MS, summary: str = "auto"):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        min_mean_ms: float = MIN_MEAN_MS,
+        summary: str = "auto",
+        world: tuple[int, ...] | None = None,
+    ):
         self.rank, self.size, self.min_mean_ms, self.summary = rank, size, min_mean_ms, summary
+        self.world = world  # each rank's rank in MPI.COMM_WORLD (None: the same numbers)
         self.enabled = size > 1 and size <= _MASK + 1
         self._collectives = 0
         self.times_last = np.zeros(size, dtype=np.int64)
@@ -188,9 +205,24 @@ class Tally:
                     mean_ms=mean,
                     worst_ms=int(self.worst_us[r]) / 1e3,
                     flagged=significant(last, n, self.size, mean, self.min_mean_ms),
+                    world=r if self.world is None else self.world[r],
                 )
             )
         return Stragglers(n, rows)
+
+
+def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...] | None:
+    """Each rank of ``comm``'s rank in ``MPI.COMM_WORLD``; None when they are the same numbers.
+
+    Group arithmetic, local to each rank: no message is sent.
+    """
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = tuple(int(r) for r in group.Translate_ranks(list(range(comm.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+    return None if ranks == tuple(range(len(ranks))) else ranks
 
 
 def note(tally: Tally | None) -> str:

@@ -165,3 +165,18 @@ def test_a_timeline_that_cannot_be_written_stops_instead_of_raising(tmp_path):
         writer.add("span", "x", float(i), float(i) + 1)
     assert timeline.writer is None
     timeline.stop_timeline()  # nothing left to do, and no error
+
+
+def test_a_straggler_is_named_by_its_world_rank_too_on_a_sub_communicator(group):
+    """World rank 3, rank 1 of the odd half, must not read as "rank 1 was the last to arrive"."""
+    from mpistrat.stragglers import Stragglers, StragglerRow
+
+    table = group.strategy.extended.stragglers()
+    worlds = group.comm.allgather(MPI.COMM_WORLD.Get_rank())  # the reference: each rank says
+    all_ranks_agree(group.comm, [row.world for row in table.rows] == worlds, f"{table.rows} against {worlds}")
+    late = StragglerRow(1, 9, 0.9, 90.0, 10.0, 20.0, True, world=3)
+    said = Stragglers(10, [StragglerRow(0, 1, 0.1, 0.0, 0.0, 0.0, False, world=1), late])
+    assert said.summary().startswith("rank 1 (world 3) was the last to arrive in 90% of 10")
+    assert "world" in str(said).splitlines()[1]
+    same = StragglerRow(1, 9, 0.9, 90.0, 10.0, 20.0, True, world=1)
+    assert Stragglers(10, [same]).summary().startswith("rank 1 was the last")

@@ -70,6 +70,7 @@ class Collectives:
             self.size,
             config.read("MPISTRAT_STRAGGLER_MS"),
             config.read("MPISTRAT_STRAGGLER_SUMMARY"),
+            stragglers.world_ranks(comm),
         )
         self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"))
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
