@@ -169,7 +169,7 @@ def test_a_timeline_that_cannot_be_written_stops_instead_of_raising(tmp_path):
 
 def test_a_straggler_is_named_by_its_world_rank_too_on_a_sub_communicator(group):
     """World rank 3, rank 1 of the odd half, must not read as "rank 1 was the last to arrive"."""
-    from mpistrat.stragglers import Stragglers, StragglerRow
+    from mpistrat.stragglers import StragglerRow, Stragglers
 
     table = group.strategy.extended.stragglers()
     worlds = group.comm.allgather(MPI.COMM_WORLD.Get_rank())  # the reference: each rank says
