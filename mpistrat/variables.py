@@ -197,6 +197,8 @@ class Variable(HasLocalCopy):
         return self
 
     def _write(self, how: str, value: Any) -> None:
+        if self._owner is None:  # a plain variable, not a distributed one's copy
+            _refuse_replica_write(self, how)
         new = self._coerce(value, how)
         if not self._private():  # someone holds the current value: leave it as it is
             self._set(_combine(how, self._value, new.copy() if how == "assign" else new))
@@ -574,6 +576,19 @@ class SyncOnReadVariable(DistributedVariable):
             self._component._value = _combine(how, local, packing.array_module(local).asarray(delta))
             return
         super().apply_merge_write(payload)
+
+
+def _refuse_replica_write(var: Variable, how: str) -> None:
+    """A plain variable has one copy per process: written in a strategy's replica context, each
+    rank would write its own value into its own copy, and the copies would differ silently."""
+    mode = context.current_mode()
+    if mode.kind == "replica" and not mode.strategy.extended.is_default:
+        raise ContextError(
+            f"{var.name}.{how}: this variable was created outside strategy.scope(), so each rank holds an "
+            "unsynchronized copy, and writing it inside strategy.run would leave the copies different. "
+            "Create it inside `with strategy.scope():` (with an aggregation), or write it outside "
+            "strategy.run"
+        )
 
 
 def _class_to_create(synchronization: Any) -> type[Variable]:

@@ -372,3 +372,17 @@ def test_an_integer_sum_variable_reads_back_what_was_assigned_at_any_rank_count(
     copies = group.comm.allgather(v._local())
     ok = np.array_equal(got, want) and np.array_equal(sum(c.astype(np.int64) for c in copies), want)
     all_ranks_agree(group.comm, ok, f"read {got}, copies {copies}")
+
+
+@pytest.mark.parametrize("how", ["assign", "assign_add", "assign_sub"])
+def test_a_variable_made_outside_the_scope_cannot_be_written_in_replica_context(group, how):
+    """Each rank would write its own value into its own copy: refused on every rank, written nowhere."""
+    plain = mpistrat.Variable(np.zeros(2), name="plain")
+    raises_on_every_rank(
+        group.comm,
+        ContextError,
+        lambda: group.strategy.run(lambda: getattr(plain, how)(np.full(2, group.rank + 1.0))),
+        "created outside strategy.scope()",
+    )
+    plain.assign_add(np.ones(2))  # outside run it is an ordinary local variable
+    all_ranks_agree(group.comm, np.array_equal(plain.numpy(), np.ones(2)), f"{plain.numpy()}")
