@@ -39,7 +39,10 @@ _MAX_WAIT_S = _MAX_WAIT_US / 1e6
 _FOLD_EVERY = 8192  # numbers filed before a bulk decode
 NOTHING = -(1 << 62)  # "no measured handshake": loses every MAX
 MIN_MEAN_MS = 5.0  # below this on average a rank is not called a straggler (scheduling noise reaches ms)
-SIGMAS = 3.0  # a straggler is last this many standard deviations more often than chance
+# A straggler is last so often that chance would do it with probability below FALSE_ALARM, over
+# all the ranks together (each is tested at FALSE_ALARM / size).
+FALSE_ALARM = 1e-3
+SHOWN = 5  # rows of the table beyond the flagged ranks; the others are summed up in one line
 
 _tallies: weakref.WeakSet[Tally] = weakref.WeakSet()
 
@@ -95,12 +98,18 @@ class Stragglers:
             f"last arrivals over {self.collectives:,} collectives",
             f"{'rank':>5}{world} {'last':>7} {'share':>6} {'mean ms':>8} {'worst ms':>9} {'total s':>8}",
         ]
-        for r in self.rows:
+        shown = sorted(self.rows, key=lambda r: (not r.flagged, -r.times_last, r.rank))
+        flagged = sum(r.flagged for r in self.rows)
+        rest = shown[flagged + SHOWN :]
+        for r in sorted(shown[: flagged + SHOWN], key=lambda r: r.rank):
             mark = "  <- straggler" if r.flagged else ""
             lines.append(
                 f"{r.rank:5d}{f' {r.world:5d}' if renamed else ''} {r.times_last:7d} {r.share:6.0%} "
                 f"{r.mean_ms:8.2f} {r.worst_ms:9.2f} {r.total_ms / 1e3:8.3f}{mark}"
             )
+        if rest:
+            most = max(r.times_last for r in rest)
+            lines.append(f"  ... {len(rest)} other ranks, each the last to arrive {most} times or fewer")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -116,16 +125,38 @@ class Stragglers:
 def significant(times_last: int, collectives: int, size: int, mean_ms: float, min_mean_ms: float) -> bool:
     """Whether a rank last ``times_last`` of ``collectives`` times is a straggler, not chance.
 
-    Chance makes each of ``size`` ranks last with probability 1/size; a straggler is last
-    ``SIGMAS`` binomial standard deviations more often, and late by ``min_mean_ms`` on average.
+    Chance makes each of ``size`` ranks last with probability 1/size. A straggler is last so
+    often that the binomial tail P(X >= times_last) is below ``FALSE_ALARM / size`` (so that a
+    job of any size flags nobody by chance), and late by ``min_mean_ms`` on average. An exact
+    tail, not a normal approximation: once in 9 collectives among 128 ranks is no evidence.
 
     >>> significant(48, 50, 4, 20.0, 1.0), significant(16, 50, 4, 20.0, 1.0)
     (True, False)
+    >>> significant(1, 9, 128, 20.0, 1.0)
+    False
     """
     if collectives == 0 or size < 2 or mean_ms < min_mean_ms:
         return False
-    p = 1.0 / size
-    return times_last > collectives * p + SIGMAS * math.sqrt(collectives * p * (1 - p))
+    return binomial_tail(times_last, collectives, 1.0 / size) < FALSE_ALARM / size
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space (exact enough for any n here).
+
+    >>> abs(binomial_tail(1, 9, 1 / 128) - (1 - (127 / 128) ** 9)) < 1e-12  # at least one of 9
+    True
+    >>> abs(binomial_tail(9, 10, 0.5) - 11 / 1024) < 1e-12, binomial_tail(0, 5, 0.5)
+    (True, 1.0)
+    """
+    if k <= 0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(k, n + 1)
+    ]
+    top = max(terms, default=-math.inf)
+    return 0.0 if top == -math.inf else math.exp(top) * sum(math.exp(t - top) for t in terms)
 
 
 class Tally:

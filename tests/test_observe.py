@@ -180,3 +180,27 @@ def test_a_straggler_is_named_by_its_world_rank_too_on_a_sub_communicator(group)
     assert "world" in str(said).splitlines()[1]
     same = StragglerRow(1, 9, 0.9, 90.0, 10.0, 20.0, True, world=1)
     assert Stragglers(10, [same]).summary().startswith("rank 1 was the last")
+
+
+def test_a_few_collectives_at_many_ranks_flag_nobody_and_the_table_stays_short():
+    """128 ranks, 9 collectives: a rank last once is chance (P = 1 - (127/128)^9 = 0.07), not evidence."""
+    from mpistrat.stragglers import Tally
+
+    tally = Tally(0, 128, min_mean_ms=1.0)
+    for r in range(9):
+        tally.times_last[r], tally.total_us[r], tally.worst_us[r] = 1, 50_000, 50_000
+    tally._collectives = 9
+    table = tally.table()
+    assert table.flagged == [] and table.summary() == ""
+    lines = str(table).splitlines()
+    assert (
+        len(lines) == 2 + 5 + 1
+        and lines[-1] == "  ... 123 other ranks, each the last to arrive 1 times or fewer"
+    )
+    # a real straggler over 60 collectives is still named, with the rows it needs
+    tally.times_last[:] = 0
+    tally.times_last[77], tally.total_us[77] = 60, 60 * 20_000
+    tally._collectives = 60
+    table = tally.table()
+    assert table.flagged == [77] and "rank 77 was the last to arrive in 100% of 60" in table.summary()
+    assert sum("<- straggler" in line for line in str(table).splitlines()) == 1
