@@ -16,6 +16,7 @@ from mpistrat import (
     InvalidArgumentError,
 )
 from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.counting import CountingComm, Ledger
 
 
 def pipeline(rank, num_batches, batch=2, dtype=np.int64):
@@ -270,3 +271,26 @@ def test_sharded_shuffled_arrays_partition_the_data(group):
         for _ in range(2)
     ]
     all_ranks_agree(group.comm, seen == [list(range(31))] * 2, f"{seen}")
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_pipeline_step_costs_one_handshake_and_the_counts_travel_once_at_the_end(group, check):
+    """Whether a pipeline ran out rides in the step's handshake, even with the check off: per step a
+    rank moves the same bytes at any R; the per-rank counts (an Allgather) come once, at the end."""
+    strategy = mpistrat.MPIStrategy(
+        CountingComm(group.comm), communication_options=mpistrat.CommunicationOptions(check=check)
+    )
+    steps = 5
+    dist = strategy.distribute_datasets_from_function(lambda ctx: pipeline(ctx.input_pipeline_id, steps))
+    iterator = iter(dist)
+    next(iterator)  # the first step agrees on the element spec too
+    with Ledger.recording() as ledger:
+        for _ in range(steps - 1):
+            next(iterator)
+    with Ledger.recording() as end:
+        assert next(iterator, None) is None
+    handshake = 2 * 13 * 8  # thirteen int64 in and out
+    ok = ledger.names() == ["Allreduce"] * (steps - 1) and ledger.moved == (steps - 1) * handshake
+    ok = ok and end.names() == ["Allreduce", "Allreduce", "Allgather"]  # the step, then the counts
+    all_ranks_agree(group.comm, ok, f"R={group.size}: steps {ledger.log}; end {end.log}")
+    strategy.experimental_finalize()

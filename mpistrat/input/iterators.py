@@ -38,6 +38,7 @@ from mpistrat.input.batches import (
 )
 from mpistrat.input.contexts import InputOptions, require_spmd
 from mpistrat.mismatch import hash64
+from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.strategy import Strategy
@@ -55,6 +56,8 @@ __all__ = [
 END: Any = type("End", (), {"__repr__": lambda self: "<end of data>"})()
 _UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "<unknown>"})()
 _END_CODE = hash64("end of data")
+# A step's handshake runs even with the check off: it says whether any pipeline ran out.
+_HANDSHAKE = CommunicationOptions(check=True)
 
 
 class Source:
@@ -371,18 +374,24 @@ class PipelineIterator(DistributedIterator):
                     if have
                     else spec_fingerprint(spec, collectives.caches.codes)
                 )
-            counts = [
-                batch.size if have else -1,
-                self._batches + have,
-                self._examples + (batch.size if have else 0),
-            ]
-            table = collectives.agree(
+            # Whether any pipeline ran out rides in the handshake (its MAXIMUM slot, so a step costs
+            # no more bytes at more ranks); the per-rank counts travel only then, once per epoch.
+            ended = collectives.agree(
                 "dataset_end",
                 fingerprint=fingerprint,
                 describe=lambda: _describe(batch, spec),
                 error=error,
-                extras=counts,
+                maximum=int(not have),
+                options=None if check_enabled(collectives) else _HANDSHAKE,
             )
+            table = None
+            if ended:
+                counts = [
+                    batch.size if have else -1,
+                    self._batches + have,
+                    self._examples + (batch.size if have else 0),
+                ]
+                table = collectives.agree("dataset_end (counts)", extras=counts)
         except CollectiveMismatchError as exc:
             self._finish(
                 CollectiveMismatchError(
@@ -395,11 +404,11 @@ class PipelineIterator(DistributedIterator):
         except MpistratError as exc:
             self._finish(exc, cause)
         self._steps += 1
-        exhausted = [int(n) < 0 for n in table[:, 0]]
+        exhausted = [False] if table is None else [int(n) < 0 for n in table[:, 0]]
         if all(exhausted) or (any(exhausted) and self._options.uneven == "drop"):
             self._done = True
             return END
-        if any(exhausted) and self._options.uneven == "error":
+        if table is not None and any(exhausted) and self._options.uneven == "error":
             self._done = True
             raise InvalidArgumentError(self._uneven_message(table))
         if not have:
