@@ -168,6 +168,23 @@ def test_ranks_reading_different_global_batches_raise_everywhere(world):
     raises_on_every_rank(world.comm, CollectiveMismatchError, lambda: list(dist), "different global")
 
 
+@pytest.mark.parametrize("shard", [False, True])
+def test_ranks_at_different_passes_of_a_shuffled_dataset_raise_everywhere(world, shard):
+    """Batches of the same shapes but other rows: rank 0 looked at a sample first (one pass)."""
+    if world.size == 1:
+        pytest.skip("needs ranks that can disagree")
+    data = ArrayDataset(make_data(), 5, shuffle=True, seed=1)
+    if shard:
+        data = data.shard(2, 0)
+    if world.rank == 0:
+        next(iter(data))  # starts a pass: the next one is shuffled differently
+    dist = world.strategy.experimental_distribute_dataset(data)
+    message = raises_on_every_rank(
+        world.comm, CollectiveMismatchError, lambda: list(dist), "different global"
+    )
+    assert "the global batch's rows" in message and "from the same position" in message
+
+
 # -- counting: the rows each rank gathers, and the bytes each step sends ----------------------
 
 GATHERED: list[int] = []  # rows selected by every fancy-index request on a Recorded array

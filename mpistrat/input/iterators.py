@@ -26,6 +26,7 @@ from mpistrat.collectives import check_enabled
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
 from mpistrat.input.batches import (
     Batch,
+    Rows,
     agree_specs,
     empty_batch,
     examine,
@@ -37,7 +38,7 @@ from mpistrat.input.batches import (
     fingerprint as batch_fingerprint,
 )
 from mpistrat.input.contexts import InputOptions, require_spmd
-from mpistrat.mismatch import hash64
+from mpistrat.mismatch import checksum, hash64
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ _UNKNOWN: Any = type("Unknown", (), {"__repr__": lambda self: "<unknown>"})()
 _END_CODE = hash64("end of data")
 # A step's handshake runs even with the check off: it says whether any pipeline ran out.
 _HANDSHAKE = CommunicationOptions(check=True)
+_CODE_BITS = (1 << 62) - 1  # what a handshake slot holds with room for its negation
 
 
 class Source:
@@ -184,6 +186,13 @@ class DistributedIterator:
         raise exc
 
 
+def _rows_code(batch: Batch) -> int:
+    """A checksum of the rows a shuffled or sharded ArrayDataset's global batch holds (0 otherwise):
+    ranks at different positions of the dataset read batches of the same shapes but other rows."""
+    rows = next((a for a in batch.leaves if isinstance(a, Rows)), None)
+    return 0 if rows is None else checksum(rows.index) & _CODE_BITS
+
+
 def _describe(batch: Any, spec: Any = None) -> dict[str, Any]:
     """This rank's step, in the form the handshake compares to explain a mismatch."""
     if isinstance(batch, Batch):
@@ -192,6 +201,8 @@ def _describe(batch: Any, spec: Any = None) -> dict[str, Any]:
             (nest.path_str(p), str(a.dtype), tuple(a.shape))
             for (p, _), a in zip(paths, batch.leaves, strict=True)
         ]
+        if code := _rows_code(batch):
+            leaves.append(("the global batch's rows", f"checksum {code:016x}", ()))
         return {"leaves": leaves}
     if spec is not None:
         return {
@@ -245,7 +256,7 @@ class SplitIterator(DistributedIterator):
             if isinstance(batch, Batch):
                 fingerprint = batch_fingerprint(
                     batch.treespec, batch.leaves, shapes=True, memo=collectives.caches.codes
-                )
+                ) ^ _rows_code(batch)
             try:
                 collectives.agree(
                     "dataset_step", fingerprint=fingerprint, describe=lambda: _describe(batch), error=error
@@ -255,7 +266,9 @@ class SplitIterator(DistributedIterator):
                     CollectiveMismatchError(
                         f"{self.where}: the ranks read different global batches at step {self._steps + 1}. "
                         "Every rank must iterate the same dataset (the same batches in the same order; "
-                        f"shuffle with a seed shared by all ranks). {exc}"
+                        "shuffle with a seed shared by all ranks) from the same position: a shuffled "
+                        "ArrayDataset reshuffles at every pass, so a pass over it on some ranks only "
+                        f"(to look at a sample) moves those ranks to another order. {exc}"
                     ),
                     cause,
                 )
