@@ -292,8 +292,11 @@ b = json.load(open(f"{results}/{preempted}/train.json"))
 assert a["runs"] == 1 and b["runs"] == 2, (a, b)
 assert a["weights_sha256"] and a["weights_sha256"] == b["weights_sha256"], (a, b)
 log = open(f"{results}/slurm-{preempted}.out").read()
-for stage in ("SIGUSR1 on this rank", "saving a checkpoint", "requeued Slurm job", "restored ", "run 2"):
+for stage in ("SIGUSR1 on this rank", "saving a checkpoint", "then requeues Slurm job", "restored ", "run 2"):
     assert stage in log, f"no {stage!r} in the preempted job's output:\n{log}"
+# The requeue itself: rank 0's line after scontrol returns, unless Slurm cancelled the step first
+# (it does so as part of the requeue), which it then logs itself.
+assert "requeued Slurm job" in log or "DUE TO JOB REQUEUE" in log, f"no requeue in the output:\n{log}"
 print(f"test-slurm: job {preempted} was preempted, requeued and resumed to the uninterrupted weights")
 PY
 fi
