@@ -166,6 +166,7 @@ class _GroupStep:
 
 def _plan_group(group: Group, positions: list[int], present: list[int]) -> _GroupStep:
     lay, spans = group.layout, group.params.spans
+    sizes = [spans[i][1] - spans[i][0] for i in present]
     runs, gaps, updates = [], [], []
     for k in range(lay.packs):
         lo, hi = lay.bounds(k)
@@ -184,7 +185,6 @@ def _plan_group(group: Group, positions: list[int], present: list[int]) -> _Grou
         filled = [(r[0], r[1]) for r in pack_runs]
         edges = [0] + [e for r in filled for e in r] + [hi - lo]
         gaps.append([(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b])
-        sizes = [spans[i][1] - spans[i][0] for i in present]
         runs.append([(a, b, p, all(x == 0 and y == sizes[j] for j, x, y in p)) for a, b, p in pack_runs])
         own_lo, own_hi = lay.owned(k)
         mine: list[tuple[int, int]] = []
