@@ -3,8 +3,9 @@
 ``mpistrat bench`` interleaves the sides, so each step starts with the caches holding the
 other sides' arrays. This tool times each side in two ways, per call after a barrier, mean
 over ``--calls``. *warm*: one side at a time, many calls in a row. *cold*: the sides in
-turn, and before every call 48 MiB of other memory is read. ``docs/performance.md``
-quotes it:
+turn, and before every call 48 MiB of other memory is read. Unsharded, it then times the
+parts on cold caches: packing, the ``Allreduce`` and the update on each side's own arrays,
+and mpistrat's handshake and ``strategy.run`` alone. ``docs/performance.md`` quotes it:
 
     mpiexec -n 2 python tools/step_cold_warm.py --variables 16 --optimizer sgd
 """
@@ -25,40 +26,49 @@ from mpistrat.optimizers import SGD, Adam
 LR, B1, B2, EPS, MOMENTUM = 1e-3, 0.9, 0.999, 1e-7, 0.9
 
 
-def hand_written(optimizer: str, grads: list[np.ndarray], comm: MPI.Intracomm) -> Callable[[], None]:
+class HandWritten:
     """The flat step a user writes: one buffer per slot, one Allreduce, whole-array passes."""
-    count = sum(g.size for g in grads)
-    w, fused = np.ones(count, np.float32), np.empty(count, np.float32)
-    m, v = np.zeros(count, np.float32), np.zeros(count, np.float32)
-    steps = [0]
 
-    def step() -> None:
-        np.concatenate(grads, out=fused)
-        comm.Allreduce(MPI.IN_PLACE, fused)
-        steps[0] += 1
-        g = fused
-        if optimizer == "sgd":
-            m.__imul__(MOMENTUM)
+    def __init__(self, optimizer: str, grads: list[np.ndarray], comm: MPI.Intracomm):
+        count = sum(g.size for g in grads)
+        self.optimizer, self.grads, self.comm, self.steps = optimizer, grads, comm, 0
+        self.w, self.fused = np.ones(count, np.float32), np.empty(count, np.float32)
+        self.m, self.v = np.zeros(count, np.float32), np.zeros(count, np.float32)
+
+    def __call__(self) -> None:
+        self.concatenate()
+        self.allreduce()
+        self.update()
+
+    def concatenate(self) -> None:
+        np.concatenate(self.grads, out=self.fused)
+
+    def allreduce(self) -> None:
+        self.comm.Allreduce(MPI.IN_PLACE, self.fused)
+
+    def update(self) -> None:
+        self.steps += 1
+        g, w, m, v = self.fused, self.w, self.m, self.v
+        if self.optimizer == "sgd":
+            m *= MOMENTUM
             g *= LR
-            m.__isub__(g)
-            w.__iadd__(m)
+            m -= g
+            w += m
             return
-        t = steps[0]
+        t = self.steps
         lr_t = LR * math.sqrt(1 - B2**t) / (1 - B1**t)
-        m.__imul__(B1)
+        m *= B1
         g *= 1 - B1
-        m.__iadd__(g)
+        m += g
         np.square(g, out=g)
         g *= (1 - B2) / (1 - B1) ** 2
-        v.__imul__(B2)
-        v.__iadd__(g)
+        v *= B2
+        v += g
         np.sqrt(v, out=g)
         g += EPS
         np.divide(m, g, out=g)
         g *= lr_t
-        w.__isub__(g)
-
-    return step
+        w -= g
 
 
 def timed(comm: MPI.Intracomm, fn: Callable[[], None], before: Callable[[], object]) -> float:
@@ -89,7 +99,7 @@ def main() -> None:
     pairs = list(zip(grads, ws, strict=True))
     sides = {
         "mpistrat": lambda: strategy.run(lambda: opt.apply_gradients(pairs)),
-        "hand": hand_written(args.optimizer, grads, comm),
+        "hand": (hand := HandWritten(args.optimizer, grads, comm)),
     }
     junk = np.ones(12 << 20, np.float32)
     results: dict[str, dict[str, float]] = {"warm": {}, "cold": dict.fromkeys(sides, 0.0)}
@@ -102,8 +112,36 @@ def main() -> None:
     for i in range(args.calls):
         for name in list(sides)[i % 2 :] + list(sides)[: i % 2]:
             results["cold"][name] += timed(comm, sides[name], junk.sum) / args.calls
+    if not args.shard:  # the parts of an unsharded step, on cold caches, each side's own arrays
+        state = opt._flat_state()
+        assert state is not None
+        group, collectives = state.groups[0], strategy.extended.collectives
+        slots = group.claim_slots()
+        parts = {
+            "concatenate": (lambda: np.concatenate(grads, out=group.staging), hand.concatenate),
+            "Allreduce": (lambda: collectives.all_reduce_in_place(group.staging), hand.allreduce),
+            "update": (
+                lambda: opt._update_flat(group.params.array, group.staging, slots, LR, 1),
+                hand.update,
+            ),
+        }
+        for name, (ours, theirs) in parts.items():
+            mine = sum(timed(comm, ours, junk.sum) for _ in range(args.calls)) / args.calls
+            other = sum(timed(comm, theirs, junk.sum) for _ in range(args.calls)) / args.calls
+            results[f"cold {name}"] = {"mpistrat": mine, "hand": other}
+        alone = {
+            "handshake": lambda: collectives.agree("apply_gradients"),
+            "strategy.run(no-op)": lambda: strategy.run(lambda: None),
+        }
+        for name, fn in alone.items():
+            results[f"cold {name}"] = {
+                "mpistrat": sum(timed(comm, fn, junk.sum) for _ in range(args.calls)) / args.calls
+            }
     if comm.rank == 0:
         for how, row in results.items():
+            if "hand" not in row:
+                print(f"{how}: {row['mpistrat'] * 1e6:.0f} us")
+                continue
             ratio = row["mpistrat"] / row["hand"]
             print(
                 f"{how}: mpistrat {row['mpistrat'] * 1e6:.0f} us, "
