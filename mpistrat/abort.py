@@ -152,7 +152,6 @@ def abort_later(seconds: float, message: str) -> None:
     if _doomed is not None:
         return
     _doomed = message
-    atexit.register(_at_exit)
     timer = threading.Timer(seconds, abort_job, args=(message,))
     timer.daemon = True
     timer.start()
@@ -161,3 +160,8 @@ def abort_later(seconds: float, message: str) -> None:
 def _at_exit() -> None:
     if _doomed is not None:
         abort_job(_doomed)
+
+
+# Registered at import, so it runs after the program's exit handlers (atexit is LIFO): an error
+# raised in one of them ("Exception ignored in atexit callback") still ends the job non-zero.
+atexit.register(_at_exit)

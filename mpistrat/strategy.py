@@ -11,7 +11,7 @@ from typing import Any
 import optree
 from mpi4py import MPI
 
-from mpistrat import abort, context, merge, nest, values
+from mpistrat import abort, config, context, merge, nest, values, watchdog
 from mpistrat.collectives import to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
@@ -346,7 +346,9 @@ class MPIStrategy(Strategy):
             )
         options = CommunicationOptions().merge(communication_options)
         abort.install()  # an uncaught exception on one rank now ends the job, not just that rank
-        super().__init__(StrategyExtended(self, comm.Dup(), options, merge_call=merge_call))
+        timeout = options.timeout_seconds or config.read("MPISTRAT_TIMEOUT")
+        private = watchdog.duplicate(comm, timeout) if comm.Get_size() > 1 else comm.Dup()
+        super().__init__(StrategyExtended(self, private, options, merge_call=merge_call))
 
 
 class _DefaultStrategy(Strategy):

@@ -32,12 +32,16 @@ one query round per waiting rank (which is 2(R-1)² messages with one straggler)
    computes elsewhere, so rank 0 coordinates even when it is the missing rank.
 2. The coordinator diagnoses the first report of an event itself (rank 0 waiting in the
    collective starts on its own timer): one ``query`` to every other rank and their
-   ``answer``, gathered for at most ``GRACE`` seconds without blocking its thread.
+   ``answer``, gathered until every rank answered or ``LISTEN`` seconds passed, without
+   blocking its thread. Ranks oversubscribed on few cores answer late; a rank that does
+   not answer is named as such ("slow to answer, or killed, ..."), never as gone.
 3. It sends the ``result`` to every rank that reported or was found waiting, so ranks
    whose own timer comes later already have it and report nothing. A report that comes
-   after the result is answered with it directly.
+   after the result is answered with it directly. Only the rank that prints the diagnosis
+   (the lowest waiting one) gets its O(R) text; the others get a line that points to it.
 
-Per event that is at most R-1 reports, R-1 queries, R-1 answers and R-1 results. A
+Per event that is at most R-1 reports, R-1 queries, R-1 answers and R-1 results, O(R)
+bytes in all. A
 reporter that has no result ``WAIT`` seconds after reporting reports to the next rank
 (1, then 2, ...), and diagnoses the event itself when its own rank comes up, so a
 stopped or finished rank 0 costs ``WAIT`` seconds and R-1 reports per rank passed over,
@@ -73,13 +77,14 @@ from mpistrat.callsite import call_site
 from mpistrat.errors import CollectiveTimeoutError, ContextError
 from mpistrat.log import ANY_RANK, logger
 
-__all__ = ["WATCHDOG", "Monitor", "Watchdog", "collective", "unwatch", "wait", "watch"]
+__all__ = ["WATCHDOG", "Monitor", "Watchdog", "collective", "duplicate", "unwatch", "wait", "watch"]
 
 TAG = 0x6D73  # reserved on the private communicator for the watchdog's messages
 POLL = 0.1  # seconds between the watchdog's looks (and the latency of its answers)
-GRACE = 1.0  # seconds to wait for answers to a query
-WAIT = GRACE + 5 * POLL  # seconds a reporter waits for a result before reporting to the next rank
-PATIENCE = 2 * WAIT + GRACE  # seconds after a deadline to wait for its diagnosis (one stand-in fits)
+GRACE = 1.0  # seconds diagnose() waits for answers to a query by default
+LISTEN = 4.0  # seconds a diagnosis waits for every answer: oversubscribed ranks answer late, not never
+WAIT = LISTEN + 5 * POLL  # seconds a reporter waits for a result before reporting to the next rank
+PATIENCE = 2 * WAIT + LISTEN  # seconds after a deadline to wait for its diagnosis (one stand-in fits)
 ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abort
 
 _KEEP = 32  # events remembered per strategy (results, reports)
@@ -88,7 +93,7 @@ FINALIZED = "which ranks are missing is unknown (the strategy was finalized)"
 
 F = TypeVar("F", bound=Callable[..., Any])
 Event = tuple[int, str, str]  # (seq, kind, "stall" | "timeout"): one event of one collective
-Result = tuple[str, list[int]]  # (who is missing and where, the ranks waiting in the collective)
+Result = tuple[str, int]  # (who is missing and where, the rank that prints it: -1 each rank)
 
 
 @dataclasses.dataclass
@@ -96,7 +101,7 @@ class Diagnosis:
     """An event this rank diagnoses: its query, when to stop waiting, who to tell besides the waiting."""
 
     qid: int
-    ends: float
+    began: float
     reporters: set[int]
 
 
@@ -192,6 +197,8 @@ class Watchdog:
         self.queries = itertools.count(1)
         self.sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
         self.pid = os.getpid()  # a forked child inherits this object and the exit hook, not the rank
+        self.exited = False  # the exit hook ran: the thread is stopped and this rank said it leaves
+        self.departed: dict[int, str] = {}  # world rank -> why, of every rank any strategy heard leave
 
     def start(self) -> None:
         if self.thread is not None and self.thread.is_alive():
@@ -199,13 +206,18 @@ class Watchdog:
         self.stop.clear()
         self.thread = threading.Thread(target=self.run, name="mpistrat-watchdog", daemon=True)
         self.thread.start()
-        atexit.register(self.shutdown)
 
     def shutdown(self) -> None:
         """Say this rank leaves, then stop the thread before MPI is finalized (atexit runs before
-        mpi4py finalizes MPI)."""
+        mpi4py finalizes MPI).
+
+        Registered when this module is imported, so it runs after the ``atexit`` handlers a
+        program registers after ``import mpistrat``: their collectives are still watched, and a
+        rank that skips one is named. A collective after this hook is bounded by its timeout alone.
+        """
         with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
             announce_exit()
+        self.exited = True
         self.stop.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=2 * POLL + GRACE)
@@ -263,6 +275,7 @@ class Watchdog:
 
 
 WATCHDOG = Watchdog()
+atexit.register(WATCHDOG.shutdown)  # at import: after the program's own exit handlers (atexit is LIFO)
 
 
 def watch(collectives: Any) -> Monitor:
@@ -342,7 +355,9 @@ def collective(default_kind: str) -> Callable[[F], F]:
                 now = time.monotonic()
                 mon.kind = kind
                 mon.deadline = None if timeout is None else now + timeout
-                mon.polled = timeout is not None and (chosen is not None or mon.env_polled)
+                # After the exit hook no thread watches: the handshake polls, to bound the collective itself.
+                polled = chosen is not None or mon.env_polled or WATCHDOG.exited
+                mon.polled = timeout is not None and polled
                 mon.start = now
                 try:
                     result = method(self, *args, **kwargs)
@@ -386,30 +401,90 @@ def wait(mon: Monitor, request: MPI.Request) -> None:
             spins += 1
             if spins > 2000:  # past the fast path: stop burning a core
                 time.sleep(0.0002)
-                if mon.deadline is not None and time.monotonic() > mon.deadline + PATIENCE + GRACE:
-                    # The watchdog should have answered by now; do not wait for it forever.
-                    mon.expired = (
-                        f"{mon.kind} (collective #{mon.seq}) timed out; the missing ranks are unknown "
-                        "(the watchdog thread did not report)"
-                    )
-                    abort.abort_later(ABORT_DELAY, mon.expired)
+                if mon.deadline is not None:
+                    _unattended(mon, time.monotonic() - mon.deadline)
     finally:
         mon.polling = False
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+def duplicate(comm: MPI.Intracomm, timeout: float | None, what: str = "MPIStrategy()") -> MPI.Intracomm:
+    """``comm.Dup()`` (collective over ``comm``), bounded: the job ends, with a message naming
+    ``what``, when a rank of ``comm`` is heard to have exited, or after ``timeout`` seconds.
 
-
-def _where(rank: int, answer: dict[str, Any] | None) -> str:
-    name = (
-        f"rank {rank}"
-        if answer is None or answer["world"] == rank
-        else f"rank {rank} (world {answer['world']})"
+    Who exited is known from the strategies this process already watches (see
+    :func:`announce_exit`); the wait costs nothing until the first poll finds the copy unfinished.
+    """
+    new, request = comm.Idup()
+    ends = None if timeout is None else time.monotonic() + timeout
+    members: set[int] | None = None  # world ranks of comm, worked out once a rank has left
+    while not request.Test():
+        time.sleep(0.001)
+        if WATCHDOG.departed:
+            if members is None:
+                members = _world_ranks(comm)
+            gone = sorted(set(WATCHDOG.departed) & members)
+            if gone:
+                problem = f"world rank {gone[0]} exited ({WATCHDOG.departed[gone[0]]})"
+                break
+        if ends is not None and time.monotonic() > ends:
+            problem = f"it did not complete within its timeout of {timeout:g} s (MPISTRAT_TIMEOUT)"
+            break
+    else:
+        return new
+    abort.abort_job(
+        f"{what} cannot create its communicator (MPI_Comm_dup, collective over the {comm.Get_size()} ranks "
+        f"of the one it was given, called at {call_site(sys._getframe(1))}): {problem}. The job is aborted."
     )
-    if answer is None:
-        why = "it exited, was killed, or is blocked outside Python or in a long MPI call"
-        return f"{name} did not answer ({why})"
+
+
+def _world_ranks(comm: MPI.Intracomm) -> set[int]:
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return {int(r) for r in group.Translate_ranks(None, world)}
+    finally:
+        group.Free()
+        world.Free()
+
+
+def _unattended(mon: Monitor, late: float) -> None:
+    """This rank's collective is ``late`` seconds past its deadline and no watchdog thread ended it."""
+    if WATCHDOG.exited and late > 0:
+        # Called from an exit handler that ran after mpistrat's: nothing could catch an error
+        # and end the job, so end it here.
+        timeout = f" of {mon.deadline - mon.start:g} s" if mon.deadline and mon.start else ""
+        abort.abort_job(
+            f"{_headline(mon)} did not complete within its timeout{timeout}; the missing ranks are "
+            "unknown: it was called after mpistrat's exit hook, which stops the watchdog (register "
+            "exit handlers that call collectives after `import mpistrat`, so they run first). "
+            "The job is aborted."
+        )
+    if late > PATIENCE + GRACE:  # the watchdog should have answered by now; do not wait for it forever
+        mon.expired = (
+            f"{mon.kind} (collective #{mon.seq}) timed out; the missing ranks are unknown "
+            "(the watchdog thread did not report)"
+        )
+        abort.abort_later(ABORT_DELAY, mon.expired)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5, 6``: runs of three or more are ranges, so a list of most of R
+    ranks stays short.
+
+    >>> _ranks([6, 5, 0, 1, 2])
+    'ranks 0-2, 5, 6'
+    """
+    ordered, runs = sorted(ranks), list[list[int]]()
+    for r in ordered:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b - a > 1 else ", ".join(map(str, range(a, b + 1))) for a, b in runs)
+    return ("rank " if len(ordered) == 1 else "ranks ") + text
+
+
+def _where(rank: int, answer: dict[str, Any]) -> str:
+    name = f"rank {rank}" if answer["world"] == rank else f"rank {rank} (world {answer['world']})"
     if answer["waited"] is not None:
         return f"{name} is in {answer['kind']} (collective #{answer['seq']}) at {answer['site']}"
     last = answer["last"]
@@ -417,8 +492,20 @@ def _where(rank: int, answer: dict[str, Any] | None) -> str:
     return f"{name} is not in a collective ({done}); it is at {answer['site']}"
 
 
-def _explain(seq: int, kind: str, answers: dict[int, dict[str, Any]], size: int, known: set[int]) -> Result:
-    """Who is missing from collective ``seq`` (``kind``), by the answers; ``known`` ranks wait in it too."""
+def _silent(ranks: list[int], listened: float) -> str:
+    """The ranks that did not answer: slow (oversubscribed, in a long MPI call) is not gone."""
+    why = "slow to answer, or killed, or blocked outside Python"
+    return f"{_ranks(ranks)} did not answer within {listened:.0f} s ({why})"
+
+
+def _explain(
+    seq: int, kind: str, answers: dict[int, dict[str, Any]], size: int, known: set[int], listened: float
+) -> tuple[str, list[int]]:
+    """Who is missing from collective ``seq`` (``kind``), by the answers; ``known`` ranks wait in it too.
+
+    Returns the explanation and the ranks waiting in the collective. A rank that did not answer
+    within ``listened`` seconds is named once, with the others, not reported as gone.
+    """
     waiting = sorted(
         known
         | {r for r, a in answers.items() if a["waited"] is not None and a["seq"] == seq and a["kind"] == kind}
@@ -438,15 +525,19 @@ def _explain(seq: int, kind: str, answers: dict[int, dict[str, Any]], size: int,
             "every rank has entered it (its opening handshake completed): a long transfer, not a missing rank"
         )
         if silent:
-            text += f"; {_ranks(silent)} did not answer within {GRACE:g} s (busy inside it)"
+            text += f"; {_ranks(silent)} did not answer within {listened:.0f} s (busy inside it)"
         if done:
             text += f"; {'; '.join(_where(r, answers[r]) for r in done)} (finished it)"
         return text, waiting
-    lines = "; ".join(_where(r, answers.get(r)) for r in missing)
-    return f"waiting for {_ranks(missing)}: {lines}. Waiting in it: {_ranks(waiting)}", waiting
+    absent, silent = [r for r in missing if r in answers], [r for r in missing if r not in answers]
+    lines = [_where(r, answers[r]) for r in absent] + ([_silent(silent, listened)] if silent else [])
+    return (
+        f"waiting for {_ranks(absent or silent)}: {'; '.join(lines)}. Waiting in it: {_ranks(waiting)}",
+        waiting,
+    )
 
 
-def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
+def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> tuple[str, list[int]]:
     """Ask every rank where it is, from this thread; return (who is missing, the waiting ranks).
 
     This rank counts as waiting. The watchdog does not call this on every waiting rank:
@@ -454,10 +545,10 @@ def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
     """
     seq, kind = mon.seq, mon.kind
     if not mon.side:
-        return NO_SIDE_CHANNEL, []
+        return NO_SIDE_CHANNEL, [mon.rank]
     with WATCHDOG.lock:
         if mon not in WATCHDOG.registry:
-            return FINALIZED, []
+            return FINALIZED, [mon.rank]
         qid = _query(mon)
     end = time.monotonic() + grace
     while time.monotonic() < end and len(mon.answers[qid]) < mon.size - 1 and mon.start == start:
@@ -466,7 +557,7 @@ def diagnose(mon: Monitor, start: float | None, grace: float = GRACE) -> Result:
     with WATCHDOG.lock:
         answers = mon.answers.pop(qid)
     answers[mon.rank] = mon.state()
-    explanation, waiting = _explain(seq, kind, answers, mon.size, {mon.rank})
+    explanation, waiting = _explain(seq, kind, answers, mon.size, {mon.rank}, grace)
     return explanation + _records(mon, answers), waiting
 
 
@@ -497,13 +588,19 @@ def _coordinate(mon: Monitor, event: Event, reporter: int | None) -> None:
     """``reporter`` (None: this rank) waits in ``event``: answer it, or diagnose the event for everyone."""
     if event in mon.results:
         if reporter is not None:
-            _send(mon, ("result", event, *mon.results[event]), reporter)
+            speaker = mon.results[event][1]
+            _send(mon, ("result", event, _pointer(speaker), speaker), reporter)
     elif event in mon.diagnosing:
         if reporter is not None:
             mon.diagnosing[event].reporters.add(reporter)
     else:
         reporters = set() if reporter is None else {reporter}
-        mon.diagnosing[event] = Diagnosis(_query(mon), time.monotonic() + GRACE, reporters)
+        mon.diagnosing[event] = Diagnosis(_query(mon), time.monotonic(), reporters)
+
+
+def _pointer(speaker: int) -> str:
+    """What the ranks that do not print a diagnosis say instead (O(1) bytes each, not O(R))."""
+    return f"rank {speaker} prints who is missing"
 
 
 def _serve(mon: Monitor) -> None:
@@ -525,21 +622,22 @@ def _serve(mon: Monitor) -> None:
             elif what == "report":
                 _coordinate(mon, tuple(ref), source)
             elif what == "result":
-                _remember(mon.results, tuple(ref), (payload[0], list(payload[1])))
-            elif what == "left":  # ref: the rank that exited; payload: its last collective, why
-                _depart(mon, ref, payload[0], payload[1], told_by=source)
+                _remember(mon.results, tuple(ref), (payload[0], int(payload[1])))
+            elif what == "left":  # ref: the rank that exited; payload: its last collective, why, world rank
+                _depart(mon, ref, payload[0], payload[1], payload[2], told_by=source)
 
 
-def _depart(mon: Monitor, rank: int, last: int, why: str, told_by: int) -> None:
+def _depart(mon: Monitor, rank: int, last: int, why: str, world: int, told_by: int) -> None:
     """``rank`` exited after collective ``last``; the coordinator tells every other rank of the first."""
     if rank in mon.departed:
         return
     first = not mon.departed
     mon.departed[rank] = (last, why)
+    WATCHDOG.departed.setdefault(world, why)
     if first and told_by == rank:  # from the rank itself: this rank is its coordinator
         for r in range(mon.size):
             if r not in (rank, mon.rank):
-                _send(mon, ("left", rank, last, why), r)
+                _send(mon, ("left", rank, last, why, world), r)
 
 
 def _coordinator(mon: Monitor) -> int:
@@ -555,11 +653,11 @@ def announce_exit() -> None:
     """
     if not MPI.Is_initialized() or MPI.Is_finalized() or os.getpid() != WATCHDOG.pid:
         return  # (a forked child inherits the exit hook, not the rank: its parent goes on)
-    why = _exit_reason()
+    why, world = _exit_reason(), MPI.COMM_WORLD.Get_rank()
     with WATCHDOG.lock:
         for mon in list(WATCHDOG.registry):
             if mon.side and mon.watched:
-                _send(mon, ("left", mon.rank, mon.completed, why), _coordinator(mon))
+                _send(mon, ("left", mon.rank, mon.completed, why, world), _coordinator(mon))
     ends = time.monotonic() + GRACE
     while WATCHDOG.sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
         with WATCHDOG.lock:
@@ -584,32 +682,33 @@ def _advance(mon: Monitor) -> None:
             return
         for event, job in list(mon.diagnosing.items()):
             answers = mon.answers[job.qid]
-            if len(answers) < mon.size - 1 and now < job.ends:
+            if len(answers) < mon.size - 1 and now < job.began + LISTEN:
                 continue
             del mon.diagnosing[event], mon.answers[job.qid]
             answers[mon.rank] = mon.state()
             silent = {r for r in job.reporters if r not in answers}  # reported it, then stopped answering
-            explanation, waiting = _explain(event[0], event[1], answers, mon.size, silent)
+            explanation, waiting = _explain(event[0], event[1], answers, mon.size, silent, now - job.began)
             if mon.rank > 0:  # reports reach rank r only after ranks 0 to r-1 did not reply
                 passed = "rank 0" if mon.rank == 1 else f"ranks 0 to {mon.rank - 1}"
                 explanation += f" ({passed} did not answer as the watchdog's coordinator; "
                 explanation += f"rank {mon.rank} stood in)"
-            # Every rank's flight record goes to one rank, the one that speaks for the waiting
-            # ones: sent to each, the records would cost O(R^2) bytes and lines.
+            # The diagnosis (O(R) text with every rank's flight record) goes to one rank, the one
+            # that speaks for the waiting ones; the others get a pointer to it. Sent to each, it
+            # would cost O(R^2) bytes.
             full = explanation + _records(mon, answers)
             speaker = min(waiting) if waiting else mon.rank
-            _remember(mon.results, event, (full if mon.rank == speaker else explanation, waiting))
+            _remember(mon.results, event, (full if mon.rank == speaker else _pointer(speaker), speaker))
             for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
-                _send(mon, ("result", event, full if r == speaker else explanation, waiting), r)
+                _send(mon, ("result", event, full if r == speaker else _pointer(speaker), speaker), r)
 
 
 def _result(mon: Monitor, event: Event, now: float) -> Result | None:
     """The diagnosis of ``event`` (this rank waits in it) if it is here; else see that one is on its way."""
     if not mon.side:
-        return NO_SIDE_CHANNEL, []
+        return NO_SIDE_CHANNEL, -1
     with WATCHDOG.lock:
         if mon not in WATCHDOG.registry:
-            return FINALIZED, []
+            return FINALIZED, -1
         if event in mon.results:
             return mon.results[event]
         if event in mon.diagnosing:
@@ -657,7 +756,7 @@ def _tend(mon: Monitor) -> None:
             result = (
                 f"which ranks are missing is unknown (no diagnosis came within {PATIENCE:g} s: "
                 "the ranks asked to make one did not answer)",
-                [],
+                -1,
             )
         if result is not None:
             mon.handled = start
@@ -684,8 +783,8 @@ def _headline(mon: Monitor) -> str:
 
 
 def _warn(mon: Monitor, start: float, waited: float, result: Result) -> None:
-    (explanation, records), waiting = flight.split(result[0]), result[1]
-    if mon.start != start or (waiting and mon.rank != min(waiting)):
+    (explanation, records), speaker = flight.split(result[0]), result[1]
+    if mon.start != start or speaker not in (-1, mon.rank):
         return  # it completed meanwhile, or the lowest waiting rank speaks for all of them
     late = stragglers.note(getattr(mon.owner(), "stragglers", None))
     logger.warning(

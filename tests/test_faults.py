@@ -141,22 +141,26 @@ def test_a_killed_rank_ends_the_job_with_default_settings():
 
 
 def test_a_frozen_rank_is_named_as_not_answering():
-    code, out = run_job("freeze_rank.py", limit=5 + 10)
+    code, out = run_job("freeze_rank.py", limit=5 + 20)
     assert code != 0, out
-    assert "waiting for rank 1: rank 1 did not answer" in out, out
+    assert "waiting for rank 1: rank 1 did not answer within" in out, out
 
 
 def test_a_frozen_coordinator_is_stood_in_for_and_every_waiting_rank_raises():
-    code, out = run_job("freeze_rank.py", "0", limit=5 + 10)
+    """Rank 1 stands in for rank 0; the lowest waiting rank prints the diagnosis, the other points to it."""
+    code, out = run_job("freeze_rank.py", "0", limit=5 + 25)
     assert code != 0, out
-    explanation = (
-        "waiting for rank 0: rank 0 did not answer (it exited, was killed, or is blocked outside Python "
-        "or in a long MPI call). "
-        "Waiting in it: ranks 1, 2 (rank 0 did not answer as the watchdog's coordinator; rank 1 stood in)"
+    explanation = re.compile(
+        r"waiting for rank 0: rank 0 did not answer within \d s \(slow to answer, or killed, or blocked "
+        r"outside Python\)\. Waiting in it: ranks 1, 2 \(rank 0 did not answer as the watchdog's "
+        r"coordinator; rank 1 stood in\)"
     )
+    assert len(explanation.findall(out)) == 1, out
     for r in (1, 2):
         assert f"[rank {r}] mpistrat.errors.CollectiveTimeoutError: all_reduce (collective #2" in out, out
-        assert f"[rank {r}] mpistrat.errors.CollectiveTimeoutError" in out and explanation in out, out
+    assert (
+        "[rank 2] mpistrat.errors.CollectiveTimeoutError: " in out and "rank 1 prints who is missing" in out
+    ), out
 
 
 def test_merge_fn_error_reaches_every_rank_and_the_strategy_goes_on():
@@ -176,25 +180,42 @@ def test_a_late_rank_gets_a_stall_warning_naming_it():
 
 
 @pytest.mark.parametrize(
-    ("ranks", "late", "freeze"),
-    [(2, -1, False), (3, -1, False), (4, -1, False), (4, 0, False), (2, 0, True), (4, 0, True)],
-    ids=["2-last", "3-last", "4-last", "4-first", "2-first-frozen", "4-first-frozen"],
+    ("ranks", "late", "freeze", "slow"),
+    [
+        (2, -1, False, 0),
+        (3, -1, False, 0),
+        (4, -1, False, 0),
+        (4, 0, False, 0),
+        (2, 0, True, 0),
+        (4, 0, True, 0),
+        (16, -1, False, 4),
+    ],
+    ids=["2-last", "3-last", "4-last", "4-first", "2-first-frozen", "4-first-frozen", "16-last-4-slow"],
 )
-def test_a_stall_costs_side_channel_messages_linear_in_the_ranks(ranks, late, freeze):
+def test_a_stall_costs_side_channel_messages_linear_in_the_ranks(ranks, late, freeze, slow):
     """One rank diagnoses a stall for everyone: per event at most one report, query, answer and result
     per other rank, 4(R-1). A frozen rank 0 (the coordinator) is passed over after a wait: one more
     report per waiting rank, and when it wakes it diagnoses the stale reports once: 8(R-1) in all.
 
+    At 16 oversubscribed ranks, 4 of them alive but slow to answer, the warning still names only
+    the late rank (it called slow ranks gone: "did not answer (it exited, ...)"), and the bytes stay
+    O(R): the diagnosis's text goes to the rank that prints it, not to every waiting rank (17 KB,
+    1.1 KB per rank, at 16 ranks; 0.44 KB per rank now).
+
     The job checks that one warning was logged, naming the late rank (tests/faults/stall_count.py).
     """
-    args = [str(late)] + (["--freeze"] if freeze else [])
+    args = [str(late)] + (["--freeze"] if freeze else []) + (["--slow", str(slow)] if slow else [])
     env = {"MPISTRAT_STALL_WARNING_SECONDS": "1"}
-    code, out = run_job("stall_count.py", *args, limit=30, env=env, ranks=ranks)
+    code, out = run_job("stall_count.py", *args, limit=90, env=env, ranks=ranks)
     assert code == 0, out
-    found = re.search(rf"side-channel messages for one stall at {ranks} ranks \(rank \d+ \w+\): (\d+)", out)
+    found = re.search(
+        rf"side-channel messages for one stall at {ranks} ranks \(rank \d+ \w+\): (\d+), (\d+) bytes", out
+    )
     assert found, out
-    messages = int(found.group(1))
+    messages, nbytes = int(found.group(1)), int(found.group(2))
     assert 0 < messages <= (8 if freeze else 4) * (ranks - 1), out
+    if not freeze:
+        assert nbytes <= 600 * ranks, out
     assert out.count(" WARNING: all_reduce (collective #2") == 1, out
     assert all(f"rank {r} finished" in out for r in range(ranks)), out
 
@@ -243,7 +264,7 @@ def test_a_long_transfer_is_not_blamed_on_a_rank():
     assert all("every rank " in w for w in warnings), out
 
 
-@pytest.mark.parametrize("how", ["exit0", "exit3", "raise", "skip", "inside"])
+@pytest.mark.parametrize("how", ["exit0", "exit3", "raise", "skip", "inside", "create"])
 def test_a_rank_that_leaves_ends_the_job_at_once_naming_it(how):
     """With default settings the others used to wait forever (one warning at 60 s). Now the
     leaving rank's exit hook tells them, and they end the job naming it."""
@@ -254,12 +275,41 @@ def test_a_rank_that_leaves_ends_the_job_at_once_naming_it(how):
     why = {"raise": "an uncaught ValueError", "inside": "an uncaught OSError"}.get(
         how, "sys.exit or the end of its program"
     )
-    named = re.findall(
-        r"\[rank (\d)\] mpistrat: all_reduce \(collective #2, called at .*rank_leaves.py:\d+ "
-        rf"in [<>\w]+\) cannot complete: rank 1 exited after collective #1 \({why}\)",
-        out,
-    )
+    if how == "create":  # strategy creation (MPI_Comm_dup) is covered too
+        pattern = (
+            r"\[rank (\d)\] mpistrat: MPIStrategy\(\) cannot create its communicator \(MPI_Comm_dup, "
+            rf"collective over the 3 ranks .*rank_leaves.py:\d+ in <module>\): world rank 1 exited \({why}\)"
+        )
+    else:
+        pattern = (
+            r"\[rank (\d)\] mpistrat: all_reduce \(collective #2, called at .*rank_leaves.py:\d+ "
+            rf"in [<>\w]+\) cannot complete: rank 1 exited after collective #1 \({why}\)"
+        )
+    named = re.findall(pattern, out)
     assert named and set(named) <= {"0", "2"}, out
+
+
+@pytest.mark.parametrize("how", ["every", "early", "before_import"])
+def test_collectives_in_exit_handlers_work_or_end_the_job_naming_what_is_missing(how):
+    """A program's atexit handler reduces. Every rank doing so works; rank 1 returning early used
+    to hang the others silently (mpistrat's hook had stopped the watchdog). Now its exit is seen
+    and named, or, for a handler that runs after mpistrat's hook, the timeout ends the job."""
+    code, out = run_job("exit_handler.py", how, limit=40)
+    if how == "every":
+        assert code == 0, out
+        assert on_every_rank(out, f"exit handler total {[float(RANKS)] * 2}"), out
+        return
+    assert code != 0, out
+    assert "rank 1 returns early" in out and "rank 0 exit handler" not in out, out
+    headline = (
+        r"\[rank [02]\] mpistrat: reduce \(collective #2, called at .*exit_handler.py:\d+ in last_words\)"
+    )
+    if how == "early":
+        assert re.search(headline + " cannot complete: rank 1 exited after collective #1", out), out
+    else:
+        assert re.search(
+            headline + " did not complete within its timeout of 3 s; .*after mpistrat's exit hook", out
+        ), out
 
 
 def test_a_rank_stopped_for_good_ends_the_job_by_the_default_timeout():

@@ -3,7 +3,9 @@
 How it leaves is the first argument: ``exit0``/``exit3`` (``sys.exit``), ``raise`` (an uncaught
 exception, run with MPISTRAT_ABORT_ON_EXCEPTION=0), ``skip`` (it catches an error, skips the
 all_reduce and reaches the end of its program), ``inside`` (its second all_reduce fails after
-the handshake, in the transfer, and the error ends it: the others are inside that all_reduce).
+the handshake, in the transfer, and the error ends it: the others are inside that all_reduce),
+``create`` (``sys.exit(0)`` while the others create a second strategy: they wait in its
+communicator's duplication).
 The others must end at once, naming rank 1. ``os_exit`` (``os._exit(0)``, which skips every
 exit hook) is not covered and not tested: it shows what MPICH's ``mpiexec`` then does.
 """
@@ -43,7 +45,7 @@ total()
 if rank == 1:
     if how == "os_exit":
         os._exit(0)
-    if how == "exit0":
+    if how in ("exit0", "create"):
         sys.exit(0)
     if how == "exit3":
         sys.exit(3)
@@ -54,6 +56,8 @@ if rank == 1 and how == "skip":
         raise OSError("a file rank 1 needs is missing")
     except OSError:
         print("rank 1 skipped the all_reduce", flush=True)
+elif how == "create":
+    strategy = mpistrat.MPIStrategy()
 else:
     total()
 print(f"rank {rank} finished", flush=True)
