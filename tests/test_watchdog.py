@@ -104,23 +104,24 @@ def state(rank, seq=None, kind=None, world=None, agreed=False):
 
 def test_explain_names_the_missing_ranks_and_counts_known_ones_as_waiting():
     answers = {0: state(0, 2, "all_reduce"), 1: state(1), 3: state(3, 2, "all_gather", world=7)}
-    explanation, waiting = watchdog._explain(2, "all_reduce", answers, 5, known={4})
+    explanation, waiting = watchdog._explain(2, "all_reduce", answers, 5, known={4}, listened=1.0)
     assert waiting == [0, 4]
     assert explanation == (
-        "waiting for ranks 1, 2, 3: rank 1 is not in a collective (no collective yet); it is at x.py:1; "
-        "rank 2 did not answer (it exited, was killed, or is blocked outside Python or in a long MPI call); "
-        "rank 3 (world 7) is in all_gather (collective #2) at x.py:1. Waiting in it: ranks 0, 4"
+        "waiting for ranks 1, 3: rank 1 is not in a collective (no collective yet); it is at x.py:1; "
+        "rank 3 (world 7) is in all_gather (collective #2) at x.py:1; "
+        "rank 2 did not answer within 1 s (slow to answer, or killed, or blocked outside Python). "
+        "Waiting in it: ranks 0, 4"
     )
-    everyone = watchdog._explain(2, "all_reduce", {0: state(0, 2, "all_reduce")}, 1, set())
+    everyone = watchdog._explain(2, "all_reduce", {0: state(0, 2, "all_reduce")}, 1, set(), 1.0)
     assert everyone == ("every rank is in it now", [0])
-    nobody = watchdog._explain(2, "all_reduce", {0: state(0)}, 2, set())
+    nobody = watchdog._explain(2, "all_reduce", {0: state(0)}, 2, set(), 1.0)
     assert nobody == ("no rank is waiting in it any more", [])
 
 
 def test_explain_blames_no_rank_once_the_handshake_proved_every_rank_entered():
     """A long transfer: ranks busy inside it may answer late, but they are not missing."""
     answers = {0: state(0, 2, "all_gather", agreed=True), 1: state(1, 2, "all_gather", agreed=True)}
-    explanation, waiting = watchdog._explain(2, "all_gather", answers, 3, known=set())
+    explanation, waiting = watchdog._explain(2, "all_gather", answers, 3, known=set(), listened=1.0)
     assert waiting == [0, 1]
     assert explanation == (
         "every rank has entered it (its opening handshake completed): a long transfer, not a missing rank; "
@@ -128,7 +129,10 @@ def test_explain_blames_no_rank_once_the_handshake_proved_every_rank_entered():
     )
     assert "did not answer (" not in explanation
     before = {0: state(0, 2, "all_gather"), 1: state(1, 2, "all_gather")}  # still in the handshake
-    assert "rank 2 did not answer (it exited" in watchdog._explain(2, "all_gather", before, 3, set())[0]
+    assert (
+        "rank 2 did not answer within 1 s (slow"
+        in watchdog._explain(2, "all_gather", before, 3, set(), 1.0)[0]
+    )
 
 
 def test_the_handshake_marks_the_collective_entered_by_every_rank(world, monkeypatch):

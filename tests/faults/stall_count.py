@@ -1,10 +1,13 @@
 """Rank ``LATE`` (argv; -1: the last) arrives late at an all_reduce; count the watchdog's messages.
 
-Run with MPISTRAT_STALL_WARNING_SECONDS=1. The late rank sleeps 3 s, or with ``--freeze``
-stops itself (SIGSTOP: no watchdog answers either) until another rank continues it 5 s
-later. Every rank records its side-channel sends (``isend``: nothing but the watchdog uses
-it) while the late collective runs, and keeps the stall warnings it logs; rank 0 prints the
-total over all ranks and checks that exactly one warning was logged, naming the late rank.
+Run with MPISTRAT_STALL_WARNING_SECONDS=1. The late rank sleeps past the warning's diagnosis,
+or with ``--freeze`` stops itself (SIGSTOP: no watchdog answers either) until another rank
+continues it once a stand-in has diagnosed the stall. With ``--slow K``, K waiting ranks are
+alive but slow to answer (a thread holds the GIL for 2 s at a time, as on an oversubscribed
+node): the warning must still name only the late rank. Every rank records its side-channel
+sends (``isend``: nothing but the watchdog uses it) while the late collective runs, and keeps
+the stall warnings it logs; rank 0 prints the totals over all ranks (messages, bytes) and
+checks that exactly one warning was logged, naming the late rank and no other.
 """
 
 import logging
@@ -18,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
+from mpistrat import watchdog
 from mpistrat.log import logger
 from tests.counting import CountingComm, Ledger
 
@@ -35,6 +39,16 @@ world = MPI.COMM_WORLD  # the script's own communicator: the strategy's duplicat
 rank, size = world.Get_rank(), world.Get_size()
 late = int(sys.argv[1]) % size
 freeze = "--freeze" in sys.argv
+slow = int(sys.argv[sys.argv.index("--slow") + 1]) if "--slow" in sys.argv else 0
+
+
+def hog_the_gil() -> None:
+    sys.setswitchinterval(2.0)  # the watchdog thread gets the GIL once every 2 s
+    ends = time.monotonic() + 6.0
+    while time.monotonic() < ends:
+        pass
+
+
 pids = world.allgather(os.getpid())
 kept = Kept()
 logger.addHandler(kept)
@@ -43,22 +57,33 @@ step = lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(4))  # n
 strategy.run(step)
 with Ledger.recording() as ledger:
     if freeze and rank == max(set(range(size)) - {late}):
-        waker = threading.Timer(5.0, os.kill, (pids[late], signal.SIGCONT))
+        # Past the coordinator's wait for a result, and the stand-in's diagnosis.
+        waker = threading.Timer(
+            1 + watchdog.WAIT + watchdog.LISTEN + 2, os.kill, (pids[late], signal.SIGCONT)
+        )
         waker.start()
+    if rank in range(1, slow + 1) and rank != late:
+        threading.Thread(target=hog_the_gil, daemon=True).start()
     if rank == late:
         if freeze:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
-            time.sleep(3.0)
+            time.sleep(1 + watchdog.LISTEN + 2)  # past the stall warning and its diagnosis
     total = strategy.run(step)
     time.sleep(0.5)  # anything the watchdog still sends about this stall is counted too
 assert total.tolist() == [float(size)] * 4, total
-messages = world.allreduce(ledger.only("isend").calls)
+sent = ledger.only("isend")
+messages, nbytes = world.allreduce(sent.calls), world.allreduce(sent.sent)
 warnings = [m for ms in world.allgather([m for m in kept.messages if "has waited" in m]) for m in ms]
 if rank == 0:
     how = "frozen" if freeze else "late"
-    print(f"side-channel messages for one stall at {size} ranks (rank {late} {how}): {messages}", flush=True)
+    print(
+        f"side-channel messages for one stall at {size} ranks (rank {late} {how}): "
+        f"{messages}, {nbytes} bytes",
+        flush=True,
+    )
     where = "did not answer" if freeze else "is not in a collective"
     assert len(warnings) == 1, warnings
     assert f"waiting for rank {late}: rank {late} {where}" in warnings[0], warnings
+    assert "did not answer" not in warnings[0] or freeze, warnings  # a slow waiting rank is not missing
 print(f"rank {rank} finished", flush=True)
