@@ -45,6 +45,8 @@ import numpy as np
 from mpistrat import context, nest
 from mpistrat.collectives.handshake import code
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.input.datasets import input_position
+from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.optimizers import Optimizer
 from mpistrat.variables import Variable, _to_numpy
@@ -76,16 +78,19 @@ class Checkpoint:
     Entries are named by their keyword and key path, e.g. ``model/w``; an
     optimizer contributes ``<name>/iterations`` and one entry per slot,
     ``<name>/slots/<variable's entry>/<slot>``, so its variables must be tracked
-    by the same checkpoint. Every file also holds ``save_counter``.
+    by the same checkpoint. A distributed dataset or iterator contributes its position
+    (the pass and the batches taken in it) as one small integer entry, which ``restore``
+    sets back, so the next pass resumes there. Every file also holds ``save_counter``.
 
     Args:
-        **trackables: ``Variable``, optimizer, or a dict/list/tuple nest of variables
-            (a metric's ``variables`` too).
+        **trackables: ``Variable``, optimizer, a distributed dataset or iterator, or a
+            dict/list/tuple nest of them (a metric's ``variables`` too).
     """
 
     def __init__(self, **trackables: Any):
         self._variables: dict[str, Variable] = {}
         self._optimizers: dict[str, Optimizer] = {}
+        self._inputs: dict[str, InputPosition] = {}
         for key, value in trackables.items():
             if key.startswith("__") or key == SAVE_COUNTER:
                 raise InvalidArgumentError(
@@ -97,10 +102,12 @@ class Checkpoint:
                     self._variables[name] = leaf
                 elif isinstance(leaf, Optimizer):
                     self._optimizers[name] = leaf
+                elif (position := input_position(leaf)) is not None:
+                    self._inputs[name] = position
                 else:
                     raise InvalidArgumentError(
-                        f"Checkpoint: {name} must be a Variable, an optimizer or a nest of them; "
-                        f"got {type(leaf).__name__}"
+                        f"Checkpoint: {name} must be a Variable, an optimizer, a distributed dataset or "
+                        f"iterator, or a nest of them; got {type(leaf).__name__}"
                     )
         # Plain on every rank: saves and restores are collective, so every rank holds the same count.
         self._save_counter = Variable._plain(np.zeros((), np.int64), SAVE_COUNTER, False)
@@ -113,8 +120,9 @@ class Checkpoint:
     # -- what is saved --------------------------------------------------------------------
 
     def _entries(self) -> dict[str, Any]:
-        """Every entry (a variable, or a sharded optimizer's slot), in name order (the same on every rank)."""
-        entries: dict[str, Any] = dict(self._variables)
+        """Every entry (a variable, a sharded optimizer's slot, an input's position), in name order
+        (the same on every rank)."""
+        entries: dict[str, Any] = {**self._variables, **self._inputs}
         names = {id(v): n for n, v in self._variables.items()}
         for opt_name, opt in self._optimizers.items():
             entries[f"{opt_name}/iterations"] = opt.iterations
@@ -138,9 +146,10 @@ class Checkpoint:
     def _strategy(self, method: str) -> Any:
         """The strategy whose ranks take part: the tracked variables' (all one), else the current one."""
         owners = {id(s): s for v in self._variables.values() if (s := v.distribute_strategy) is not None}
+        owners.update((id(p.strategy), p.strategy) for p in self._inputs.values())
         if len(owners) > 1:
             raise InvalidArgumentError(
-                f"Checkpoint.{method}: the tracked variables belong to different strategies"
+                f"Checkpoint.{method}: the tracked variables and inputs belong to different strategies"
             )
         mode = context.current_mode()
         strategy = next(iter(owners.values())) if owners else mode.strategy
@@ -199,9 +208,12 @@ class Checkpoint:
         collectives.agree(
             "checkpoint.save", fingerprint=code(repr(described)), describe=lambda: {"leaves": described}
         )
+        # Gathered before the file opens: ranks at different positions fail the save, leaving nothing behind.
+        positions = {n: v.value() for n, v in entries.items() if isinstance(v, InputPosition)}
         archive = _Archive(path) if collectives.rank == 0 else None
         for name, var in entries.items():
-            value = var.value()  # collective for sync-on-read variables (aggregated) and sharded slots
+            # Collective for sync-on-read variables (aggregated) and sharded slots.
+            value = positions[name] if name in positions else var.value()
             if archive is not None:
                 archive.add(name, value)
             del value
@@ -327,7 +339,9 @@ def _check_shapes(
     what: str, entries: dict[str, Any], index: dict[str, tuple[np.dtype, tuple[int, ...]]]
 ) -> None:
     mismatched = [
-        f"{n} (checkpoint: {index[n][0]}{list(index[n][1])}, here: {v.dtype}{list(v.shape)})"
+        f"{n} ({v.mismatch(*index[n])})"
+        if isinstance(v, InputPosition)
+        else f"{n} (checkpoint: {index[n][0]}{list(index[n][1])}, here: {v.dtype}{list(v.shape)})"
         for n, v in entries.items()
         if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)
     ]

@@ -19,7 +19,7 @@ import mpistrat
 WORLD = MPI.COMM_WORLD
 
 # Scripts that tests launch under their own mpiexec: never import them here.
-collect_ignore = ["faults", "checkpoint_job.py"]
+collect_ignore = ["faults", "checkpoint_job.py", "input_resume_job.py"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

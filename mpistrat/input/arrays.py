@@ -17,6 +17,7 @@ import numpy as np
 
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.input.batches import Batch, Rows, examine
+from mpistrat.input.position import Position, check_position
 
 __all__ = ["ArrayDataset"]
 
@@ -33,7 +34,9 @@ class ArrayDataset:
     Each pass (each ``iter()``) reshuffles when ``shuffle`` is set, from
     ``(seed, pass number)``: every rank that builds it with the same ``seed`` gets
     the same order, so splitting a global batch across replicas, or sharding the
-    examples across pipelines, stays a partition of the data.
+    examples across pipelines, stays a partition of the data. The pass number is
+    :attr:`epoch`; :meth:`set_epoch` moves it, and a :class:`~mpistrat.Checkpoint`
+    tracking a distributed dataset made from this one saves and restores it.
 
     Args:
         data: a nest of arrays sharing a leading dimension (the examples).
@@ -69,7 +72,7 @@ class ArrayDataset:
                 f"ArrayDataset: shard_index must be in [0, {self.num_shards}); got {shard_index!r}"
             )
         self.shard_index = int(shard_index)
-        self._passes = 0
+        self._position = Position()
 
     def shard(self, num_shards: int, index: int) -> ArrayDataset:
         """A copy that keeps every ``num_shards``-th example starting at ``index``.
@@ -86,8 +89,31 @@ class ArrayDataset:
                 f"ArrayDataset.shard: index must be in [0, {num_shards}); got {index!r}"
             )
         out.shard_index = int(index)
-        out._passes = 0
+        out._position = Position()
         return out
+
+    @property
+    def epoch(self) -> int:
+        """The pass in progress, or the next one to start: the number its shuffle order comes from.
+
+        A pass that ends moves it on by one; a pass left early counts as in progress until
+        the next one starts.
+        """
+        return self._position.epoch
+
+    def set_epoch(self, epoch: int, step: int = 0) -> None:
+        """Make the next pass pass ``epoch`` (its shuffle order), starting after its first ``step`` batches.
+
+        Skipping is index arithmetic: no data is read. Without it the passes count
+        themselves from 0; a checkpoint tracking the distributed dataset sets this for you.
+
+        >>> ds = ArrayDataset(np.arange(6), batch_size=2, shuffle=True, seed=7)
+        >>> ds.set_epoch(3, step=1)
+        >>> order = np.random.default_rng([7, 3]).permutation(6)
+        >>> [b.tolist() for b in ds] == [order[2:4].tolist(), order[4:].tolist()], ds.epoch
+        (True, 4)
+        """
+        self._position.set(*check_position("ArrayDataset.set_epoch", epoch, step, len(self)))
 
     @property
     def num_examples(self) -> int:
@@ -99,9 +125,9 @@ class ArrayDataset:
         full, rest = divmod(self.num_examples, self.batch_size)
         return full + (rest > 0 and not self.drop_remainder)
 
-    def _order(self, n: int) -> np.ndarray | None:
+    def _order(self, n: int, epoch: int) -> np.ndarray | None:
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self._passes]).permutation(n)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
         elif self.num_shards == 1:
             return None
         else:
@@ -109,7 +135,7 @@ class ArrayDataset:
         return order[self.shard_index :: self.num_shards]
 
     def __iter__(self) -> Iterator[Any]:
-        """One pass: each global batch as a nest of arrays."""
+        """One pass (pass :attr:`epoch`): each global batch as a nest of arrays."""
         return (batch.value for batch in self.batches())
 
     def batches(self) -> Iterator[Batch]:
@@ -123,13 +149,22 @@ class ArrayDataset:
         >>> batch.size, batch.leaves[0], batch.leaves[0][:2].shape
         (4, Rows((4,), int64), (2,))
         """
-        order = self._order(self._data.size)  # fixed now, not at the first next()
-        self._passes += 1
-        return self._batches(order)
+        serial = self._position.open()  # the order is fixed now, not at the first next()
+        return self._counted(self._pass(self._position.epoch, self._position.step), serial)
 
-    def _batches(self, order: np.ndarray | None) -> Iterator[Batch]:
+    def _counted(self, batches: Iterator[Batch], serial: int) -> Iterator[Batch]:
+        for batch in batches:
+            self._position.take(serial)
+            yield batch
+        self._position.end(serial)
+
+    def _pass(self, epoch: int, start: int) -> Iterator[Batch]:
+        """Pass ``epoch`` from its batch ``start`` on (uncounted: the caller keeps the position)."""
+        return self._batches(self._order(self._data.size, epoch), start)
+
+    def _batches(self, order: np.ndarray | None, start: int) -> Iterator[Batch]:
         leaves, treespec = self._data.leaves, self._data.treespec
-        for b in range(len(self)):
+        for b in range(start, len(self)):
             lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.num_examples)
             if order is None:
                 yield Batch([a[lo:hi] for a in leaves], treespec, hi - lo)

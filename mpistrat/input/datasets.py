@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
 from mpistrat.errors import InvalidArgumentError, MpistratError
-from mpistrat.input.arrays import ArrayDataset
 from mpistrat.input.batches import examine
 from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, require_spmd
 from mpistrat.input.iterators import (
@@ -28,6 +27,7 @@ from mpistrat.input.iterators import (
     SplitIterator,
     wrap_user_error,
 )
+from mpistrat.input.position import InputPosition
 
 if TYPE_CHECKING:
     from mpistrat.strategy import Strategy
@@ -38,6 +38,7 @@ __all__ = [
     "InputIterator",
     "distribute_dataset",
     "distribute_datasets_from_function",
+    "input_position",
     "make_dataset_iterator",
     "make_input_fn_iterator",
 ]
@@ -71,8 +72,7 @@ class DistributedDataset:
         self._strategy = strategy
         self._options = options
         # An ArrayDataset yields checked global batches whose rows each replica gathers for itself.
-        opener = dataset.batches if isinstance(dataset, ArrayDataset) else None
-        self._source = Source(dataset, SplitIterator.where, opener)
+        self._source = Source(dataset, SplitIterator.where)
         self._spec: Any = _UNKNOWN
 
     def __iter__(self) -> DistributedIterator:
@@ -165,6 +165,10 @@ class InputIterator:
         self._iterator = iter(self._dataset)
         return []
 
+    def _forget(self) -> None:
+        """After a restore: the next ``get_next`` opens the restored pass."""
+        self._iterator = None
+
     def _current(self) -> DistributedIterator:
         if self._iterator is None:
             self.initialize()
@@ -229,3 +233,21 @@ def make_input_fn_iterator(
     mode = InputReplicationMode.from_any(replication_mode)
     options = InputOptions(experimental_replication_mode=mode)
     return InputIterator(distribute_datasets_from_function(strategy, input_fn, options))
+
+
+def input_position(obj: Any) -> InputPosition | None:
+    """The checkpoint entry for a distributed dataset's or iterator's position; None for anything else.
+
+    A dataset's position is that of its latest pass (passes completed, and global batches
+    taken in the pass in progress); restoring into an iterator makes it resume the restored pass.
+    """
+    restart = None
+    if isinstance(obj, InputIterator):
+        obj, restart = obj._dataset, obj._forget
+    elif isinstance(obj, (SplitIterator, PipelineIterator)):
+        restart = obj._restart
+    if isinstance(obj, (DistributedDataset, SplitIterator)):
+        return InputPosition(SplitIterator.where, obj._strategy, obj._source, False, restart)
+    if isinstance(obj, (DistributedDatasetsFromFunction, PipelineIterator)):
+        return InputPosition(PipelineIterator.where, obj._strategy, obj._source, True, restart)
+    return None

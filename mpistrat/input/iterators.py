@@ -16,7 +16,7 @@ go on (exhausted replicas get an empty batch), end the epoch, or raise.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from mpistrat import nest
 from mpistrat.collectives import check_enabled
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
+from mpistrat.input.arrays import ArrayDataset
 from mpistrat.input.batches import (
     Batch,
     Rows,
@@ -38,6 +39,7 @@ from mpistrat.input.batches import (
     fingerprint as batch_fingerprint,
 )
 from mpistrat.input.contexts import InputOptions, require_spmd
+from mpistrat.input.position import Position, check_position
 from mpistrat.mismatch import checksum, hash64
 from mpistrat.options import CommunicationOptions
 
@@ -63,40 +65,83 @@ _CODE_BITS = (1 << 62) - 1  # what a handshake slot holds with room for its nega
 
 
 class Source:
-    """The user's iterable of batches; peeking at the first batch does not lose it.
+    """The user's iterable of batches and its :class:`Position`; peeking at the first batch does not lose it.
 
-    A peek opens an iterator and keeps it (with the batch it read) for the next
+    A peek opens a pass and keeps it (with the batch it read) for the next
     :meth:`open`, so a one-shot generator, or a dataset whose every pass differs
-    (a reshuffle per epoch), is read exactly as if nobody had peeked. ``opener``,
-    if given, opens a pass instead of ``iter(iterable)`` (it may yield checked
-    :class:`Batch` objects).
+    (a reshuffle per epoch), is read exactly as if nobody had peeked. An
+    :class:`~mpistrat.ArrayDataset` shares its own position, and a pass opened at
+    a step skips there by index arithmetic, gathering checked :class:`Batch` objects;
+    any other iterable skips by reading and dropping batches.
     """
 
-    def __init__(
-        self, iterable: Iterable[Any], where: str, opener: Callable[[], Iterator[Any]] | None = None
-    ):
+    def __init__(self, iterable: Iterable[Any], where: str):
         if not hasattr(type(iterable), "__iter__"):
             raise InvalidArgumentError(
                 f"{where}: expected an iterable of batches (a list, a generator, a data loader); "
                 f"got {type(iterable).__name__}"
             )
         self.iterable = iterable
-        self._opener = opener
-        self._stash: tuple[Any, Iterator[Any]] | None = None
+        self.where = where
+        self._arrays = iterable if isinstance(iterable, ArrayDataset) else None
+        self._position = Position() if self._arrays is None else self._arrays._position
+        self._stash: tuple[Any, Iterator[Any], int] | None = None
+        self._rest: Iterator[Any] | None = None  # a one-shot iterator's batches, a peeked one first
 
-    def open(self) -> Iterator[Any]:
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, step)``: the pass in progress (or the next) and the batches taken in it."""
+        return self._position.epoch, self._position.step
+
+    def open(self) -> tuple[Iterator[Any], int]:
+        """A pass's iterator, and the serial that :meth:`took` and :meth:`ended` count it by."""
         if self._stash is not None:
-            first, it = self._stash
+            first, it, serial = self._stash
             self._stash = None
-            return it if first is END else itertools.chain((first,), it)
-        return self._opener() if self._opener is not None else iter(self.iterable)
+            return (it if first is END else itertools.chain((first,), it)), serial
+        serial = self._position.open()
+        epoch, step = self.position
+        if self._arrays is not None:
+            return self._arrays._pass(epoch, step), serial
+        it, self._rest = (iter(self.iterable) if self._rest is None else self._rest), None
+        for skipped in range(step):
+            if next(it, END) is END:
+                raise InvalidArgumentError(
+                    f"{self.where}: cannot resume pass {epoch} after {step} batches: it ended after "
+                    f"{skipped}; the dataset yields fewer batches than when the position was saved"
+                )
+        return it, serial
 
     def peek(self) -> Any:
         """The first batch the next :meth:`open` will yield (``END`` if none)."""
-        it = self.open()
+        it, serial = self.open()
         first = next(it, END)
-        self._stash = (first, it)
+        self._stash = (first, it, serial)
         return first
+
+    def took(self, serial: int) -> None:
+        self._position.take(serial)
+
+    def ended(self, serial: int) -> None:
+        self._position.end(serial)
+
+    def check(self, where: str, epoch: Any, step: Any) -> tuple[int, int]:
+        """A valid position for this dataset (a step past a pass's known length is an error)."""
+        try:
+            length = len(self.iterable)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        return check_position(where, epoch, step, length)
+
+    def reposition(self, epoch: int, step: int) -> None:
+        """The next pass opens at ``epoch``, after ``step`` batches (a peeked pass is dropped; a one-shot
+        iterator keeps what it has left, the peeked batch too, and skips ``step`` batches of it)."""
+        if self._stash is not None:
+            first, it, _ = self._stash
+            self._stash = None
+            if isinstance(self.iterable, Iterator):
+                self._rest = it if first is END else itertools.chain((first,), it)
+        self._position.set(epoch, step)
 
 
 def wrap_user_error(exc: Exception, where: str) -> MpistratError:
@@ -221,16 +266,22 @@ class SplitIterator(DistributedIterator):
     def __init__(self, strategy: Strategy, source: Source, options: InputOptions):
         super().__init__(strategy, options)
         self._source = source
-        self._it: Iterator[Any] | None = None
-        self._pending: Any = _UNKNOWN
         self._spec: Any = _UNKNOWN
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget this iterator's pass: the next read opens the source's (restored) position."""
+        self._it: Iterator[Any] | None = None
+        self._serial = 0
+        self._pending: Any = _UNKNOWN
+        self._done = False
 
     def _read(self) -> Any:
         if self._pending is not _UNKNOWN:
             raw, self._pending = self._pending, _UNKNOWN
             return raw
         if self._it is None:
-            self._it = self._source.open()
+            self._it, self._serial = self._source.open()
         return next(self._it, END)
 
     @property
@@ -278,6 +329,7 @@ class SplitIterator(DistributedIterator):
             self._finish(error, cause)
         if batch is END:
             self._done = True
+            self._source.ended(self._serial)
             return END
         self._steps += 1
         size, rank = self._strategy.extended.size, self._strategy.extended.rank
@@ -287,6 +339,7 @@ class SplitIterator(DistributedIterator):
         if batch.size and 0 in counts and self._options.uneven != "pad":
             self._done = True
             if self._options.uneven == "drop":
+                self._source.ended(self._serial)
                 return END
             empty = [r for r, n in enumerate(counts) if n == 0]
             raise InvalidArgumentError(
@@ -296,6 +349,7 @@ class SplitIterator(DistributedIterator):
                 "the short last batch when batching), or uneven='pad' (those replicas get empty batches) or "
                 "'drop' (the epoch ends there)"
             )
+        self._source.took(self._serial)
         return split_batch(batch, size, rank)
 
 
@@ -327,10 +381,16 @@ class PipelineIterator(DistributedIterator):
     def __init__(self, strategy: Strategy, source: Source, options: InputOptions, spec: SpecCell):
         super().__init__(strategy, options)
         self._source = source
+        self._cell = spec
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget this iterator's pass: the next read opens the source's (restored) position."""
         self._it: Iterator[Any] | None = None
+        self._serial = 0
         self._pending: Any = _UNKNOWN
         self._exhausted = False
-        self._cell = spec
+        self._done = False
         self._batches = 0
         self._examples = 0
 
@@ -343,7 +403,7 @@ class PipelineIterator(DistributedIterator):
             return END, None, None
         try:
             if self._it is None:
-                self._it = self._source.open()
+                self._it, self._serial = self._source.open()
             raw = next(self._it, END)
             self._exhausted = raw is END
             return (raw if raw is END else examine(raw, self.where)), None, None
@@ -373,12 +433,15 @@ class PipelineIterator(DistributedIterator):
         collectives = self._strategy.extended.collectives
         batch, error, cause = self._pull()
         have = isinstance(batch, Batch)
-        if self._cell.value is _UNKNOWN:
+        spec = self._cell.value
+        if spec is _UNKNOWN:
             try:
-                self._cell.value = agree_element_spec(self._strategy, batch, error, self.where)
+                spec = agree_element_spec(self._strategy, batch, error, self.where)
             except MpistratError as exc:
                 self._finish(exc, cause)
-        spec = self._cell.value
+            # None: every pipeline is empty at this step (a pass resumed at its end); ask again next time.
+            if spec is not None:
+                self._cell.value = spec
         try:
             fingerprint = 0
             if check_enabled(collectives) and spec is not None:
@@ -420,6 +483,7 @@ class PipelineIterator(DistributedIterator):
         exhausted = [False] if table is None else [int(n) < 0 for n in table[:, 0]]
         if all(exhausted) or (any(exhausted) and self._options.uneven == "drop"):
             self._done = True
+            self._source.ended(self._serial)
             return END
         if table is not None and any(exhausted) and self._options.uneven == "error":
             self._done = True
@@ -428,6 +492,7 @@ class PipelineIterator(DistributedIterator):
             return empty_batch(spec)
         self._batches += 1
         self._examples += batch.size
+        self._source.took(self._serial)
         return batch.value
 
     def _uneven_message(self, table: np.ndarray) -> str:
