@@ -2,8 +2,11 @@
 
 :func:`read` is the only reader. An unset or empty variable gives the default; a value
 the setting does not expect gives a ``RuntimeWarning`` naming the variable (once per
-value) and the default, as mpi4py does with its ``MPI4PY_RC_*`` variables. Ranks may
-see different values (an MPMD launch): nothing here depends on them agreeing.
+value) and the default, as mpi4py does with its ``MPI4PY_RC_*`` variables. A ``MPISTRAT_*``
+variable that is no setting (a misspelling) gets a warning too, with the closest name. Like
+the logger's, these warnings come from rank 0 only, labelled with the rank
+(``MPISTRAT_LOG_ALL_RANKS=1``: from every rank). Ranks may see different values (an MPMD
+launch): nothing here depends on them agreeing.
 
 A strategy's settings (``CHECK``, ``TIMEOUT``, ``STALL_WARNING_SECONDS``, ``TIMELINE``,
 ``FLIGHT_RECORDS``, ``STRAGGLER_*``) are read when the strategy is created; the process's
@@ -19,13 +22,14 @@ True
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["SETTINGS", "Setting", "given", "read"]
+__all__ = ["OTHER_NAMES", "SETTINGS", "Setting", "given", "read", "unknown_names"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -197,12 +201,71 @@ SETTINGS: dict[str, Setting] = {
     )
 }
 
+# MPISTRAT_* names that are not settings of the library but are used on purpose (the test suite's).
+OTHER_NAMES = {"MPISTRAT_REQUIRE_GPU": "make test-gpu: the GPU tests fail instead of skipping"}
+
 _warned: set[tuple[str, str]] = set()
+_names_checked = False
+# What a launcher tells each process before MPI is up: MPICH/Hydra, Open MPI, PMIx, Slurm.
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def _rank() -> int:
+    """This process's ``COMM_WORLD`` rank (from the launcher's variables before MPI is up; 0 alone)."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            return int(mpi.COMM_WORLD.Get_rank())
+    except Exception:  # a warning must never fail
+        pass
+    for variable in _RANK_VARIABLES:
+        value = os.environ.get(variable, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _warn(message: str, stacklevel: int = 3) -> None:
+    """A ``RuntimeWarning`` labelled with the rank, from rank 0 (every rank with MPISTRAT_LOG_ALL_RANKS)."""
+    rank = _rank()
+    every = os.environ.get("MPISTRAT_LOG_ALL_RANKS", "").strip().lower() in _TRUE
+    if rank == 0 or every:
+        warnings.warn(f"[mpistrat rank {rank}] {message}", RuntimeWarning, stacklevel=stacklevel)
+
+
+def unknown_names(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``MPISTRAT_*`` names in ``env`` that are no setting, each with the closest setting's name (or None).
+
+    >>> unknown_names({"MPISTRAT_TIMOUT": "5", "MPISTRAT_CHECK": "1", "PATH": "/bin"})
+    {'MPISTRAT_TIMOUT': 'MPISTRAT_TIMEOUT'}
+    """
+    env = os.environ if env is None else env
+    known = set(SETTINGS) | set(OTHER_NAMES)
+    return {
+        name: next(iter(difflib.get_close_matches(name, list(SETTINGS), n=1, cutoff=0.75)), None)
+        for name in sorted(env)
+        if name.startswith("MPISTRAT_") and name not in known
+    }
+
+
+def _check_names() -> None:
+    """Warn once per process about misspelled ``MPISTRAT_*`` names in the environment."""
+    global _names_checked
+    if _names_checked:
+        return
+    _names_checked = True
+    for name, close in unknown_names().items():
+        hint = f"; did you mean {close}?" if close else "; the settings are in docs/configuration.md"
+        _warn(f"{name} is not an mpistrat setting and is ignored{hint}", stacklevel=5)
 
 
 def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     """The value of setting ``name`` in ``env`` (default ``os.environ``), by the rule above."""
     setting = SETTINGS[name]
+    if env is None:
+        _check_names()
     raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return setting.default
@@ -211,11 +274,7 @@ def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     except ValueError as exc:
         if (name, raw) not in _warned:
             _warned.add((name, raw))
-            warnings.warn(
-                f"{name}={raw!r} is not {exc}; using the default, {_shown(setting.default)}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn(f"{name}={raw!r} is not {exc}; using the default, {_shown(setting.default)}")
         return setting.default
 
 

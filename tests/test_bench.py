@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.tools import bench, bench_ops, bench_report
+from mpistrat.tools import bench, bench_meta, bench_ops, bench_report
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 from tests.launch import launcher_options
@@ -58,6 +58,91 @@ def test_bad_arguments_are_refused_with_the_reason(capsys):
         assert reason in capsys.readouterr().err
 
 
+def test_percentiles_are_nearest_rank():
+    assert bench_report.percentile([7.0], 50) == 7.0 and bench_report.percentile([7.0], 99) == 7.0
+    assert bench_report.percentile([4, 1, 3, 2], 50) == 2  # the 2nd of 4: half the values do not exceed it
+    hundred = [float(v) for v in range(100, 0, -1)]  # 1..100, shuffled order does not matter
+    assert bench_report.tail(hundred) == {"p50": 50.0, "p99": 99.0}
+    assert bench_report.tail(hundred[:99]) == {"p50": 51.0, "p99": None}  # 2..100: 99 values, too few
+    assert bench_report.tail([*[1.0] * 199, 1000.0]) == {"p50": 1.0, "p99": 1.0}  # one outlier in 200
+    assert bench_report.tail([*[1.0] * 98, 1000.0, 1000.0]) == {"p50": 1.0, "p99": 1000.0}
+
+
+def test_the_environment_leaves_out_other_variables_and_secrets():
+    env = {
+        "SLURM_JOB_ID": "42",
+        "OMP_NUM_THREADS": "1",
+        "UCX_TLS": "sm,self",
+        "FI_PROVIDER": "tcp",
+        "MPICH_ASYNC_PROGRESS": "0",
+        "PMIX_RANK": "0",
+        "NCCL_DEBUG": "INFO",
+        "MPISTRAT_CHECK": "0",
+        "OMPI_MCA_btl": "^ofi",
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "SLURM_API_TOKEN": "t",
+        "MPISTRAT_SECRET": "s",
+        "UCX_Password": "p",
+        "FI_KEY_FILE": "k",
+        "XSLURM_JOB_ID": "no",
+    }
+    assert bench_meta.environment(env) == {
+        "FI_PROVIDER": "tcp",
+        "MPICH_ASYNC_PROGRESS": "0",
+        "MPISTRAT_CHECK": "0",
+        "NCCL_DEBUG": "INFO",
+        "OMPI_MCA_btl": "^ofi",
+        "OMP_NUM_THREADS": "1",
+        "PMIX_RANK": "0",
+        "SLURM_JOB_ID": "42",
+        "UCX_TLS": "sm,self",
+    }
+
+
+def test_cpu_lists_and_the_git_commit_of_a_checkout(tmp_path):
+    assert bench_meta.cpu_list([5]) == "5" and bench_meta.cpu_list(range(64)) == "0-63"
+    assert bench_meta.cpu_list([0, 2, 4, 5, 6]) == "0,2,4-6"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / "pkg" / "sub").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "refs" / "heads" / "main").write_text(sha + "\n")
+    assert bench_meta.git_commit(repo / "pkg" / "sub") == sha
+    (repo / ".git" / "refs" / "heads" / "main").unlink()  # packed, as after git gc
+    (repo / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/main\n")
+    assert bench_meta.git_commit(repo / "pkg") == sha
+    (repo / ".git" / "HEAD").write_text(sha[::-1] + "\n")  # detached
+    assert bench_meta.git_commit(repo) == sha[::-1]
+    assert bench_meta.git_commit(tmp_path / "elsewhere") is None or not (tmp_path / ".git").exists()
+
+
+def test_an_unwritable_output_is_refused_before_the_sweep(tmp_path, capsys):
+    blocker = tmp_path / f"file-{WORLD.Get_rank()}"
+    blocker.write_text("")
+    code = bench.main([*SMALL, "--json", str(blocker / "run.json"), "--no-progress"])
+    out = capsys.readouterr()
+    problems = [] if code == 2 else [f"exit code {code}"]
+    if "## all_reduce" in out.out:
+        problems.append("the sweep ran")
+    if WORLD.Get_rank() == 0 and "cannot write it" not in out.err:
+        problems.append(f"stderr {out.err[-300:]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_a_max_between_powers_of_two_is_said(tmp_path, capsys):
+    code = bench.main(["--ops", "all_reduce", "--min", "3", "--max", "3000", "--iters", "2", "--quiet"])
+    err = capsys.readouterr().err
+    problems = [] if code == 0 else [f"exit code {code}"]
+    if WORLD.Get_rank() == 0 and not (
+        "--max 3000 is not a power of two: the largest size is 2 KiB" in err
+        and "--min 3 is not a power of two: the smallest size is 4 B" in err
+    ):
+        problems.append(f"stderr {err!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
 def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: int | None = None) -> list[str]:
     """Problems with a results file, [] if none."""
     problems = []
@@ -67,6 +152,11 @@ def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: in
     for key in ("mpistrat", "mpi4py", "mpi_library", "hosts", "date", "options", "command", "check"):
         if key not in meta:
             problems.append(f"meta lacks {key}")
+    env = meta.get("environment", {})
+    if any(not k.startswith(bench_meta.PREFIXES) or "KEY" in k or "TOKEN" in k for k in env):
+        problems.append(f"meta environment {sorted(env)}")
+    if meta.get("cpu", {}).get("logical_cores") != os.cpu_count() or len(meta.get("affinity", [])) != ranks:
+        problems.append(f"meta cpu {meta.get('cpu')} affinity {meta.get('affinity')}")
     if meta["ranks"] != ranks or meta["nodes"] != len(meta["hosts"]):
         problems.append(f"meta ranks/nodes {meta['ranks']}/{meta['nodes']}")
     seen = {r["op"] for r in rows}
@@ -89,6 +179,12 @@ def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: in
             t = s["time_us"]
             if not (s["ok"] and 0 < t["min"] <= t["avg"] * (1 + 1e-9) and t["avg"] <= t["max"] * (1 + 1e-9)):
                 problems.append(f"{where} {side}: ok={s['ok']} times {t}")
+            # p99 only from enough iterations; the slowest rank's iterations average at least the slowest mean
+            enough = r["iters"] >= bench_report.P99_MIN_ITERS
+            if not (
+                t["p50"] > 0 and (t["p99"] is None) != enough and (t["p99"] is None or t["p99"] >= t["p50"])
+            ):
+                problems.append(f"{where} {side}: percentiles {t} after {r['iters']} iterations")
             algbw = r["bytes"] / (t["avg"] * 1e-6) / 1e9
             if not (
                 math.isclose(s["algbw_GBps"], algbw, rel_tol=1e-6)

@@ -52,14 +52,47 @@ def test_every_kind_of_value(name, raw, expected):
         ("MPISTRAT_LOG_ALL_RANKS", "2", "1/true/yes/on or 0/false/no/off; using the default, False"),
     ],
 )
-def test_an_unexpected_value_warns_once_and_gives_the_default(name, raw, says):
+def test_an_unexpected_value_warns_once_and_gives_the_default(name, raw, says, monkeypatch):
     config._warned.discard((name, raw))
-    with pytest.warns(RuntimeWarning, match=re.escape(f"{name}={raw!r} is not {says}")):
+    monkeypatch.setattr(config, "_rank", lambda: 0)  # rank 0 says it, whatever this process's rank
+    with pytest.warns(RuntimeWarning, match=re.escape(f"[mpistrat rank 0] {name}={raw!r} is not {says}")):
         got = config.read(name, {name: raw})
     assert got == config.SETTINGS[name].default and not config.given(name, {name: raw})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config.read(name, {name: raw})  # said once is enough
+
+
+def test_other_ranks_stay_quiet_unless_every_rank_may_speak(monkeypatch):
+    """A bad value every rank sees is said once, by rank 0; MPISTRAT_LOG_ALL_RANKS=1 lets rank 3 say it."""
+    env = {"MPISTRAT_CHECK": "sometimes"}
+    monkeypatch.setattr(config, "_rank", lambda: 3)
+    monkeypatch.delenv("MPISTRAT_LOG_ALL_RANKS", raising=False)
+    config._warned.discard(("MPISTRAT_CHECK", "sometimes"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config.read("MPISTRAT_CHECK", env) == 1
+    monkeypatch.setenv("MPISTRAT_LOG_ALL_RANKS", "1")
+    config._warned.discard(("MPISTRAT_CHECK", "sometimes"))
+    with pytest.warns(RuntimeWarning, match=re.escape("[mpistrat rank 3] MPISTRAT_CHECK='sometimes' is not")):
+        config.read("MPISTRAT_CHECK", env)
+
+
+def test_a_misspelled_name_is_named_with_the_closest_setting(monkeypatch):
+    assert config.unknown_names({"MPISTRAT_TIMOUT": "5", "MPISTRAT_STALL_WARNING_SECOND": "1"}) == {
+        "MPISTRAT_STALL_WARNING_SECOND": "MPISTRAT_STALL_WARNING_SECONDS",
+        "MPISTRAT_TIMOUT": "MPISTRAT_TIMEOUT",
+    }
+    assert config.unknown_names({"MPISTRAT_COLOUR": "1"}) == {"MPISTRAT_COLOUR": None}
+    assert config.unknown_names({name: "1" for name in [*config.SETTINGS, *config.OTHER_NAMES]}) == {}
+    monkeypatch.setenv("MPISTRAT_TIMOUT", "5")
+    monkeypatch.setattr(config, "_rank", lambda: 0)
+    monkeypatch.setattr(config, "_names_checked", False)
+    with pytest.warns(RuntimeWarning, match="MPISTRAT_TIMOUT is not an mpistrat setting.*MPISTRAT_TIMEOUT"):
+        config.read("MPISTRAT_CHECK")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.read("MPISTRAT_CHECK")  # once per process
 
 
 def test_a_rank_stopped_for_good_ends_the_job_by_default():

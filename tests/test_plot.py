@@ -102,6 +102,21 @@ def test_bad_inputs_are_reported_not_raised(runs, tmp_path, capsys):
     assert "no all_reduce result" in capsys.readouterr().err
 
 
+def test_an_output_that_is_not_an_image_is_refused_before_drawing(runs, tmp_path, capsys):
+    for name in ("x.txt", "noextension"):
+        assert plot.main([*runs, "-o", str(tmp_path / name), "--kind", "bandwidth"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mpistrat plot: -o ") and ".png, .svg or .pdf" in err and "Traceback" not in err
+        assert not (tmp_path / name).exists()
+    assert plot.main([*runs, "-o", str(tmp_path / "missing-dir" / "x.png"), "--kind", "bandwidth"]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_kind_has_help_text():
+    text = " ".join(plot._parser().format_help().split())
+    assert "auto (default)" in text and "several rank counts" in text
+
+
 @serial_only
 def test_plot_of_real_runs_at_several_rank_counts(tmp_path):
     paths = []

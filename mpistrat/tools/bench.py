@@ -11,6 +11,12 @@ timed alone between untimed barriers, as the OSU Micro-Benchmarks do. A rank's
 result is its mean time; the report gives min/avg/max over ranks, the algorithm
 and bus bandwidth of nccl-tests (``busbw = algbw * 2(n-1)/n`` for all-reduce,
 ``(n-1)/n`` for all-gather) and the ratio mpistrat/raw. Every result is checked.
+
+Each rank also keeps every iteration's time; one ``Allreduce(MAX)`` per row at the end
+(never one per iteration) gives the slowest rank's time of each iteration, whose median
+and 99th percentile are ``p50`` and ``p99`` (nearest rank). A p99 needs at least
+``bench_report.P99_MIN_ITERS`` (100) timed iterations: with fewer it is ``null`` in the
+JSON, empty in the CSV and ``-`` in the table, which says so.
 Sizes are spelled as ``mpistrat.tools.sizes.parse_size`` reads them: ``4``, ``64KiB``, ``1MB``, ``1g``.
 """
 
@@ -31,7 +37,7 @@ import mpistrat
 from mpistrat.collectives import check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
-from mpistrat.tools import bench_report
+from mpistrat.tools import bench_meta, bench_report
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
 from mpistrat.tools.sizes import parse_size
 
@@ -112,21 +118,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--label", default=None, help="name of this run in tables and plots")
     p.add_argument("--json", metavar="PATH", help="write results and metadata as JSON")
-    p.add_argument("--csv", metavar="PATH", help="write results as CSV (metadata in # comment lines)")
+    p.add_argument(
+        "--csv",
+        metavar="PATH",
+        help="write results as CSV, one row per operation and size (main metadata repeated in columns)",
+    )
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="progress bar (default: when stderr is a terminal)",
+        help="progress bar on rank 0 (default: when the job was started from a terminal)",
     )
     p.add_argument("--quiet", action="store_true", help="no table")
     return p
 
 
-def _measure(comm: MPI.Intracomm, case: Case, iters: int, warmup: int) -> dict[str, tuple[float, bool]]:
-    """This rank's mean time per variant, and whether every result checked out."""
+def _measure(comm: MPI.Intracomm, case: Case, iters: int, warmup: int) -> dict[str, tuple[np.ndarray, bool]]:
+    """This rank's time of every timed iteration per variant (s), and whether every result checked out."""
     names = list(case.variants)
-    totals = dict.fromkeys(names, 0.0)
+    times = {name: np.zeros(iters) for name in names}
     ok = dict.fromkeys(names, True)
     wtime = MPI.Wtime
     for i in range(warmup + iters):
@@ -138,18 +148,23 @@ def _measure(comm: MPI.Intracomm, case: Case, iters: int, warmup: int) -> dict[s
             out = fn()
             elapsed = wtime() - start
             if i >= warmup:
-                totals[name] += elapsed
+                times[name][i - warmup] = elapsed
             if ok[name] and not check(out):
                 ok[name] = False
-    return {name: (totals[name] / iters, ok[name]) for name in names}
+    return {name: (times[name], ok[name]) for name in names}
 
 
-def _over_ranks(comm: MPI.Intracomm, t: float) -> dict[str, float]:
+def _over_ranks(comm: MPI.Intracomm, times: np.ndarray) -> dict[str, float | None]:
+    """min/avg/max over ranks of each rank's mean, and p50/p99 of the slowest rank's time per iteration."""
     n = comm.Get_size()
+    t = float(times.mean())
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)  # once per row, after the timed loop
     return {
         "min": comm.allreduce(t, op=MPI.MIN) * 1e6,
         "avg": comm.allreduce(t, op=MPI.SUM) / n * 1e6,
         "max": comm.allreduce(t, op=MPI.MAX) * 1e6,
+        **bench_report.tail((slowest * 1e6).tolist()),
     }
 
 
@@ -179,9 +194,10 @@ def _record(comm: MPI.Intracomm, op_name: str, case: Case, timed: dict, args: An
     factor = op.busbw(n)
 
     def side(name: str) -> dict[str, Any]:
-        t, ok = timed[name]
-        times = _over_ranks(comm, t)
-        algbw = case.nbytes / (times["avg"] * 1e-6) / 1e9 if times["avg"] > 0 else 0.0
+        per_iteration, ok = timed[name]
+        times = _over_ranks(comm, per_iteration)
+        mean = times["avg"] or 0.0
+        algbw = case.nbytes / (mean * 1e-6) / 1e9 if mean > 0 else 0.0
         return {
             "time_us": times,
             "algbw_GBps": algbw,
@@ -234,6 +250,11 @@ def _metadata(
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "command": ["mpistrat", "bench", *argv],
         "options": options,
+        "p99_min_iters": bench_report.P99_MIN_ITERS,
+        "environment": bench_meta.environment(),
+        "cpu": bench_meta.cpu(),
+        "affinity": comm.allgather(bench_meta.affinity()),  # index: rank
+        "git_commit": bench_meta.git_commit() if comm.Get_rank() == 0 else None,
     }
 
 
@@ -261,21 +282,83 @@ def _validate(args: Any, parser: argparse.ArgumentParser) -> list[str]:
     return ops
 
 
+def _unwritable(path: str | None) -> str | None:
+    """Why ``path`` cannot be written, or None: tried before the sweep, not found out after it.
+
+    Creates the missing folders (the writer would) and opens the file for appending; a file
+    that was not there before is removed again.
+    """
+    if not path:
+        return None
+    target = os.path.abspath(path)
+    existed = os.path.exists(target)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "a"):
+            pass
+        if not existed:
+            os.remove(target)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _from_terminal() -> bool:
+    """Whether this job was started from a terminal: stderr is one, or (under mpiexec, where every
+    rank's stderr is a pipe) the process still has a controlling terminal to open."""
+    if sys.stderr.isatty():
+        return True
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:  # batch jobs, CI, nohup: none
+        return False
+    os.close(fd)
+    return True
+
+
+def _notes(args: Any, sizes: list[int]) -> list[str]:
+    notes = []
+    if sizes and sizes[-1] != args.max:
+        notes.append(
+            f"--max {args.max} is not a power of two: the largest size is {bench_report.human(sizes[-1])}"
+        )
+    if sizes and sizes[0] != args.min:
+        notes.append(f"--min {args.min} is not a power of two: the smallest size is {sizes[0]} B")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     ops = _validate(args, parser)
     world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    # Refuse an output file that cannot be written before the sweep, on every rank alike.
+    problems = None
+    if rank == 0:  # rank 0 writes the files, so rank 0 alone tries them
+        problems = [
+            f"--{flag} {path}: cannot write it ({why})"
+            for flag, path in (("json", args.json), ("csv", args.csv))
+            if (why := _unwritable(path))
+        ]
+    problems = world.bcast(problems, root=0)
+    if problems:
+        if rank == 0:
+            print("mpistrat bench: " + "; ".join(problems), file=sys.stderr, flush=True)
+        return 2
     comm = world.Dup()
     options = mpistrat.CommunicationOptions(
         bytes_per_pack=args.bytes_per_pack, check=False if args.no_check else None
     )
     strategy = mpistrat.MPIStrategy(world, communication_options=options)
-    rank = comm.Get_rank()
     meta = _metadata(comm, strategy, args, argv)
-    tasks = [(o, s) for o in ops for s in sizes_between(args.min, args.max)]
-    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    sizes = sizes_between(args.min, args.max)
+    if rank == 0:
+        for note in _notes(args, sizes):
+            print(f"mpistrat bench: {note}", file=sys.stderr, flush=True)
+    tasks = [(o, s) for o in ops for s in sizes]
+    show = args.progress if args.progress is not None else rank == 0 and _from_terminal()
     bar = _progress(len(tasks), rank == 0 and show)
     rows: list[dict[str, Any]] = []
     seen: set[tuple[str, int]] = set()
@@ -298,18 +381,28 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("mpistrat", "raw", "raw2")
         if r[side] and not r[side]["ok"]
     ]
+    code = 1 if failed else 0
     if rank == 0:
         if not args.quiet:
             print(bench_report.table(meta, rows), flush=True)
-        if args.json:
-            bench_report.write_json(args.json, meta, rows)
-        if args.csv:
-            bench_report.write_csv(args.csv, meta, rows)
+        for flag, path, write in (
+            ("json", args.json, bench_report.write_json),
+            ("csv", args.csv, bench_report.write_csv),
+        ):
+            if not path:
+                continue
+            try:
+                write(path, meta, rows)
+            except OSError as exc:  # written at the end: say so and keep the other file
+                print(
+                    f"mpistrat bench: --{flag} {path}: could not write the results ({exc})", file=sys.stderr
+                )
+                code = 1
         if failed:
             print("mpistrat bench: WRONG RESULTS for " + ", ".join(failed), file=sys.stderr, flush=True)
     strategy.experimental_finalize()
     comm.Free()
-    return 1 if failed else 0
+    return code
 
 
 class _NoBar:

@@ -3,7 +3,9 @@
 A results file is ``{"format": FORMAT, "meta": {...}, "results": [row, ...]}``; a
 row holds one operation at one size, each side (``mpistrat``, ``raw`` and for some
 ops ``raw2``) with ``time_us`` min/avg/max over ranks, ``algbw_GBps``,
-``busbw_GBps`` and ``ok``, and ``ratio`` = mpistrat avg / raw avg.
+``busbw_GBps`` and ``ok``, and ``ratio`` = mpistrat avg / raw avg. ``time_us`` also
+holds ``p50`` and ``p99``: percentiles over iterations of the slowest rank's time per
+iteration (``p99`` is ``None`` below :data:`P99_MIN_ITERS` timed iterations).
 
 >>> human(4), human(65536), human(3 << 20)
 ('4 B', '64 KiB', '3 MiB')
@@ -13,14 +15,29 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["FORMAT", "human", "table", "write_json", "write_csv", "load", "CSV_META"]
+__all__ = [
+    "FORMAT",
+    "P99_MIN_ITERS",
+    "human",
+    "percentile",
+    "tail",
+    "table",
+    "write_json",
+    "write_csv",
+    "load",
+    "CSV_META",
+]
 
 FORMAT = "mpistrat-bench/1"
+# Below this many samples the 99th percentile is the maximum or an interpolation past it: not reported.
+P99_MIN_ITERS = 100
 # Metadata repeated on every CSV row, so files from several runs concatenate into one table.
 CSV_META = (
     "label",
@@ -44,6 +61,8 @@ _COLUMNS = (
     ("time", 10),
     ("min", 9),
     ("max", 9),
+    ("p50", 9),
+    ("p99", 9),
     ("algbw", 7),
     ("busbw", 7),
     ("raw", 10),
@@ -59,6 +78,35 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank ``p``-th percentile: the smallest value at least ``p`` % of ``values`` do not exceed.
+
+    >>> percentile([5, 1, 4, 2, 3], 50), percentile(range(1, 101), 99), percentile(range(1, 101), 100)
+    (3, 99, 100)
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def tail(per_iteration: Sequence[float]) -> dict[str, float | None]:
+    """``p50`` and ``p99`` of per-iteration times; ``p99`` is None below :data:`P99_MIN_ITERS` of them.
+
+    >>> tail([3.0, 1.0, 2.0])
+    {'p50': 2.0, 'p99': None}
+    """
+    values = [float(v) for v in per_iteration]
+    return {
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99) if len(values) >= P99_MIN_ITERS else None,
+    }
+
+
+def _us(value: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
+
+
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The results as text: one block per operation."""
     from mpistrat.tools.bench_ops import OPS
@@ -70,8 +118,14 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"check {'on' if meta['check'] else 'off'}{sharded}, {meta['date']}",
         f"# {meta['mpi_library'][:100]}",
         "# time: mean per iteration on each rank, in us, avg over ranks (min..max); "
+        "p50/p99: percentiles of the slowest rank's time per iteration; "
         "algbw/busbw in GB/s (nccl-tests); ratio = mpistrat / raw",
     ]
+    if any(r["mpistrat"]["time_us"].get("p99", 0) is None for r in rows):
+        lines.append(
+            f"# p99 '-': fewer than {P99_MIN_ITERS} timed iterations at that size, too few for a "
+            "99th percentile (raise --iters / --min-iters)"
+        )
     for op_name in dict.fromkeys(r["op"] for r in rows):
         op = OPS[op_name]
         block = [r for r in rows if r["op"] == op_name]
@@ -86,7 +140,8 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             t = r["mpistrat"]["time_us"]
             line = (
                 f"{human(r['bytes']):>9} {r['count']:>10} {r['iters']:>6} {t['avg']:>10.2f} {t['min']:>9.2f} "
-                f"{t['max']:>9.2f} {r['mpistrat']['algbw_GBps']:>7.3f} {r['mpistrat']['busbw_GBps']:>7.3f} "
+                f"{t['max']:>9.2f} {_us(t.get('p50'), 9)} {_us(t.get('p99'), 9)} "
+                f"{r['mpistrat']['algbw_GBps']:>7.3f} {r['mpistrat']['busbw_GBps']:>7.3f} "
                 f"{r['raw']['time_us']['avg']:>10.2f} {r['ratio']:>6.2f}"
             )
             if two:
@@ -118,8 +173,9 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
     for side in ("mpistrat", "raw", "raw2"):
         values = row[side] or {"time_us": {}, "ok": ""}
         prefix = "" if side == "mpistrat" else side + "_"
-        for stat in ("min", "avg", "max"):
-            out[f"{prefix}time_{stat}_us"] = values["time_us"].get(stat, "")
+        for stat in ("min", "avg", "max", "p50", "p99"):
+            value = values["time_us"].get(stat)
+            out[f"{prefix}time_{stat}_us"] = "" if value is None else value
         out[f"{prefix}algbw_GBps"] = values.get("algbw_GBps", "")
         out[f"{prefix}busbw_GBps"] = values.get("busbw_GBps", "")
         out[f"{prefix}ok"] = values["ok"]

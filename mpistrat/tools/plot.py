@@ -25,6 +25,7 @@ several rank counts, else ``bandwidth``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -56,7 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpistrat plot", description="Plot mpistrat bench results (JSON files).")
     p.add_argument("results", nargs="+", help="files of `mpistrat bench --json`, or one timeline")
     p.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
-    p.add_argument("--kind", choices=("auto", "bandwidth", "ratio", "scaling", "heatmap"), default="auto")
+    p.add_argument(
+        "--kind",
+        choices=("auto", "bandwidth", "ratio", "scaling", "heatmap"),
+        default="auto",
+        help="bandwidth: bus bandwidth vs size; ratio: mpistrat/raw time vs size; scaling: time, "
+        "speed-up and efficiency vs ranks; heatmap: a timeline's imposed wait. auto (default): "
+        "heatmap for a timeline, scaling when the files cover several rank counts, else bandwidth",
+    )
     p.add_argument("--bins", type=int, default=None, help="heatmap: time bins (default: up to 100)")
     p.add_argument("--ops", default=None, help="comma-separated operations to draw (default: all found)")
     p.add_argument("--metric", choices=("busbw", "algbw", "time"), default="busbw", help="bandwidth plot's y")
@@ -242,9 +250,38 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
     return fig
 
 
+# What matplotlib's Agg canvas writes, by file name extension.
+FORMATS = (
+    "png",
+    "svg",
+    "svgz",
+    "pdf",
+    "eps",
+    "ps",
+    "jpg",
+    "jpeg",
+    "tif",
+    "tiff",
+    "webp",
+    "pgf",
+    "raw",
+    "rgba",
+)
+
+
+def _check_output(path: str) -> None:
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if extension not in FORMATS:
+        raise InvalidArgumentError(
+            f"-o {path}: cannot draw a {'.' + extension if extension else 'file without an extension'}; "
+            f"name an image: .png, .svg or .pdf (or {', '.join('.' + f for f in FORMATS[3:])})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        _check_output(args.output)
         if args.kind == "heatmap" or (args.kind == "auto" and heatmap.is_timeline(args.results[0])):
             return _heatmap(args)
         runs = [load(path) for path in args.results]
@@ -263,8 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.title:
         fig.suptitle(args.title)
     fig.tight_layout(rect=(0, 0, 1, 0.93 if kind != "scaling" else 0.97))
-    fig.savefig(args.output, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(args.output, dpi=110)
+    except OSError as exc:
+        print(f"mpistrat plot: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    finally:
+        plt.close(fig)
     print(f"mpistrat plot: wrote {args.output} ({kind}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
     return 0
 

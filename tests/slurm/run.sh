@@ -187,6 +187,20 @@ else  # the job script itself, with a module that exists here standing in for th
 fi
 ids+=("$train")
 
+# The multi-worker tutorial under srun: SlurmClusterResolver reads the step's environment
+# (SLURM_PROCID, SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE), MultiWorkerMirroredStrategy
+# checks it against MPI; run twice, the second run resumes from the chief's checkpoint.
+multi_worker=""
+if "$PYTHON" -c "import mpistrat.examples.multi_worker, sklearn" 2> /dev/null; then
+    mkdir -p "$WORK/mw"
+    mw_run="srun --mpi=pmi2 $PYTHON -m mpistrat.examples.multi_worker --slurm --checkpoint-dir $WORK/mw/ckpt"
+    multi_worker=$(sbatch --parsable --ntasks=2 --chdir="$WORK/mw" --output="$WORK/results/slurm-%j.out" \
+        --wrap "$mw_run --epochs 2 && $mw_run --epochs 3 && SLURM_CONF=$SLURM_CONF $PYTHON -m pytest -q -p no:cacheprovider \
+            $REPO/tests/test_cluster_resolver.py -k agrees_with_scontrol -rs")
+    say "submitted the multi-worker tutorial under srun --slurm: job $multi_worker"
+    ids+=("$multi_worker")
+fi
+
 # Preemption: the same digits run twice, once left alone and once sent SIGUSR1 (as
 # --signal=USR1@120 does before the time limit) while it trains; that one must save,
 # requeue itself, resume in its second run and end with the same weights.
@@ -265,10 +279,24 @@ for path in (f"{bench}/bandwidth.png", f"{bench}/ratio.png", f"{collect}/scaling
         assert f.read(8) == png, f"{path} is not a PNG"
 lines = open(f"{results}/{collect}/all.csv").read().splitlines()
 assert lines[0].startswith("op,bytes") and len(lines) == 1 + 2 * 2, lines[:3]
+# mpistrat report's efficiency table: one row per rank count of the series, strong scaling
+import csv
+eff = list(csv.DictReader(open(f"{results}/{collect}/efficiency.csv")))
+assert [int(r["ranks"]) for r in eff] == ranks, eff
+assert {r["mode"] for r in eff} == {"strong"} and {r["op"] for r in eff} == {"train_step"}, eff
+assert float(eff[0]["speedup"]) == 1.0 and float(eff[0]["efficiency"]) == 1.0, eff
+assert all(float(r["time_us"]) > 0 and float(r["efficiency"]) > 0 for r in eff), eff
+md = open(f"{results}/{collect}/efficiency.md").read()
+assert "| ranks | runs | time us | speed-up | efficiency |" in md, md[:500]
+# what a number needs to be reproduced: the environment Slurm set, the CPU, each rank's binding
+assert meta["environment"].get("SLURM_JOB_ID") == bench, sorted(meta["environment"])
+assert meta["cpu"]["logical_cores"] and len(meta["affinity"]) == 2, (meta["cpu"], meta["affinity"])
+assert all("p50" in r["mpistrat"]["time_us"] for r in rows)
 if viampiexec:
     other = load(f"{results}/{viampiexec}/bench.json")
     assert other["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] for r in other["results"]), other["meta"]
-print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}; plots are PNGs)")
+print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}, "
+      f"efficiency.csv {len(eff)} rows; plots are PNGs)")
 PY
 "$PYTHON" - "$WORK/results/$train/train.json" << 'PY'
 import json, sys
@@ -279,6 +307,20 @@ assert info["ranks"] == 2 and info["seconds"] > 0, info
 trace = json.load(open(sys.argv[1].replace("train.json", "trace.json")))
 assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}, trace["otherData"]
 PY
+if [ -n "$multi_worker" ]; then
+    "$PYTHON" - "$WORK/results/slurm-$multi_worker.out" "$WORK/mw" << 'PY'
+import os, re, sys
+
+log, work = sys.argv[1:]
+out = open(log).read()
+epochs = [int(e) for e in re.findall(r"^Epoch: (\d+), accuracy", out, re.M)]
+assert epochs == [0, 1, 2] and "Restored ckpt-2 at epoch 2" in out, out
+assert sorted(os.listdir(f"{work}/ckpt")) == ["checkpoint", "ckpt-3"], os.listdir(f"{work}/ckpt")
+assert os.listdir(f"{work}/workertemp_1") == [], os.listdir(work)
+assert re.search(r"^1 passed", out, re.M), f"the parser did not meet scontrol show hostnames:\n{out}"
+print("test-slurm: the multi-worker tutorial ran under srun with SlurmClusterResolver, and resumed")
+PY
+fi
 if [ -n "$preempted" ]; then
     restarts=$(scontrol show job "$preempted" | grep -o 'Restarts=[0-9]*')
     say "job $preempted: $restarts"

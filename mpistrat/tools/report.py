@@ -1,0 +1,462 @@
+"""``mpistrat report``: tables from ``mpistrat bench --json`` files, a scaling table, a regression gate.
+
+    mpistrat report results/bench-2.json                          # the rows of one run
+    mpistrat report results/*/bench.json --csv efficiency.csv     # a series: + speed-up, efficiency
+    mpistrat report new.json --reference old.json --tolerance 0.10   # exit 1 if a row got slower
+
+It prints, for every file, each row's operation, size, ranks, dtype, time (mean, p50, p99),
+ratio to raw mpi4py and bus bandwidth. Given files at several rank counts, it also prints the
+scaling table of one operation at one size (``train_step`` when every file has it, else the
+first operation they share; the largest size they share; ``--op``/``--size`` choose): ranks,
+time, speed-up and parallel efficiency relative to the smallest rank count ``n0``, strong or
+weak as the files' ``meta.scaling`` says (strong: speed-up ``T0/Tn``, efficiency
+``T0·n0/(n·Tn)``; weak: efficiency ``T0/Tn``, speed-up ``efficiency·n/n0``), next to the same
+for raw mpi4py.
+
+``--reference REF.json`` compares rows that match on (op, size, ranks, dtype): a row whose
+time (``--metric``, the mean by default) exceeds the reference's by more than ``--tolerance``
+is a regression, named with both numbers, and the exit status is 1; so it is when no row
+matched at all (nothing was checked). Otherwise it is 0. Either way it says how many rows were
+compared and which were missing on either side.
+
+>>> scaling_rows("strong", {1: [8.0], 2: [5.0], 4: [2.5]})
+[(1, 1, 8.0, 1.0, 1.0), (2, 1, 5.0, 1.6, 0.8), (4, 1, 2.5, 3.2, 0.8)]
+>>> gate({("a", 4, 2, "float32"): 20.0}, {("a", 4, 2, "float32"): 10.0}, 0.10).slower
+[(('a', 4, 2, 'float32'), 20.0, 10.0)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.tools.bench_report import human, load
+from mpistrat.tools.plot import speedup_efficiency
+from mpistrat.tools.sizes import parse_size
+
+__all__ = ["Gate", "gate", "main", "result_rows", "scaling_rows", "scaling_table"]
+
+Key = tuple[str, int, int, str]  # op, bytes, ranks, dtype
+METRICS = {"mean": "avg", "p50": "p50", "p99": "p99"}
+ROW_COLUMNS = (
+    "file",
+    "op",
+    "bytes",
+    "size",
+    "ranks",
+    "dtype",
+    "mean_us",
+    "p50_us",
+    "p99_us",
+    "ratio",
+    "busbw_GBps",
+)
+SCALING_COLUMNS = (
+    "mode",
+    "op",
+    "bytes",
+    "size",
+    "ranks",
+    "runs",
+    "time_us",
+    "speedup",
+    "efficiency",
+    "raw_time_us",
+    "raw_speedup",
+    "raw_efficiency",
+)
+
+
+def _key(row: dict[str, Any]) -> Key:
+    return (row["op"], int(row["bytes"]), int(row["ranks"]), str(row["dtype"]))
+
+
+def _name(key: Key) -> str:
+    op, nbytes, ranks, dtype = key
+    return f"{op} {human(nbytes)} {dtype} at {ranks} rank{'s' if ranks != 1 else ''}"
+
+
+def result_rows(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One flat record per row of every file: what the rows table shows."""
+    out = []
+    for path, run in runs:
+        for r in run["results"]:
+            t = r["mpistrat"]["time_us"]
+            out.append(
+                {
+                    "file": path,
+                    "op": r["op"],
+                    "bytes": r["bytes"],
+                    "size": human(r["bytes"]),
+                    "ranks": r["ranks"],
+                    "dtype": r["dtype"],
+                    "mean_us": t["avg"],
+                    "p50_us": t.get("p50"),  # absent from files written before percentiles
+                    "p99_us": t.get("p99"),
+                    "ratio": r["ratio"],
+                    "busbw_GBps": r["mpistrat"]["busbw_GBps"],
+                }
+            )
+    return out
+
+
+def scaling_rows(mode: str, times: dict[int, list[float]]) -> list[tuple[int, int, float, float, float]]:
+    """(ranks, runs, mean time, speed-up, efficiency) per rank count, relative to the smallest.
+
+    ``times`` maps a rank count to the times of its runs; repeated runs count as their mean.
+    """
+    ranks = sorted(times)
+    means = [sum(times[n]) / len(times[n]) for n in ranks]
+    speedup, efficiency = speedup_efficiency(mode, ranks, means)
+    return [(n, len(times[n]), t, s, e) for n, t, s, e in zip(ranks, means, speedup, efficiency, strict=True)]
+
+
+def _common_choice(runs: list[dict[str, Any]], op: str | None, size: int | None) -> tuple[str, int]:
+    """The operation and size of the scaling table, by the rule of ``mpistrat plot --kind scaling``."""
+    per_run = [{r["op"] for r in run["results"]} for run in runs]
+    common = [
+        o
+        for o in dict.fromkeys(r["op"] for run in runs for r in run["results"])
+        if all(o in s for s in per_run)
+    ]
+    if op is None:
+        if not common:
+            raise InvalidArgumentError("no operation is in every results file; pass --op")
+        op = "train_step" if "train_step" in common else common[0]
+    elif op not in common:
+        raise InvalidArgumentError(f"--op: {op!r} is not in every results file; common operations: {common}")
+    sizes = sorted(set.intersection(*({r["bytes"] for r in run["results"] if r["op"] == op} for run in runs)))
+    if size is None:
+        if not sizes:
+            raise InvalidArgumentError(f"{op}: no message size is in every results file; pass --size")
+        size = sizes[-1]
+    elif size not in sizes:
+        raise InvalidArgumentError(
+            f"--size: {op} at {human(size)} is not in every results file; sizes in all: "
+            + ", ".join(human(s) for s in sizes)
+        )
+    return op, size
+
+
+def scaling_table(
+    runs: list[dict[str, Any]], op: str | None = None, size: int | None = None
+) -> list[dict[str, Any]]:
+    """One record per scaling mode and rank count: mpistrat's and raw's time, speed-up, efficiency."""
+    op, size = _common_choice(runs, op, size)
+    out = []
+    modes = dict.fromkeys(run["meta"].get("scaling", "weak") for run in runs)
+    for mode in sorted(modes):
+        sides: dict[str, dict[int, list[float]]] = {"mpistrat": {}, "raw": {}}
+        for run in runs:
+            if run["meta"].get("scaling", "weak") != mode:
+                continue
+            row = next(r for r in run["results"] if r["op"] == op and r["bytes"] == size)
+            for side, times in sides.items():
+                times.setdefault(int(row["ranks"]), []).append(row[side]["time_us"]["avg"])
+        ours, raw = scaling_rows(mode, sides["mpistrat"]), scaling_rows(mode, sides["raw"])
+        for (n, count, t, s, e), (_, _, rt, rs, re) in zip(ours, raw, strict=True):
+            out.append(
+                {
+                    "mode": mode,
+                    "op": op,
+                    "bytes": size,
+                    "size": human(size),
+                    "ranks": n,
+                    "runs": count,
+                    "time_us": t,
+                    "speedup": s,
+                    "efficiency": e,
+                    "raw_time_us": rt,
+                    "raw_speedup": rs,
+                    "raw_efficiency": re,
+                }
+            )
+    return out
+
+
+@dataclasses.dataclass
+class Gate:
+    """The regression gate's findings: rows compared, slower ones (key, now, reference), missing ones."""
+
+    compared: int
+    slower: list[tuple[Key, float, float]]
+    only_here: list[Key]
+    only_in_reference: list[Key]
+
+    @property
+    def passed(self) -> bool:
+        """No row slower, and at least one compared: a gate that matched nothing has checked nothing."""
+        return self.compared > 0 and not self.slower
+
+
+def gate(now: dict[Key, float], reference: dict[Key, float], tolerance: float) -> Gate:
+    """Rows of ``now`` slower than ``reference``'s by more than ``tolerance`` (0.10: 10 %)."""
+    common = [k for k in now if k in reference]
+    slower = [(k, now[k], reference[k]) for k in common if now[k] > reference[k] * (1 + tolerance)]
+    return Gate(
+        compared=len(common),
+        slower=slower,
+        only_here=[k for k in now if k not in reference],
+        only_in_reference=[k for k in reference if k not in now],
+    )
+
+
+def _times(runs: Iterable[tuple[str, dict[str, Any]]], metric: str) -> dict[Key, float]:
+    """Each (op, size, ranks, dtype)'s time in ``metric``; a row in several files counts as their mean."""
+    stat = METRICS[metric]
+    found: dict[Key, list[float]] = {}
+    for path, run in runs:
+        for r in run["results"]:
+            value = r["mpistrat"]["time_us"].get(stat)
+            if value is None:
+                raise InvalidArgumentError(
+                    f"{path}: {_name(_key(r))} has no {metric} (too few iterations, or an older file); "
+                    "choose another --metric"
+                )
+            found.setdefault(_key(r), []).append(float(value))
+    return {k: sum(v) / len(v) for k, v in found.items()}
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+_ROW_HEAD = ("op", "size", "ranks", "dtype", "mean us", "p50 us", "p99 us", "ratio", "busbw GB/s")
+_SCALING_HEAD = (
+    "ranks",
+    "runs",
+    "time us",
+    "speed-up",
+    "efficiency",
+    "raw us",
+    "raw speed-up",
+    "raw efficiency",
+)
+
+
+def _row_cells(r: dict[str, Any]) -> list[str]:
+    return [
+        r["op"],
+        r["size"],
+        str(r["ranks"]),
+        r["dtype"],
+        _fmt(r["mean_us"]),
+        _fmt(r["p50_us"]),
+        _fmt(r["p99_us"]),
+        _fmt(r["ratio"]),
+        _fmt(r["busbw_GBps"], ".3f"),
+    ]
+
+
+def _scaling_cells(r: dict[str, Any]) -> list[str]:
+    return [
+        str(r["ranks"]),
+        str(r["runs"]),
+        _fmt(r["time_us"]),
+        _fmt(r["speedup"]),
+        _fmt(r["efficiency"]),
+        _fmt(r["raw_time_us"]),
+        _fmt(r["raw_speedup"]),
+        _fmt(r["raw_efficiency"]),
+    ]
+
+
+def _text(head: tuple[str, ...], rows: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        numeric = [all(_numeric(row[i]) for row in rows) for i in range(len(head))]
+        return [
+            "| " + " | ".join(head) + " |",
+            "| " + " | ".join("---:" if n else "---" for n in numeric) + " |",
+            *("| " + " | ".join(row) + " |" for row in rows),
+        ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i < 1 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
+    return [line(head), *(line(row) for row in rows)]
+
+
+def _numeric(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return cell == "-"
+    return True
+
+
+def _scaling_title(rows: list[dict[str, Any]], mode: str) -> str:
+    first = next(r for r in rows if r["mode"] == mode)
+    n0 = first["ranks"]
+    formula = (
+        "speed-up T0/Tn, efficiency T0*n0/(n*Tn)"
+        if mode == "strong"
+        else "efficiency T0/Tn, speed-up efficiency*n/n0"
+    )
+    ranks = f"{n0} rank{'s' if n0 != 1 else ''}"
+    return f"{mode} scaling of {first['op']} at {first['size']}, relative to {ranks} ({formula})"
+
+
+def render(
+    runs: list[tuple[str, dict[str, Any]]], scaling: list[dict[str, Any]] | None, markdown: bool
+) -> str:
+    """Both tables as text or Markdown: the scaling table first when there is one, then each file's rows."""
+    h = "## " if markdown else "# "
+    lines: list[str] = []
+    if scaling:
+        for mode in dict.fromkeys(r["mode"] for r in scaling):
+            lines += [h + _scaling_title(scaling, mode), ""]
+            lines += _text(_SCALING_HEAD, [_scaling_cells(r) for r in scaling if r["mode"] == mode], markdown)
+            lines.append("")
+    for path, run in runs:
+        meta = run["meta"]
+        n = meta["ranks"]
+        about = (
+            f"{n} rank{'s' if n != 1 else ''}, {meta.get('scaling', 'weak')} scaling, {meta.get('date', '?')}"
+        )
+        label = f" {meta['label']!r}" if meta.get("label") else ""
+        lines += [h + f"{path}{label}: {about}", ""]
+        rows = result_rows([(path, run)])
+        lines += _text(_ROW_HEAD, [_row_cells(r) for r in rows], markdown)
+        if any(r["p99_us"] is None for r in rows):
+            lines += [
+                "",
+                "p99 '-': fewer timed iterations than a 99th percentile needs, "
+                "or a file written before percentiles.",
+            ]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_csv(path: str, records: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        for r in records:
+            writer.writerow({c: "" if r[c] is None else r[c] for c in columns})
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mpistrat report",
+        description="Tables of mpistrat bench results (JSON files): each row, the scaling of a series, "
+        "and a regression gate against a reference run.",
+    )
+    p.add_argument("results", nargs="+", help="files written by `mpistrat bench --json`")
+    p.add_argument(
+        "--table",
+        choices=("auto", "rows", "scaling"),
+        default="auto",
+        help="what --csv writes: every row, or the scaling table (auto: scaling when the files "
+        "cover several rank counts, else rows)",
+    )
+    p.add_argument(
+        "--op", default=None, help="scaling table: the operation (default train_step, else the first)"
+    )
+    p.add_argument(
+        "--size", type=parse_size, default=None, help="scaling table: the size (default the largest)"
+    )
+    p.add_argument("--csv", metavar="PATH", help="write the table --table names as CSV")
+    p.add_argument("--markdown", metavar="PATH", help="write the printed tables as Markdown")
+    p.add_argument(
+        "--reference",
+        metavar="REF.json",
+        action="append",
+        help="fail (exit 1) if a row matching one of REF's on op, size, ranks and dtype is slower "
+        "than it by more than --tolerance; repeatable",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.10,
+        help="allowed slow-down over the reference (default 0.10: 10%%)",
+    )
+    p.add_argument(
+        "--metric",
+        choices=tuple(METRICS),
+        default="mean",
+        help="the time the gate compares (default mean; p50 is steadier on a shared machine)",
+    )
+    p.add_argument("--quiet", action="store_true", help="print only the gate's verdict")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.tolerance < 0:
+            raise InvalidArgumentError(
+                f"--tolerance: expected a fraction >= 0 (0.10 is 10%); got {args.tolerance}"
+            )
+        runs = [(path, load(path)) for path in args.results]
+        many = len({run["meta"]["ranks"] for _, run in runs}) > 1
+        want_scaling = args.table == "scaling" or (args.table == "auto" and many)
+        scaling = (
+            scaling_table([run for _, run in runs], args.op, args.size) if (many or want_scaling) else None
+        )
+        if not args.quiet:
+            print(render(runs, scaling, markdown=False), end="")
+        if args.markdown:
+            folder = os.path.dirname(os.path.abspath(args.markdown))
+            os.makedirs(folder, exist_ok=True)
+            with open(args.markdown, "w") as f:
+                f.write(render(runs, scaling, markdown=True))
+        if args.csv:
+            if want_scaling:
+                write_csv(args.csv, scaling or [], SCALING_COLUMNS)
+            else:
+                write_csv(args.csv, result_rows(runs), ROW_COLUMNS)
+        if not args.reference:
+            return 0
+        references = [(path, load(path)) for path in args.reference]
+        verdict = gate(_times(runs, args.metric), _times(references, args.metric), args.tolerance)
+    except InvalidArgumentError as exc:
+        print(f"mpistrat report: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"mpistrat report: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(_verdict(verdict, args))
+    return 0 if verdict.passed else 1
+
+
+def _verdict(verdict: Gate, args: argparse.Namespace) -> str:
+    ref = ", ".join(args.reference)
+    lines = []
+    for key, now, was in verdict.slower:
+        lines.append(
+            f"SLOWER: {_name(key)}: {now:.2f} us against {was:.2f} us in the reference "
+            f"({now / was:.2f}x, more than {1 + args.tolerance:.2f}x)"
+        )
+    for label, keys in (
+        ("not in the reference", verdict.only_here),
+        ("only in the reference", verdict.only_in_reference),
+    ):
+        if keys:
+            shown = "; ".join(_name(k) for k in keys[:20]) + (
+                f"; and {len(keys) - 20} more" if len(keys) > 20 else ""
+            )
+            lines.append(f"missing: {len(keys)} row(s) {label}: {shown}")
+    state = "FAILED" if verdict.slower else "passed"
+    lines.append(
+        f"gate {state}: {verdict.compared} row(s) compared on {args.metric} time against {ref} "
+        f"(tolerance {args.tolerance:.0%}); {len(verdict.slower)} slower"
+    )
+    if verdict.compared == 0:
+        lines.append("gate FAILED: no row matched on (op, size, ranks, dtype), so nothing was compared")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
