@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -83,7 +83,7 @@ def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
     """
     spec = importlib.util.find_spec("sklearn")
     if spec is None:
-        raise SystemExit("the digits example needs scikit-learn: pip install 'mpistrat[examples]'")
+        _missing("the digits example needs scikit-learn: pip install '.[examples]' in the clone")
     for root in spec.submodule_search_locations or []:
         path = Path(root) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
@@ -123,9 +123,14 @@ def _array_module(device: str) -> ModuleType:
         return np
     try:
         import cupy
-    except ImportError as exc:
-        raise SystemExit("--device gpu needs CuPy: pip install 'mpistrat[cuda]'") from exc
+    except ImportError:
+        _missing("--device gpu needs CuPy: pip install '.[cuda]' in the clone")
     return cupy
+
+
+def _missing(message: str) -> NoReturn:
+    """Exit 1 on every rank, saying why once (rank 0), on a line of its own."""
+    raise SystemExit(message if mpistrat.MPI.COMM_WORLD.Get_rank() == 0 else 1)
 
 
 def _epoch_rng(seed: int, epoch: int) -> np.random.Generator:
