@@ -7,8 +7,10 @@ communicators), with the raw communicator its references are computed against.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +22,20 @@ WORLD = MPI.COMM_WORLD
 
 # Scripts that tests launch under their own mpiexec: never import them here.
 collect_ignore = ["faults", "checkpoint_job.py", "input_resume_job.py"]
+
+
+@contextlib.contextmanager
+def setting_warning(match: str) -> Iterator[None]:
+    """A bad setting's ``RuntimeWarning`` matching ``match`` on rank 0, and none on the other ranks
+    (settings warn from rank 0 only, as the logger logs; ``MPISTRAT_LOG_ALL_RANKS=1``: every rank)."""
+    if WORLD.Get_rank() == 0:
+        with pytest.warns(RuntimeWarning, match=match):
+            yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [w for w in caught if match in str(w.message)], [str(w.message) for w in caught]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,7 +12,7 @@ from mpistrat import InvalidArgumentError, config
 from mpistrat.comm import cuda, devices, nccl, transport
 from mpistrat.comm.transport import DeviceCapabilities, choose_device_transport
 from tests import fake_cupy
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import all_ranks_agree, raises_on_every_rank, setting_warning
 
 # -- fake MPI libraries for detection ------------------------------------------------------
 
@@ -115,7 +115,7 @@ def test_environment_override_of_this_process(monkeypatch):
 
 
 def test_an_unknown_override_is_ignored_and_reported():
-    with pytest.warns(RuntimeWarning, match="MPISTRAT_CUDA_AWARE='maybe' is not 1/true"):
+    with setting_warning("MPISTRAT_CUDA_AWARE='maybe' is not 1/true"):
         got = run_detect(OpenMPILike(1), env={"MPISTRAT_CUDA_AWARE": "maybe"})
     assert got.aware and got.how.startswith("MPISTRAT_CUDA_AWARE='maybe' is not 0 or 1 and was ignored")
 
@@ -175,7 +175,7 @@ def test_hidden_gpus_mean_cpu(group):
 def test_a_bad_device_mode_warns_and_places_as_auto(group):
     env = {"MPISTRAT_DEVICE": "tpu"}
     config._warned.discard(("MPISTRAT_DEVICE", "tpu"))
-    with pytest.warns(RuntimeWarning, match="MPISTRAT_DEVICE='tpu' is not auto, gpu or cpu"):
+    with setting_warning("MPISTRAT_DEVICE='tpu' is not auto, gpu or cpu"):
         got = devices.place(group.comm, env, select=False)
     want = devices.place(group.comm, {}, select=False)
     all_ranks_agree(group.comm, got == want, f"{got} {want}")

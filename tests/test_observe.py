@@ -17,7 +17,7 @@ import mpistrat
 from mpistrat import config, timeline
 from mpistrat.tools import heatmap
 from mpistrat.tools import timeline as merge_tool
-from tests.conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree, setting_warning
 
 SCHEMA = json.loads((Path(__file__).parent / "chrome_trace.schema.json").read_text())
 STEPS = 50
@@ -137,7 +137,7 @@ def test_a_span_is_nothing_while_the_timeline_is_off():
 )
 def test_a_bad_setting_names_the_variable_and_gives_the_default(name, value):
     config._warned.discard((name, value))
-    with pytest.warns(RuntimeWarning, match=f"{name}='{value}' is not"):
+    with setting_warning(f"{name}='{value}' is not"):
         got = config.read(name, {name: value})
     assert got == config.SETTINGS[name].default
 
