@@ -10,11 +10,18 @@
 
 from mpi4py import MPI
 
-from mpistrat import metrics, nest, optimizers
+from mpistrat import (
+    cluster_resolver,
+    experimental,
+    metrics,
+    nest,
+    optimizers,
+)
 from mpistrat.abort import set_abort_on_exception
 from mpistrat.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
 from mpistrat.checkpoint_manager import CheckpointManager
 from mpistrat.context import (
+    experimental_set_strategy,
     get_cross_replica_context,
     get_replica_context,
     get_strategy,
@@ -45,11 +52,11 @@ from mpistrat.input import (
 )
 from mpistrat.losses import compute_average_loss, scale_regularization_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.preemption import PreemptionCheckpointHandler, TerminationConfig
+from mpistrat.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
 from mpistrat.stragglers import StragglerRow, Stragglers
-from mpistrat.strategy import MPIStrategy, Strategy
+from mpistrat.strategy import MPIStrategy, MultiWorkerMirroredStrategy, Strategy
 from mpistrat.timeline import start_timeline, stop_timeline, trace
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 from mpistrat.variables import (
@@ -88,8 +95,10 @@ __all__ = [
     "Mirrored",
     "MirroredVariable",
     "MpistratError",
+    "MultiWorkerMirroredStrategy",
     "PerReplica",
     "PreemptionCheckpointHandler",
+    "PreemptionWatcher",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
@@ -103,7 +112,10 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "cluster_resolver",
     "compute_average_loss",
+    "experimental",
+    "experimental_set_strategy",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

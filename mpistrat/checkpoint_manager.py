@@ -32,9 +32,15 @@ class CheckpointManager:
     ``checkpoint.restore(manager.latest_checkpoint)`` restores: restore first, and the
     numbering continues where the earlier job stopped.
 
+    Rank 0 writes, into rank 0's ``directory``. Another rank may pass another directory (tf's
+    multi-worker tutorial gives each non-chief worker a temporary one, which it deletes after
+    each save): its calls are accepted, ``save()`` creates that directory but writes nothing
+    there, and its paths
+    (``save()``'s result, ``latest_checkpoint``, ``checkpoints``) are rank 0's.
+
     Args:
         checkpoint: the :class:`Checkpoint` to save.
-        directory: where the files and the ``checkpoint`` index go.
+        directory: where the files and the ``checkpoint`` index go (rank 0's counts).
         max_to_keep: how many checkpoints to keep (the oldest are deleted); None keeps all.
         checkpoint_name: the files' prefix.
     """
@@ -59,12 +65,16 @@ class CheckpointManager:
             )
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
-        self._prefix = os.path.join(self._directory, checkpoint_name)
         self._max_to_keep = max_to_keep
         collectives = checkpoint._strategy("CheckpointManager").extended.collectives
         collectives.agree("checkpoint.manager")
-        self._latest, self._checkpoints = collectives.on_root(
-            lambda: _checkpoint_state(self._directory), kind="checkpoint.manager (read)"
+        prefix = os.path.join(self._directory, checkpoint_name)
+
+        def read() -> tuple[str, str | None, list[str]]:  # on rank 0: its prefix and its index
+            return (prefix, *_checkpoint_state(self._directory))
+
+        self._prefix, self._latest, self._checkpoints = collectives.on_root(
+            read, kind="checkpoint.manager (read)"
         )
 
     checkpoint = property(lambda self: self._checkpoint, doc="The managed Checkpoint.")
@@ -105,6 +115,9 @@ class CheckpointManager:
                 _write_index(self._directory, [os.path.basename(p) for p in kept])
 
         self._checkpoint._write_file(path, "save", counter, record_and_sweep)
+        collectives = self._checkpoint._strategy("CheckpointManager.save").extended.collectives
+        if collectives.rank != 0 and os.path.dirname(self._prefix) != self._directory:
+            os.makedirs(self._directory, exist_ok=True)  # as tf's save creates it (left empty here)
         self._checkpoint.save_counter.assign(np.int64(counter))
         self._latest, self._checkpoints = path, kept
         return path

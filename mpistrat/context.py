@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from mpistrat.strategy import Strategy
 
 __all__ = [
+    "experimental_set_strategy",
     "get_strategy",
     "has_strategy",
     "get_replica_context",
@@ -130,8 +131,37 @@ def get_strategy() -> Strategy:
 
 
 def has_strategy() -> bool:
-    """True inside a non-default strategy's ``scope()`` or ``run``."""
-    return bool(_stack())
+    """True inside a non-default strategy's ``scope()`` or ``run`` (not in the default strategy's
+    ``merge_fn``), or after :func:`experimental_set_strategy`."""
+    return not current_mode().strategy.extended.is_default
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Make ``strategy`` current for this thread until it is set again, as if its ``scope()`` were entered.
+
+    ``None`` goes back to the default strategy. Not inside a strategy's scope (a
+    ``ContextError``, a ``RuntimeError`` as tf's).
+
+    >>> import mpistrat
+    >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    >>> experimental_set_strategy(strategy)
+    >>> get_strategy() is strategy, in_cross_replica_context()
+    (True, True)
+    >>> experimental_set_strategy(None)
+    >>> has_strategy()
+    False
+    """
+    stack = _stack()
+    current = getattr(_local, "set_strategy", None)
+    if stack and not (current is not None and len(stack) == 1 and stack[0] is current):
+        raise ContextError("experimental_set_strategy: Must not be called inside a Strategy scope.")
+    stack.clear()
+    _local.set_strategy = None
+    if strategy is not None and not strategy.extended.is_default:
+        strategy.extended.collectives  # noqa: B018 (raises if finalized)
+        mode = Mode(strategy, None, "cross_replica")
+        stack.append(mode)
+        _local.set_strategy = mode
 
 
 def get_replica_context() -> ReplicaContext | None:

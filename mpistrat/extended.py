@@ -199,7 +199,9 @@ class StrategyExtended:
 
     # -- reductions ---------------------------------------------------------------------
 
-    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
+    def reduce_to(
+        self, reduce_op: Any, value: Any, destinations: Any, options: CommunicationOptions | None = None
+    ) -> Any:
         """Combine (sum or mean) a per-replica ``value`` across replicas, copied to ``destinations``.
 
         In the SPMD cross-replica context this is one all-reduce of every rank's
@@ -213,40 +215,52 @@ class StrategyExtended:
             value: a per-replica value (a nest of arrays and numbers).
             destinations: a variable, a distributed value or a device string:
                 where the result is wanted (every replica here).
+            options: a :class:`~mpistrat.CommunicationOptions` overriding the strategy's
+                for this reduction (as for ``all_reduce``); checked but unused inside a
+                root-mode ``merge_fn``, where nothing is communicated.
         """
         mode = self._require_cross_replica("reduce_to")
         op = _reduce_op(reduce_op, "reduce_to")
         _check_destinations(destinations, "reduce_to")
         if mode.kind == "merge" or self.is_default:
+            self._options.merge(options)  # a wrong type is an error here too
             return self._mirrored(merge.reduce_here(op, value, self.size, "reduce_to"))
-        return self._all_reduce(op, value, "reduce_to")
+        return self._all_reduce(op, value, "reduce_to", options)
 
-    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any) -> list[Any]:
+    def batch_reduce_to(
+        self, reduce_op: Any, value_destination_pairs: Any, options: CommunicationOptions | None = None
+    ) -> list[Any]:
         """Several ``reduce_to`` calls in one: a single fused all-reduce for the whole batch.
 
-        Returns one result per ``(value, destinations)`` pair, in order.
+        Returns one result per ``(value, destinations)`` pair, in order. ``options`` as for
+        :meth:`reduce_to` (``bytes_per_pack`` splits the fused buffer into packs).
         """
         mode = self._require_cross_replica("batch_reduce_to")
         op = _reduce_op(reduce_op, "batch_reduce_to")
         pairs = _pairs(value_destination_pairs)
         if mode.kind == "merge" or self.is_default:
+            self._options.merge(options)
             return [self._mirrored(merge.reduce_here(op, v, self.size, "batch_reduce_to")) for v, _ in pairs]
-        return list(self._all_reduce(op, [v for v, _ in pairs], "batch_reduce_to"))
+        return list(self._all_reduce(op, [v for v, _ in pairs], "batch_reduce_to", options))
 
     def _mirrored(self, value: Any) -> Any:
         """A merge_fn's reduced value, mirrored to every replica (the default strategy: the value)."""
         return value if self.is_default else Mirrored((value,) * self.size)
 
-    def _all_reduce(self, op: str | ReduceOp, value: Any, kind: str) -> Any:
+    def _all_reduce(
+        self, op: str | ReduceOp, value: Any, kind: str, options: CommunicationOptions | None = None
+    ) -> Any:
         """One collective over every rank's part of ``value`` (an error here reaches every rank)."""
         local, error = None, None
         try:
             local = _local(value, self.rank, self.size, kind)
+            if options is not None:
+                self._options.merge(options)  # checked here, so a wrong type reaches every rank
         except MpistratError as exc:
-            error = exc
+            error, options = exc, None
         if op == ONLY_FIRST_REPLICA:  # replica 0's value: a broadcast, not a sum with zeros
             return self.collectives.broadcast(local, kind=kind, error=error)
-        return self.collectives.all_reduce(op, local, kind=kind, error=error)
+        return self.collectives.all_reduce(op, local, options, kind=kind, error=error)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every replica (``destinations``: a variable or device string).

@@ -59,6 +59,14 @@ _Component = collections.namedtuple("_Component", "index")
 _Synced = collections.namedtuple("_Synced", "key")
 
 
+class _TheStrategy:
+    """Stands in for the strategy (or its ``extended``) in a merge_fn's result: every rank has its
+    own, and it cannot be pickled (``merge_call(lambda strategy: strategy)`` is a barrier idiom)."""
+
+    def __init__(self, extended: bool):
+        self.extended = extended
+
+
 # -- "root" -------------------------------------------------------------------------------
 
 
@@ -82,7 +90,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
                 result = merge_fn(strategy, *m_args, **m_kwargs)
         finally:
             writes, extended.merge_writes = extended.merge_writes, None
-        shared, components = _split_result(result, extended.size)
+        shared, components = _split_result(result, extended.size, strategy)
         return shared, writes, bool(components[0])
 
     shared, writes, scattered = collectives.on_root(run, kind="merge_call (result)")
@@ -96,7 +104,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
     return nest.tree_map(
         lambda x: _fill(x, mine, extended),
         shared,
-        is_leaf=lambda x: isinstance(x, (_Component, _Synced)),
+        is_leaf=lambda x: isinstance(x, (_Component, _Synced, _TheStrategy)),
     )
 
 
@@ -145,11 +153,19 @@ def _all_equal(values: list[Any]) -> bool:
         return False
 
 
-def _split_result(result: Any, size: int) -> tuple[Any, list[list[Any]]]:
-    """(what every rank gets, each rank's list of components of the ``PerReplica`` leaves)."""
+def _split_result(result: Any, size: int, strategy: Any = None) -> tuple[Any, list[list[Any]]]:
+    """(what every rank gets, each rank's list of components of the ``PerReplica`` leaves).
+
+    What every rank holds already travels as a placeholder, never pickled: the strategy and
+    its ``extended``, distributed variables (by key), a ``Mirrored``'s value when it is one.
+    """
     components: list[list[Any]] = [[] for _ in range(size)]
 
     def split(leaf: Any) -> Any:
+        if strategy is not None and leaf is strategy:
+            return _TheStrategy(extended=False)
+        if strategy is not None and leaf is strategy.extended:
+            return _TheStrategy(extended=True)
         if isinstance(leaf, PerReplica) and len(leaf.values) > 1:
             if len(leaf.values) != size:
                 raise InvalidArgumentError(
@@ -170,6 +186,8 @@ def _split_result(result: Any, size: int) -> tuple[Any, list[list[Any]]]:
 
 
 def _fill(leaf: Any, mine: list[Any], extended: Any) -> Any:
+    if isinstance(leaf, _TheStrategy):
+        return extended if leaf.extended else extended._container_strategy
     if isinstance(leaf, _Synced):
         return extended.synced(leaf.key)
     if isinstance(leaf, _Component):

@@ -47,7 +47,7 @@ from mpistrat.errors import InvalidArgumentError
 from mpistrat.log import ANY_RANK, logger
 from mpistrat.variables import Variable
 
-__all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfig"]
+__all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "PreemptionWatcher", "TerminationConfig"]
 
 RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the default exit outside Slurm
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -76,7 +76,7 @@ class TerminationConfig:
 
 
 # Signal handlers only set flags, on the live handlers in this tuple (replaced whole, never mutated).
-_watching: tuple[weakref.ref[PreemptionCheckpointHandler], ...] = ()
+_watching: tuple[weakref.ref[Any], ...] = ()  # PreemptionCheckpointHandler and PreemptionWatcher
 _previous: dict[int, Any] = {}
 
 
@@ -93,7 +93,7 @@ def _on_signal(signum: int, frame: Any) -> None:
             os.kill(os.getpid(), signum)
 
 
-def _watch_signals(handler: PreemptionCheckpointHandler) -> None:
+def _watch_signals(handler: PreemptionCheckpointHandler | PreemptionWatcher) -> None:
     global _watching
     _watching = (*(r for r in _watching if r() is not None), weakref.ref(handler))
     if _previous or threading.current_thread() is not threading.main_thread():
@@ -297,6 +297,51 @@ class PreemptionCheckpointHandler:
             grace_period,
         )
         return end - float(grace_period)
+
+
+class PreemptionWatcher:
+    """Watch for a termination signal and say when every rank knows of it, as tf's
+    ``tf.distribute.experimental.PreemptionWatcher``.
+
+    On the same path as :class:`PreemptionCheckpointHandler`: ``SIGTERM`` or ``SIGUSR1`` on
+    any rank sets a flag that the handshake of the next collective of the current strategy
+    carries to every rank; from then on :attr:`preemption_message` is a string on every rank
+    (None before). Reading it never communicates. It neither saves nor exits: that is the
+    handler's job, and a program may use both. Create it on every rank, inside the
+    strategy's scope (or outside any, for the single-replica default strategy).
+
+    >>> watcher = PreemptionWatcher()
+    >>> watcher.preemption_message is None
+    True
+    """
+
+    def __init__(self) -> None:
+        from mpistrat import context  # the strategy layer imports this module
+
+        self._collectives = context.get_strategy().extended.collectives
+        self._reasons: list[str] = []
+        self._message: str | None = None
+        _watch_signals(self)
+
+    def _request(self, reason: str) -> None:
+        """A signal on this rank (called from the signal handler: only sets flags)."""
+        self._reasons.append(reason)
+        self._collectives.stop_requested = True
+
+    @property
+    def preemption_message(self) -> str | None:
+        """None until a termination signal has been agreed by every rank; then what was seen."""
+        if self._message is None and self._collectives.stop_agreed:
+            seen = (
+                f"{self._reasons[-1]} on rank {self._collectives.rank}"
+                if self._reasons
+                else "on another rank"
+            )
+            self._message = f"preemption: a termination signal was received ({seen})"
+        return self._message
+
+    def block_until_worker_exit(self) -> None:
+        """Nothing to wait for on MPI (tf's is a no-op outside TPU clusters too)."""
 
 
 def _poll_watcher(handler: weakref.ref[PreemptionCheckpointHandler], watcher: Callable[[], bool]) -> None:

@@ -12,6 +12,7 @@ import optree
 from mpi4py import MPI
 
 from mpistrat import abort, config, context, merge, nest, values, watchdog
+from mpistrat import cluster_resolver as _resolvers
 from mpistrat.collectives import to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
@@ -29,7 +30,7 @@ from mpistrat.reduce_op import ReduceOp
 from mpistrat.replica_context import ReplicaContext
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
-__all__ = ["Strategy", "MPIStrategy", "default_strategy"]
+__all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy", "default_strategy"]
 
 
 class Strategy:
@@ -48,6 +49,17 @@ class Strategy:
         """Number of replicas over which gradients are aggregated (the number of ranks)."""
         return self._extended.size
 
+    @property
+    def cluster_resolver(self) -> _resolvers.ClusterResolver | None:
+        """The cluster: None for the default strategy, as in tf (MPI strategies override it)."""
+        return None
+
+    def _require_own(self, method: str) -> None:
+        """Raise, as tf does, when another strategy's scope is active (the default context is fine)."""
+        mode = context.current_mode()
+        if mode.kind != "default" and mode.strategy is not self and not self._extended.is_default:
+            raise ContextError(f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self}")
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Select this strategy and enter its cross-replica context.
@@ -60,11 +72,14 @@ class Strategy:
         mode = context.current_mode()
         if mode.kind != "default":
             if mode.strategy is not self:
-                raise InvalidArgumentError(
+                raise ContextError(  # a RuntimeError, as tf's
                     "Mixing different Strategy objects: a scope of another strategy is already active"
                 )
             context.require_cross_replica("Strategy.scope")
         self._extended.collectives  # noqa: B018 (raises if finalized)
+        if self._extended.is_default and mode.kind == "default":
+            yield self  # as tf: the default strategy's scope keeps its default replica context
+            return
         if mode.kind == "merge":  # inside merge_fn (rank 0 alone) the scope is already entered:
             yield self  # keep the merge context, or rank 0 would enter collectives alone
             return
@@ -94,7 +109,7 @@ class Strategy:
         if mode.kind == "merge" and not self._extended.is_default:
             return self._run_on_root(fn, tuple(args), dict(kwargs or {}))
         if mode.kind != "default" and mode.strategy is not self:
-            raise InvalidArgumentError(
+            raise ContextError(  # a RuntimeError, as tf's
                 "Mixing different Strategy objects: a scope of another strategy is already active"
             )
         self._extended.collectives  # noqa: B018 (raises if finalized)
@@ -173,6 +188,7 @@ class Strategy:
         np.float32(3.0)
         """
         mode = context.require_cross_replica("Strategy.reduce")
+        self._require_own("Strategy.reduce")
         if mode.kind == "merge":
             op = ReduceOp.from_any(reduce_op)
             return merge.reduce_here(op, value, self.num_replicas_in_sync, "reduce", axis)
@@ -207,6 +223,7 @@ class Strategy:
         array([1, 2])
         """
         mode = context.require_cross_replica("Strategy.gather")
+        self._require_own("Strategy.gather")
         if mode.kind == "merge":
             return nest.tree_map(
                 lambda v: _concatenate(self.experimental_local_results(v), axis),
@@ -230,6 +247,7 @@ class Strategy:
         >>> [x.tolist() for x in strategy.experimental_distribute_dataset([np.arange(3)])]
         [[0, 1, 2]]
         """
+        self._require_own("experimental_distribute_dataset")
         return _datasets.distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(
@@ -240,12 +258,14 @@ class Strategy:
         Collective. Pipelines may differ in length; ``InputOptions.uneven`` says what
         happens when some run out first (default: empty batches, nothing lost).
         """
+        self._require_own("distribute_datasets_from_function")
         return _datasets.distribute_datasets_from_function(self, dataset_fn, options)
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     def make_dataset_iterator(self, dataset: Iterable[Any]) -> _datasets.InputIterator:
         """An iterator (``initialize()``, ``get_next()``) over ``dataset``'s global batches, split."""
+        self._require_own("make_dataset_iterator")
         return _datasets.make_dataset_iterator(self, dataset)
 
     def make_input_fn_iterator(
@@ -254,6 +274,7 @@ class Strategy:
         replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
     ) -> _datasets.InputIterator:
         """An iterator (``initialize()``, ``get_next()``) over one ``input_fn`` pipeline per rank."""
+        self._require_own("make_input_fn_iterator")
         return _datasets.make_input_fn_iterator(self, input_fn, replication_mode)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
@@ -349,6 +370,104 @@ class MPIStrategy(Strategy):
         timeout = options.timeout_seconds or config.read("MPISTRAT_TIMEOUT")
         private = watchdog.duplicate(comm, timeout) if comm.Get_size() > 1 else comm.Dup()
         super().__init__(StrategyExtended(self, private, options, merge_call=merge_call))
+        self._cluster_resolver: _resolvers.ClusterResolver | None = None
+
+    @property
+    def cluster_resolver(self) -> _resolvers.ClusterResolver:
+        """This rank's place in the cluster: ``task_type="worker"``, ``task_id`` the rank.
+
+        ``cluster_spec()`` has one ``"worker"`` address per rank: its host name (from MPI) and a
+        port that means nothing (MPI connects the ranks). See :mod:`mpistrat.cluster_resolver`.
+
+        >>> import mpistrat
+        >>> resolver = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF).cluster_resolver
+        >>> resolver.task_type, resolver.task_id, resolver.cluster_spec().num_tasks("worker")
+        ('worker', 0, 1)
+        """
+        if self._cluster_resolver is None:
+            extended = self._extended
+            placement = extended.placement
+            self._cluster_resolver = _resolvers.MPIClusterResolver(
+                extended.rank, placement.hosts, placement.gpu
+            )
+        return self._cluster_resolver
+
+
+class MultiWorkerMirroredStrategy(MPIStrategy):
+    """tf's ``MultiWorkerMirroredStrategy``: every rank of ``MPI.COMM_WORLD`` is a worker with one replica.
+
+    It is :class:`MPIStrategy` over ``COMM_WORLD`` with ``merge_call="every_rank"``: as on tf's
+    workers, ``merge_fn`` runs on every rank with its own values and reductions inside it are
+    collectives. Creating it is collective.
+
+    >>> import mpistrat
+    >>> strategy = mpistrat.MultiWorkerMirroredStrategy()
+    >>> strategy.cluster_resolver.task_type
+    'worker'
+
+    Args:
+        cluster_resolver: None (MPI says who the workers are), or a resolver (a
+            :class:`~mpistrat.cluster_resolver.SlurmClusterResolver`, ``TFConfig...``,
+            ``Simple...``) that must describe this MPI job: as many chief and worker tasks as
+            ranks, and this rank's task at its rank (the chief first). Otherwise every rank
+            raises ``InvalidArgumentError``. MPI is used either way; ``cluster_resolver``
+            returns the resolver given.
+        communication_options: a :class:`~mpistrat.CommunicationOptions`, defaults for every
+            collective.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: _resolvers.ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        if cluster_resolver is not None:
+            _check_resolver(cluster_resolver)
+        super().__init__(MPI.COMM_WORLD, communication_options=communication_options, merge_call="every_rank")
+        if cluster_resolver is not None:
+            self._cluster_resolver = cluster_resolver
+
+
+def _check_resolver(resolver: Any) -> None:
+    """Every rank raises unless ``resolver`` describes COMM_WORLD (collective, on a private duplicate)."""
+    problem = ""
+    try:
+        if not isinstance(resolver, _resolvers.ClusterResolver):
+            raise UnsupportedTypeError(
+                "MultiWorkerMirroredStrategy: cluster_resolver must be an mpistrat.cluster_resolver."
+                f"ClusterResolver or None; got {type(resolver).__name__}"
+            )
+        index, count, problem = _resolvers.worker_index(resolver)
+    except (MpistratError, ValueError, TypeError, RuntimeError, KeyError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if not problem and count != size:
+            problem = f"it describes {count} chief and worker tasks, but MPI started {size} ranks"
+        elif not problem and index != rank:
+            problem = (
+                f"its task ({resolver.task_type!r}, {resolver.task_id}) is task {index} of the cluster, but "
+                f"this is MPI rank {rank}"
+            )
+        problems = comm.allgather(problem)
+    finally:
+        comm.Free()
+    bad: dict[str, list[int]] = {}
+    for r, p in enumerate(problems):
+        if p:
+            bad.setdefault(p, []).append(r)
+    if bad:
+        where = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in bad.items()
+        )
+        raise InvalidArgumentError(
+            "MultiWorkerMirroredStrategy: the cluster_resolver does not describe this MPI job ("
+            + where
+            + "). "
+            "MPI decides the workers: launch as many ranks as the resolver has tasks (srun gives each its "
+            "SLURM_PROCID as its rank), or pass no cluster_resolver"
+        )
 
 
 class _DefaultStrategy(Strategy):

@@ -11,6 +11,7 @@ process holds every replica's value: the arguments of a ``merge_fn`` on rank 0.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
@@ -79,6 +80,33 @@ class Mirrored(DistributedValues):
     @property
     def value(self) -> Any:
         return self._values[0]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        import numpy as np
+
+        arr = np.asarray(self._values[0])
+        return arr.astype(dtype) if dtype is not None else (arr.copy() if copy else arr)
+
+
+def _mirrored_binary(op: Any, reflected: bool = False) -> Any:
+    def method(self: Mirrored, other: Any) -> Any:
+        other = other.value if isinstance(other, Mirrored) else other
+        return op(other, self.value) if reflected else op(self.value, other)
+
+    return method
+
+
+# As tf's Mirrored converts to a tensor: ``strategy.extended.reduce_to(...) * learning_rate`` inside
+# a merge_fn is arithmetic on the value every replica holds, and gives a plain value.
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"):
+    _op = getattr(operator, _name)
+    setattr(Mirrored, f"__{_name}__", _mirrored_binary(_op))
+    setattr(Mirrored, f"__r{_name}__", _mirrored_binary(_op, reflected=True))
+for _name in ("lt", "le", "gt", "ge"):
+    setattr(Mirrored, f"__{_name}__", _mirrored_binary(getattr(operator, _name)))
+for _name, _unary in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
+    setattr(Mirrored, f"__{_name}__", lambda self, _op=_unary: _op(self.value))
+del _name, _op, _unary
 
 
 def component(value: Any, replica: int, num_replicas: int, method: str) -> Any:

@@ -17,6 +17,7 @@ array([1., 2.])
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
 import sys
@@ -63,6 +64,8 @@ class VariableAggregation(enum.Enum):
 
 
 def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    if value is None and cls is VariableAggregation:  # tf: aggregation=None means NONE
+        return VariableAggregation.NONE
     if isinstance(value, cls):
         return value
     if isinstance(value, str) and value.upper() in cls.__members__:
@@ -90,12 +93,15 @@ class Variable(HasLocalCopy):
         name: a name for messages and ``repr``.
         dtype: convert the initial value to this dtype.
         synchronization: ``VariableSynchronization`` (distributed variables only).
-        aggregation: ``VariableAggregation`` (distributed variables only).
+        aggregation: ``VariableAggregation`` (distributed variables only); None is NONE, as tf.
+        constraint: a callable an optimizer may apply to the value after an update, kept as
+            :attr:`constraint` (as tf, writes do not apply it; mpistrat's optimizers do not).
     """
 
     _owner: DistributedVariable | None = None  # the distributed variable this copy belongs to
     _distribute_strategy: Any = None
     _storage: FlatBuffer | None = None  # the optimizer's flat array this copy is a slice of, if any
+    _constraint: Callable[[Any], Any] | None = None
     colocated_with: Any = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
@@ -111,8 +117,14 @@ class Variable(HasLocalCopy):
         name: str | None = None,
         dtype: Any = None,
         synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
-        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+        aggregation: VariableAggregation | str | None = VariableAggregation.NONE,
+        constraint: Callable[[Any], Any] | None = None,
     ):
+        if constraint is not None and not callable(constraint):
+            raise InvalidArgumentError(
+                f"The `constraint` argument must be a callable; got {type(constraint).__name__}"
+            )
+        self._constraint = constraint
         self._synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
         self._aggregation = _enum(VariableAggregation, aggregation, "aggregation")
         on_read = self._synchronization is VariableSynchronization.ON_READ
@@ -141,6 +153,7 @@ class Variable(HasLocalCopy):
     synchronization = property(lambda self: self._synchronization)
     aggregation = property(lambda self: self._aggregation)
     distribute_strategy = property(lambda self: self._distribute_strategy, doc="Owning strategy, or None.")
+    constraint = property(lambda self: self._constraint, doc="The constraint given at creation, or None.")
 
     @property
     def dtype(self) -> np.dtype:
@@ -181,20 +194,27 @@ class Variable(HasLocalCopy):
 
     # -- writes -----------------------------------------------------------------------
 
-    def assign(self, value: Any) -> Variable:
-        """Set the value (same shape; a same-kind dtype); returns the variable."""
+    def assign(
+        self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True
+    ) -> Variable | None:
+        """Set the value (same shape; a same-kind dtype); returns the variable, or None with
+        ``read_value=False`` (as tf). ``use_locking`` and ``name`` are accepted and unused."""
         self._write("assign", value)
-        return self
+        return self if read_value else None
 
-    def assign_add(self, delta: Any) -> Variable:
-        """Add ``delta``; returns the variable."""
+    def assign_add(
+        self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True
+    ) -> Variable | None:
+        """Add ``delta``; returns the variable (None with ``read_value=False``)."""
         self._write("assign_add", delta)
-        return self
+        return self if read_value else None
 
-    def assign_sub(self, delta: Any) -> Variable:
-        """Subtract ``delta``; returns the variable."""
+    def assign_sub(
+        self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True
+    ) -> Variable | None:
+        """Subtract ``delta``; returns the variable (None with ``read_value=False``)."""
         self._write("assign_sub", delta)
-        return self
+        return self if read_value else None
 
     def _write(self, how: str, value: Any) -> None:
         if self._owner is None:  # a plain variable, not a distributed one's copy
@@ -288,6 +308,14 @@ class Variable(HasLocalCopy):
 
     def __reduce__(self) -> Any:
         return (_rebuild_plain, (_to_numpy(self._local()), self._name, self._trainable))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        """A new plain variable with a copy of the value, name, trainability and constraint."""
+        copy = Variable._plain(self._local().copy(), self._name, self._trainable)
+        copy._constraint = self._constraint
+        copy._synchronization, copy._aggregation = self._synchronization, self._aggregation
+        memo[id(self)] = copy
+        return copy
 
     def __len__(self) -> int:
         if not self.shape:
@@ -460,6 +488,29 @@ class DistributedVariable(Variable, DistributedValues):
             f"a distributed variable ({self._name!r}) cannot be pickled: it is one copy of a variable that "
             "lives on every rank; pass its value (var.numpy()) instead"
         )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        """A new distributed variable of the same strategy holding a copy of each rank's copy, as tf's.
+
+        Creating it is collective, as creating any distributed variable is: deep-copy on every rank.
+        """
+        strategy = self._distribute_strategy
+        mode = context.current_mode()
+        scope = strategy.scope() if mode.kind == "default" else contextlib.nullcontext()
+        local = self._local().copy()
+        with scope:
+            copy = type(self)(
+                local,
+                trainable=self._trainable,
+                name=self._name,
+                synchronization=self._synchronization,
+                aggregation=self._aggregation,
+                constraint=self._constraint,
+            )
+        if not self.mirrored:  # a sync-on-read variable's copies differ: each rank keeps its own
+            copy._component._value = local
+        memo[id(self)] = copy
+        return copy
 
 
 _DIFFERENT_WRITES = (

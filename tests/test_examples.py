@@ -149,3 +149,27 @@ def test_the_custom_training_tutorial_runs_saves_every_two_epochs_and_restores_t
     # Test accuracy is a count over the 359 test images: a multiple of 100 / 359 (in float32).
     assert all(abs(e[3] * 359 / 100 - round(e[3] * 359 / 100)) < 1e-3 for e in epochs.values()), out
     assert epochs[4][0] < epochs[1][0] and epochs[4][3] > epochs[1][3], out  # it learns
+
+
+MW_EPOCH = re.compile(r"^Epoch: (\d+), accuracy: ([\d.]+), train_loss: ([\d.]+)\.$", re.M)
+
+
+@SERIAL_ONLY
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_multi_worker_tutorial_saves_on_the_chief_and_resumes_after_a_restart(tmp_path, ranks):
+    module = "mpistrat.examples.multi_worker"
+    out = run_example(ranks, tmp_path, module, "--epochs", "2", "--checkpoint-dir", "ckpt")
+    first = {int(m[0]): float(m[2]) for m in MW_EPOCH.findall(out)}
+    assert sorted(first) == [0, 1] and first[1] < first[0], out  # it learns
+    # The chief alone wrote (max_to_keep=1 keeps the second save); each other worker's temporary
+    # directory was created by its manager's save and emptied by the tutorial's rmtree.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint", "ckpt-2"]
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("workertemp_")) == [
+        f"workertemp_{i}" for i in range(1, ranks)
+    ]
+    assert all(not os.listdir(tmp_path / f"workertemp_{i}") for i in range(1, ranks))
+    # A restart with more epochs restores the latest checkpoint and trains only what is left.
+    out = run_example(ranks, tmp_path, module, "--epochs", "3", "--checkpoint-dir", "ckpt")
+    assert "Restored ckpt-2 at epoch 2" in out and [int(m[0]) for m in MW_EPOCH.findall(out)] == [2], out
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint", "ckpt-3"]

@@ -49,6 +49,8 @@ class Placement:
         local_rank, local_size: rank and size within the node (``COMM_TYPE_SHARED``).
         gpu: the CUDA device ordinal among the visible devices, or None (CPU).
         reason: why this device (or why not a GPU), for ``mpistrat info``.
+        hosts: every rank's host name (``MPI.Get_processor_name()``), in rank order; empty
+            where nothing was gathered (the default strategy).
     """
 
     host: str
@@ -56,6 +58,7 @@ class Placement:
     local_size: int
     gpu: int | None
     reason: str
+    hosts: tuple[str, ...] = ()
 
     def device(self, rank: int) -> str:
         return device_string(rank, self.gpu)
@@ -136,13 +139,14 @@ def place(comm: MPI.Intracomm, env: Mapping[str, str] | None = None, *, select: 
     except InvalidArgumentError as exc:
         problem = str(exc)
     problems: dict[str, list[int]] = {}
-    for r, p in enumerate(comm.allgather(problem)):
+    gathered = comm.allgather((problem, MPI.Get_processor_name()))  # the host names ride along
+    for r, (p, _) in enumerate(gathered):
         if p is not None:
             problems.setdefault(p, []).append(r)
     if problems:
         raise InvalidArgumentError("; ".join(f"{_ranks(rs)}: {p}" for p, rs in problems.items()))
     assert placement is not None
-    return placement
+    return dataclasses.replace(placement, hosts=tuple(host for _, host in gathered))
 
 
 def _ranks(ranks: list[int]) -> str:
