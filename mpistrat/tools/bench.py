@@ -362,19 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     bar = _progress(len(tasks), rank == 0 and show)
     rows: list[dict[str, Any]] = []
     seen: set[tuple[str, int]] = set()
-    for op_name, nbytes in tasks:
-        bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
-        setup = Setup(
-            strategy, comm, np.dtype(args.dtype), nbytes, args.leaves, args.batch, args.scaling, args.shard
-        )
-        # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
-        case, timed = _run_case(strategy, op_name, setup, args, seen)
-        bar.update(1)
-        if timed is None:
-            continue
-        seen.add((op_name, case.nbytes))
-        rows.append(_record(comm, op_name, case, timed, args))
-    bar.close()
+    try:  # closed before an interrupt is reported, so the bar does not redraw after the message
+        for op_name, nbytes in tasks:
+            bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
+            dtype = np.dtype(args.dtype)
+            setup = Setup(strategy, comm, dtype, nbytes, args.leaves, args.batch, args.scaling, args.shard)
+            # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
+            case, timed = _run_case(strategy, op_name, setup, args, seen)
+            bar.update(1)
+            if timed is None:
+                continue
+            seen.add((op_name, case.nbytes))
+            rows.append(_record(comm, op_name, case, timed, args))
+    finally:
+        bar.close()
     failed = [
         f"{r['op']} {r['bytes']} B ({side})"
         for r in rows
