@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import mismatch
+from mpistrat.collectives.all_reduce import reduction_code
 from mpistrat.collectives.handshake import check_level
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
@@ -34,6 +35,7 @@ from mpistrat.flat_storage import FlatBuffer
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
+    from mpistrat.options import CommunicationOptions
     from mpistrat.variables import Variable
 
 __all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy"]
@@ -330,10 +332,13 @@ class FlatState:
         *,
         plan: _Plan | None = None,
         kind: str = "apply_gradients",
+        options: CommunicationOptions | None = None,
     ) -> None:
         """One step: check, one handshake, then per group and pack: reduce, update, (gather).
 
-        ``plan``: :meth:`cached_plan` of ``variables``, if the caller has it.
+        ``plan``: :meth:`cached_plan` of ``variables``, if the caller has it. ``options``: the
+        optimizer's ``CommunicationOptions`` for the gradients' reduction (deterministic,
+        compression), over the strategy's.
 
         ``collectives`` is None for the single-replica default strategy (nothing to send).
         Bad input found on any rank (a gradient's shape, a variable's new shape, a different
@@ -349,9 +354,14 @@ class FlatState:
             error = exc
         if collectives is not None:
             described = plan.described if plan is not None else []
+            mode = collectives.reduction if options is None else collectives.options.merge(options).reduction
+            described = [
+                ("gradient reduction", mode or "plain MPI sum", None),
+                *described,
+            ]  # named if it differs
             collectives.agree(
                 kind,
-                fingerprint=0 if plan is None else plan.fingerprint,
+                fingerprint=(0 if plan is None else plan.fingerprint) ^ reduction_code(mode),
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
                 error=error,
             )
@@ -359,7 +369,7 @@ class FlatState:
             raise error
         assert plan is not None
         for s, w in zip(plan.steps, params, strict=True):
-            _step_group(collectives, s, [grads[p] for p in s.positions], w, update, lr, step, kind)
+            _step_group(collectives, s, [grads[p] for p in s.positions], w, update, lr, step, kind, options)
         if collectives is not None and check_level(collectives) > 1:
             _compare_copies(collectives, plan, kind)
 
@@ -435,6 +445,7 @@ def _step_group(
     lr: float,
     step: int,
     kind: str,
+    options: CommunicationOptions | None = None,
 ) -> None:
     """Per pack: gradients into staging, reduced in place, this rank's part updated (and gathered)."""
     group, lay = s.group, s.group.layout
@@ -451,12 +462,14 @@ def _step_group(
             staging[a:b] = 0
         if lay.sharded:
             assert collectives is not None
-            collectives.reduce_scatter_in_place(staging, kind=kind)  # this rank's part: staging[:per_rank]
+            collectives.reduce_scatter_in_place(
+                staging, kind=kind, options=options
+            )  # this rank's part: staging[:per_rank]
             base = lay.owned(k)[0]  # the parameter whose summed gradient is staging[0]
             shift = lay.slot_start(k) - base  # slot index - parameter index
         else:
             if collectives is not None:
-                collectives.all_reduce_in_place(staging[: hi - lo], kind=kind)
+                collectives.all_reduce_in_place(staging[: hi - lo], kind=kind, options=options)
             base, shift = lo, 0
         for a, b in s.updates[k]:
             block = b - a if b - a <= WHOLE else BLOCK

@@ -34,6 +34,7 @@ from mpistrat import context, mismatch
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.optimizer_state import FlatState, creation_order, own_copy
+from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.sharded_slot import ShardedSlot
 from mpistrat.variables import Variable, VariableAggregation
@@ -54,8 +55,20 @@ class Optimizer:
     slot_names: tuple[str, ...] = ()
 
     def __init__(
-        self, learning_rate: float | Callable[[int], float], name: str, *, shard_state: bool = False
+        self,
+        learning_rate: float | Callable[[int], float],
+        name: str,
+        *,
+        shard_state: bool = False,
+        communication_options: CommunicationOptions | None = None,
     ):
+        if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
+            raise InvalidArgumentError(
+                f"{name}: communication_options must be a CommunicationOptions or None; got "
+                f"{type(communication_options).__name__}"
+            )
+        # How the gradients are summed (deterministic, compression, ...) over the strategy's options.
+        self._communication_options = communication_options
         if not callable(learning_rate) and not isinstance(
             learning_rate, (int, float, np.floating, np.integer)
         ):
@@ -272,6 +285,7 @@ class Optimizer:
             self.learning_rate(step),
             step,
             plan=plan,
+            options=self._communication_options,
         )
         with counter._writable() as count:  # this rank's copy: every rank counts the same steps
             count += 1
@@ -297,7 +311,10 @@ class Optimizer:
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
         extended = strategy.extended
-        summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
+        if self._communication_options is None:
+            summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
+        else:  # the options= argument of batch_reduce_to
+            summed = extended.batch_reduce_to(ReduceOp.SUM, pairs, options=self._communication_options)
         step = int(self.iterations.value())
         lr = self.learning_rate(step)
         for grad, (_, var) in zip(summed, pairs, strict=True):
@@ -340,8 +357,11 @@ class SGD(Optimizer):
         name: str = "SGD",
         *,
         shard_state: bool = False,
+        communication_options: CommunicationOptions | None = None,
     ):
-        super().__init__(learning_rate, name, shard_state=shard_state)
+        super().__init__(
+            learning_rate, name, shard_state=shard_state, communication_options=communication_options
+        )
         if not 0.0 <= momentum <= 1.0:
             raise InvalidArgumentError(f"{name}: momentum must be in [0, 1]; got {momentum!r}")
         self.momentum = float(momentum)
@@ -384,8 +404,11 @@ class Adam(Optimizer):
         name: str = "Adam",
         *,
         shard_state: bool = False,
+        communication_options: CommunicationOptions | None = None,
     ):
-        super().__init__(learning_rate, name, shard_state=shard_state)
+        super().__init__(
+            learning_rate, name, shard_state=shard_state, communication_options=communication_options
+        )
         for what, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= beta < 1.0:
                 raise InvalidArgumentError(f"{name}: {what} must be in [0, 1); got {beta!r}")

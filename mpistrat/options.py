@@ -7,7 +7,10 @@ import enum
 
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions"]
+__all__ = ["COMPRESSIONS", "CommunicationImplementation", "CommunicationOptions"]
+
+# What ``CommunicationOptions.compression`` accepts: None inherits, "none" turns it off.
+COMPRESSIONS = ("none", "bf16", "fp16")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -38,12 +41,25 @@ class CommunicationOptions:
             arguments (None: the ``MPISTRAT_CHECK`` environment default, on);
             ``"strict"`` also compares the copies of the variables that every-rank
             merge functions (the optimizers) update, by checksum.
+        deterministic: floating-point SUM and MEAN return the exact sum of the
+            contributions rounded once: the same bits for any ``bytes_per_pack``, leaf
+            split, rank order, rank count and MPI algorithm (costs about 2.5x the bytes;
+            see docs/concepts.md). None: the strategy's setting (off by default).
+        compression: ``"bf16"`` or ``"fp16"``: float32/float64 SUM and MEAN travel as
+            16-bit values and are summed in float32 (about half the bytes, each value
+            rounded to 16 bits at most twice); ``"none"``: off; None: the strategy's
+            setting (off by default). Cannot be combined with ``deterministic=True``.
+
+    >>> CommunicationOptions(deterministic=True).merge(CommunicationOptions(compression="bf16")).reduction
+    'bf16'
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
     check: bool | str | None = None
+    deterministic: bool | None = None
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -65,6 +81,32 @@ class CommunicationOptions:
             raise InvalidArgumentError(
                 f"implementation must be a CommunicationImplementation; got {self.implementation!r}"
             )
+        if not isinstance(self.deterministic, (bool, type(None))):
+            raise InvalidArgumentError(
+                f"deterministic must be True, False or None; got {self.deterministic!r}"
+            )
+        compression = self.compression
+        if isinstance(compression, str) and compression.lower() in COMPRESSIONS:
+            object.__setattr__(self, "compression", compression.lower())
+        elif compression is not None:
+            raise InvalidArgumentError(
+                f"compression must be one of {', '.join(map(repr, COMPRESSIONS))} or None; "
+                f"got {compression!r}"
+            )
+        if self.deterministic and self.compression not in (None, "none"):
+            raise InvalidArgumentError(
+                f"deterministic=True and compression={self.compression!r} cannot be combined: compressed "
+                "sums are rounded to 16 bits, exact ones are not; choose one"
+            )
+
+    @property
+    def reduction(self) -> str:
+        """How float sums travel: ``""`` (plain MPI), ``"deterministic"``, ``"bf16"`` or ``"fp16"``."""
+        if self.deterministic:
+            return "deterministic"
+        if self.compression in ("bf16", "fp16"):
+            return self.compression
+        return ""
 
     def merge(self, override: CommunicationOptions | None) -> CommunicationOptions:
         """These options with the non-default fields of ``override`` taking precedence."""
@@ -80,4 +122,9 @@ class CommunicationOptions:
             for f in dataclasses.fields(self)
             if getattr(override, f.name) != getattr(default, f.name)
         }
+        # deterministic and compression exclude each other: the call's choice replaces the strategy's
+        if override.deterministic and "compression" not in changes:
+            changes["compression"] = None
+        if override.compression not in (None, "none") and "deterministic" not in changes:
+            changes["deterministic"] = None
         return dataclasses.replace(self, **changes)

@@ -13,7 +13,6 @@ from mpi4py import MPI
 
 from mpistrat import abort, config, context, merge, nest, values, watchdog
 from mpistrat import cluster_resolver as _resolvers
-from mpistrat.collectives import to_arrays
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.extended import StrategyExtended
@@ -197,23 +196,13 @@ class Strategy:
         try:
             op = ReduceOp.from_any(reduce_op)
             local = nest.tree_map(lambda x: values.component(x, rank, size, "reduce"), value)
-            if axis is not None:
-                leaves, spec = nest.tree_flatten(local)
-                arrays = to_arrays(local, leaves, "reduce")
-                for a in arrays:
-                    if not -a.ndim <= axis < a.ndim:
-                        raise InvalidArgumentError(f"reduce: axis {axis} is out of range for shape {a.shape}")
         except MpistratError as exc:
             collectives.agree("reduce", error=exc)  # the others are entering the all_reduce: tell them
             raise
         if axis is None:
             return collectives.all_reduce(op, local, kind="reduce")
-        sums = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
-        counts = [a.shape[axis] for a in arrays]
-        total_sums, total_counts = collectives.all_reduce(ReduceOp.SUM, (sums, counts), kind="reduce")
-        if op is ReduceOp.MEAN:
-            total_sums = [merge.mean_of(s, c) for s, c in zip(total_sums, total_counts, strict=True)]
-        return optree.tree_unflatten(spec, total_sums)
+        # Exact with CommunicationOptions(deterministic=True): the same bits at any number of ranks.
+        return collectives.reduce_along_axis(op, local, axis, kind="reduce")
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the replicas' values along ``axis`` (cross-replica context).

@@ -128,6 +128,10 @@ class CountingComm(MPI.Intracomm):
         _note("Allgather", sent, received)
         return super().Allgather(sendbuf, recvbuf)
 
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        _note("Alltoall", _nbytes(sendbuf), _nbytes(recvbuf))
+        return super().Alltoall(sendbuf, recvbuf)
+
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> None:
         if sendbuf is MPI.IN_PLACE:  # the input is the whole receive buffer, the result its first block
             n = _nbytes(recvbuf)
@@ -210,7 +214,8 @@ def ring_bytes(call: Call, size: int) -> float:
     """Bytes a bandwidth-optimal (ring) algorithm sends from this rank for ``call``, among ``size`` ranks.
 
     An all-reduce of n bytes sends 2n(R-1)/R; a reduce-scatter of n bytes, or an all-gather
-    into n bytes, sends n(R-1)/R each: together, what the all-reduce sends.
+    into n bytes, sends n(R-1)/R each: together, what the all-reduce sends. An all-to-all of n
+    bytes keeps 1/R of them and sends the rest.
 
     >>> ring_bytes(Call("Allreduce", 100, 100), 4), ring_bytes(Call("Reduce_scatter_block", 100, 25), 4)
     (150.0, 75.0)
@@ -218,7 +223,7 @@ def ring_bytes(call: Call, size: int) -> float:
     share = (size - 1) / size
     if call.name == "Allreduce":
         return 2 * call.received * share
-    if call.name == "Reduce_scatter_block":
+    if call.name in ("Reduce_scatter_block", "Alltoall"):
         return call.sent * share
     if call.name == "Allgather":
         return call.received * share

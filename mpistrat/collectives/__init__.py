@@ -4,6 +4,9 @@
 ``handshake.py``    :func:`agree`: the agreement every collective opens with
 ``leaves.py``       nests to arrays; cached fingerprints and pack plans
 ``all_reduce.py``   sum or mean, one ``Allreduce`` per dtype pack
+``exact_sum.py``    exact sums in integer limbs (``deterministic=True``)
+``compressed.py``   16-bit values on the wire (``compression="bf16"|"fp16"``)
+``reduce_axis.py``  sum or mean along an axis and across ranks (``Strategy.reduce(axis=)``)
 ``all_gather.py``   concatenate along an axis, uneven sizes, ``Allgatherv``
 ``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
 ``objects.py``      pickled transfers to and from rank 0, and :func:`on_root`
@@ -27,7 +30,16 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config, flight, stragglers, timeline, watchdog
-from mpistrat.collectives import all_gather, all_reduce, broadcast, caches, handshake, in_place, objects
+from mpistrat.collectives import (
+    all_gather,
+    all_reduce,
+    broadcast,
+    caches,
+    handshake,
+    in_place,
+    objects,
+    reduce_axis,
+)
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
@@ -46,6 +58,8 @@ class Collectives:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
+        # The strategy-wide reduction mode ("" for plain MPI sums): the one-array fast path is plain only.
+        self.reduction = self.options.reduction
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.caches = caches.Caches()  # what its collectives remember between calls
@@ -90,6 +104,7 @@ class Collectives:
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce
+    reduce_along_axis = reduce_axis.reduce_along_axis
     all_gather = all_gather.all_gather
     broadcast = broadcast.broadcast
     gather_to_root = objects.gather_to_root

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from mpistrat import mismatch, watchdog
 from mpistrat.collectives import leaves as lv
-from mpistrat.comm import packing
+from mpistrat.comm import mpi, packing
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
@@ -130,8 +130,9 @@ def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.n
         inner = math.prod(shape[1:])
         counts = [n * inner for n in counts_along]
         displs = [a * inner for a in starts]
-        self.comm.Allgatherv(MPI.IN_PLACE, [out, counts, displs, datatype])
+        mpi.allgatherv(self.comm, MPI.IN_PLACE, out.reshape(-1), counts, displs)  # in rounds beyond 2**31
         return out
+    mpi.check_count(shape[axis], "all_gather")  # slabs along axis: one count each
     # One index along axis is a strided slab of the result; its extent, shrunk to one row of
     # the dims after axis, lets consecutive slabs interleave: one Allgatherv, counted in slabs.
     outer, after = math.prod(shape[:axis]), math.prod(shape[axis + 1 :])
@@ -167,7 +168,13 @@ def _allgather_pack(
         send = moved[p.indices[0]]
     else:
         send = packing.pack(moved, p, self.caches.buffers)
-    self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
+    limit = mpi.COUNT_LIMIT
+    if limit is not None and xp is np and recv.size > limit:  # counts or displacements beyond the limit
+        mpi.allgatherv(self.comm, send.reshape(-1)[: counts[self.rank]], recv, counts, displs)
+    else:
+        if limit is not None:
+            mpi.check_count(recv.size, "all_gather")
+        self.transports.get(xp, implementation, p.dtype, "allgather").allgatherv(send, recv, counts, displs)
     if len(p.indices) == 1:
         out[i] = recv.reshape((sum(rows), *moved[i].shape[1:]))
         return

@@ -15,8 +15,9 @@ import optree
 from mpi4py import MPI
 
 from mpistrat import mismatch, watchdog
+from mpistrat.collectives import compressed, exact_sum
 from mpistrat.collectives import leaves as lv
-from mpistrat.comm import packing
+from mpistrat.comm import mpi, packing
 from mpistrat.errors import MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
@@ -24,7 +25,7 @@ from mpistrat.reduce_op import ReduceOp
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["all_reduce", "allreduce_arrays"]
+__all__ = ["all_reduce", "allreduce_arrays", "describe", "reduction_code", "reduce_special"]
 
 
 @watchdog.collective("all_reduce")
@@ -42,7 +43,13 @@ def all_reduce(
     ``error``: a bad-input error the caller found on this rank; it is raised on every
     rank (through the handshake) instead of stranding the others in the collective.
     """
-    if options is None and error is None and type(value) is np.ndarray and lv.plain(value.dtype):
+    if (
+        options is None
+        and error is None
+        and not self.reduction
+        and type(value) is np.ndarray
+        and lv.plain(value.dtype)
+    ):
         op = lv.known_reduce_op(reduce_op)
         if op is not None:
             return _all_reduce_array(self, op, value, kind)
@@ -65,18 +72,79 @@ def all_reduce(
         fingerprint = lv.fingerprint(
             self.caches.codes, op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack
         )
+    mode = opts.reduction
     self.agree(
         kind,
-        fingerprint=fingerprint,
-        describe=lambda: mismatch.describe(
-            value, op, implementation=impl, bytes_per_pack=opts.bytes_per_pack
-        ),
+        fingerprint=fingerprint ^ reduction_code(mode),
+        describe=lambda: describe(value, op, impl, opts),
         error=error,
         options=opts,
     )
-    divisor = self.size if op is ReduceOp.MEAN else None
-    out = allreduce_arrays(self, arrays, opts.bytes_per_pack, opts.implementation, divisor, packs)
+    if mode:
+        out = reduce_special(self, arrays, op is ReduceOp.MEAN, opts, kind)
+    else:
+        divisor = self.size if op is ReduceOp.MEAN else None
+        out = allreduce_arrays(self, arrays, opts.bytes_per_pack, opts.implementation, divisor, packs)
     return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
+
+
+def reduction_code(mode: str) -> int:
+    """What the handshake's fingerprint mixes in for a reduction mode (0 for plain MPI sums):
+    ranks that reduce differently disagree, and raise, instead of mixing limbs with floats."""
+    return 0 if not mode else mismatch.fingerprint("CommunicationOptions.reduction", mode)
+
+
+def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: CommunicationOptions) -> dict[str, Any]:
+    """``mismatch.describe``, with the reduction settings as a last entry when they are not plain:
+    a rank that differs only in them is named with them (the other: "no such leaf")."""
+    described = mismatch.describe(value, op, implementation=impl, bytes_per_pack=opts.bytes_per_pack)
+    if not opts.reduction:  # as the plain paths describe themselves
+        return described
+    settings = f"deterministic={bool(opts.deterministic)} compression={opts.compression or 'none'}"
+    described["leaves"].append(("CommunicationOptions", settings, None))  # after the leaves: named last
+    described["advice"] = (
+        "Every rank must pass the same nest structure, dtypes and shapes. Every rank must also pass the "
+        "same CommunicationOptions deterministic and compression settings."
+    )
+    return described
+
+
+def reduce_special(
+    self: Collectives, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
+) -> list[Any]:
+    """Sum (MEAN: average) with ``opts.reduction`` set: per pack, exact sums or 16-bit values on
+    the wire for the floating-point packs that mode takes; the other packs go the plain way.
+
+    Device arrays are reduced through host copies, and their results copied back.
+    """
+    mode = opts.reduction
+    out: list[Any] = [None] * len(arrays)
+    for p in packing.plan_packs(arrays, opts.bytes_per_pack):
+        takes = exact_sum.supported(p.dtype) if mode == "deterministic" else p.dtype in _COMPRESSIBLE
+        if not takes:
+            part = allreduce_arrays(
+                self,
+                [arrays[i] for i in p.indices],
+                0,
+                opts.implementation,
+                self.size if mean else None,
+            )
+            for i, o in zip(p.indices, part, strict=True):
+                out[i] = o
+            continue
+        buf = packing.pack(arrays, p)
+        host = buf if p.module is np else buf.get()
+        if mode == "deterministic":
+            real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
+            summed, _ = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [], self.size if mean else None)
+            result = summed.view(host.dtype)
+        else:
+            result = compressed.compressed_sum(self.comm, host, mode, mean, kind)
+        packing.unpack(result if p.module is np else p.module.asarray(result), arrays, p, out)
+    return out
+
+
+_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
@@ -111,15 +179,20 @@ def allreduce_arrays(
             i = p.indices[0]
             recv = packing.empty(arrays[i].shape, p.dtype, p.module, self.caches.buffers)
             if host:
-                self.comm.Allreduce(arrays[i], recv, op=MPI.SUM)
+                if mpi.COUNT_LIMIT is None or recv.size <= mpi.COUNT_LIMIT:
+                    self.comm.Allreduce(arrays[i], recv, op=MPI.SUM)
+                else:
+                    mpi.allreduce(self.comm, arrays[i], recv)
             else:
+                mpi.check_count(recv.size, "all_reduce")
                 transport.allreduce(arrays[i], recv)
             out[i] = recv if divisor is None else lv.divide(recv, divisor)
         else:
             buf = packing.pack(arrays, p, self.caches.buffers)
             if host:
-                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
             else:
+                mpi.check_count(buf.size, "all_reduce")
                 transport.allreduce(buf, buf)
             packing.unpack(buf if divisor is None else lv.divide(buf, divisor), arrays, p, out)
     return out

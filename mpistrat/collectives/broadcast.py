@@ -16,7 +16,7 @@ import optree
 
 from mpistrat import mismatch, watchdog
 from mpistrat.collectives import leaves as lv
-from mpistrat.comm import packing
+from mpistrat.comm import mpi, packing
 from mpistrat.errors import MpistratError
 
 if TYPE_CHECKING:
@@ -72,13 +72,23 @@ def broadcast(
                 buf = packing.array_module(arrays[i]).array(arrays[i], order="C", copy=True)
             else:
                 buf = packing.empty(arrays[i].shape, p.dtype, p.module, self.caches.buffers)
-            transport.bcast(buf, root)
+            _bcast(self, buf, transport, root, kind)
             out[i] = buf
             continue
         if self.rank == root:
             buf = packing.pack(arrays, p, self.caches.buffers)
         else:
             buf = packing.empty((sum(arrays[i].size for i in p.indices),), p.dtype, p.module)
-        transport.bcast(buf, root)
+        _bcast(self, buf, transport, root, kind)
         packing.unpack(buf, arrays, p, out)
     return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
+
+
+def _bcast(self: Collectives, buf: Any, transport: Any, root: int, kind: str) -> None:
+    """``transport.bcast``; host buffers in pieces beyond the count limit, device ones checked against it."""
+    if mpi.COUNT_LIMIT is not None:
+        if type(buf) is np.ndarray:
+            mpi.bcast(self.comm, buf, root)
+            return
+        mpi.check_count(buf.size, kind)
+    transport.bcast(buf, root)

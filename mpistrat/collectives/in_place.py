@@ -22,8 +22,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import watchdog
-from mpistrat.comm import packing
+from mpistrat.collectives import compressed, exact_sum
+from mpistrat.comm import mpi, packing
 from mpistrat.errors import UnsupportedTypeError
+from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -31,30 +33,82 @@ if TYPE_CHECKING:
 __all__ = ["all_gather_in_place", "all_reduce_in_place", "reduce_scatter_in_place"]
 
 
+def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> str:
+    """The reduction mode that applies to ``buf`` ("" when plain MPI sums it)."""
+    mode = self.reduction if options is None else self.options.merge(options).reduction
+    if mode == "deterministic":
+        return mode if exact_sum.supported(buf.dtype) else ""
+    return mode if buf.dtype in (np.float32, np.float64) else ""
+
+
+def _special(self: Collectives, buf: Any, mode: str, kind: str) -> Any:
+    """The sum over ranks of the 1-D ``buf``, exact or compressed, as a new array where ``buf`` lives."""
+    host = buf if type(buf) is np.ndarray else buf.get()
+    if mode == "deterministic":
+        real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
+        result = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [])[0].view(host.dtype)
+    else:
+        result = compressed.compressed_sum(self.comm, host, mode, False, kind)
+    return result if type(buf) is np.ndarray else packing.array_module(buf).asarray(result)
+
+
 @watchdog.collective("all_reduce")
-def all_reduce_in_place(self: Collectives, buf: Any, *, kind: str = "all_reduce") -> None:
-    """Sum ``buf`` across ranks into itself (host buffers to MPI, device buffers to their transport)."""
-    if type(buf) is np.ndarray:
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+def all_reduce_in_place(
+    self: Collectives, buf: Any, *, kind: str = "all_reduce", options: CommunicationOptions | None = None
+) -> None:
+    """Sum ``buf`` across ranks into itself (host buffers to MPI, device buffers to their transport).
+
+    ``options``: the call's (the default: the strategy's); their ``deterministic`` or
+    ``compression`` make the sum exact or carry 16-bit values (floating-point buffers).
+    """
+    if (options is not None or self.reduction) and (mode := _mode(self, buf, options)):
+        buf[...] = _special(self, buf.reshape(-1), mode, kind).reshape(buf.shape)
         return
+    if type(buf) is np.ndarray:
+        if mpi.COUNT_LIMIT is None:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        else:
+            mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
+        return
+    mpi.check_count(buf.size, kind)
     module = packing.array_module(buf)
     transport = self.transports.get(module, self.options.implementation, buf.dtype, "allreduce")
     transport.allreduce(buf, buf)
 
 
 @watchdog.collective("reduce_scatter")
-def reduce_scatter_in_place(self: Collectives, buf: Any, *, kind: str = "reduce_scatter") -> None:
+def reduce_scatter_in_place(
+    self: Collectives, buf: Any, *, kind: str = "reduce_scatter", options: CommunicationOptions | None = None
+) -> None:
     """Sum ``buf`` (``size`` equal blocks) across ranks; rank ``r``'s block of the sum lands at the
-    start of its ``buf`` (the rest is left undefined)."""
+    start of its ``buf`` (the rest is left undefined).
+
+    Compressed: one ``Alltoall`` of 16-bit values, each rank summing its block in float32.
+    Deterministic: the exact all-reduce of the whole buffer, this rank's block kept (twice the
+    bytes of a reduce-scatter). Blocks beyond the count limit: an all-reduce in pieces, likewise.
+    """
     _host(buf, kind)
-    self.comm.Reduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
+    per = buf.size // self.size
+    mode = _mode(self, buf, options) if options is not None or self.reduction else ""
+    if mode in ("bf16", "fp16"):
+        buf[:per] = compressed.compressed_reduce_scatter(self.comm, buf, mode, kind)
+    elif mode or (mpi.COUNT_LIMIT is not None and per > mpi.COUNT_LIMIT):
+        total = _special(self, buf, mode, kind) if mode else buf
+        if not mode:
+            mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
+        buf[:per] = total[self.rank * per : (self.rank + 1) * per]
+    else:
+        self.comm.Reduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
 @watchdog.collective("all_gather")
 def all_gather_in_place(self: Collectives, buf: Any, *, kind: str = "all_gather") -> None:
     """Each rank's block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place."""
     _host(buf, kind)
-    self.comm.Allgather(MPI.IN_PLACE, buf)
+    if mpi.COUNT_LIMIT is None:
+        self.comm.Allgather(MPI.IN_PLACE, buf)
+    else:
+        mpi.allgather(self.comm, MPI.IN_PLACE, buf)
 
 
 def _host(buf: Any, kind: str) -> None:
