@@ -51,6 +51,8 @@ def test_bad_arguments_are_refused_with_the_reason(capsys):
         (["--dtype", "bool"], "--dtype"),
         (["--min", "1MiB", "--max", "4"], "larger than --max"),
         (["--leaves", "0"], "--leaves"),
+        (["--compression", "bf16", "--deterministic"], "choose one"),
+        (["--compression", "fp16", "--ops", "apply_gradients_adam"], "not with apply_gradients_adam"),
     ):
         with pytest.raises(SystemExit) as info:
             bench.main(args)
@@ -387,3 +389,31 @@ def test_optimizer_steps_under_mpiexec(tmp_path, ranks):
     assert done.returncode == 0, done.stderr[-3000:]
     assert all(done.stdout.count(f"## {op}:") == 1 for op in OPTIMIZER_OPS), done.stdout[-2000:]
     assert validate(json.loads(out.read_text()), ranks, OPTIMIZER_OPS, 1024) == []
+
+
+@serial_only
+@pytest.mark.parametrize("mode", [["--deterministic"], ["--compression", "bf16"], ["--compression", "fp16"]])
+def test_bench_times_exact_and_compressed_reductions_and_records_the_mode(tmp_path, mode):
+    """The reduce ops' results are checked: exact for --deterministic (the pattern's sums are exact),
+    within the stated 16-bit bound for --compression; the mode is in the JSON's options."""
+    out = tmp_path / "bench.json"
+    ops = "all_reduce,all_reduce_nest,reduce,run_step,merge_call"
+    args = [*SMALL, "--ops", ops, "--json", str(out), *mode]
+    cmd = [*mpiexec(), "-n", "3", sys.executable, "-m", "mpistrat", "bench", *args]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert validate(result, 3, ops.split(","), 1024) == []
+    recorded = result["meta"]["options"]
+    assert recorded["deterministic"] is ("--deterministic" in mode)
+    assert recorded["compression"] == (mode[1] if len(mode) > 1 else None)
+    assert all(row["mpistrat"]["ok"] for row in result["results"])
+
+
+def test_the_compression_tolerance_is_the_documented_bound():
+    """(2u + (R+1) 2^-24)(1 + u), with u = 2^-8 for bf16 and 2^-11 for fp16 (docs/concepts.md)."""
+    args = bench._parser().parse_args(["--compression", "bf16"])
+    assert bench._tolerance(args, 4) == (2 * 2**-8 + 5 * 2**-24) * (1 + 2**-8)
+    args = bench._parser().parse_args(["--compression", "fp16"])
+    assert bench._tolerance(args, 2) == (2 * 2**-11 + 3 * 2**-24) * (1 + 2**-11)
+    assert bench._tolerance(bench._parser().parse_args([]), 2) == 0.0

@@ -116,6 +116,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="apply_gradients ops: the mpistrat optimizer shards its state (shard_state=True)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="CommunicationOptions(deterministic=True): exact floating-point sums (docs/concepts.md)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="CommunicationOptions.compression: 16-bit values on the wire for float sums (not the "
+        "apply_gradients ops, whose checks are exact to rounding)",
+    )
     p.add_argument("--label", default=None, help="name of this run in tables and plots")
     p.add_argument("--json", metavar="PATH", help="write results and metadata as JSON")
     p.add_argument(
@@ -279,7 +291,24 @@ def _validate(args: Any, parser: argparse.ArgumentParser) -> list[str]:
             )
     if args.min > args.max:
         parser.error(f"--min ({args.min}) is larger than --max ({args.max})")
+    if args.compression and args.deterministic:
+        parser.error("--compression and --deterministic: choose one (exact sums are not compressed)")
+    optimizers = [o for o in ops if o.startswith("apply_gradients")]
+    if args.compression and optimizers:
+        parser.error(
+            f"--compression: not with {', '.join(optimizers)} (their check is exact to rounding); "
+            "time them without it"
+        )
     return ops
+
+
+def _tolerance(args: Any, size: int) -> float:
+    """How far a compressed sum may be from the exact one, relative to it (all terms positive):
+    (2u + (R+1) 2^-24)(1 + u), u the 16-bit format's unit roundoff (docs/concepts.md)."""
+    if not args.compression:
+        return 0.0
+    u = 2.0**-8 if args.compression == "bf16" else 2.0**-11
+    return (2 * u + (size + 1) * 2.0**-24) * (1 + u)
 
 
 def _unwritable(path: str | None) -> str | None:
@@ -349,8 +378,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     comm = world.Dup()
     options = mpistrat.CommunicationOptions(
-        bytes_per_pack=args.bytes_per_pack, check=False if args.no_check else None
+        bytes_per_pack=args.bytes_per_pack,
+        check=False if args.no_check else None,
+        deterministic=True if args.deterministic else None,
+        compression=args.compression,
     )
+    rtol = _tolerance(args, world.Get_size())
     strategy = mpistrat.MPIStrategy(world, communication_options=options)
     meta = _metadata(comm, strategy, args, argv)
     sizes = sizes_between(args.min, args.max)
@@ -366,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         for op_name, nbytes in tasks:
             bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
             dtype = np.dtype(args.dtype)
-            setup = Setup(strategy, comm, dtype, nbytes, args.leaves, args.batch, args.scaling, args.shard)
+            setup = Setup(
+                strategy, comm, dtype, nbytes, args.leaves, args.batch, args.scaling, args.shard, rtol
+            )
             # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
             case, timed = _run_case(strategy, op_name, setup, args, seen)
             bar.update(1)

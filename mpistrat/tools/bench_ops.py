@@ -53,6 +53,7 @@ class Setup:
     batch: int
     scaling: str
     shard: bool = False  # the optimizer ops: build the mpistrat optimizer with shard_state=True
+    rtol: float = 0.0  # how far a result may be from the exact one (compression); 0: equal
 
     @property
     def rank(self) -> int:
@@ -88,8 +89,14 @@ def _filled(count: int, s: Setup) -> tuple[np.ndarray, np.ndarray]:
     return mine, total
 
 
-def _equal(want: np.ndarray) -> Check:
-    return lambda got: bool(np.array_equal(got, want))
+def _same(got: Any, want: np.ndarray, rtol: float) -> bool:
+    if rtol == 0:
+        return bool(np.array_equal(got, want))
+    return bool(np.allclose(got, want, rtol=rtol, atol=0.0))
+
+
+def _equal(want: np.ndarray, rtol: float = 0.0) -> Check:
+    return lambda got: _same(got, want, rtol)
 
 
 def _split(count: int, parts: int) -> list[int]:
@@ -120,7 +127,7 @@ def _all_reduce(s: Setup) -> Case:
         comm.Allreduce(x, recv, op=MPI.SUM)
         return recv
 
-    check = _equal(want)
+    check = _equal(want, s.rtol)
     return Case(
         x.nbytes, count, 1, {"mpistrat": (lambda: ctx.all_reduce("sum", x), check), "raw": (raw, check)}
     )
@@ -138,9 +145,9 @@ def _nest(count: int, s: Setup) -> tuple[dict[str, np.ndarray], dict[str, np.nda
     return tree, wants
 
 
-def _check_nest(wants: dict[str, np.ndarray]) -> Check:
+def _check_nest(wants: dict[str, np.ndarray], rtol: float = 0.0) -> Check:
     def check(got: Any) -> bool:
-        return len(got) == len(wants) and all(np.array_equal(got[k], w) for k, w in wants.items())
+        return len(got) == len(wants) and all(_same(got[k], w, rtol) for k, w in wants.items())
 
     return check
 
@@ -162,7 +169,7 @@ def _all_reduce_nest(s: Setup) -> Case:
         comm.Allreduce(flat, flat_recv, op=MPI.SUM)
         return flat_recv
 
-    check = _check_nest(wants)
+    check = _check_nest(wants, s.rtol)
     return Case(
         count * s.dtype.itemsize,
         count,
@@ -195,7 +202,7 @@ def _all_gather(s: Setup, uneven: bool) -> Case:
     ctx = replica_context()
     comm = s.comm
     datatype = mpi_datatype(s.dtype)
-    check = _equal(want)
+    check = _equal(want, s.rtol)
 
     if uneven:
 
@@ -240,7 +247,7 @@ def _merge_call(s: Setup) -> Case:
         result = _sum_values(None, mpistrat.PerReplica(values)) if values is not None else None
         return comm.bcast(result, root=0)
 
-    check = _equal(want)
+    check = _equal(want, s.rtol)
     return Case(
         x.nbytes,
         count,
@@ -262,7 +269,7 @@ def _reduce(s: Setup) -> Case:
         comm.Allreduce(x, recv, op=MPI.SUM)
         return recv
 
-    check = _equal(want)
+    check = _equal(want, s.rtol)
     return Case(
         x.nbytes,
         count,
@@ -295,7 +302,7 @@ def _run_step(s: Setup) -> Case:
         buf = _mean(buf, n)
         return {k: buf[a:b] for k, a, b in zip(names, bounds[:-1], bounds[1:], strict=True)}
 
-    check = _check_nest(wants)
+    check = _check_nest(wants, s.rtol)
     return Case(
         count * s.dtype.itemsize,
         count,
@@ -348,7 +355,7 @@ def _train_step(s: Setup) -> Case:
         buf /= dtype.type(n)
         return {k: buf[a:b].reshape(d, -1) for k, a, b in zip(names, bounds[:-1], bounds[1:], strict=True)}
 
-    tol = 1e-3 if dtype.itemsize <= 4 else 1e-9
+    tol = max(1e-3 if dtype.itemsize <= 4 else 1e-9, s.rtol)
 
     def check(got: Any) -> bool:
         return all(
