@@ -32,6 +32,25 @@ from mpistrat.values import DistributedValues, Mirrored, PerReplica
 __all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy", "default_strategy"]
 
 
+class _Scope:
+    """What ``Strategy.scope()`` returns: each ``with`` opens a new block, so it may be re-entered."""
+
+    __slots__ = ("_make", "_open")
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[Strategy]]):
+        self._make = make
+        self._open: list[contextlib.AbstractContextManager[Strategy]] = []
+
+    def __enter__(self) -> Strategy:
+        block = self._make()
+        entered = block.__enter__()
+        self._open.append(block)
+        return entered
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._open.pop().__exit__(*exc_info)
+
+
 class Strategy:
     """A group of replicas and how to compute on them, as ``tf.distribute.Strategy``."""
 
@@ -59,15 +78,20 @@ class Strategy:
         if mode.kind != "default" and mode.strategy is not self and not self._extended.is_default:
             raise ContextError(f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self}")
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
+    def scope(self) -> _Scope:
         """Select this strategy and enter its cross-replica context.
+
+        The object may be entered again after it was left, and nested in itself, as tf's.
 
         >>> import mpistrat
         >>> strategy = mpistrat.MPIStrategy()
         >>> with strategy.scope():
         ...     assert mpistrat.get_strategy() is strategy
         """
+        return _Scope(self._scope)
+
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[Strategy]:
         mode = context.current_mode()
         if mode.kind != "default":
             if mode.strategy is not self:

@@ -1,7 +1,10 @@
 """Batches: checking them, splitting a global batch across replicas, and empty batches.
 
 A batch is a nest (dicts, lists, tuples, namedtuples) of arrays that share a
-leading batch dimension. A global batch of ``b`` examples is split the way
+leading batch dimension. A per-replica pipeline (``distribute_datasets_from_function``)
+may instead yield unbatched elements, as ``tf.data`` pipelines do before ``batch()``:
+an element with a 0-d leaf (a scalar) is taken whole, one example, as tf takes it.
+A global batch of ``b`` examples is split the way
 tf.distribute splits it: each replica in rank order takes the next ``ceil(b / R)``
 examples until the batch runs out; replicas past the end get ``(0, ...)`` arrays.
 A :class:`Batch` whose leaves are :class:`Rows` (a shuffled ``ArrayDataset``) is
@@ -43,24 +46,39 @@ __all__ = [
 class ArraySpec:
     """The type of one leaf of a per-replica element, as ``tf.TensorSpec``.
 
-    ``shape[0]`` is None: the batch dimension varies (short last batches, empty replicas).
+    Of a batch, ``shape[0]`` is None: the batch dimension varies (short last batches,
+    empty replicas). Of an unbatched element (a pipeline of scalars), the shape is
+    the leaf's whole shape, as tf's (``()`` for a scalar).
 
     >>> import numpy as np
     >>> spec = ArraySpec((None, 3), np.dtype("float32"))
     >>> spec.empty().shape
     (0, 3)
+    >>> ArraySpec((), np.dtype("int64")).empty()
+    array(0)
     """
 
     shape: tuple[int | None, ...]
     dtype: np.dtype
     module: str = "numpy"
 
+    @property
+    def batched(self) -> bool:
+        """Whether this is a leaf of a batch (its leading dimension is the batch's, of no fixed size)."""
+        return bool(self.shape) and self.shape[0] is None
+
     def empty(self) -> Any:
-        """An array of this spec with no examples."""
+        """What a replica whose pipeline ran out gets: tf's dummy for this spec.
+
+        A batch with no examples (the leading dimension 0); for an unbatched leaf, as tf:
+        its leading dimension set to 0, and a scalar ``0`` for a scalar.
+        """
         if self.module == "cupy":
             import cupy as xp
         else:
             xp = np
+        if not self.shape:
+            return xp.zeros((), dtype=self.dtype)
         return xp.empty((0, *self.shape[1:]), dtype=self.dtype)
 
     def __repr__(self) -> str:
@@ -93,11 +111,15 @@ class Rows:
 
 @dataclasses.dataclass
 class Batch:
-    """A checked batch: its leaves (arrays or :class:`Rows`), its structure and its number of examples."""
+    """A checked batch: its leaves (arrays or :class:`Rows`), its structure and its number of examples.
+
+    ``batched`` is False for an unbatched element (one example, leaves of any shape).
+    """
 
     leaves: list[Any]
     treespec: Any
     size: int
+    batched: bool = True
 
     @property
     def value(self) -> Any:
@@ -107,7 +129,10 @@ class Batch:
     @property
     def spec(self) -> Any:
         """The element spec: the same nest with an :class:`ArraySpec` per leaf."""
-        specs = [ArraySpec((None, *a.shape[1:]), a.dtype, _module(a)) for a in self.leaves]
+        if not self.batched:
+            specs = [ArraySpec(tuple(a.shape), a.dtype, _module(a)) for a in self.leaves]
+        else:
+            specs = [ArraySpec((None, *a.shape[1:]), a.dtype, _module(a)) for a in self.leaves]
         return optree.tree_unflatten(self.treespec, specs)
 
 
@@ -122,11 +147,17 @@ def _as_batch_leaf(leaf: Any) -> Any:
     return np.asarray(leaf)
 
 
-def examine(batch: Any, where: str) -> Batch:
+def examine(batch: Any, where: str, unbatched: bool = False) -> Batch:
     """Check that ``batch`` is a nest of arrays sharing a leading dimension (a :class:`Batch` already is).
+
+    With ``unbatched`` (a per-replica pipeline), an element with a 0-d leaf is one
+    unbatched example, whatever its other leaves' shapes, as a ``tf.data`` element.
 
     >>> examine({"a": np.arange(2), "b": np.zeros((2, 3))}, "dataset").size
     2
+    >>> element = examine({"x": np.zeros(3), "y": 1}, "dataset", unbatched=True)
+    >>> element.batched, element.size, element.spec["x"].shape
+    (False, 1, (3,))
     """
     if isinstance(batch, Batch):
         return batch
@@ -145,14 +176,19 @@ def examine(batch: Any, where: str) -> Batch:
             raise InvalidArgumentError(
                 f"{where}: leaf {nest.path_str(paths[i][0])} of a batch cannot be made an array: {exc}"
             ) from exc
-        if arr.ndim == 0:
-            paths = paths or nest.flatten_with_paths(batch)
-            raise InvalidArgumentError(
-                f"{where}: leaf {nest.path_str(paths[i][0])} of a batch is a scalar ({leaf!r}); every leaf "
-                "needs a leading batch dimension (batch the dataset before distributing it; a list is a "
-                "nest, so turn a batch given as a list into an array with np.asarray)"
-            )
         arrays.append(arr)
+    scalar = next((i for i, a in enumerate(arrays) if a.ndim == 0), None)
+    if scalar is not None:
+        if unbatched:
+            return Batch(arrays, treespec, 1, batched=False)
+        paths = nest.flatten_with_paths(batch)
+        raise InvalidArgumentError(
+            f"{where}: leaf {nest.path_str(paths[scalar][0])} of a batch is a scalar "
+            f"({leaves[scalar]!r}); every leaf of a global batch needs a leading batch dimension (batch "
+            "the dataset before distributing it, or yield unbatched elements from a per-replica pipeline "
+            "of distribute_datasets_from_function; a list is a nest, so turn a batch given as a list into "
+            "an array with np.asarray)"
+        )
     sizes = [int(a.shape[0]) for a in arrays]
     if len(set(sizes)) > 1:
         paths = nest.flatten_with_paths(batch)
@@ -183,26 +219,34 @@ def empty_batch(spec: Any) -> Any:
     return nest.tree_map(lambda s: s.empty(), spec)
 
 
-def fingerprint(treespec: Any, leaves: list[Any], shapes: bool = False, memo: Any = None) -> int:
-    """A number that differs between nests of different structure or dtypes (or shapes, if asked).
+def fingerprint(
+    treespec: Any, leaves: list[Any], shapes: bool = False, memo: Any = None, batched: bool = True
+) -> int:
+    """A number that differs between nests of different structure or dtypes (or shapes, if asked),
+    and between a batch and an unbatched element (``batched``).
 
     ``leaves`` are arrays or :class:`ArraySpec` (both have ``dtype`` and ``shape``).
     ``memo`` (a strategy's ``Caches.codes``) remembers it: an iterator computes one at every
     step, and the answer rarely changes.
     """
-    key = ("batch", treespec, shapes, tuple((a.dtype, tuple(a.shape) if shapes else None) for a in leaves))
+    key = (
+        "batch" if batched else "element",
+        treespec,
+        shapes,
+        tuple((a.dtype, tuple(a.shape) if shapes else None) for a in leaves),
+    )
 
     def text() -> str:
         described = [(np.dtype(a.dtype).str, tuple(a.shape) if shapes else None) for a in leaves]
-        return repr((treespec, described))
+        return repr((treespec, described) if batched else ("unbatched", treespec, described))
 
     return cached_code(memo, key, text)
 
 
 def spec_fingerprint(spec: Any, memo: Any = None) -> int:
-    """:func:`fingerprint` of an element spec: structure and dtypes, not shapes."""
+    """:func:`fingerprint` of an element spec: structure, dtypes and batched or not, not shapes."""
     leaves, treespec = nest.tree_flatten(spec)
-    return fingerprint(treespec, leaves, memo=memo)
+    return fingerprint(treespec, leaves, memo=memo, batched=all(s.batched for s in leaves))
 
 
 def agree_specs(specs: list[Any], where: str) -> Any:
@@ -215,6 +259,7 @@ def agree_specs(specs: list[Any], where: str) -> Any:
         if spec_fingerprint(spec) != spec_fingerprint(first):
             raise CollectiveMismatchError(
                 f"{where}: the input pipelines yield different elements: rank {first_rank} yields {first}, "
-                f"rank {rank} yields {spec}. Every pipeline must yield the same nest structure and dtypes"
+                f"rank {rank} yields {spec}. Every pipeline must yield the same nest structure and dtypes, "
+                "and all batches or all unbatched elements"
             )
     return first

@@ -115,6 +115,15 @@ class InputContext:
             )
         return global_batch_size // self._num_replicas_in_sync
 
+    def __str__(self) -> str:
+        """tf's form, with this package's name.
+
+        >>> str(InputContext(num_input_pipelines=3, input_pipeline_id=1, num_replicas_in_sync=42))
+        'mpistrat.InputContext(input pipeline id 1, total: 3)'
+        """
+        pipeline, total = self._input_pipeline_id, self._num_input_pipelines
+        return f"mpistrat.InputContext(input pipeline id {pipeline}, total: {total})"
+
     def __repr__(self) -> str:
         return (
             f"InputContext(num_input_pipelines={self._num_input_pipelines}, "

@@ -101,9 +101,12 @@ class DistributedDatasetsFromFunction:
     """One input pipeline per rank, made by ``dataset_fn(input_context)``; lengths may differ."""
 
     def __init__(
-        self, strategy: Strategy, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions
+        self,
+        strategy: Strategy,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions,
+        where: str = PipelineIterator.where,
     ):
-        where = PipelineIterator.where
         if not callable(dataset_fn):
             raise InvalidArgumentError(
                 f"{where}: dataset_fn must be callable; got {type(dataset_fn).__name__}"
@@ -111,6 +114,7 @@ class DistributedDatasetsFromFunction:
         extended = strategy.extended
         self._strategy = strategy
         self._options = options
+        self._where = where  # make_input_fn_iterator's errors name it
         self._spec = SpecCell()
         self.input_context = InputContext(extended.size, extended.rank, extended.size)
         error, cause, source = None, None, None
@@ -131,19 +135,21 @@ class DistributedDatasetsFromFunction:
 
     def __iter__(self) -> DistributedIterator:
         require_spmd("iter(distributed dataset)")
-        return PipelineIterator(self._strategy, self._source, self._options, self._spec)
+        return PipelineIterator(self._strategy, self._source, self._options, self._spec, self._where)
 
     @property
     def element_spec(self) -> Any:
         """The per-replica element: once an iterator took a step, the spec every pipeline agreed on.
 
         Before that (no communication): the spec of this rank's first batch, or None
-        if this rank's pipeline is empty. Peeking does not lose the batch.
+        if this rank's pipeline is empty. Peeking does not lose the batch. A pipeline
+        of unbatched elements has their whole shapes, as tf's (``ArraySpec((), int64)``
+        for ``range``).
         """
         if self._spec.value is not _UNKNOWN:
             return self._spec.value
         first = self._source.peek()
-        return None if first is END else examine(first, PipelineIterator.where).spec
+        return None if first is END else examine(first, self._where, unbatched=True).spec
 
     def __repr__(self) -> str:
         return f"DistributedDatasetsFromFunction({self.input_context!r})"
@@ -212,11 +218,14 @@ def distribute_datasets_from_function(
     strategy: Strategy,
     dataset_fn: Callable[[InputContext], Iterable[Any]],
     options: InputOptions | None = None,
+    where: str = PipelineIterator.where,
 ) -> DistributedDatasetsFromFunction:
-    """``Strategy.distribute_datasets_from_function``: one pipeline per rank (collective)."""
-    where = PipelineIterator.where
+    """``Strategy.distribute_datasets_from_function``: one pipeline per rank (collective).
+
+    Each pipeline yields batches, or unbatched elements (one per replica per step, as tf).
+    """
     _require_cross_replica(where)
-    return DistributedDatasetsFromFunction(strategy, dataset_fn, _options(options, where))
+    return DistributedDatasetsFromFunction(strategy, dataset_fn, _options(options, where), where)
 
 
 def make_dataset_iterator(strategy: Strategy, dataset: Iterable[Any]) -> InputIterator:
@@ -232,7 +241,9 @@ def make_input_fn_iterator(
     """``Strategy.make_input_fn_iterator``: an :class:`InputIterator`, one pipeline per rank (collective)."""
     mode = InputReplicationMode.from_any(replication_mode)
     options = InputOptions(experimental_replication_mode=mode)
-    return InputIterator(distribute_datasets_from_function(strategy, input_fn, options))
+    return InputIterator(
+        distribute_datasets_from_function(strategy, input_fn, options, where="make_input_fn_iterator")
+    )
 
 
 def input_position(obj: Any) -> InputPosition | None:
@@ -249,5 +260,6 @@ def input_position(obj: Any) -> InputPosition | None:
     if isinstance(obj, (DistributedDataset, SplitIterator)):
         return InputPosition(SplitIterator.where, obj._strategy, obj._source, False, restart)
     if isinstance(obj, (DistributedDatasetsFromFunction, PipelineIterator)):
-        return InputPosition(PipelineIterator.where, obj._strategy, obj._source, True, restart)
+        where = obj._where if isinstance(obj, DistributedDatasetsFromFunction) else obj.where
+        return InputPosition(where, obj._strategy, obj._source, True, restart)
     return None

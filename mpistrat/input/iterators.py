@@ -10,7 +10,10 @@ instead of deadlocking a later collective.
 own pipeline, and the lengths may differ. Every step costs one handshake (kind
 ``dataset_end``) whose extras carry each rank's batch size (``-1``: exhausted), so
 every rank learns the same thing at the same time and takes the same decision:
-go on (exhausted replicas get an empty batch), end the epoch, or raise.
+go on (exhausted replicas get an empty batch, or for a pipeline of unbatched
+elements tf's dummy element: zeros, a scalar ``0`` for a scalar), end the epoch, or raise.
+
+Neither may be stepped inside ``strategy.run``: ``next(iterator)`` there raises, as tf's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat import nest
+from mpistrat import context, nest
 from mpistrat.collectives import check_enabled
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
 from mpistrat.input.arrays import ArrayDataset
@@ -54,6 +57,7 @@ __all__ = [
     "SpecCell",
     "SplitIterator",
     "agree_element_spec",
+    "refuse_in_replica_fn",
 ]
 
 END: Any = type("End", (), {"__repr__": lambda self: "<end of data>"})()
@@ -144,6 +148,20 @@ class Source:
         self._position.set(epoch, step)
 
 
+def refuse_in_replica_fn() -> None:
+    """tf's check in ``get_next``: reading the next element inside ``strategy.run`` is an error.
+
+    Local (every rank runs the same ``replica_fn``, so every rank raises); the default
+    strategy's replica context, outside any scope, is not inside ``run``.
+    """
+    mode = context.current_mode()
+    if mode.replica_context is not None and mode.kind != "default":
+        raise InvalidArgumentError(
+            "next(iterator) should be called from outside of replica_fn. "
+            "e.g. strategy.run(replica_fn, args=(next(iterator),))"
+        )
+
+
 def wrap_user_error(exc: Exception, where: str) -> MpistratError:
     """An error every rank can raise for an exception the user's dataset raised on one rank."""
     if isinstance(exc, MpistratError):
@@ -202,13 +220,18 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> Any:
+        refuse_in_replica_fn()
         value = self._step()
         if value is END:
             raise StopIteration
         return value
 
     def get_next(self) -> Any:
-        """This replica's next batch; ``StopIteration`` at the end of the data."""
+        """This replica's next batch; ``StopIteration`` at the end of the data.
+
+        Called outside ``strategy.run``, as tf requires: inside it raises ``InvalidArgumentError``
+        (a ``ValueError``, tf's) on every rank that calls it.
+        """
         return self.__next__()
 
     def get_next_as_optional(self) -> Optional:
@@ -378,8 +401,16 @@ class PipelineIterator(DistributedIterator):
 
     where = "distribute_datasets_from_function"
 
-    def __init__(self, strategy: Strategy, source: Source, options: InputOptions, spec: SpecCell):
+    def __init__(
+        self,
+        strategy: Strategy,
+        source: Source,
+        options: InputOptions,
+        spec: SpecCell,
+        where: str = "distribute_datasets_from_function",
+    ):
         super().__init__(strategy, options)
+        self.where = where  # make_input_fn_iterator's errors name it
         self._source = source
         self._cell = spec
         self._restart()
@@ -406,7 +437,7 @@ class PipelineIterator(DistributedIterator):
                 self._it, self._serial = self._source.open()
             raw = next(self._it, END)
             self._exhausted = raw is END
-            return (raw if raw is END else examine(raw, self.where)), None, None
+            return (raw if raw is END else examine(raw, self.where, unbatched=True)), None, None
         except Exception as exc:
             return END, wrap_user_error(exc, self.where), (None if isinstance(exc, MpistratError) else exc)
 
@@ -446,7 +477,9 @@ class PipelineIterator(DistributedIterator):
             fingerprint = 0
             if check_enabled(collectives) and spec is not None:
                 fingerprint = (
-                    batch_fingerprint(batch.treespec, batch.leaves, memo=collectives.caches.codes)
+                    batch_fingerprint(
+                        batch.treespec, batch.leaves, memo=collectives.caches.codes, batched=batch.batched
+                    )
                     if have
                     else spec_fingerprint(spec, collectives.caches.codes)
                 )
