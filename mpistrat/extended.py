@@ -399,6 +399,14 @@ class StrategyExtended:
         owner = getattr(v, "distribute_strategy", None)
         return owner is (None if self.is_default else self._container_strategy)
 
+    def read_var(self, v: Any) -> Any:
+        """The cross-replica value of the variable ``v`` (as tf): a mirrored variable's value, a
+        sync-on-read variable's copies aggregated over the replicas; call it in cross-replica context."""
+        self._require_cross_replica("read_var")
+        if not isinstance(v, HasLocalCopy) or not hasattr(v, "read_value"):
+            raise InvalidArgumentError(f"read_var: expected a Variable; got {type(v).__name__}")
+        return v.read_value()
+
     def call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:

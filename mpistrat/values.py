@@ -102,9 +102,25 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
     _op = getattr(operator, _name)
     setattr(Mirrored, f"__{_name}__", _mirrored_binary(_op))
     setattr(Mirrored, f"__r{_name}__", _mirrored_binary(_op, reflected=True))
+for _name, _op in {"and": operator.and_, "or": operator.or_, "xor": operator.xor}.items():
+    # as tf's DistributedDelegate: bitwise operators on the value
+    setattr(Mirrored, f"__{_name}__", _mirrored_binary(_op))
+    setattr(Mirrored, f"__r{_name}__", _mirrored_binary(_op, reflected=True))
+
+
+def _mirrored_pow(self: Mirrored, other: Any, modulo: Any = None) -> Any:
+    return pow(self.value, other.value if isinstance(other, Mirrored) else other, modulo)
+
+
+setattr(Mirrored, "__pow__", _mirrored_pow)  # noqa: B010  (three-argument pow, as tf's DistributedDelegate)
 for _name in ("lt", "le", "gt", "ge"):
     setattr(Mirrored, f"__{_name}__", _mirrored_binary(getattr(operator, _name)))
-for _name, _unary in {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}.items():
+for _name, _unary in {
+    "neg": operator.neg,
+    "pos": operator.pos,
+    "abs": operator.abs,
+    "invert": operator.invert,
+}.items():
     setattr(Mirrored, f"__{_name}__", lambda self, _op=_unary: _op(self.value))
 del _name, _op, _unary
 

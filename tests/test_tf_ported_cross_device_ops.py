@@ -10,6 +10,12 @@ mpistrat has one implementation (MPI), reached through ``StrategyExtended.reduce
 ``batch_reduce_to`` and ``broadcast_to``, in cross-replica context (each rank's value) and inside
 ``merge_fn`` (the ``PerReplica``, in both merge modes).
 
+The collective section (``CollectiveAllReduceTest._test_reduction``, ``testReductionDistributed``
+with ``bytes_per_pack`` 0, 1, 4 and the strategy object) runs on ``NUM_WORKERS = 3`` workers of
+one CPU device each: every worker's value is ``[0.]`` (its one device's index) and ``[1.]``, so
+MEAN gives ``[0.]`` and ``[1.]`` and SUM ``[0.]`` and ``[num_workers]`` (``[3.]``); here the
+workers are the ranks. ``testReduceDistributedVariable``: MEAN of a mirrored ``Variable(1.)``.
+
 Not ported: the ``IndexedSlices`` cases (no sparse values here), ``testChooseAlgorithm`` and the
 NCCL / hierarchical-copy / GPU-only combinations (one implementation here), the collective-key
 and timeout cases that drive TF's collective ops directly.
@@ -113,3 +119,49 @@ def test_reduce_and_batch_reduce_inside_merge_fn(group, mode):
     expect = [want[("MEAN", 1)], want[("MEAN", 2)], want[("SUM", 1)], want[("SUM", 2)]]
     expect += [want[("SUM", 1)], want[("SUM", 2)]]
     all_ranks_agree(group.comm, got == expect, f"{got} != {expect}")
+
+
+# -- CollectiveAllReduceTest ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bytes_per_pack", [0, 1, 4])
+def test_reduction_distributed(group, bytes_per_pack):
+    # testReductionDistributed (use_strategy_object=True, required_gpus=0): 1-d values, each worker
+    # [0.] and [1.]; for every destination MEAN [0.], [1.]; SUM [0.], [num_workers] ([3.] at 3);
+    # batch_reduce the same pairwise
+    n = group.size
+    options = mpistrat.CommunicationOptions(bytes_per_pack=bytes_per_pack)
+    key = (group.name, "bytes_per_pack", bytes_per_pack)
+    if key not in _STRATEGIES:
+        _STRATEGIES[key] = mpistrat.MPIStrategy(group.comm, communication_options=options)
+    s = _STRATEGIES[key]
+    one, two = np.array([0.0], np.float32), np.array([1.0], np.float32)
+    want = {"MEAN": ([0.0], [1.0]), "SUM": ([0.0], [1.0 * n])}
+    ok, got = True, []
+    with s.scope():
+        for destination in DESTINATIONS:
+            dest = _destination(s, destination)
+            for op in ("MEAN", "SUM"):
+                pair = [np.asarray(s.extended.reduce_to(ReduceOp(op), v, dest)).tolist() for v in (one, two)]
+                got.append(pair)
+                ok = ok and tuple(pair) == want[op]
+        for d1, d2 in itertools.product(DESTINATIONS, DESTINATIONS):
+            a, b = _destination(s, d1), _destination(s, d2)
+            for op in ("MEAN", "SUM"):
+                x, y = s.extended.batch_reduce_to(ReduceOp(op), [(one, a), (two, b)])
+                ok = ok and (np.asarray(x).tolist(), np.asarray(y).tolist()) == want[op]
+    all_ranks_agree(group.comm, ok, f"{got}")
+
+
+@pytest.mark.parametrize("batch_reduce", [False, True])
+def test_reduce_distributed_variable(group, batch_reduce):
+    # testReduceDistributedVariable: MEAN of a mirrored Variable(1.) to itself: 1.0 on every replica
+    s = group.strategy
+    with s.scope():
+        v = mpistrat.Variable(np.float32(1.0))
+        if batch_reduce:
+            result = s.extended.batch_reduce_to(ReduceOp.MEAN, [(v, v)])[0]
+        else:
+            result = s.extended.reduce_to(ReduceOp.MEAN, v, v)
+    values = [float(x) for x in s.experimental_local_results(result)]
+    all_ranks_agree(group.comm, values == [1.0] * len(values) and values, f"{values}")
