@@ -47,6 +47,9 @@ class Mode:
     strategy: Strategy
     replica_context: ReplicaContext | None
     kind: str
+    # A scope entered inside the default strategy's explicit scope(): as in tf, creating a
+    # variable there mixes two strategies and is refused.
+    inside_default: bool = False
 
 
 _local = threading.local()
@@ -83,6 +86,21 @@ def _no_default_strategy() -> Strategy:
 
 
 _default_strategy: Callable[[], Strategy] = _no_default_strategy
+
+
+def in_default_scope() -> bool:
+    """Whether the default strategy's ``scope()`` is entered on this thread (it pushes no mode)."""
+    return getattr(_local, "default_scopes", 0) > 0
+
+
+@contextlib.contextmanager
+def default_scope() -> Iterator[None]:
+    """Mark the default strategy's ``scope()`` as entered inside the block."""
+    _local.default_scopes = getattr(_local, "default_scopes", 0) + 1
+    try:
+        yield
+    finally:
+        _local.default_scopes -= 1
 
 
 def push(mode: Mode) -> _Pushed:

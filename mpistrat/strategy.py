@@ -101,12 +101,13 @@ class Strategy:
             context.require_cross_replica("Strategy.scope")
         self._extended.collectives  # noqa: B018 (raises if finalized)
         if self._extended.is_default and mode.kind == "default":
-            yield self  # as tf: the default strategy's scope keeps its default replica context
+            with context.default_scope():  # as tf: it keeps its default replica context
+                yield self
             return
         if mode.kind == "merge":  # inside merge_fn (rank 0 alone) the scope is already entered:
             yield self  # keep the merge context, or rank 0 would enter collectives alone
             return
-        with context.push(context.Mode(self, None, "cross_replica")):
+        with context.push(context.Mode(self, None, "cross_replica", context.in_default_scope())):
             yield self
 
     def run(

@@ -654,6 +654,11 @@ def _class_to_create(synchronization: Any) -> type[Variable]:
         )
     if extended.is_default:
         return Variable
+    if mode.inside_default:
+        raise ContextError(  # a RuntimeError, as tf's
+            f"Mixing different Strategy objects: creating a variable in {mode.strategy}'s scope, which "
+            "is inside the default strategy's scope(); leave the default strategy's scope first"
+        )
     if mode.kind == "merge":
         raise ContextError(
             "cannot create a distributed variable inside merge_fn: it runs on rank 0 alone and creation is "

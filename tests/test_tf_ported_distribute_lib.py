@@ -304,11 +304,6 @@ def test_default_merge_call():
     _assert_in_default_state()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/migrating.md differences table: the default strategy's scope() pushes nothing, so a "
-    "variable created in another strategy's scope nested in it is not refused",
-)
 def test_scope_mostly_no_op():
     # testScopeMostlyNoOp: the default strategy's scope keeps the default state; another strategy's
     # scope inside it, creating a variable, raises RuntimeError "Mixing different
