@@ -138,6 +138,7 @@ class Monitor:
         self.diagnosing: dict[Event, Diagnosis] = {}  # events this rank diagnoses for everyone
         self.results: dict[Event, Result] = {}  # made here or sent by the rank that diagnosed
         self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
+        self.told: dict[Event, set[int]] = {}  # the ranks a result was sent to (each gets it once)
 
     @property
     def seq(self) -> int:
@@ -587,7 +588,12 @@ def _query(mon: Monitor) -> int:
 def _coordinate(mon: Monitor, event: Event, reporter: int | None) -> None:
     """``reporter`` (None: this rank) waits in ``event``: answer it, or diagnose the event for everyone."""
     if event in mon.results:
-        if reporter is not None:
+        told = mon.told.get(event)
+        if told is None:
+            told = set()
+            _remember(mon.told, event, told)
+        if reporter is not None and reporter not in told:  # its report crossed the result: it has one
+            told.add(reporter)
             speaker = mon.results[event][1]
             _send(mon, ("result", event, _pointer(speaker), speaker), reporter)
     elif event in mon.diagnosing:
@@ -698,7 +704,9 @@ def _advance(mon: Monitor) -> None:
             full = explanation + _records(mon, answers)
             speaker = min(waiting) if waiting else mon.rank
             _remember(mon.results, event, (full if mon.rank == speaker else _pointer(speaker), speaker))
-            for r in sorted((job.reporters | set(waiting)) - {mon.rank}):
+            recipients = (job.reporters | set(waiting)) - {mon.rank}
+            _remember(mon.told, event, set(recipients))
+            for r in sorted(recipients):
                 _send(mon, ("result", event, full if r == speaker else _pointer(speaker), speaker), r)
 
 
