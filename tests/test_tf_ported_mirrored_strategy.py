@@ -386,9 +386,9 @@ def test_variable_in_defun(group, case, two_variables, expected):
 
 def test_pass_per_replica(group):
     # testPassPerReplica: factors PerReplica((5.0, 3.0)): replica i gets factor_i x 1.25
-    # ((6.25, 3.75) at 2); here the factors are (5, 3, 1)[:n]
+    # ((6.25, 3.75) at 2); here the factors are 5, 3, 1, -1, ... (one per replica)
     s, n, r = group.strategy, group.size, group.rank
-    factors = [5.0, 3.0, 1.0][:n]
+    factors = [5.0 - 2.0 * i for i in range(n)]
     with s.scope():
         mock_model = MockModel()
         result = s.extended.call_for_each_replica(

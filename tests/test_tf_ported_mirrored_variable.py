@@ -256,7 +256,7 @@ def test_non_matching_variable_creation(group):
         _barrier()
         return v
 
-    names = mpistrat.PerReplica(tuple(["foo", "bar", "baz"][:n]))
+    names = mpistrat.PerReplica(tuple(["foo", "bar"] + [f"v{i}" for i in range(2, n)])[:n])
     with s.scope():
         if n == 1:
             v = s.extended.call_for_each_replica(model_fn, args=(names,))
