@@ -159,6 +159,30 @@ def test_exact_sum_matches_correct_rounding_over_the_whole_exponent_range():
             ], (dtype, trial)
 
 
+def test_sums_in_one_limb_round_once_at_every_scale():
+    """Contributions whose exponents are close (the common case) sum into one limb, which is
+    rounded by a cast when it has at most 53 significant bits: checked against Fraction for
+    normal values, float32 subnormals, sums that overflow to inf, and float64 sums of 54 bits
+    (ties to even, which the cast cannot do exactly and the general rounding does)."""
+    rng = np.random.default_rng(11)
+    cases = {
+        "float32": [(-3, 3), (-149, -140), (-130, -120), (120, 127)],
+        "float16": [(-2, 2), (-24, -18), (12, 15)],
+        "float64": [(-2, 2), (-1074, -1068), (1015, 1023)],
+    }
+    for dtype, spans in cases.items():
+        for lo, hi in spans:
+            rows = int(rng.integers(1, 5))
+            e = rng.integers(lo, hi, (rows, 64)).astype(float)
+            x = (rng.uniform(1, 2, (rows, 64)) * np.exp2(e) * rng.choice([-1, 1], (rows, 64))).astype(dtype)
+            want = [correctly_rounded(sum(Fraction(float(v)) for v in x[:, j]), dtype) for j in range(64)]
+            got, _ = exact_sum(MPI.COMM_SELF, x, [])
+            assert got.tolist() == want, (dtype, lo, hi)
+    ties = np.array([[1 + 2.0**-52, 1 + 2.0**-51], [1.5, 1.5]])  # 2.5 + 2**-52: a tie, to even (2.5)
+    got, _ = exact_sum(MPI.COMM_SELF, ties, [])
+    assert got.tolist() == [2.5, 2.5 + 2.0**-51]
+
+
 def test_ties_round_to_even():
     x = np.array([[1, 1, 1 + 2**-23], [2.0**-24, 2.0**-24, 2.0**-24], [0, 2.0**-60, 0]], np.float32)
     got, _ = exact_sum(MPI.COMM_SELF, x, [])

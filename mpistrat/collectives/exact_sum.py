@@ -254,6 +254,21 @@ def _round(wire: np.ndarray, ell: int, low: np.ndarray, fmt: Format, h: int, div
         return value.astype(fmt.dtype)
 
 
+def _round_one_limb(ints: np.ndarray, low: np.ndarray, fmt: Format, h: int) -> np.ndarray:
+    """Sums of one limb each: an integer of at most 53 significant bits converts to float64
+    exactly, and scaling by a power of two keeps it exact, so the one rounding is the cast to
+    the dtype. Wider integers take the general path (:func:`_round`)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        wide = ints.astype(np.float64)
+        exact = wide.astype(np.int64) == ints  # 2**63 (rounded up) casts to INT64_MIN: not equal
+        out = np.empty(ints.size, dtype=fmt.dtype)
+        out[exact] = np.ldexp(wide[exact], low[exact] - fmt.bias - fmt.fracbits).astype(fmt.dtype)
+    rest = ~exact
+    if rest.any():
+        out[rest] = _round(ints[rest], 1, low[rest], fmt, h, None)
+    return out
+
+
 def exact_sum(
     comm: MPI.Intracomm,
     contributions: np.ndarray,
@@ -289,7 +304,11 @@ def exact_sum(
     at = 0
     for ell, idx in plan.groups:
         part = divisor if divisor is None or np.ndim(divisor) == 0 else np.asarray(divisor)[idx]
-        out[idx] = _round(wire[at : at + ell * idx.size], ell, plan.low[idx], fmt, h, part)
+        chunk = wire[at : at + ell * idx.size]
+        if ell == 1 and divisor is None:
+            out[idx] = _round_one_limb(chunk, plan.low[idx], fmt, h)
+        else:
+            out[idx] = _round(chunk, ell, plan.low[idx], fmt, h, part)
         at += ell * idx.size
     if divisor is not None:  # elements whose every contribution is zero: 0 / count
         zero = plan.limbs == 0
