@@ -106,3 +106,21 @@ def raises_on_every_rank(
         comm, ok, f"expected {error.__name__} matching {match!r}; got {got and got.__name__}: {message}"
     )
     return message
+
+
+_MODES: dict[tuple[str, str], mpistrat.MPIStrategy] = {}
+
+
+def strategy_in_mode(group: Any, mode: str) -> mpistrat.MPIStrategy:
+    """``group``'s strategy with ``merge_call=mode`` (created once per communicator and mode)."""
+    if mode == "root":
+        return group.strategy
+    key = (group.name, mode)
+    if key not in _MODES:
+        _MODES[key] = mpistrat.MPIStrategy(group.comm, merge_call=mode)
+    return _MODES[key]
+
+
+def in_merge_fn(strategy: Any, merge_fn: Callable[..., Any], *args: Any) -> Any:
+    """``merge_fn(strategy, *args)`` called through merge_call from every replica."""
+    return strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=args))

@@ -18,8 +18,18 @@ True
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+# What a launcher (or Slurm) tells its processes: a child mpiexec started with them would join this job.
+_LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_", "SLURM_")
 
 
 def is_open_mpi() -> bool:
@@ -35,3 +45,33 @@ def launcher_options() -> list[str]:
     if os.geteuid() == 0:
         options.append("--allow-run-as-root")
     return options
+
+
+def run_job(
+    script: Path, *args: str, ranks: int, limit: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Run ``script`` under ``mpiexec -n ranks`` from the repository root, with this environment less
+    the launcher's and the ``MPISTRAT_*`` variables (plus ``env``); return (exit code, stdout + stderr).
+
+    A job still running after ``limit`` seconds is killed with all its processes, and the test fails.
+    """
+    child = {k: v for k, v in os.environ.items() if not k.startswith((*_LAUNCHER_VARS, "MPISTRAT_"))}
+    child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    child.update(env or {})
+    cmd = [str(MPIEXEC), *launcher_options(), "-n", str(ranks), sys.executable, str(script), *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=child,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script.name} still running after {limit} s (hung); output:\n{out}")
+    return proc.returncode, out

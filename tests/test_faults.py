@@ -6,10 +6,7 @@ a job that outlives it is killed, with all its processes, and the test fails.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +14,10 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat import watchdog
-from tests.launch import launcher_options
+from tests import launch
+from tests.launch import MPIEXEC
 
-ROOT = Path(__file__).resolve().parent.parent
 FAULTS = Path(__file__).resolve().parent / "faults"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 RANKS = 3
 
 pytestmark = [
@@ -30,34 +26,12 @@ pytestmark = [
     pytest.mark.slow,
 ]
 
-_LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_")
-
 
 def run_job(
     script: str, *args: str, limit: float, env: dict[str, str] | None = None, ranks: int = RANKS
 ) -> tuple[int, str]:
     """Run ``tests/faults/<script>`` under ``mpiexec -n ranks``; return (exit code, stdout + stderr)."""
-    child = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
-    child = {k: v for k, v in child.items() if not k.startswith("MPISTRAT_")}
-    child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    child.update(env or {})
-    cmd = [str(MPIEXEC), *launcher_options(), "-n", str(ranks), sys.executable, str(FAULTS / script), *args]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=child,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} still running after {limit} s (hung); output:\n{out}")
-    return proc.returncode, out
+    return launch.run_job(FAULTS / script, *args, ranks=ranks, limit=limit, env=env)
 
 
 def on_every_rank(out: str, text: str) -> bool:

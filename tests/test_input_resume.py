@@ -13,9 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +20,8 @@ import pytest
 
 import mpistrat
 from mpistrat import ArrayDataset, CollectiveMismatchError, InvalidArgumentError
+from tests import launch
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
-from tests.launch import launcher_options
 
 N, BATCH, SEED, EPOCHS = 23, 4, 7, 4  # 6 global batches a pass, the last one of 3
 
@@ -324,53 +321,19 @@ def test_ranks_at_different_positions_raise_at_the_next_step_and_at_a_save(world
 
 # -- training jobs under their own mpiexec --------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parent.parent
 serial_only = pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own mpiexec: run it serially")
 TOTAL = 30
 
 
 def run_job(ranks: int, directory: Path, stop: str, *flags: str, status: int = 0, limit: float = 60) -> dict:
     """Run tests/input_resume_job.py; its report (after a stop: {}), or fail with its output."""
-    prefixes = (
-        "PMI_",
-        "PMIX_",
-        "HYDRA_",
-        "OMPI_",
-        "MPI_LOCALNRANKS",
-        "MPI_LOCALRANKID",
-        "MPISTRAT_",
-        "SLURM_",
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     directory.mkdir(exist_ok=True)
     out = directory / "report.json"
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), *launcher_options(), "-n", str(ranks)]
-    cmd += [
-        sys.executable,
-        str(ROOT / "tests" / "input_resume_job.py"),
-        str(directory),
-        str(TOTAL),
-        stop,
-        str(out),
-    ]
-    cmd += flags
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    script = launch.ROOT / "tests" / "input_resume_job.py"
+    code, output = launch.run_job(
+        script, str(directory), str(TOTAL), stop, str(out), *flags, ranks=ranks, limit=limit
     )
-    try:
-        output, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"input_resume_job.py still running after {limit} s; output:\n{output}")
-    assert proc.returncode == status, output
+    assert code == status, output
     return json.loads(out.read_text()) if out.exists() else {}
 
 

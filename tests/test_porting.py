@@ -16,23 +16,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import CommunicationOptions, ContextError, InvalidArgumentError
-from tests.conftest import all_ranks_agree, raises_on_every_rank
-
-_MODES: dict = {}
-
-
-def strategy(group, mode):
-    if mode == "root":
-        return group.strategy
-    key = (group.name, mode)
-    if key not in _MODES:
-        _MODES[key] = mpistrat.MPIStrategy(group.comm, merge_call=mode)
-    return _MODES[key]
-
-
-def in_merge_fn(s, merge_fn, *args):
-    return s.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=args))
-
+from tests.conftest import all_ranks_agree, in_merge_fn, raises_on_every_rank, strategy_in_mode
 
 OPTIONS = [
     None,
@@ -66,7 +50,7 @@ def test_reduce_to_and_batch_reduce_to_take_options_in_cross_replica_context(gro
 def test_reduce_to_takes_options_inside_merge_fn_in_both_modes(group, mode):
     # tf: inside merge_fn, reduce_to(SUM, per-replica r + 1, options=...) == n (n + 1) / 2 (3.0)
     n = group.size
-    s = strategy(group, mode)
+    s = strategy_in_mode(group, mode)
     opts = CommunicationOptions(bytes_per_pack=4)
 
     def merge_fn(strategy, x):
@@ -80,7 +64,7 @@ def test_reduce_to_takes_options_inside_merge_fn_in_both_modes(group, mode):
 
 @pytest.mark.parametrize("mode", ["root", "every_rank"])
 def test_options_of_the_wrong_type_fail_on_every_rank(group, mode):
-    s = strategy(group, mode)
+    s = strategy_in_mode(group, mode)
 
     def merge_fn(strategy, x):
         return strategy.extended.reduce_to("SUM", x, destinations="/cpu:0", options={"bytes_per_pack": 4})
@@ -244,7 +228,7 @@ def test_deepcopy_of_variables(group):
 @pytest.mark.parametrize("mode", ["root", "every_rank"])
 def test_merge_call_returning_the_strategy_is_a_barrier(group, mode):
     # tf: merge_call(lambda strategy: strategy) returns the strategy (True for `is`)
-    s = strategy(group, mode)
+    s = strategy_in_mode(group, mode)
     with s.scope():
         v = mpistrat.Variable(np.float32(1.0))
     got = s.run(lambda: mpistrat.get_replica_context().merge_call(lambda st: (st, st.extended, v)))

@@ -10,25 +10,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError, PerReplica
-from tests.conftest import all_ranks_agree, raises_on_every_rank
-
-_MODES: dict = {}
-
-
-def strategy(group, mode):
-    """``group``'s strategy with ``merge_call=mode`` (created once per communicator and mode)."""
-    if mode == "root":
-        return group.strategy
-    key = (group.name, mode)
-    if key not in _MODES:
-        _MODES[key] = mpistrat.MPIStrategy(group.comm, merge_call=mode)
-    return _MODES[key]
-
-
-def in_merge_fn(strategy, merge_fn, *args):
-    """``merge_fn(strategy, *args)`` called through merge_call from every replica."""
-    return strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=args))
-
+from tests.conftest import all_ranks_agree, in_merge_fn, raises_on_every_rank, strategy_in_mode
 
 # -- 1. Strategy.reduce(MEAN, axis=k) keeps the float dtype -------------------------------------
 
@@ -109,7 +91,7 @@ def test_merge_fn_reductions_give_tfs_answers(group, method):
 def test_per_replica_with_the_wrong_component_count_fails_every_rank(group, mode, method):
     # tf sums whatever components a PerReplica has (111.0 for 3 components on 2 replicas); here a
     # count that is neither 1 nor n is an error, raised on every rank in both merge modes.
-    s = strategy(group, mode)
+    s = strategy_in_mode(group, mode)
     wrong = PerReplica(tuple(np.float64(1.0) for _ in range(group.size + 1)))
 
     def merge_fn(strategy, _):
@@ -274,7 +256,7 @@ def test_sync_on_read_updates_in_cross_replica_context(group, where, how):
     # assign_add(1.0)); SUM refuses them with ValueError ("does not support `assign_add` in
     # cross-replica context when aggregation is set to `tf.VariableAggregation.SUM`").
     r = group.rank
-    s = strategy(group, "root" if where == "scope" else where)
+    s = strategy_in_mode(group, "root" if where == "scope" else where)
     _, on_read = make_variables(group, s)
     sign = 1 if how == "assign_add" else -1
 
@@ -302,7 +284,7 @@ def test_run_inside_merge_fn(group, mode):
     # tf: strategy.run inside merge_fn runs fn once per replica with that replica's component;
     # merge_fn returning the PerReplica gives replica r its own result: 10 (r + 1) + r (10.0, 21.0
     # at 2 replicas); reduce(SUM) of run(y * 2) gives n (n + 1) (6.0 at 2).
-    s = strategy(group, mode)
+    s = strategy_in_mode(group, mode)
     n, r = group.size, group.rank
 
     def own(strategy, x):
@@ -323,7 +305,7 @@ def test_run_inside_merge_fn(group, mode):
 def test_collectives_in_run_inside_merge_fn(group, mode):
     # tf: all_reduce(SUM) inside strategy.run inside merge_fn gives n (n + 1) / 2 (3.0 at 2 replicas).
     # In root mode merge_fn runs on rank 0 alone, so the collective is refused on every rank instead.
-    s = strategy(group, mode)
+    s = strategy_in_mode(group, mode)
     n, r = group.size, group.rank
 
     def merge_fn(strategy, x):

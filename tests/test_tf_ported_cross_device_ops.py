@@ -28,19 +28,10 @@ import pytest
 
 import mpistrat
 from mpistrat import ReduceOp
-from tests.conftest import all_ranks_agree
+from tests.conftest import all_ranks_agree, strategy_in_mode
 
 DESTINATIONS = ["mirrored_variable", "mirrored_cpu", "device_string"]
-_STRATEGIES: dict = {}
-
-
-def _strategy(group, mode):
-    if mode == "root":
-        return group.strategy
-    key = (group.name, mode)
-    if key not in _STRATEGIES:
-        _STRATEGIES[key] = mpistrat.MPIStrategy(group.comm, merge_call=mode)
-    return _STRATEGIES[key]
+_STRATEGIES: dict = {}  # per communicator and bytes_per_pack
 
 
 def _destination(s, kind):
@@ -102,7 +93,7 @@ def test_broadcast(group, destination):
 def test_reduce_and_batch_reduce_inside_merge_fn(group, mode):
     # the same values reduced from the PerReplica that merge_fn receives (TF's cross-device ops
     # receive exactly such a PerReplica): MEAN (n - 1) / 2 and + 1, SUM n times those
-    s, n = _strategy(group, mode), group.size
+    s, n = strategy_in_mode(group, mode), group.size
     want = _expected(n)
 
     def merge_fn(strategy, p1, p2):

@@ -509,28 +509,15 @@ def test_sync_on_read_value_in_default_replica_context(group):
     all_ranks_agree(group.comm, sum_v == 3.0 * n, f"{sum_v}")
 
 
-def test_save_and_restore_replica_local_sum_one_graph(group, tmp_path_factory):
+@pytest.mark.parametrize("aggregation", [Aggregation.SUM, Aggregation.MEAN], ids=["sum", "mean"])
+def test_save_and_restore_replica_local_one_graph(group, tmp_path_factory, aggregation):
     # testSaveAndRestoreReplicaLocalSumOneGraph: replica i's copy 3. + i; saves their sum (7.);
-    # assign 5. + i; restore divides the sum equally: (3. + (n - 1) / 2) each ([3.5, 3.5])
+    # assign 5. + i; restore divides the sum equally: (3. + (n - 1) / 2) each ([3.5, 3.5]).
+    # testSaveAndRestoreReplicaLocalMeanOneGraph: saves their mean (3.5), restored to every copy:
+    # the same (3. + (n - 1) / 2) each
     s, n = group.strategy, group.size
     directory = _checkpoint_dir(group, tmp_path_factory)
-    replica_local = _sync_on_read(s, Aggregation.SUM)
-    _assign_replica_local(s, replica_local, lambda i: 3.0 + i)
-    with s.scope():
-        checkpoint = mpistrat.Checkpoint(v=replica_local)
-        save_path = checkpoint.save(f"{directory}/ckpt")
-        _assign_replica_local(s, replica_local, lambda i: 5.0 + i)
-        checkpoint.restore(save_path)
-        got = _components(s, replica_local)
-    all_ranks_agree(group.comm, got == [3.0 + (n - 1) / 2] * n, f"{got}")
-
-
-def test_save_and_restore_replica_local_mean_one_graph(group, tmp_path_factory):
-    # testSaveAndRestoreReplicaLocalMeanOneGraph: replica i's copy 3. + i; saves their mean (3.5);
-    # restored to every copy: (3. + (n - 1) / 2) each ([3.5, 3.5])
-    s, n = group.strategy, group.size
-    directory = _checkpoint_dir(group, tmp_path_factory)
-    replica_local = _sync_on_read(s, Aggregation.MEAN)
+    replica_local = _sync_on_read(s, aggregation)
     _assign_replica_local(s, replica_local, lambda i: 3.0 + i)
     with s.scope():
         checkpoint = mpistrat.Checkpoint(v=replica_local)
