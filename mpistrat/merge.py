@@ -35,6 +35,7 @@ import optree
 
 from mpistrat import context, mismatch, nest
 from mpistrat.collectives import Unsendable, check_level
+from mpistrat.collectives.reduce_axis import mean_of
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.reduce_op import ReduceOp
@@ -279,14 +280,6 @@ def _combine(op: Any, parts: tuple[Any, ...], axis: int | None, method: str) -> 
     for a in arrays[1:]:
         total = total + a
     return mean_of(total, count) if op == ReduceOp.MEAN else total
-
-
-def mean_of(total: Any, count: Any) -> Any:
-    """``total / count`` in ``total``'s float dtype (tf keeps float32 and float16); integers give float64."""
-    xp = packing.array_module(total)
-    if total.dtype.kind in "fc":
-        return total / xp.asarray(count, dtype=total.dtype)
-    return xp.true_divide(total, count)
 
 
 # -- "every_rank" -------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from mpistrat.reduce_op import ReduceOp
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["reduce_along_axis"]
+__all__ = ["mean_of", "reduce_along_axis"]
 
 
 @watchdog.collective("reduce")
@@ -82,7 +82,7 @@ def reduce_along_axis(
             ReduceOp.SUM, (sums, counts), options, kind=kind, error=error
         )
         if op is ReduceOp.MEAN:
-            total_sums = [_mean(s, c) for s, c in zip(total_sums, total_counts, strict=True)]
+            total_sums = [mean_of(s, c) for s, c in zip(total_sums, total_counts, strict=True)]
         return optree.tree_unflatten(treespec, total_sums)
     moved = [lv.moveaxis_to_front(a, int(axis) % a.ndim) for a in arrays]
     rest = [(packing.dtype_name(a), a.shape[1:]) for a in moved]
@@ -103,7 +103,7 @@ def reduce_along_axis(
         plain = CommunicationOptions(deterministic=False)
         total_sums, total_counts = self.all_reduce(ReduceOp.SUM, (sums, counts), plain, kind=kind)
         for i, s, c in zip(others, total_sums, total_counts, strict=True):
-            out[i] = _mean(s, c) if op is ReduceOp.MEAN else s
+            out[i] = mean_of(s, c) if op is ReduceOp.MEAN else s
     for dtype in dict.fromkeys(moved[i].dtype for i in exact):  # one pack per dtype, in first-seen order
         _exact_pack(self, [i for i in exact if moved[i].dtype == dtype], moved, op, out)
     return optree.tree_unflatten(treespec, out)
@@ -139,8 +139,8 @@ def _exact_pack(
         out[i] = (result[()] if result.ndim == 0 else result) if module is np else module.asarray(result)
 
 
-def _mean(total: Any, count: Any) -> Any:
-    """``total / count`` in ``total``'s float dtype; integers give float64 (as ``Strategy.reduce``)."""
+def mean_of(total: Any, count: Any) -> Any:
+    """``total / count`` in ``total``'s float dtype (tf keeps float32 and float16); integers give float64."""
     xp = packing.array_module(total)
     total = xp.asarray(total)
     if total.dtype.kind in "fc":
