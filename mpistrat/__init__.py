@@ -8,18 +8,14 @@
 >>> total = strategy.run(step, args=(np.ones(3),))
 """
 
+import sys
+
 from mpi4py import MPI
 
-from mpistrat import (
-    cluster_resolver,
-    experimental,
-    metrics,
-    nest,
-    optimizers,
-)
-from mpistrat.abort import set_abort_on_exception
-from mpistrat.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
-from mpistrat.checkpoint_manager import CheckpointManager
+from mpistrat import experimental, nest
+from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
+from mpistrat.checkpoint.manager import CheckpointManager
+from mpistrat.checkpoint.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
 from mpistrat.context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -28,6 +24,13 @@ from mpistrat.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from mpistrat.diagnostics.abort import set_abort_on_exception
+from mpistrat.diagnostics.stragglers import StragglerRow, Stragglers
+from mpistrat.diagnostics.timeline import start_timeline, stop_timeline, trace
+from mpistrat.distribute import cluster_resolver
+from mpistrat.distribute.extended import StrategyExtended
+from mpistrat.distribute.replica_context import ReplicaContext
+from mpistrat.distribute.strategy import MPIStrategy, MultiWorkerMirroredStrategy, Strategy
 from mpistrat.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -37,7 +40,6 @@ from mpistrat.errors import (
     MpistratError,
     UnsupportedTypeError,
 )
-from mpistrat.extended import StrategyExtended
 from mpistrat.input import (
     ArrayDataset,
     ArraySpec,
@@ -50,24 +52,26 @@ from mpistrat.input import (
     InputReplicationMode,
     ValueContext,
 )
-from mpistrat.losses import compute_average_loss, scale_regularization_loss
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.replica_context import ReplicaContext
-from mpistrat.stragglers import StragglerRow, Stragglers
-from mpistrat.strategy import MPIStrategy, MultiWorkerMirroredStrategy, Strategy
-from mpistrat.timeline import start_timeline, stop_timeline, trace
-from mpistrat.values import DistributedValues, Mirrored, PerReplica
-from mpistrat.variables import (
+from mpistrat.training import metrics, optimizers
+from mpistrat.training.losses import compute_average_loss, scale_regularization_loss
+from mpistrat.training.variables import (
     MirroredVariable,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
     VariableSynchronization,
 )
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 __version__ = "0.1.0"
+
+# The public namespaces that live in a layer folder answer to their public names too, as
+# os.path does: `from mpistrat.optimizers import SGD` works as in tf.keras.
+for _namespace in (cluster_resolver, metrics, optimizers):
+    sys.modules[f"{__name__}.{_namespace.__name__.rsplit('.', 1)[1]}"] = _namespace
+del _namespace
 
 __all__ = [
     "MPI",

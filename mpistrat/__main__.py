@@ -18,7 +18,10 @@ COMMANDS = {
         "mpistrat.tools.report",
         "tables, scaling efficiency and a regression gate from bench results",
     ),
-    "timeline": ("mpistrat.tools.timeline", "merge the ranks' MPISTRAT_TIMELINE files into one Chrome trace"),
+    "timeline": (
+        "mpistrat.tools.merge_timelines",
+        "merge the ranks' MPISTRAT_TIMELINE files into one Chrome trace",
+    ),
 }
 INTERRUPTED = 130  # 128 + SIGINT
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from mpistrat.errors import ContextError
 
 if TYPE_CHECKING:
-    from mpistrat.replica_context import ReplicaContext
-    from mpistrat.strategy import Strategy
+    from mpistrat.distribute.replica_context import ReplicaContext
+    from mpistrat.distribute.strategy import Strategy
 
 __all__ = [
     "experimental_set_strategy",

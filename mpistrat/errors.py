@@ -6,7 +6,11 @@ for code ported from tf.distribute, and :class:`MpistratError` catches them all.
 
 from __future__ import annotations
 
+import enum
 import pickle
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=enum.Enum)
 
 __all__ = [
     "MpistratError",
@@ -17,6 +21,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "MergeCallError",
     "portable",
+    "enum_member",
 ]
 
 
@@ -62,3 +67,23 @@ def portable(exc: BaseException) -> BaseException:
     except Exception:
         pass
     return MergeCallError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+
+
+def enum_member(cls: type[E], value: Any, what: str, choices: str | None = None) -> E:
+    """``value`` if it is a member of ``cls``, else the member it names (any case); else an
+    ``InvalidArgumentError`` that names ``what`` and the choices. The one way a name becomes an enum.
+
+    >>> class Colour(enum.Enum):
+    ...     RED = 1
+    >>> enum_member(Colour, "red", "colour")
+    <Colour.RED: 1>
+    >>> enum_member(Colour, "blue", "colour")
+    Traceback (most recent call last):
+    mpistrat.errors.InvalidArgumentError: colour must be a Colour or one of RED (any case); got 'blue'
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    choices = choices or f"a {cls.__name__} or one of {', '.join(cls.__members__)} (any case)"
+    raise InvalidArgumentError(f"{what} must be {choices}; got {value!r}")

@@ -5,10 +5,10 @@
 True
 """
 
+from mpistrat.checkpoint.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
+from mpistrat.distribute.strategy import MultiWorkerMirroredStrategy
 from mpistrat.input import ValueContext
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
-from mpistrat.strategy import MultiWorkerMirroredStrategy
 
 # tf's older name for CommunicationImplementation
 CollectiveCommunication = CommunicationImplementation

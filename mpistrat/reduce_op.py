@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from mpistrat.errors import InvalidArgumentError
+from mpistrat.errors import enum_member
 
 __all__ = ["ReduceOp"]
 
@@ -22,10 +22,4 @@ class ReduceOp(enum.Enum):
     @classmethod
     def from_any(cls, op: ReduceOp | str) -> ReduceOp:
         """Accept a ``ReduceOp`` or its name in any case."""
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str) and op.upper() in cls.__members__:
-            return cls[op.upper()]
-        raise InvalidArgumentError(
-            f"reduce_op must be a ReduceOp or one of 'SUM', 'MEAN' (any case); got {op!r}"
-        )
+        return enum_member(cls, op, "reduce_op", "a ReduceOp or one of 'SUM', 'MEAN' (any case)")

@@ -21,7 +21,7 @@ import mpistrat
 WORLD = MPI.COMM_WORLD
 
 # Scripts that tests launch under their own mpiexec: never import them here.
-collect_ignore = ["faults", "checkpoint_job.py", "input_resume_job.py"]
+collect_ignore = ["faults", "checkpoint/checkpoint_job.py", "input/input_resume_job.py"]
 
 
 @contextlib.contextmanager
@@ -39,8 +39,24 @@ def setting_warning(match: str) -> Iterator[None]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "serial(reason): runs in the serial pass only (it starts its own mpiexec, or reads only the "
+        "environment); skipped under mpiexec -n N > 1",
+    )
     if WORLD.Get_rank() > 0:  # one readable report: other ranks print failures and the summary only
         config.option.verbose = -1
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The one way a test says "serial pass only": ``@pytest.mark.serial`` (or ``pytestmark``)."""
+    if WORLD.Get_size() == 1:
+        return
+    for item in items:
+        marker = item.get_closest_marker("serial")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else "starts its own mpiexec"
+            item.add_marker(pytest.mark.skip(reason=f"serial pass only: {reason}"))
 
 
 @dataclasses.dataclass

@@ -12,15 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from mpistrat.examples import mlp
-from tests.launch import launcher_options
+from tests.support.launch import launcher_options
 
 ROOT = Path(__file__).resolve().parent.parent
-SERIAL_ONLY = pytest.mark.skipif(
-    MPI.COMM_WORLD.Get_size() > 1, reason="spawns its own mpiexec: runs in the serial pass only"
-)
 # Launcher variables of an enclosing MPI job would make the child join it instead of starting its own.
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "MPIR_", "I_MPI_", "SLURM_")
 
@@ -50,7 +46,7 @@ def test_an_empty_batch_gives_zero_loss_and_gradients():
     assert all(g.shape == p.shape and not g.any() for g, p in zip(grads, params, strict=True))
 
 
-@SERIAL_ONLY
+@pytest.mark.serial
 def test_the_bundled_file_is_what_load_digits_returns():
     from sklearn.datasets import load_digits
 
@@ -87,7 +83,7 @@ def train(ranks: int, tmp_path: Path, tag: str, *options: str) -> dict[str, np.n
         return dict(weights)
 
 
-@SERIAL_ONLY
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_two_and_four_ranks_train_the_same_model(tmp_path):
@@ -100,7 +96,7 @@ def test_one_two_and_four_ranks_train_the_same_model(tmp_path):
     assert runs[1]["accuracy"] >= 0.95
 
 
-@SERIAL_ONLY
+@pytest.mark.serial
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_sharded_optimizer_state_trains_the_same_model(tmp_path, optimizer):
@@ -114,7 +110,7 @@ def test_sharded_optimizer_state_trains_the_same_model(tmp_path, optimizer):
     assert whole["accuracy"] >= 0.9
 
 
-@SERIAL_ONLY
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resuming_at_another_rank_count_continues_the_same_run(tmp_path):
@@ -130,7 +126,7 @@ EPOCH_LINE = re.compile(
 )
 
 
-@SERIAL_ONLY
+@pytest.mark.serial
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_the_custom_training_tutorial_runs_saves_every_two_epochs_and_restores_the_latest(tmp_path, ranks):
     out = run_example(
@@ -154,7 +150,7 @@ def test_the_custom_training_tutorial_runs_saves_every_two_epochs_and_restores_t
 MW_EPOCH = re.compile(r"^Epoch: (\d+), accuracy: ([\d.]+), train_loss: ([\d.]+)\.$", re.M)
 
 
-@SERIAL_ONLY
+@pytest.mark.serial
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_the_multi_worker_tutorial_saves_on_the_chief_and_resumes_after_a_restart(tmp_path, ranks):

@@ -139,7 +139,7 @@ def test_multi_worker_strategy_is_every_rank_of_the_world():
 
 @pytest.mark.timeout(60)
 def test_preemption_watcher_reports_an_agreed_signal_on_every_rank(world):
-    from mpistrat import preemption
+    from mpistrat.checkpoint import preemption
 
     s = mpistrat.MPIStrategy(world.comm)
     with s.scope():

@@ -18,7 +18,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Install", "A first program")
@@ -73,7 +72,7 @@ def _fresh_env() -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.network
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="builds a venv and runs mpiexec: serial pass only")
+@pytest.mark.serial("builds a venv and runs mpiexec")
 @pytest.mark.skipif(
     shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout"
 )

@@ -2,16 +2,15 @@
 
 import pytest
 
-from tests.conftest import WORLD
-from tests.launch import is_open_mpi
-from tests.test_faults import run_job
+from tests.diagnostics.test_faults import run_job
+from tests.support.launch import is_open_mpi
 
 RANKS = 64
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own mpiexec: run it serially")
+@pytest.mark.serial
 @pytest.mark.skipif(is_open_mpi(), reason="the MPICH suite runs it; Open MPI's launcher is slower at 64")
 def test_64_ranks_all_reduce_all_gather_optimizer_and_merge_call_against_numpy():
     code, out = run_job("smoke_at_scale.py", limit=240, ranks=RANKS)

@@ -34,7 +34,7 @@ and the SavedModel / ``tf.function`` tracing / packed-variable / TPU / ``Indexed
 ``testVariableOnAnotherDevice`` (``MirroredVariable(None, (v,), MEAN)``, TF's internal
 constructor), ``testFetchAMirroredVariable`` and ``testInitScope`` (graph mode, ``init_scope``),
 ``testAssignAggregationMeanDTypeNonFloat`` and ``testAssignAdd`` (integer MEAN variables, which TF
-2.21 refuses at creation, as mpistrat does: tests/test_variables.py) and the ``scatter_*``
+2.21 refuses at creation, as mpistrat does: tests/training/test_variables.py) and the ``scatter_*``
 cases (``IndexedSlices``); ``SyncOnReadVariableTest``'s ``testTensorConversion``
 (``convert_to_tensor(as_ref=...)`` in graph mode) and ``testReplicatedValueNameDeterministic``
 (TPU, packed variables, graph input names); ``PerWorkerResourceTest`` (parameter-server

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import config, flight, stragglers, timeline, watchdog
+from mpistrat import config
 from mpistrat.collectives import (
     all_gather,
     all_reduce,
@@ -44,6 +44,7 @@ from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.comm.transport import Transports
+from mpistrat.diagnostics import flight, stragglers, timeline, watchdog
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 

@@ -22,10 +22,11 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import mismatch, watchdog
 from mpistrat.collectives import leaves as lv
+from mpistrat.collectives import mismatch
 from mpistrat.comm import mpi, packing
 from mpistrat.comm.mpi import mpi_datatype
+from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 

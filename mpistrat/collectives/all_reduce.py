@@ -14,10 +14,10 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat import mismatch, watchdog
-from mpistrat.collectives import compressed, exact_sum
+from mpistrat.collectives import compressed, exact_sum, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.comm import mpi, packing
+from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp

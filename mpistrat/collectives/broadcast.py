@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from mpistrat import mismatch, watchdog
 from mpistrat.collectives import leaves as lv
+from mpistrat.collectives import mismatch
 from mpistrat.comm import mpi, packing
+from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@
 Every collective is numbered (a per-communicator sequence) and, while checking is
 on, opens with one small ``Allreduce(MAX)`` of ``[magic, seq, kind, fingerprint]``,
 their negations, an error flag, a spare number, who arrived last at the previous
-handshake (see :mod:`mpistrat.stragglers`) and a stop flag (:mod:`mpistrat.preemption`).
+handshake (see :mod:`mpistrat.diagnostics.stragglers`) and a stop flag
+(:mod:`mpistrat.checkpoint.preemption`).
 ``max(x) == -max(-x)`` exactly
 when every rank sent the same ``x``, so every rank learns at once, at a cost that
 does not grow with the number of ranks, whether all entered the same collective
@@ -32,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import mismatch, timeline, watchdog
-from mpistrat.flight import ENDED, SITE, STATE
+from mpistrat.collectives import mismatch
+from mpistrat.diagnostics import timeline, watchdog
+from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ ERROR = 8  # 1: some rank found bad input
 MAXIMUM = 9  # a number whose largest value over the ranks the caller asked for
 LAST_ARRIVAL = 10  # (-wait, rank) at the previous handshake: the last to arrive (stragglers.py)
 LONGEST_WAIT = 11  # (wait, rank) at the previous handshake: how long the first waited
-STOP = 12  # 1: some rank was asked to stop (a preemption signal; see mpistrat.preemption)
+STOP = 12  # 1: some rank was asked to stop (a preemption signal; see mpistrat.checkpoint.preemption)
 SLOTS = 13
 
 

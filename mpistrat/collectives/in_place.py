@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import watchdog
 from mpistrat.collectives import compressed, exact_sum
 from mpistrat.comm import mpi, packing
+from mpistrat.diagnostics import watchdog
 from mpistrat.errors import UnsupportedTypeError
 from mpistrat.options import CommunicationOptions
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from mpistrat import mismatch, nest
+from mpistrat import nest
+from mpistrat.collectives import mismatch
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions

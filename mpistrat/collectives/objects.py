@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import watchdog
 from mpistrat.collectives.handshake import check_enabled
 from mpistrat.comm import packing
+from mpistrat.diagnostics import watchdog
 from mpistrat.errors import UnsupportedTypeError, portable
 
 if TYPE_CHECKING:

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from mpistrat import mismatch, watchdog
-from mpistrat.collectives import exact_sum
+from mpistrat.collectives import exact_sum, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.all_reduce import describe, reduction_code
 from mpistrat.comm import packing
+from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp

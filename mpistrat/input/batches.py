@@ -26,9 +26,9 @@ import numpy as np
 import optree
 
 from mpistrat import nest
+from mpistrat.collectives.mismatch import cached_code
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
-from mpistrat.mismatch import cached_code
 
 __all__ = [
     "ArraySpec",

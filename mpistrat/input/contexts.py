@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
-from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
 
 if TYPE_CHECKING:
-    from mpistrat.strategy import Strategy
+    from mpistrat.distribute.strategy import Strategy
 
 __all__ = [
     "InputContext",
@@ -44,13 +44,7 @@ class InputReplicationMode(enum.Enum):
 
     @classmethod
     def from_any(cls, mode: InputReplicationMode | str) -> InputReplicationMode:
-        if isinstance(mode, cls):
-            return mode
-        if isinstance(mode, str) and mode.upper() in cls.__members__:
-            return cls[mode.upper()]
-        raise InvalidArgumentError(
-            f"replication_mode must be InputReplicationMode.PER_WORKER or PER_REPLICA; got {mode!r}"
-        )
+        return enum_member(cls, mode, "replication_mode", "InputReplicationMode.PER_WORKER or PER_REPLICA")
 
 
 def _check_index(name: str, value: Any, low: int, high: int | None = None) -> int:

@@ -30,7 +30,7 @@ from mpistrat.input.iterators import (
 from mpistrat.input.position import InputPosition
 
 if TYPE_CHECKING:
-    from mpistrat.strategy import Strategy
+    from mpistrat.distribute.strategy import Strategy
 
 __all__ = [
     "DistributedDataset",

@@ -26,6 +26,7 @@ import numpy as np
 
 from mpistrat import context, nest
 from mpistrat.collectives import check_enabled
+from mpistrat.collectives.mismatch import checksum, hash64
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
 from mpistrat.input.arrays import ArrayDataset
 from mpistrat.input.batches import (
@@ -43,11 +44,10 @@ from mpistrat.input.batches import (
 )
 from mpistrat.input.contexts import InputOptions, require_spmd
 from mpistrat.input.position import Position, check_position
-from mpistrat.mismatch import checksum, hash64
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.strategy import Strategy
+    from mpistrat.distribute.strategy import Strategy
 
 __all__ = [
     "DistributedIterator",

@@ -25,8 +25,8 @@ from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
+    from mpistrat.distribute.strategy import Strategy
     from mpistrat.input.iterators import Source
-    from mpistrat.strategy import Strategy
 
 __all__ = ["InputPosition", "Position", "check_position"]
 

@@ -27,7 +27,7 @@ __all__ = ["draw", "imposed_grid", "read_trace"]
 def read_trace(path: str) -> dict[str, Any]:
     """A merged trace (``mpistrat timeline -o``), or a timeline directory merged now."""
     if os.path.isdir(path):
-        from mpistrat.tools.timeline import merge
+        from mpistrat.tools.merge_timelines import merge
 
         return merge(path)
     with open(path, encoding="utf-8") as f:

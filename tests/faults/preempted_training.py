@@ -1,4 +1,4 @@
-"""A float32 training loop under a PreemptionCheckpointHandler, for tests/test_preemption.py.
+"""A float32 training loop under a PreemptionCheckpointHandler, for tests/checkpoint/test_preemption.py.
 
 ``python preempted_training.py DIR OUT STEPS [SIGNAL WHO AT [during-save]]``: train STEPS
 SGD-with-momentum steps of a least-squares model through ``handler.run`` (each step: its
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 import mpistrat
-from mpistrat import checkpoint
+from mpistrat.checkpoint import checkpoint
 
 directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sig, who, at = (sys.argv[4:7] + [None] * 3)[:3]

@@ -21,9 +21,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import watchdog
+from mpistrat.diagnostics import watchdog
 from mpistrat.log import logger
-from tests.counting import CountingComm, Ledger
+from tests.support.counting import CountingComm, Ledger
 
 
 class Kept(logging.Handler):

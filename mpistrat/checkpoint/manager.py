@@ -1,0 +1,133 @@
+"""``CheckpointManager``: numbered checkpoints in one directory, keeping the newest few, as tf's.
+
+>>> import mpistrat, numpy as np, os, tempfile
+>>> step = mpistrat.Variable(np.int64(0))
+>>> manager = CheckpointManager(mpistrat.Checkpoint(step=step), tempfile.mkdtemp(), max_to_keep=2)
+>>> paths = [manager.save() for _ in range(3)]
+>>> [os.path.basename(p) for p in manager.checkpoints], manager.latest_checkpoint == paths[-1]
+(['ckpt-2', 'ckpt-3'], True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import numpy as np
+
+from mpistrat.checkpoint.checkpoint import Checkpoint, _checkpoint_state, _write_index
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.training.variables import Variable
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager:
+    """Save ``checkpoint`` as ``<directory>/<checkpoint_name>-<n>``, keeping the ``max_to_keep`` newest.
+
+    Creating one is collective: rank 0 reads the directory's index, so a restarted job
+    finds the checkpoints an earlier one saved (``latest_checkpoint``, ``checkpoints``) and
+    keeps deleting the oldest. The numbers come from ``checkpoint.save_counter``, which
+    ``checkpoint.restore(manager.latest_checkpoint)`` restores: restore first, and the
+    numbering continues where the earlier job stopped.
+
+    Rank 0 writes, into rank 0's ``directory``. Another rank may pass another directory (tf's
+    multi-worker tutorial gives each non-chief worker a temporary one, which it deletes after
+    each save): its calls are accepted, ``save()`` creates that directory but writes nothing
+    there, and its paths
+    (``save()``'s result, ``latest_checkpoint``, ``checkpoints``) are rank 0's.
+
+    Args:
+        checkpoint: the :class:`Checkpoint` to save.
+        directory: where the files and the ``checkpoint`` index go (rank 0's counts).
+        max_to_keep: how many checkpoints to keep (the oldest are deleted); None keeps all.
+        checkpoint_name: the files' prefix.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None,
+        checkpoint_name: str = "ckpt",
+    ):
+        if not isinstance(checkpoint, Checkpoint):
+            raise InvalidArgumentError(
+                "CheckpointManager: checkpoint must be an mpistrat.Checkpoint; "
+                f"got {type(checkpoint).__name__}"
+            )
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, (int, np.integer)) or max_to_keep < 1
+        ):
+            raise InvalidArgumentError(
+                f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep!r}."
+            )
+        self._checkpoint = checkpoint
+        self._directory = os.fspath(directory)
+        self._max_to_keep = max_to_keep
+        collectives = checkpoint._strategy("CheckpointManager").extended.collectives
+        collectives.agree("checkpoint.manager")
+        prefix = os.path.join(self._directory, checkpoint_name)
+
+        def read() -> tuple[str, str | None, list[str]]:  # on rank 0: its prefix and its index
+            return (prefix, *_checkpoint_state(self._directory))
+
+        self._prefix, self._latest, self._checkpoints = collectives.on_root(
+            read, kind="checkpoint.manager (read)"
+        )
+
+    checkpoint = property(lambda self: self._checkpoint, doc="The managed Checkpoint.")
+    directory = property(lambda self: self._directory, doc="Where the checkpoints are written.")
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest checkpoint's path, or None before the first save (here or in an earlier job)."""
+        return self._latest
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The paths of the checkpoints kept, oldest first."""
+        return list(self._checkpoints)
+
+    def save(self, checkpoint_number: int | Variable | None = None) -> str:
+        """Write a new checkpoint (collective), delete the oldest beyond ``max_to_keep``; returns its path.
+
+        It is numbered ``checkpoint_number`` if given (e.g. the training step), else by
+        ``save_counter``, which is incremented either way. Saving a number that is
+        already kept replaces that file and makes it the newest.
+        """
+        counter = int(self._checkpoint.save_counter.numpy()) + 1
+        number = counter if checkpoint_number is None else _integer(checkpoint_number)
+        path = f"{self._prefix}-{number}"
+        kept = [p for p in self._checkpoints if p != path] + [path]
+        doomed = kept[: -self._max_to_keep] if self._max_to_keep else []
+        kept = kept[len(doomed) :]
+
+        def record_and_sweep() -> None:  # rank 0, once the new file is in place
+            # The index names the new checkpoint before anything is deleted, so a job killed
+            # while deleting still finds it; then once more without the deleted files.
+            _write_index(self._directory, [os.path.basename(p) for p in [*doomed, *kept]])
+            if doomed:
+                for old in doomed:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(old)
+                _write_index(self._directory, [os.path.basename(p) for p in kept])
+
+        self._checkpoint._write_file(path, "save", counter, record_and_sweep)
+        collectives = self._checkpoint._strategy("CheckpointManager.save").extended.collectives
+        if collectives.rank != 0 and os.path.dirname(self._prefix) != self._directory:
+            os.makedirs(self._directory, exist_ok=True)  # as tf's save creates it (left empty here)
+        self._checkpoint.save_counter.assign(np.int64(counter))
+        self._latest, self._checkpoints = path, kept
+        return path
+
+
+def _integer(number: Any) -> int:
+    value = number.numpy() if isinstance(number, Variable) else number
+    if isinstance(value, bool) or not np.issubdtype(np.asarray(value).dtype, np.integer) or np.ndim(value):
+        raise InvalidArgumentError(
+            "CheckpointManager.save: checkpoint_number must be an integer (or an integer variable); "
+            f"got {number!r}"
+        )
+    return int(value)

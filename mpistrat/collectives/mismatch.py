@@ -1,0 +1,236 @@
+"""Explain a failed handshake: which collective, which leaf, and what each rank passed.
+
+Runs only after the handshake found a disagreement, on every rank at once: one
+``allgather`` of each rank's description, then the same exception everywhere.
+
+>>> print(by_rank(["float64 (3,)", "float64 (4,)", "float64 (3,)"]))
+ranks 0, 2: float64 (3,); rank 1: float64 (4,)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import numpy as np
+import optree
+from mpi4py import MPI
+
+from mpistrat import nest
+from mpistrat.comm import packing
+from mpistrat.diagnostics.callsite import call_site
+from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError, portable
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import local_copy
+
+__all__ = [
+    "by_rank",
+    "cached_code",
+    "checksum",
+    "describe",
+    "fingerprint",
+    "first_difference",
+    "raise_disagreement",
+    "rank_list",
+]
+
+
+def hash64(text: str) -> int:
+    """A 62-bit code of ``text`` (room for its negation in the handshake's int64 slots).
+
+    >>> hash64("all_reduce") == hash64("all_reduce") != hash64("all_gather")
+    True
+    """
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def fingerprint(*parts: Any, memo: Any = None) -> int:
+    """A 62-bit code of hashable ``parts`` that is the same on every rank for equal parts.
+
+    ``memo`` (a strategy's ``Caches.codes``) remembers it: a training loop repeats the same
+    calls, and the lookup is several times cheaper than formatting the parts.
+
+    >>> fingerprint("SUM", (3,)) == fingerprint("SUM", (3,)) != fingerprint("SUM", (4,))
+    True
+    """
+    return cached_code(memo, parts, lambda: repr(parts))
+
+
+def cached_code(memo: Any, key: Any, text: Callable[[], str]) -> int:
+    """``hash64(text())``, remembered in ``memo`` (a ``Memo``, or None) under the hashable ``key``."""
+    if memo is None:
+        return hash64(text())
+    code = memo.get(key)
+    if code is None:
+        code = memo.keep(key, hash64(text()))
+    return code
+
+
+def checksum(arr: Any) -> int:
+    """A 63-bit checksum of an array's bytes (CRC-32 and Adler-32 side by side), the same for
+    equal bytes on every rank.
+
+    >>> import numpy as np
+    >>> checksum(np.arange(3.0)) == checksum(np.arange(3.0)) != checksum(np.arange(1.0, 4.0))
+    True
+    """
+    host = np.ascontiguousarray(arr if packing.array_module(arr) is np else arr.get())
+    data = host.reshape(-1).view(np.uint8).data
+    return ((zlib.crc32(data) << 31) ^ zlib.adler32(data)) & (2**63 - 1)
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5`` (runs of consecutive ranks shortened).
+
+    >>> rank_list([0, 1, 2, 5])
+    'ranks 0-2, 5'
+    """
+    ranks = sorted(ranks)
+    runs: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        if start == prev:
+            runs.append(str(start))
+        else:
+            runs.append(f"{start}, {prev}" if prev == start + 1 else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def by_rank(values: list[str]) -> str:
+    """What each rank had, ranks with the same value grouped (short even with many ranks)."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{rank_list(ranks)}: {v}" for v, ranks in groups.items())
+
+
+def _shape(shape: tuple[Any, ...] | None) -> str:
+    if shape is None:
+        return ""
+    inner = ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "")
+    return f" shape ({inner})"
+
+
+def describe(
+    value: Any,
+    op: ReduceOp | None,
+    axis: Any = None,
+    implementation: str | None = None,
+    bytes_per_pack: int = 0,
+) -> dict[str, Any]:
+    """What this rank passed, per leaf; for all_gather the (free) axis dim shows as ``*``.
+
+    Never raises (it runs when ranks already disagree): a nest too deep to walk is
+    described as one entry saying so.
+    """
+    leaves: list[tuple[str, str, Any]] = []
+    try:
+        pairs = nest.flatten_with_paths(value)
+        structure = str(nest.tree_structure(value))
+    except RecursionError:
+        depth = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
+        pairs, structure = [], f"<a nest deeper than {depth} levels>"
+        leaves.append(("<root>", f"a nest deeper than {depth} levels", None))
+    except Exception as exc:  # a description must not raise
+        pairs, structure = [], f"<undescribable: {type(exc).__name__}: {exc}>"
+        leaves.append(("<root>", structure, None))
+    for path, leaf in pairs:
+        try:
+            arr = packing.as_array(local_copy(leaf))
+            shape: tuple[Any, ...] = tuple(arr.shape)
+            if isinstance(axis, int) and arr.ndim and -arr.ndim <= axis < arr.ndim:
+                shape = tuple("*" if d == axis % arr.ndim else n for d, n in enumerate(shape))
+            leaves.append((nest.path_str(path), packing.dtype_name(arr), shape))
+        except MpistratError:
+            leaves.append((nest.path_str(path), type(leaf).__name__, None))
+    return {
+        "reduce_op": None if op is None else op.value,
+        "axis": axis,
+        "implementation": implementation,
+        "bytes_per_pack": bytes_per_pack,
+        "leaves": leaves,
+        "structure": structure,
+    }
+
+
+def first_difference(descriptions: list[Any]) -> str:
+    """Name the first thing that differs between ranks' descriptions, and what each rank passed."""
+    if not all(isinstance(d, dict) for d in descriptions):
+        return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
+    for key in ("reduce_op", "axis", "bytes_per_pack"):
+        seen = [repr(d.get(key)) for d in descriptions]
+        if len(set(seen)) > 1:
+            return f"ranks passed different {key}: {by_rank(seen)}. Every rank must pass the same {key}."
+    gather = descriptions[0].get("axis") is not None
+    leaves = [d.get("leaves", []) for d in descriptions]
+    for i in range(max(map(len, leaves))):
+        entries = [ls[i] if i < len(ls) else None for ls in leaves]
+        if any(e != entries[0] for e in entries):
+            path = next(e[0] for e in entries if e is not None)
+            what = by_rank(["no such leaf" if e is None else f"{e[0]} {e[1]}{_shape(e[2])}" for e in entries])
+            advice = descriptions[0].get("advice") or (
+                "Every rank must pass the same nest structure, dtypes and shapes"
+                + (" (all dims but axis)." if gather else ".")
+            )
+            return f"the arguments differ at leaf {path}: {what}. {advice}"
+    implementations = [str(d.get("implementation")) for d in descriptions]
+    if len(set(implementations)) > 1:
+        return (
+            "ranks passed device arrays with different CommunicationOptions.implementation: "
+            f"{by_rank(implementations)}. Every rank must use the same implementation."
+        )
+    structures = [d.get("structure", "") for d in descriptions]
+    if len(set(structures)) > 1:
+        return f"the nest structures differ: {by_rank(structures)}. Every rank must pass the same structure."
+    return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
+
+
+def _same_type(error: BaseException, message: str) -> BaseException:
+    try:
+        return type(error)(message)
+    except Exception:
+        return MergeCallError(f"{type(error).__qualname__}: {message}")
+
+
+def raise_disagreement(
+    comm: MPI.Intracomm, kind: str, seq: int, describe: Any, error: BaseException | None
+) -> NoReturn:
+    """Every rank is here after a failed handshake: exchange descriptions, raise the same error everywhere.
+
+    Order of blame: ranks in different collectives, then a rank's own bad input, then
+    the first differing argument.
+    """
+    try:
+        mine = describe() if error is None else None
+    except Exception as exc:  # a description must never turn an error into a hang
+        mine = f"<undescribable: {exc}>"
+    reports = comm.allgather((kind, seq, mine, None if error is None else portable(error), call_site()))
+    name = f"{kind} (collective #{seq})"
+    if len({(k, s) for k, s, *_ in reports}) > 1:
+        calls = by_rank([f"{k} (collective #{s}) at {site}" for k, s, _, _, site in reports])
+        skipped = len({s for _, s, *_ in reports}) > 1
+        raise CollectiveMismatchError(
+            f"ranks are in different collectives: {calls}. "
+            + (
+                "Some ranks have made more collective calls than others (one skipped or repeated one). "
+                if skipped
+                else ""
+            )
+            + "Every rank must call the same collectives in the same order."
+        )
+    failed = [(r, e) for r, (_, _, _, e, _) in enumerate(reports) if e is not None]
+    if failed:
+        first = failed[0][1]
+        text = str(first).removeprefix(f"{kind}: ")
+        raise _same_type(first, f"{name} failed on {rank_list([r for r, _ in failed])}: {text}") from error
+    sites = [site for *_, site in reports]
+    where = sites[0] if len(set(sites)) == 1 else by_rank(sites)
+    detail = first_difference([d for _, _, d, _, _ in reports])
+    raise CollectiveMismatchError(f"{name}, called at {where}: {detail}")

@@ -1,0 +1,492 @@
+"""StrategyExtended: the communicator, devices and lower-level APIs behind a Strategy.
+
+Two cross-replica contexts meet here. In the SPMD one (inside ``strategy.scope()``,
+every rank executing) ``reduce_to`` and ``batch_reduce_to`` are MPI collectives
+over each rank's local value. In a ``merge_fn`` (rank 0 alone, ``PerReplica``
+arguments holding every replica's value) they are local array arithmetic, and
+writes to variables travel back with merge_call's broadcast.
+
+>>> import mpistrat, numpy as np
+>>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+>>> with strategy.scope():
+...     v = mpistrat.Variable(1.0)
+...     total = strategy.extended.reduce_to("sum", np.float64(2.0), destinations=v)
+...     _ = strategy.extended.update(v, lambda var, t: var.assign_add(t), args=(total,))
+>>> float(v.numpy())
+3.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat import context, nest
+from mpistrat.collectives import Collectives
+from mpistrat.comm import devices
+from mpistrat.diagnostics import watchdog
+from mpistrat.diagnostics.stragglers import Stragglers
+from mpistrat.distribute import merge
+from mpistrat.distribute.replica_context import ReplicaContext
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
+from mpistrat.options import CommunicationOptions
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, component, local_copy
+
+if TYPE_CHECKING:
+    from mpistrat.distribute.strategy import Strategy
+
+__all__ = ["StrategyExtended"]
+
+ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
+
+
+class StrategyExtended:
+    """Additional APIs for algorithms that need to be distribution-aware.
+
+    Owns the strategy's private communicator (a duplicate, so mpistrat's messages
+    never meet the application's) and its :class:`~mpistrat.collectives.Collectives`.
+    """
+
+    def __init__(
+        self,
+        container_strategy: Strategy,
+        comm: MPI.Intracomm,
+        options: CommunicationOptions,
+        *,
+        is_default: bool = False,
+        merge_call: str = "root",
+    ):
+        self._container_strategy = container_strategy
+        self._comm: MPI.Intracomm | None = comm
+        self._options = options
+        self._collectives = Collectives(comm, options)
+        # The private communicator is freed when the Collectives using it are collected, so a
+        # program may drop strategies without experimental_finalize() and not run out of them.
+        self._release: weakref.finalize | None = None
+        if not is_default:
+            c = self._collectives
+            self._release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.transports.close)
+            self._release.atexit = False  # MPI_Finalize frees what is left at exit
+        self.is_default = is_default
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
+        self.placement = devices.cpu_placement() if is_default else devices.place(comm)
+        self.merge_call_mode = merge_call  # "root" or "every_rank" (see mpistrat.distribute.merge)
+        # Writes to synced variables made inside a merge_fn: on rank 0 they are broadcast with
+        # its result; on every rank (every_rank mode), their copies may be compared.
+        self.merge_writes: list[tuple[int, Any]] | None = None
+        # Inside writes_in_sync() (update, update_non_slot): writes apply to each rank's copy as they are.
+        self.in_sync = 0
+        # Weak, so variables a program drops are freed; keys come from a counter, never reused.
+        self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._synced_keys = itertools.count()
+
+        self.default_replica_context: ReplicaContext = ReplicaContext(container_strategy, 0)
+
+    @property
+    def collectives(self) -> Collectives:
+        if self._comm is None:
+            raise ContextError(
+                "this strategy was finalized (experimental_finalize); create a new MPIStrategy"
+            )
+        return self._collectives
+
+    @property
+    def communicator(self) -> MPI.Intracomm:
+        """The strategy's private communicator.
+
+        It is freed with the strategy (``experimental_finalize()``, or when the strategy is
+        garbage-collected): ``Dup()`` it to keep using it after that.
+        """
+        return self.collectives.comm
+
+    @property
+    def communication_options(self) -> CommunicationOptions:
+        return self._options
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The device of this rank's replica (``.../device:GPU:i`` when it was placed on a GPU)."""
+        return (self.placement.device(self.rank),)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where variables live: on every replica's device; this rank holds its own copy."""
+        return self.worker_devices
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """False: all_gather and distributed datasets handle varying shapes."""
+        return False
+
+    # -- synced objects (variables) and the writes a merge_fn makes to them -----------
+
+    def register_synced(self, obj: Any) -> int:
+        """Give ``obj`` a key that is the same on every rank (objects are created in the same order)."""
+        key = next(self._synced_keys)
+        self._synced[key] = obj
+        return key
+
+    def synced(self, key: int) -> Any:
+        """The object registered under ``key`` (None if it was freed)."""
+        return self._synced.get(key)
+
+    def apply_merge_writes(self, writes: list[tuple[int, Any]]) -> None:
+        """Replay on this rank the writes rank 0's merge_fn made to synced objects."""
+        for key, payload in writes:
+            obj = self._synced.get(key)
+            if obj is not None:
+                obj.apply_merge_write(payload)
+
+    def stragglers(self) -> Stragglers:
+        """Who arrived last at this strategy's collectives so far, and how long the others waited.
+
+        Every rank keeps the same tally, learned in the handshakes at no extra message (each
+        collective's result arrives with the next one); it is empty with the check off.
+        ``print()`` it for a table; ``.flagged`` lists the ranks late markedly more often than
+        chance, by ``MPISTRAT_STRAGGLER_MS`` (default 5 ms) or more on average.
+
+        >>> import mpistrat
+        >>> mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF).extended.stragglers().flagged
+        []
+        """
+        return self.collectives.stragglers.table()
+
+    def finalize(self) -> None:
+        detached = self._release.detach() if self._release is not None else None
+        if self._comm is not None and detached is not None:
+            _, release, args, _ = detached
+            release(*args, wait=True)  # unwatches first: the watchdog must not touch a freed communicator
+        self._comm = None
+
+    # -- context rules ------------------------------------------------------------------
+
+    def _require_cross_replica(self, method: str) -> context.Mode:
+        """Cross-replica context of this strategy, or the default context; else raise as tf does."""
+        mode = context.current_mode()
+        if mode.kind == "default":
+            return mode
+        self._require_scope(method, mode)
+        if mode.replica_context is not None:
+            raise ContextError(
+                f"{method}: Method requires being in cross-replica context, {context.CROSS_REPLICA_HINT}"
+            )
+        return mode
+
+    def _require_scope(self, method: str, mode: context.Mode | None = None) -> None:
+        mode = mode or context.current_mode()
+        if mode.strategy is self._container_strategy:
+            return
+        if mode.kind == "default":
+            raise ContextError(
+                f'{method}: Need to be inside "with strategy.scope()" for {self._container_strategy}'
+            )
+        raise ContextError(
+            f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self._container_strategy}"
+        )
+
+    def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
+        """Enter this strategy's scope when called from the default context (as tf does)."""
+        if mode.kind == "default" and not self.is_default:
+            return self._container_strategy.scope()
+        return _NOTHING
+
+    # -- reductions ---------------------------------------------------------------------
+
+    def reduce_to(
+        self, reduce_op: Any, value: Any, destinations: Any, options: CommunicationOptions | None = None
+    ) -> Any:
+        """Combine (sum or mean) a per-replica ``value`` across replicas, copied to ``destinations``.
+
+        In the SPMD cross-replica context this is one all-reduce of every rank's
+        local value and returns this rank's copy of the result; inside a
+        ``merge_fn`` ``value`` is a ``PerReplica`` holding every replica's value,
+        it is reduced locally and a ``Mirrored`` is returned.
+
+        Args:
+            reduce_op: ``ReduceOp`` or its name; ``VariableAggregation.SUM``/``MEAN``/
+                ``ONLY_FIRST_REPLICA`` are accepted too.
+            value: a per-replica value (a nest of arrays and numbers).
+            destinations: a variable, a distributed value or a device string:
+                where the result is wanted (every replica here).
+            options: a :class:`~mpistrat.CommunicationOptions` overriding the strategy's
+                for this reduction (as for ``all_reduce``); checked but unused inside a
+                root-mode ``merge_fn``, where nothing is communicated.
+        """
+        mode = self._require_cross_replica("reduce_to")
+        op = _reduce_op(reduce_op, "reduce_to")
+        _check_destinations(destinations, "reduce_to")
+        if mode.kind == "merge" or self.is_default:
+            self._options.merge(options)  # a wrong type is an error here too
+            return self._mirrored(merge.reduce_here(op, value, self.size, "reduce_to"))
+        return self._all_reduce(op, value, "reduce_to", options)
+
+    def batch_reduce_to(
+        self, reduce_op: Any, value_destination_pairs: Any, options: CommunicationOptions | None = None
+    ) -> list[Any]:
+        """Several ``reduce_to`` calls in one: a single fused all-reduce for the whole batch.
+
+        Returns one result per ``(value, destinations)`` pair, in order. ``options`` as for
+        :meth:`reduce_to` (``bytes_per_pack`` splits the fused buffer into packs).
+        """
+        mode = self._require_cross_replica("batch_reduce_to")
+        op = _reduce_op(reduce_op, "batch_reduce_to")
+        pairs = _pairs(value_destination_pairs)
+        if mode.kind == "merge" or self.is_default:
+            self._options.merge(options)
+            return [self._mirrored(merge.reduce_here(op, v, self.size, "batch_reduce_to")) for v, _ in pairs]
+        return list(self._all_reduce(op, [v for v, _ in pairs], "batch_reduce_to", options))
+
+    def _mirrored(self, value: Any) -> Any:
+        """A merge_fn's reduced value, mirrored to every replica (the default strategy: the value)."""
+        return value if self.is_default else Mirrored((value,) * self.size)
+
+    def _all_reduce(
+        self, op: str | ReduceOp, value: Any, kind: str, options: CommunicationOptions | None = None
+    ) -> Any:
+        """One collective over every rank's part of ``value`` (an error here reaches every rank)."""
+        local, error = None, None
+        try:
+            local = _local(value, self.rank, self.size, kind)
+            if options is not None:
+                self._options.merge(options)  # checked here, so a wrong type reaches every rank
+        except MpistratError as exc:
+            error, options = exc, None
+        if op == ONLY_FIRST_REPLICA:  # replica 0's value: a broadcast, not a sum with zeros
+            return self.collectives.broadcast(local, kind=kind, error=error)
+        return self.collectives.all_reduce(op, local, options, kind=kind, error=error)
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copy rank 0's ``tensor`` to every replica (``destinations``: a variable or device string).
+
+        In the SPMD context every rank gets rank 0's value (a collective); inside a
+        ``merge_fn`` the value is wrapped as ``Mirrored``.
+        """
+        mode = self._require_cross_replica("broadcast_to")
+        _check_destinations(destinations, "broadcast_to")
+        if mode.kind == "merge" or self.is_default:
+            return self._mirrored(tensor)
+        return self.collectives.broadcast(tensor, kind="broadcast_to")
+
+    # -- updates ------------------------------------------------------------------------
+
+    def update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run ``fn(v, *args, **kwargs)`` on this rank's copy ``v`` of ``var``.
+
+        Mirrored arguments (``Mirrored`` values, variables) are unwrapped to this
+        rank's copy; per-replica ones are an error (reduce them first with
+        ``reduce_to``). Inside a ``merge_fn`` the writes reach every rank with the
+        merge_call broadcast. With ``group=False`` each leaf of the result becomes a
+        tuple of the values held here (one per local replica).
+        """
+        mode = self._require_cross_replica("update")
+        with self._enter(mode):
+            a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update")
+            if self.is_default:
+                result = fn(var, *a, **kw)
+            else:
+                if (
+                    not isinstance(var, HasLocalCopy)
+                    or getattr(var, "distribute_strategy", None) is not self._container_strategy
+                ):
+                    raise InvalidArgumentError(
+                        f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
+                        "Create it inside `with strategy.scope():`"
+                    )
+                component = var._local_variable()
+                self.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
+                try:
+                    result = fn(component, *a, **kw)
+                finally:
+                    self.in_sync -= 1
+        return result if group else _ungroup(result)
+
+    @contextlib.contextmanager
+    def writes_in_sync(self) -> Iterator[None]:
+        """Cross-replica writes inside are the same on every rank by construction (computed from
+        reduced or broadcast values), so they are not compared across ranks."""
+        self.in_sync += 1
+        try:
+            yield
+        finally:
+            self.in_sync -= 1
+
+    def update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` where the non-slot variables live.
+
+        ``colocate_with`` is what :meth:`non_slot_devices` returned. Writes ``fn``
+        makes to mirrored variables reach every rank, as with :meth:`update`.
+        """
+        mode = self._require_cross_replica("update_non_slot")
+        if not isinstance(colocate_with, tuple) or colocate_with != self.parameter_devices:
+            raise InvalidArgumentError(
+                f"update_non_slot: colocate_with must be the tuple non_slot_devices(var_list) returned "
+                f"({self.parameter_devices}); got {colocate_with!r}"
+            )
+        with self._enter(mode), self.writes_in_sync():
+            a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
+            result = fn(*a, **kw)
+        return result if group else _ungroup(result)
+
+    def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
+        """Devices for non-slot variables (an optimizer's step counter): every parameter device.
+
+        Pass the result to :meth:`colocate_vars_with` when creating them and to
+        :meth:`update_non_slot` when updating them.
+        """
+        return self.parameter_devices
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
+        """Scope in which variables are created on the same devices as ``colocate_with_variable``.
+
+        Only inside ``self.scope()``. The target is a variable created in this
+        strategy's scope, or the value of :meth:`non_slot_devices`. On MPI every
+        variable lives on every replica, so this records the relation only.
+
+        >>> import mpistrat
+        >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+        >>> with strategy.scope():
+        ...     var1 = mpistrat.Variable(1.0)
+        ...     with strategy.extended.colocate_vars_with(var1):
+        ...         var2 = mpistrat.Variable(0.0)
+        >>> var2.colocated_with is var1
+        True
+        """
+        if not self.is_default:
+            self._require_scope("colocate_vars_with")
+            owned = getattr(colocate_with_variable, "distribute_strategy", None) is self._container_strategy
+            if not owned and colocate_with_variable != self.parameter_devices:
+                raise InvalidArgumentError(
+                    "colocate_vars_with must only be passed a variable created in this strategy's scope() "
+                    f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
+                )
+        return context.colocation(self, colocate_with_variable)
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable ``value`` (a per-rank copy) belongs to, else ``value`` itself."""
+        owner = getattr(value, "_owner", None)
+        return value if owner is None else owner
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """True if ``v`` was created while this strategy's ``scope()`` was active.
+
+        For the default strategy: True for variables created outside any scope.
+        """
+        if not isinstance(v, HasLocalCopy):
+            raise InvalidArgumentError(
+                f"variable_created_in_scope: expected a Variable; got {type(v).__name__}"
+            )
+        owner = getattr(v, "distribute_strategy", None)
+        return owner is (None if self.is_default else self._container_strategy)
+
+    def read_var(self, v: Any) -> Any:
+        """The cross-replica value of the variable ``v`` (as tf): a mirrored variable's value, a
+        sync-on-read variable's copies aggregated over the replicas; call it in cross-replica context."""
+        self._require_cross_replica("read_var")
+        if not isinstance(v, HasLocalCopy) or not hasattr(v, "read_value"):
+            raise InvalidArgumentError(f"read_var: expected a Variable; got {type(v).__name__}")
+        return v.read_value()
+
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run ``fn`` once per replica, in replica context (as ``Strategy.run``)."""
+        self._require_cross_replica("call_for_each_replica")
+        return self._container_strategy.run(fn, args=args, kwargs=kwargs)
+
+
+def _reduce_op(op: Any, method: str) -> str | ReduceOp:
+    """A ReduceOp, or ONLY_FIRST_REPLICA, from a ReduceOp, a VariableAggregation or a name."""
+    name = getattr(op, "name", op)
+    if isinstance(name, str) and name.upper() == ONLY_FIRST_REPLICA:
+        return ONLY_FIRST_REPLICA
+    choices = "ReduceOp.SUM/MEAN, VariableAggregation.SUM/MEAN/ONLY_FIRST_REPLICA or one of their names"
+    return enum_member(ReduceOp, name, f"{method}: reduce_op", choices)
+
+
+def _check_destinations(destinations: Any, method: str) -> None:
+    ok = (
+        isinstance(destinations, (DistributedValues, np.ndarray, np.generic))
+        or type(destinations) in (bool, int, float, complex)  # a value passed as its own destination
+        or isinstance(destinations, HasLocalCopy)  # a variable
+        or type(destinations).__module__.startswith("cupy")
+    )
+    if isinstance(destinations, str):
+        ok = bool(destinations)
+    if not ok:
+        raise InvalidArgumentError(
+            f"{method}: destinations must be a variable, a distributed value or a device string "
+            f"(not a list, tuple or None); got {destinations!r}"
+        )
+
+
+def _pairs(value_destination_pairs: Any) -> list[tuple[Any, Any]]:
+    pairs = list(value_destination_pairs)
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgumentError(
+                f"batch_reduce_to: value_destination_pairs[{i}] must be a (value, destinations) pair; "
+                f"got {pair!r}"
+            )
+        _check_destinations(pair[1], "batch_reduce_to")
+    return [tuple(p) for p in pairs]
+
+
+_NOTHING = contextlib.nullcontext()
+_CONTAINERS = (list, tuple, dict)  # what optree would walk into; anything else is a leaf here
+
+
+def _local(value: Any, rank: int, size: int, method: str) -> Any:
+    """This rank's component of a distributed value (SPMD context); a variable's local copy."""
+
+    def one(x: Any) -> Any:
+        return local_copy(component(x, rank, size, method))
+
+    if not isinstance(value, _CONTAINERS):  # one leaf (a gradient): no tree walk
+        return one(value)
+    return nest.tree_map(one, value)
+
+
+def _unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
+    """``(args, kwargs)`` with mirrored values and variables replaced by this rank's copy."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            raise InvalidArgumentError(
+                f"{method}: args and kwargs may not contain per-replica values; reduce them first with "
+                f"strategy.extended.reduce_to or batch_reduce_to; got {x!r}"
+            )
+        if isinstance(x, Mirrored):
+            return x.values[0]
+        return x._local_variable() if isinstance(x, HasLocalCopy) else x
+
+    args, kwargs = arguments
+    if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):  # flat (an optimizer's update)
+        return tuple(map(one, args)), kwargs
+    return nest.tree_map(one, arguments)
+
+
+def _ungroup(result: Any) -> Any:
+    return nest.tree_map(lambda x: (x,), result)

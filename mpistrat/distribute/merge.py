@@ -1,0 +1,362 @@
+"""merge_call's two modes: on rank 0 alone (the default), or on every rank.
+
+``"root"``: every rank's arguments are gathered to rank 0, where array leaves and
+leaves that differ become ``PerReplica`` values holding every replica's value;
+``merge_fn`` runs there once, in a *merge* context where reductions are local
+arithmetic. Its result is broadcast, except ``PerReplica`` leaves, whose components
+are scattered (each rank receives only its own); writes it made to distributed
+variables are broadcast and replayed. Any merge_fn works, at the cost of a funnel
+through rank 0: use it for coordination and for merge functions that need every
+replica's value at once.
+
+``"every_rank"``: ``merge_fn`` runs on every rank, as tf.distribute's
+MultiWorkerMirroredStrategy runs it on every worker. Array arguments become
+``PerReplica`` values holding this rank's own value; reductions inside
+(``reduce_to``, ``batch_reduce_to``, ``Strategy.reduce``) are collectives and
+``update`` writes each rank's copy, so the variable-update pattern costs one
+all-reduce per rank, at any number of ranks. Variables (slots) may be created
+inside. ``merge_fn`` must then make the same collective calls on every rank. The
+optimizers always use this mode.
+
+>>> import mpistrat, numpy as np
+>>> ctx = mpistrat.get_replica_context()
+>>> ctx.merge_call(lambda strategy, x: strategy.reduce("sum", x), args=(np.ones(2),))
+array([1., 1.])
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import optree
+
+from mpistrat import context, nest
+from mpistrat.collectives import Unsendable, check_level, mismatch
+from mpistrat.collectives.reduce_axis import mean_of
+from mpistrat.comm import packing
+from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
+
+if TYPE_CHECKING:
+    from mpistrat.distribute.strategy import Strategy
+
+__all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "reduce_here"]
+
+MODES = ("root", "every_rank")
+
+
+class _SameEverywhere:
+    """Stands in for a value every rank already holds (a mirrored value or variable)."""
+
+
+# Placeholders in the broadcast part of a merge_fn result: component ``index`` of a
+# PerReplica leaf (each rank receives its own components by scatter), and a distributed
+# variable (each rank takes its own object with that key).
+_Component = collections.namedtuple("_Component", "index")
+_Synced = collections.namedtuple("_Synced", "key")
+
+
+class _TheStrategy:
+    """Stands in for the strategy (or its ``extended``) in a merge_fn's result: every rank has its
+    own, and it cannot be pickled (``merge_call(lambda strategy: strategy)`` is a barrier idiom)."""
+
+    def __init__(self, extended: bool):
+        self.extended = extended
+
+
+# -- "root" -------------------------------------------------------------------------------
+
+
+def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Gather to rank 0, run ``merge_fn`` there, broadcast (scatter ``PerReplica`` leaves)."""
+    extended = strategy.extended
+    collectives = extended.collectives
+    rank = extended.rank
+    local = (tuple(args), kwargs)
+    gathered = collectives.gather_to_root(nest.tree_map(_strip_shared, local))
+    components: list[list[Any]] = []
+
+    def run() -> tuple[Any, list[tuple[int, Any]], bool]:  # on rank 0 alone
+        nonlocal components
+        if gathered is None:  # gather_to_root returns the list on rank 0, where run() runs
+            raise MpistratError("merge_call: rank 0 holds no gathered arguments")
+        m_args, m_kwargs = _regroup(local, gathered)
+        extended.merge_writes = []
+        try:
+            with context.push(context.Mode(strategy, None, "merge")):
+                result = merge_fn(strategy, *m_args, **m_kwargs)
+        finally:
+            writes, extended.merge_writes = extended.merge_writes, None
+        shared, components = _split_result(result, extended.size, strategy)
+        return shared, writes, bool(components[0])
+
+    shared, writes, scattered = collectives.on_root(run, kind="merge_call (result)")
+    if rank != 0:
+        extended.apply_merge_writes(writes)
+    mine = []
+    if scattered:
+        mine = collectives.scatter_from_root(
+            components if rank == 0 else None, kind="merge_call (components)"
+        )
+    return nest.tree_map(
+        lambda x: _fill(x, mine, extended),
+        shared,
+        is_leaf=lambda x: isinstance(x, (_Component, _Synced, _TheStrategy)),
+    )
+
+
+def _strip_shared(leaf: Any) -> Any:
+    if isinstance(leaf, DistributedValues) and not isinstance(leaf, PerReplica):
+        return _SameEverywhere()
+    return leaf
+
+
+def _regroup(local: Any, gathered: list[Any]) -> Any:
+    """Rank 0's args with each leaf replaced by ``PerReplica`` of every rank's value."""
+    leaves, spec = nest.tree_flatten(local)
+    per_rank = [leaves]
+    for r, other in enumerate(gathered[1:], start=1):
+        if isinstance(other, Unsendable):
+            raise UnsupportedTypeError(f"rank {r}: {other.message}")
+        other_leaves, other_spec = nest.tree_flatten(other)
+        if other_spec != spec:
+            raise UnsupportedTypeError(
+                f"merge_call: rank {r} passed arguments of a different structure than rank 0 "
+                f"({other_spec} vs {spec}); every replica must pass the same structure"
+            )
+        per_rank.append(other_leaves)
+    merged = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, DistributedValues) and not isinstance(leaf, PerReplica):
+            merged.append(leaf)
+            continue
+        values = [r[i] for r in per_rank]
+        if _is_data(leaf) or not _all_equal(values):
+            merged.append(PerReplica(values))
+        else:
+            merged.append(leaf)
+    return optree.tree_unflatten(spec, merged)
+
+
+def _is_data(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic)) or type(leaf).__module__.startswith("cupy")
+
+
+def _all_equal(values: list[Any]) -> bool:
+    first = values[0]
+    try:
+        return all(type(v) is type(first) and bool(v == first) for v in values[1:])
+    except Exception:
+        return False
+
+
+def _split_result(result: Any, size: int, strategy: Any = None) -> tuple[Any, list[list[Any]]]:
+    """(what every rank gets, each rank's list of components of the ``PerReplica`` leaves).
+
+    What every rank holds already travels as a placeholder, never pickled: the strategy and
+    its ``extended``, distributed variables (by key), a ``Mirrored``'s value when it is one.
+    """
+    components: list[list[Any]] = [[] for _ in range(size)]
+
+    def split(leaf: Any) -> Any:
+        if strategy is not None and leaf is strategy:
+            return _TheStrategy(extended=False)
+        if strategy is not None and leaf is strategy.extended:
+            return _TheStrategy(extended=True)
+        if isinstance(leaf, PerReplica) and len(leaf.values) > 1:
+            if len(leaf.values) != size:
+                raise InvalidArgumentError(
+                    f"merge_call: merge_fn returned a PerReplica with {len(leaf.values)} components; "
+                    f"expected 1 or {size} (one per replica)"
+                )
+            for r, value in enumerate(leaf.values):
+                components[r].append(value)
+            return _Component(len(components[0]) - 1)
+        if isinstance(leaf, (PerReplica, Mirrored)):  # one value for all, as tf's select_replica gives
+            return leaf.values[0]
+        key = getattr(leaf, "_synced_key", None)
+        if isinstance(leaf, DistributedValues) and key is not None:
+            return _Synced(key)
+        return leaf
+
+    return nest.tree_map(split, result), components
+
+
+def _fill(leaf: Any, mine: list[Any], extended: Any) -> Any:
+    if isinstance(leaf, _TheStrategy):
+        return extended if leaf.extended else extended._container_strategy
+    if isinstance(leaf, _Synced):
+        return extended.synced(leaf.key)
+    if isinstance(leaf, _Component):
+        return mine[leaf.index]
+    return leaf
+
+
+# -- reducing where every replica's value is at hand ----------------------------------------
+
+
+def reduce_here(op: Any, value: Any, size: int, method: str, axis: int | None = None) -> Any:
+    """Reduce ``value`` (a nest; ``PerReplica`` leaves hold the replicas' values) with array arithmetic.
+
+    The one reducer of a root-mode merge_fn (rank 0 alone) and of the default strategy:
+    ``Strategy.reduce``, ``reduce_to`` and ``batch_reduce_to`` all come here. As tf.distribute:
+
+    - a ``PerReplica`` reduces its components (SUM adds them, MEAN divides by their number);
+      it must have 1 or ``size`` components;
+    - a ``Mirrored`` value or mirrored variable holds one value per replica: SUM gives
+      ``size`` times it (tf raises AssertionError there), MEAN the value;
+    - another value is the same on every replica: MEAN gives it, SUM is an error unless
+      ``size`` is 1;
+    - ``"ONLY_FIRST_REPLICA"`` (``reduce_to`` only) takes replica 0's value.
+
+    With ``axis`` each value is first summed along it; MEAN divides by the count along it.
+    Float dtypes are kept; integer MEANs give float64.
+
+    >>> reduce_here(ReduceOp.MEAN, PerReplica((np.float32(1.0), np.float32(2.0))), 2, "reduce")
+    np.float32(1.5)
+    """
+    return nest.tree_map(
+        lambda leaf: _reduce_leaf(op, leaf, size, method, axis),
+        value,
+        is_leaf=lambda x: isinstance(x, DistributedValues),
+    )
+
+
+def _reduce_leaf(op: Any, leaf: Any, size: int, method: str, axis: int | None) -> Any:
+    if isinstance(leaf, HasLocalCopy):
+        if isinstance(leaf, DistributedValues) and not leaf.mirrored:  # type: ignore[attr-defined]
+            raise ContextError(
+                f"{method}: a sync-on-read variable cannot be reduced inside merge_fn, which runs on rank 0 "
+                "alone with only rank 0's copy; reduce it in strategy.scope() on every rank, or use "
+                "MPIStrategy(merge_call='every_rank')"
+            )
+        leaf = Mirrored((leaf._local_copy(),)) if isinstance(leaf, DistributedValues) else leaf._local_copy()
+    if isinstance(leaf, PerReplica):
+        parts = list(leaf.values)
+        if len(parts) not in (1, size):
+            raise InvalidArgumentError(
+                f"{method}: a PerReplica value has {len(parts)} components; expected 1 or {size} "
+                "(one per replica)"
+            )
+    elif isinstance(leaf, Mirrored):
+        parts = [leaf.values[0]] * (size if op == ReduceOp.SUM else 1)
+    elif op == ReduceOp.SUM and size > 1:
+        raise InvalidArgumentError(
+            f"{method}: a value that is not a PerReplica (the same on every replica) cannot be reduced "
+            f"with SUM across {size} replicas inside merge_fn; pass the PerReplica value merge_fn received"
+        )
+    else:
+        parts = [leaf]
+    if op == "ONLY_FIRST_REPLICA":
+        return parts[0]
+    try:
+        return nest.tree_map(lambda *xs: _combine(op, xs, axis, method), *parts)
+    except ValueError as exc:  # components of different structures
+        raise InvalidArgumentError(f"{method}: the components of a PerReplica value differ: {exc}") from None
+
+
+def _combine(op: Any, parts: tuple[Any, ...], axis: int | None, method: str) -> Any:
+    xp = packing.common_module(parts)
+    arrays = [xp.asarray(p) for p in parts]
+    count = len(arrays)
+    if axis is not None:
+        for a in arrays:
+            if not -a.ndim <= axis < a.ndim:
+                raise InvalidArgumentError(f"{method}: axis {axis} is out of range for shape {a.shape}")
+        count = sum(a.shape[axis] for a in arrays)
+        arrays = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
+    if len({a.shape for a in arrays}) > 1:  # NumPy would broadcast them into a wrong answer
+        shapes = ", ".join(f"replica {r}: {tuple(a.shape)}" for r, a in enumerate(arrays))
+        along = "" if axis is None else f" after summing along axis {axis}"
+        raise InvalidArgumentError(
+            f"{method}: the replicas' values have different shapes{along} ({shapes}); every replica must "
+            "pass the same shape (for batches of different sizes, reduce along the batch axis with axis=0)"
+        )
+    total = arrays[0]
+    for a in arrays[1:]:
+        total = total + a
+    return mean_of(total, count) if op == ReduceOp.MEAN else total
+
+
+# -- "every_rank" -------------------------------------------------------------------------
+
+
+def merge_on_every_rank(
+    strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any, *, agree: bool = True
+) -> Any:
+    """Run ``merge_fn`` on every rank with its own values; the ranks agree on the outcome after.
+
+    ``agree=False`` (the optimizers: their update cannot fail on one rank alone) skips the
+    closing handshake unless the check is strict; an exception then ends the job as an
+    uncaught one does.
+    """
+    extended = strategy.extended
+    collectives = extended.collectives
+    m_args, m_kwargs = nest.tree_map(_own, (tuple(args), kwargs))
+    error: BaseException | None = None
+    extended.merge_writes = []
+    disagreements = collectives.disagreements
+    try:
+        with context.push(context.Mode(strategy, None, "cross_replica")):
+            result = merge_fn(strategy, *m_args, **m_kwargs)
+    except BaseException as exc:
+        error = exc
+    finally:
+        written, extended.merge_writes = extended.merge_writes, None
+    # A collective inside merge_fn that failed on every rank (a rank that raised early met the
+    # others there) has told everyone already: a closing handshake now would wait for nobody.
+    told = collectives.disagreements != disagreements
+    if not told and (agree or check_level(collectives) > 1):
+        _agree(extended, written, error)
+    if error is not None:
+        raise error
+    rank = extended.rank
+    return nest.tree_map(lambda leaf: _select(leaf, rank), result)
+
+
+def _own(leaf: Any) -> Any:
+    """This rank's argument as tf's regroup gives it on one replica: arrays become ``PerReplica``."""
+    return PerReplica((leaf,)) if _is_data(leaf) else leaf
+
+
+def _select(leaf: Any, rank: int) -> Any:
+    """This replica's component of a result, as tf's select_replica gives it."""
+    if isinstance(leaf, PerReplica):
+        return leaf.values[rank] if len(leaf.values) > 1 else leaf.values[0]
+    if isinstance(leaf, Mirrored):
+        return leaf.values[0]
+    return leaf
+
+
+def _agree(extended: Any, written: list[tuple[int, Any]], error: BaseException | None) -> None:
+    """One handshake after merge_fn: it failed on no rank (else every rank raises), and, under
+    ``MPISTRAT_CHECK=strict``, every mirrored variable it wrote holds the same bytes everywhere."""
+    fingerprint, describe = 0, None
+    if check_level(extended.collectives) > 1:
+        mirrored = [(extended.synced(k), v) for k, v in dict(written).items()]
+        sums = [
+            (repr(var.name), mismatch.checksum(v)) for var, v in mirrored if getattr(var, "mirrored", False)
+        ]
+        fingerprint = mismatch.fingerprint(*sums) if sums else 0  # sync-on-read copies differ by design
+        describe = lambda: {  # noqa: E731
+            "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
+            "advice": _DIVERGED,
+        }
+    try:
+        extended.collectives.agree("merge_call", fingerprint=fingerprint, describe=describe, error=error)
+    except BaseException:
+        if error is not None:
+            raise error from None  # this rank's own exception, with its traceback
+        raise
+
+
+_DIVERGED = (
+    "The copies of a mirrored variable differ between ranks after merge_fn updated them "
+    "(MPISTRAT_CHECK=strict compares their checksums). Every rank must apply the same update to the "
+    "same reduced values: look for randomness, rank-dependent values or non-deterministic arithmetic "
+    "in the update."
+)

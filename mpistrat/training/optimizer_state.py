@@ -1,0 +1,484 @@
+"""An optimizer's flat state: its variables and slots in flat buffers, and the step over them.
+
+``build`` puts the variables it is given, per dtype, into a :class:`Group`: their values
+in one :class:`~mpistrat.training.flat_storage.FlatBuffer` (in creation order, the same on every
+rank), each slot in another (sharded: only this rank's part of it), a staging buffer for
+one pack of gradients.
+
+A group's elements are cut into packs of at most ``bytes_per_pack`` (one pack when 0).
+Unsharded, a pack of gradients is all-reduced in place and every rank updates all of it.
+Sharded over R ranks, a pack is R blocks of C elements and rank r owns block r of every
+pack: the pack is reduce-scattered, the rank updates its C parameters and their slots,
+and the pack's parameters are all-gathered. Slots then take 1/R of the memory, and the
+bytes moved are those of one ring all-reduce.
+
+>>> lay = Layout.make(size=10, itemsize=4, bytes_per_pack=0, ranks=3, rank=1)
+>>> lay.packs, lay.length, lay.owned(0), lay.slot_length
+(1, 12, (4, 8), 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpistrat.collectives import mismatch
+from mpistrat.collectives.all_reduce import reduction_code
+from mpistrat.collectives.handshake import check_level
+from mpistrat.comm import packing
+from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.training.flat_storage import FlatBuffer
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+    from mpistrat.options import CommunicationOptions
+    from mpistrat.training.variables import Variable
+
+__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy"]
+
+# A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
+# parameters, gradients and slots stay in cache across the update's passes. Measured
+# (docs/performance.md): at 16M float32 parameters Adam's update takes 0.6x the time in 256K
+# blocks; at 1M, whole passes are as fast or faster.
+BLOCK = 1 << 18
+WHOLE = 1 << 20
+
+# update(w, g, slots, lr, step): one step on matching 1-D blocks, in place; g is theirs to overwrite.
+Update = Callable[[Any, Any, list[Any], float, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a group's ``size`` elements are cut into packs and which of them this rank updates."""
+
+    size: int
+    pack: int  # elements per pack: ranks * per_rank when sharded
+    per_rank: int  # elements a rank owns in each pack (the whole pack, unsharded)
+    ranks: int  # 1 unsharded
+    rank: int
+
+    @classmethod
+    def make(cls, size: int, itemsize: int, bytes_per_pack: int, ranks: int, rank: int) -> Layout:
+        """``ranks`` > 1 shards; every rank computes the same packs from the same numbers."""
+        limit = min(size, bytes_per_pack // itemsize) if bytes_per_pack else size
+        per_rank = max(1, -(-limit // ranks))  # an empty group has no packs
+        return cls(size, per_rank * ranks, per_rank, ranks, rank if ranks > 1 else 0)
+
+    @property
+    def sharded(self) -> bool:
+        return self.ranks > 1
+
+    @property
+    def packs(self) -> int:
+        return -(-self.size // self.pack)
+
+    @property
+    def length(self) -> int:
+        """The flat buffers' length: padded to whole packs when sharded."""
+        return self.packs * self.pack if self.sharded else self.size
+
+    @property
+    def slot_length(self) -> int:
+        """Elements of each slot this rank holds."""
+        return self.packs * self.per_rank if self.sharded else self.size
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        return k * self.pack, min((k + 1) * self.pack, self.length)
+
+    def owned(self, k: int, rank: int | None = None) -> tuple[int, int]:
+        """The elements of pack ``k`` that ``rank`` (this rank) updates."""
+        if not self.sharded:
+            return self.bounds(k)
+        start = k * self.pack + (self.rank if rank is None else rank) * self.per_rank
+        return start, start + self.per_rank
+
+    def slot_start(self, k: int) -> int:
+        """Where ``owned(k)`` begins in this rank's slots."""
+        return k * self.per_rank if self.sharded else k * self.pack
+
+    def pieces(self, a: int, b: int, rank: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, slot_start)`` of the elements in ``[a, b)`` that ``rank`` holds slots for."""
+        out = []
+        for k in range(a // self.pack, -(-b // self.pack)):
+            lo, hi = self.owned(k, rank)
+            lo, hi = max(lo, a), min(hi, b)
+            if lo < hi:
+                out.append((lo, hi, k * self.per_rank + lo - self.owned(k, rank)[0]))
+        return out
+
+
+class Group:
+    """Variables of one dtype and array module from one ``build``, their slots and buffers."""
+
+    def __init__(
+        self,
+        variables: list[Variable],
+        slot_variables: dict[str, list[Variable]] | None,
+        slot_names: tuple[str, ...],
+        layout: Layout,
+    ):
+        self.variables = variables
+        self.layout = layout
+        self.params = FlatBuffer([own_copy(v) for v in variables], layout.length)
+        xp, dtype = self.params.xp, self.params.dtype
+        self.xp, self.dtype = xp, dtype
+        self.slots: dict[str, Any] = {}  # FlatBuffer (unsharded) or this rank's array (sharded)
+        for name in slot_names:
+            if slot_variables is None:  # sharded (at one rank: this rank's part is all of it)
+                self.slots[name] = xp.zeros(layout.slot_length, dtype)
+            else:
+                self.slots[name] = FlatBuffer([own_copy(s) for s in slot_variables[name]])
+        self.staging = xp.empty(layout.pack, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank holds besides the parameters: slots and the staging buffer."""
+        held = [s.array if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
+        held.append(self.staging)
+        return sum(int(a.nbytes) for a in held)
+
+    def claim_slots(self) -> list[Any]:
+        """Each slot's array in ``slot_names`` order, claimed for an in-place write."""
+        return [s.claim() if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
+
+
+def own_copy(var: Variable) -> Variable:
+    """The plain variable holding this rank's copy (a plain variable is its own)."""
+    local = getattr(var, "_local_variable", None)
+    return var if local is None else local()
+
+
+@dataclasses.dataclass
+class _GroupStep:
+    """What one step does with one group, for one set of variables given gradients."""
+
+    group: Group
+    positions: list[int]  # index in the step's pairs of each present variable, in group order
+    present: list[int]  # the group indices of those variables
+    # per pack: (lo, hi, [(j, a, b)], whole): staging[lo:hi] is gradient j's elements a:b, ...; whole
+    # when every piece is a whole gradient
+    runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]
+    gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills (zeros)
+    updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
+
+
+def _plan_group(group: Group, positions: list[int], present: list[int]) -> _GroupStep:
+    lay, spans = group.layout, group.params.spans
+    sizes = [spans[i][1] - spans[i][0] for i in present]
+    runs, gaps, updates = [], [], []
+    for k in range(lay.packs):
+        lo, hi = lay.bounds(k)
+        pieces: list[tuple[int, int, int, int]] = []  # (staging start, j, start, stop in var j)
+        for j, i in enumerate(present):
+            a, b = spans[i]
+            if a < hi and b > lo:
+                pieces.append((max(a, lo) - lo, j, max(a, lo) - a, min(b, hi) - a))
+        pack_runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+        for start, j, a, b in pieces:
+            if pack_runs and pack_runs[-1][1] == start:
+                run_lo, _, parts = pack_runs[-1]
+                pack_runs[-1] = (run_lo, start + b - a, [*parts, (j, a, b)])
+            else:
+                pack_runs.append((start, start + b - a, [(j, a, b)]))
+        filled = [(r[0], r[1]) for r in pack_runs]
+        edges = [0] + [e for r in filled for e in r] + [hi - lo]
+        gaps.append([(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b])
+        runs.append([(a, b, p, all(x == 0 and y == sizes[j] for j, x, y in p)) for a, b, p in pack_runs])
+        own_lo, own_hi = lay.owned(k)
+        mine: list[tuple[int, int]] = []
+        for i in present:
+            a, b = max(spans[i][0], own_lo), min(spans[i][1], own_hi)
+            if a < b:
+                if mine and mine[-1][1] == a:
+                    mine[-1] = (mine[-1][0], b)
+                else:
+                    mine.append((a, b))
+        updates.append(mine)
+    return _GroupStep(group, positions, present, runs, gaps, updates)
+
+
+@dataclasses.dataclass
+class _Plan:
+    steps: list[_GroupStep]
+    fingerprint: int
+    described: list[tuple[str, str, Any]]
+    variables: list[Variable]  # keeps the variables (and so the ids the plan is cached by) alive
+    like: tuple[list[Any], list[Any], list[Any]]  # the variables' array types, shapes and dtypes
+
+    def matches(self, grads: list[Any]) -> bool:
+        """Whether ``grads`` are arrays of their variables' types, shapes and dtypes (no Python per
+        gradient: the common case, checked in C)."""
+        types, shapes, dtypes = self.like
+        return (
+            list(map(type, grads)) == types
+            and list(map(_SHAPE, grads)) == shapes
+            and list(map(_DTYPE, grads)) == dtypes
+        )
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+class FlatState:
+    """The flat groups of one optimizer and the fused step over them.
+
+    Args:
+        slot_names: the optimizer's slots.
+        shard: shard the slots over the ranks (ZeRO stage 1).
+    """
+
+    def __init__(self, slot_names: tuple[str, ...], shard: bool):
+        self.slot_names = slot_names
+        self.shard = shard
+        self.groups: list[Group] = []
+        self.where: dict[int, tuple[Group, int]] = {}  # id(variable) -> its group and index there
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+
+    def add(
+        self,
+        variables: list[Variable],
+        slot_variables: dict[str, list[Variable]] | None,
+        *,
+        ranks: int,
+        rank: int,
+        bytes_per_pack: int,
+    ) -> None:
+        """Put new ``variables`` (in the same order on every rank) into groups, one per dtype."""
+        by_kind: dict[tuple[Any, Any], list[int]] = {}
+        for i, var in enumerate(variables):
+            local = own_copy(var)._value
+            by_kind.setdefault((packing.array_module(local), local.dtype), []).append(i)
+        for (_, dtype), indices in by_kind.items():
+            size = sum(int(np.prod(variables[i].shape)) for i in indices)
+            layout = Layout.make(size, dtype.itemsize, bytes_per_pack, ranks if self.shard else 1, rank)
+            slots = (
+                None
+                if slot_variables is None
+                else {n: [s[i] for i in indices] for n, s in slot_variables.items()}
+            )
+            group = Group([variables[i] for i in indices], slots, self.slot_names, layout)
+            self.groups.append(group)
+            for j, i in enumerate(indices):
+                self.where[id(variables[i])] = (group, j)
+        self._plans.clear()
+
+    def cached_plan(self, variables: list[Variable]) -> _Plan | None:
+        """The plan of a step over ``variables`` in this order, if one was made (so they are built)."""
+        return self._plans.get(tuple(map(id, variables)))
+
+    def nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds (slots, staging), parameters aside."""
+        return sum(g.nbytes for g in self.groups)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _plan(self, variables: list[Variable]) -> _Plan:
+        key = tuple(map(id, variables))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        chosen: dict[int, list[tuple[int, int]]] = {}  # id(group) -> [(index in group, position)]
+        for position, var in enumerate(variables):
+            group, j = self.where[id(var)]
+            chosen.setdefault(id(group), []).append((j, position))
+        steps = []
+        for group in self.groups:
+            if id(group) in chosen:
+                picked = sorted(chosen[id(group)])
+                if len({j for j, _ in picked}) != len(picked):
+                    name = group.variables[picked[0][0]].name
+                    raise InvalidArgumentError(
+                        f"apply_gradients: a variable is given more than one gradient (e.g. {name!r}); "
+                        "sum its gradients first"
+                    )
+                steps.append(_plan_group(group, [p for _, p in picked], [j for j, _ in picked]))
+        described = [
+            (
+                repr(s.group.variables[j].name),
+                f"gradient for variable #{creation_order(s.group.variables[j])}",
+                (),
+            )
+            for s in steps
+            for j in s.present
+        ]
+        fingerprint = mismatch.fingerprint(
+            "apply_gradients",
+            self.shard,
+            tuple(
+                (creation_order(s.group.variables[j]), s.group.variables[j].shape)
+                for s in steps
+                for j in s.present
+            ),
+        )
+        if len(self._plans) >= 64:  # a loop repeats a few sets; anything else is not worth keeping
+            self._plans.clear()
+        locals_ = [own_copy(v)._value for v in variables]
+        like = ([type(a) for a in locals_], [a.shape for a in locals_], [a.dtype for a in locals_])
+        plan = self._plans[key] = _Plan(steps, fingerprint, described, list(variables), like)
+        return plan
+
+    def step(
+        self,
+        collectives: Collectives | None,
+        grads: list[Any],
+        variables: list[Variable],
+        update: Update,
+        lr: float,
+        step: int,
+        *,
+        plan: _Plan | None = None,
+        kind: str = "apply_gradients",
+        options: CommunicationOptions | None = None,
+    ) -> None:
+        """One step: check, one handshake, then per group and pack: reduce, update, (gather).
+
+        ``plan``: :meth:`cached_plan` of ``variables``, if the caller has it. ``options``: the
+        optimizer's ``CommunicationOptions`` for the gradients' reduction (deterministic,
+        compression), over the strategy's.
+
+        ``collectives`` is None for the single-replica default strategy (nothing to send).
+        Bad input found on any rank (a gradient's shape, a variable's new shape, a different
+        set of variables) raises on every rank before anything is sent or written.
+        """
+        error: MpistratError | None = None
+        try:
+            plan = plan or self._plan(variables)
+            if not plan.matches(grads):
+                grads = _checked_gradients(grads, variables)
+            params = [s.group.params.claim() for s in plan.steps]
+        except MpistratError as exc:
+            error = exc
+        if collectives is not None:
+            described = plan.described if plan is not None else []
+            mode = collectives.reduction if options is None else collectives.options.merge(options).reduction
+            described = [
+                ("gradient reduction", mode or "plain MPI sum", None),
+                *described,
+            ]  # named if it differs
+            collectives.agree(
+                kind,
+                fingerprint=(0 if plan is None else plan.fingerprint) ^ reduction_code(mode),
+                describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
+                error=error,
+            )
+        elif error is not None:
+            raise error
+        assert plan is not None
+        for s, w in zip(plan.steps, params, strict=True):
+            _step_group(collectives, s, [grads[p] for p in s.positions], w, update, lr, step, kind, options)
+        if collectives is not None and check_level(collectives) > 1:
+            _compare_copies(collectives, plan, kind)
+
+
+def _compare_copies(collectives: Collectives, plan: _Plan, kind: str) -> None:
+    """``MPISTRAT_CHECK=strict``: every variable the step wrote holds the same bytes on every rank."""
+    sums = [
+        (repr(s.group.variables[j].name), mismatch.checksum(s.group.params.views[j]))
+        for s in plan.steps
+        for j in s.present
+    ]
+    collectives.agree(
+        f"{kind} (strict check)",
+        fingerprint=mismatch.fingerprint(*sums),
+        describe=lambda: {
+            "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
+            "advice": _DIVERGED,
+        },
+    )
+
+
+_DIVERGED = (
+    "The copies of a variable differ between ranks after the optimizer's step (MPISTRAT_CHECK=strict "
+    "compares their checksums): the ranks applied different updates. Look for a variable written on one "
+    "rank alone, or for non-deterministic arithmetic."
+)
+
+
+_SAME_VARIABLES = (
+    "Every rank must give gradients for the same variables (in any order), with the variables' shapes. "
+    "A gradient that is None on one rank only, or a variable that exists on one rank only, leaves the "
+    "copies different: give every rank's gradient (zeros where a rank has none)."
+)
+
+
+def creation_order(var: Variable) -> int:
+    """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
+    return int(getattr(var, "_synced_key", 0))
+
+
+def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
+    """Each gradient as an array, checked against its variable's shape, dtype and array module."""
+    out = []
+    for grad, var in zip(grads, variables, strict=True):
+        local = own_copy(var)._value
+        if type(grad) is not type(local):
+            grad = packing.as_array(grad, f"apply_gradients: the gradient of {var.name!r}")
+            if packing.array_module(grad) is not packing.array_module(local):
+                raise InvalidArgumentError(
+                    f"apply_gradients: the gradient of {var.name!r} is a {type(grad).__module__} array, its "
+                    f"variable a {type(local).__module__} one; pass gradients where the variable lives"
+                )
+        if grad.shape != local.shape:
+            raise InvalidArgumentError(
+                f"apply_gradients: the gradient of {var.name!r} has shape {tuple(grad.shape)}; expected "
+                f"the variable's shape {tuple(local.shape)} (gradients are not broadcast)"
+            )
+        if grad.dtype != local.dtype and not np.can_cast(grad.dtype, local.dtype, "same_kind"):
+            raise InvalidArgumentError(
+                f"apply_gradients: the gradient of {var.name!r} is {grad.dtype}; its variable is "
+                f"{local.dtype}, which it cannot be cast to without losing information"
+            )
+        out.append(grad)
+    return out
+
+
+def _step_group(
+    collectives: Collectives | None,
+    s: _GroupStep,
+    grads: list[Any],
+    params: Any,
+    update: Update,
+    lr: float,
+    step: int,
+    kind: str,
+    options: CommunicationOptions | None = None,
+) -> None:
+    """Per pack: gradients into staging, reduced in place, this rank's part updated (and gathered)."""
+    group, lay = s.group, s.group.layout
+    xp, staging, slots = group.xp, group.staging, group.claim_slots()
+    for k in range(lay.packs):
+        lo, hi = lay.bounds(k)
+        for run_lo, run_hi, parts, whole in s.runs[k]:
+            if whole:  # one C call, whatever the gradients' shapes
+                xp.concatenate([grads[j] for j, _, _ in parts], axis=None, out=staging[run_lo:run_hi])
+            else:
+                pieces = [grads[j].reshape(-1)[a:b] for j, a, b in parts]
+                xp.concatenate(pieces, out=staging[run_lo:run_hi])
+        for a, b in s.gaps[k]:
+            staging[a:b] = 0
+        if lay.sharded:
+            assert collectives is not None
+            collectives.reduce_scatter_in_place(
+                staging, kind=kind, options=options
+            )  # this rank's part: staging[:per_rank]
+            base = lay.owned(k)[0]  # the parameter whose summed gradient is staging[0]
+            shift = lay.slot_start(k) - base  # slot index - parameter index
+        else:
+            if collectives is not None:
+                collectives.all_reduce_in_place(staging[: hi - lo], kind=kind, options=options)
+            base, shift = lo, 0
+        for a, b in s.updates[k]:
+            block = b - a if b - a <= WHOLE else BLOCK
+            for start in range(a, b, block):
+                stop = min(start + block, b)
+                grad = staging[start - base : stop - base]
+                update(
+                    params[start:stop], grad, [slot[start + shift : stop + shift] for slot in slots], lr, step
+                )
+        if lay.sharded:
+            assert collectives is not None
+            collectives.all_gather_in_place(params[lo:hi], kind=kind)

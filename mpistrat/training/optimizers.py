@@ -1,0 +1,454 @@
+"""Optimizers that update distributed variables the tf.distribute way, in one fused step.
+
+``apply_gradients`` is called in replica context (inside ``strategy.run``) with this
+replica's gradients. SGD and Adam keep the variables they update, and their slots, in flat
+per-dtype buffers (:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place
+all-reduce of the packed gradients per pack, and the update in a few vectorised passes.
+With ``shard_state=True`` each rank holds the slots of its 1/R of the parameters only
+(ZeRO stage 1): the gradients are reduce-scattered, each rank updates its block, and the
+parameters are all-gathered. Scale each replica's loss by the *global* batch size, so the
+summed gradients are those of the global mean loss.
+
+>>> import mpistrat, numpy as np
+>>> w = mpistrat.Variable(np.array([1.0, 2.0]))
+>>> opt = mpistrat.optimizers.SGD(learning_rate=0.5)
+>>> _ = opt.apply_gradients([(np.array([1.0, 1.0]), w)])
+>>> w.numpy(), int(opt.iterations.numpy())
+(array([0.5, 1.5]), 1)
+>>> adam = mpistrat.optimizers.Adam(0.1, shard_state=True)
+>>> _ = adam.apply_gradients([(np.array([1.0, -1.0]), w)])
+>>> w.numpy().round(3), adam.get_slot(w, "m").numpy()
+(array([0.4, 1.6]), array([ 0.1, -0.1]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from mpistrat import context
+from mpistrat.collectives import mismatch
+from mpistrat.comm import packing
+from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.options import CommunicationOptions
+from mpistrat.reduce_op import ReduceOp
+from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
+from mpistrat.training.sharded_slot import ShardedSlot
+from mpistrat.training.variables import Variable, VariableAggregation
+
+__all__ = ["Optimizer", "SGD", "Adam", "ShardedSlot"]
+
+
+class Optimizer:
+    """Base class: slot bookkeeping, the step counter and the distributed apply.
+
+    Subclasses name their slots in ``slot_names`` and implement one of:
+    ``_update_flat(w, g, slots, lr, step)``, an in-place update of matching 1-D blocks (flat
+    storage, one fused step, ``shard_state`` possible); or ``_apply_dense(var, grad, lr, step,
+    *slots)``, which writes one variable and its slots (this rank's copies) given the summed
+    gradient (``merge_call``, ``batch_reduce_to``, ``update`` per variable).
+    """
+
+    slot_names: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float],
+        name: str,
+        *,
+        shard_state: bool = False,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
+            raise InvalidArgumentError(
+                f"{name}: communication_options must be a CommunicationOptions or None; got "
+                f"{type(communication_options).__name__}"
+            )
+        # How the gradients are summed (deterministic, compression, ...) over the strategy's options.
+        self._communication_options = communication_options
+        if not callable(learning_rate) and not isinstance(
+            learning_rate, (int, float, np.floating, np.integer)
+        ):
+            raise InvalidArgumentError(
+                f"{name}: learning_rate must be a number or a callable of the step; got {learning_rate!r}"
+            )
+        self._learning_rate = learning_rate
+        self._name = name
+        self._strategy = context.get_strategy() if context.has_strategy() else None
+        self._iterations: Variable | None = None
+        self._slots: dict[int, tuple[Variable, dict[str, Any]]] = {}  # slots: Variable or ShardedSlot
+        # flat when the class updates blocks and no subclass took over one variable at a time
+        flat = type(self)._update_flat is not Optimizer._update_flat
+        flat = flat and type(self)._apply_dense is Optimizer._apply_dense
+        if shard_state and not flat:
+            raise InvalidArgumentError(
+                f"{name}: shard_state=True needs an optimizer with a flat update (_update_flat), as SGD and "
+                f"Adam have; {type(self).__name__} updates one variable at a time (_apply_dense)"
+            )
+        self._shard_state = bool(shard_state)
+        self._state: FlatState | None = None  # set by _flat_state() once the slots are known
+        self._flat = flat
+
+    @property
+    def shard_state(self) -> bool:
+        """Whether each rank holds only its 1/R part of the slots (ZeRO stage 1)."""
+        return self._shard_state
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds besides the variables: slots and step buffers."""
+        if self._state is not None:
+            return self._state.nbytes()
+        return sum(int(s._local().nbytes) for _, slots in self._slots.values() for s in slots.values())
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def iterations(self) -> Variable:
+        """Steps applied so far (an int64 variable; created on first use, collectively)."""
+        if self._iterations is None:
+            with self._creation_scope():
+                extended = context.get_strategy().extended
+                with extended.colocate_vars_with(extended.non_slot_devices([])):
+                    self._iterations = Variable(
+                        np.int64(0),
+                        trainable=False,
+                        name=f"{self._name}/iter",
+                        aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+                    )
+        return self._iterations
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate at ``step`` (the callable's value, or the constant)."""
+        lr = self._learning_rate
+        return float(lr(step) if callable(lr) else lr)
+
+    def get_slot(self, var: Variable, slot_name: str) -> Variable | ShardedSlot:
+        """The slot variable ``slot_name`` of ``var``."""
+        entry = self._slots.get(id(var))
+        if entry is None or slot_name not in entry[1]:
+            raise InvalidArgumentError(
+                f"{self._name}: no slot {slot_name!r} for variable {var.name!r}; slots exist after the first "
+                f"apply_gradients or build([var]); this optimizer's slots are {list(self.slot_names)}"
+            )
+        return entry[1][slot_name]
+
+    def variables(self) -> list[Variable | ShardedSlot]:
+        """The step counter and every slot variable."""
+        out: list[Variable | ShardedSlot] = [self.iterations]
+        for _, slots in self._slots.values():
+            out.extend(slots[n] for n in self.slot_names)
+        return out
+
+    def build(self, var_list: list[Variable]) -> None:
+        """Create the step counter and the slots of ``var_list`` (collective: every rank calls it)."""
+        for var in var_list:
+            self._adopt(var)
+        self.iterations  # noqa: B018 (creates it)
+        new = list({id(v): v for v in var_list if id(v) not in self._slots}.values())
+        if not new:
+            return
+        state = self._flat_state()
+        if state is None:
+            self._slot_variables(new)
+            return
+        new.sort(key=creation_order)  # the same order on every rank, whatever order each was given
+        extended = context.get_strategy().extended if self._strategy is None else self._strategy.extended
+        bytes_per_pack = 0
+        if not extended.is_default:
+            collectives = extended.collectives
+            bytes_per_pack = collectives.options.bytes_per_pack
+            described = [
+                ("shard_state", str(self._shard_state), None),
+                ("bytes_per_pack", str(bytes_per_pack), None),
+            ] + [(repr(v.name), f"variable #{creation_order(v)} {v.dtype}", v.shape) for v in new]
+            collectives.agree(
+                f"{self._name}.build",
+                fingerprint=mismatch.fingerprint(*described),
+                describe=lambda: {"leaves": described, "advice": _SAME_BUILD},
+                error=_not_floating(self._name, new),
+            )
+        elif (error := _not_floating(self._name, new)) is not None:
+            raise error
+        slots = None if self._shard_state else self._slot_variables(new)
+        state.add(new, slots, ranks=extended.size, rank=extended.rank, bytes_per_pack=bytes_per_pack)
+        if self._shard_state:
+            for var in new:
+                group, j = state.where[id(var)]
+                self._slots[id(var)] = (
+                    var,
+                    {
+                        n: ShardedSlot(group, j, n, f"{var.name}/{n}", extended.collectives)
+                        for n in self.slot_names
+                    },
+                )
+
+    def _slot_variables(self, var_list: list[Variable]) -> dict[str, list[Variable]]:
+        """Create each variable's slot variables (zeros, colocated with it); record and return them."""
+        out: dict[str, list[Variable]] = {n: [] for n in self.slot_names}
+        for var in var_list:
+            with self._creation_scope():
+                extended = context.get_strategy().extended
+                with extended.colocate_vars_with(var):
+                    xp = packing.array_module(var._local())
+                    slots = {
+                        n: Variable(
+                            xp.zeros(var.shape, dtype=var.dtype), trainable=False, name=f"{var.name}/{n}"
+                        )
+                        for n in self.slot_names
+                    }
+            self._slots[id(var)] = (var, slots)
+            for n, slot in slots.items():
+                out[n].append(slot)
+        return out
+
+    def _adopt(self, var: Variable) -> None:
+        """The optimizer's strategy is its variables' (or the one in scope when it was made)."""
+        owner = var.distribute_strategy
+        if self._strategy is None and self._iterations is None:
+            self._strategy = owner
+        if owner is self._strategy:
+            return
+        if owner is None:
+            fix = "create it inside `with strategy.scope():`"
+        elif self._strategy is None:
+            fix = "create the optimizer, and its other variables, inside `with strategy.scope():`"
+        else:
+            fix = "use one optimizer per strategy"
+        where = "was created outside any strategy's scope" if owner is None else f"belongs to {owner}"
+        mine = "outside any scope" if self._strategy is None else f"in {self._strategy}"
+        raise InvalidArgumentError(
+            f"{self._name}: variable {var.name!r} {where}, but this optimizer updates variables {mine}; {fix}"
+        )
+
+    @contextlib.contextmanager
+    def _creation_scope(self) -> Iterator[None]:
+        """Enter the variables' strategy from the default context; refuse inside merge_fn."""
+        mode = context.current_mode()
+        if mode.kind == "merge":
+            raise ContextError(
+                f"{self._name}: cannot create slot variables inside merge_fn (rank 0 alone); call "
+                "optimizer.build(var_list) in strategy.scope() first"
+            )
+        if self._strategy is not None and mode.kind == "default":
+            with self._strategy.scope():
+                yield
+        else:
+            yield
+
+    def apply_gradients(self, grads_and_vars: Any) -> Variable:
+        """Apply one step from ``(gradient, variable)`` pairs, in replica context.
+
+        Gradients are summed across replicas with one ``batch_reduce_to``; pairs
+        whose gradient is None are skipped. Returns ``iterations``.
+        """
+        replica = context.get_replica_context()
+        if replica is None:
+            raise ContextError(
+                f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
+                "strategy.run(fn) to enter replica context"
+            )
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            raise InvalidArgumentError(
+                f"{self._name}.apply_gradients: no gradients provided for any variable"
+            )
+        variables = [v for _, v in pairs]
+        state = self._flat_state()
+        plan = None if state is None else state.cached_plan(variables)
+        if plan is None:  # else these variables were checked and built already
+            for v in variables:
+                if not isinstance(v, Variable):
+                    raise InvalidArgumentError(
+                        f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; "
+                        f"got a {type(v).__name__}"
+                    )
+            self.build(variables)
+        if state is None:
+            # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
+            # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
+            replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
+            return self.iterations
+        self._require_own_replica(replica)
+        extended = replica._strategy.extended
+        counter = own_copy(self.iterations)
+        step = int(counter._value)
+        state.step(
+            None if extended.is_default else extended.collectives,
+            [g for g, _ in pairs],
+            variables,
+            self._update_flat,
+            self.learning_rate(step),
+            step,
+            plan=plan,
+            options=self._communication_options,
+        )
+        with counter._writable() as count:  # this rank's copy: every rank counts the same steps
+            count += 1
+        return self.iterations
+
+    def _require_own_replica(self, replica: Any) -> None:
+        """The step runs in the replica context of its variables' strategy (else it would reduce over
+        another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn."""
+        replica._require_current("apply_gradients")
+        mine = self._strategy or context.default_strategy()
+        if replica._strategy is not mine:
+            raise ContextError(
+                f"{self._name}.apply_gradients: its variables belong to {mine}, but this is the replica "
+                f"context of {replica._strategy}; call it inside that strategy's run: "
+                "`strategy.run(lambda: opt.apply_gradients(...))`"
+            )
+
+    def _flat_state(self) -> FlatState | None:
+        """The flat state of an optimizer with a flat update (None for a per-variable one)."""
+        if self._state is None and self._flat:
+            self._state = FlatState(self.slot_names, self._shard_state)
+        return self._state
+
+    def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
+        extended = strategy.extended
+        if self._communication_options is None:
+            summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
+        else:  # the options= argument of batch_reduce_to
+            summed = extended.batch_reduce_to(ReduceOp.SUM, pairs, options=self._communication_options)
+        step = int(self.iterations.value())
+        lr = self.learning_rate(step)
+        for grad, (_, var) in zip(summed, pairs, strict=True):
+            slots = self._slots[id(var)][1]
+            extended.update(
+                var, self._apply_dense, args=(grad, lr, step, *(slots[n] for n in self.slot_names))
+            )
+        extended.update_non_slot(
+            extended.non_slot_devices([v for _, v in pairs]), self.iterations.assign_add, (1,)
+        )
+
+    def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
+        """Update ``var`` and its ``slots`` (this rank's copies) from the summed ``grad``: a subclass
+        that updates one variable at a time implements this."""
+        raise NotImplementedError
+
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        """Update matching 1-D blocks in place: weights ``w`` and ``slots`` (in ``slot_names``
+        order) from the summed gradient ``g``, which is the optimizer's own to overwrite.
+
+        A subclass that implements this runs on flat storage (see :mod:`mpistrat.training.optimizer_state`):
+        every variable's block in a few vectorised passes, and ``shard_state=True`` works.
+        """
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """Gradient descent with optional (Nesterov) momentum, as ``tf.keras.optimizers.SGD``.
+
+    ``velocity = momentum * velocity - lr * g``; ``w += velocity`` (Nesterov:
+    ``w += momentum * velocity - lr * g``); plain ``w -= lr * g`` when momentum is 0.
+    ``shard_state=True`` keeps on each rank only its 1/R part of the velocity.
+    """
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        name: str = "SGD",
+        *,
+        shard_state: bool = False,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        super().__init__(
+            learning_rate, name, shard_state=shard_state, communication_options=communication_options
+        )
+        if not 0.0 <= momentum <= 1.0:
+            raise InvalidArgumentError(f"{name}: momentum must be in [0, 1]; got {momentum!r}")
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.slot_names = ("momentum",) if momentum else ()
+
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        # In place, as a hand-written NumPy update would be, with g as the only temporary.
+        g *= lr
+        if not slots:
+            w -= g
+            return
+        (velocity,) = slots
+        velocity *= self.momentum
+        velocity -= g
+        if self.nesterov:  # w += momentum * velocity - lr * g
+            w -= g
+            packing.array_module(w).multiply(velocity, self.momentum, out=g)
+            w += g
+        else:
+            w += velocity
+
+
+class Adam(Optimizer):
+    """Adam, as ``tf.keras.optimizers.Adam`` (bias correction folded into the step size).
+
+    With ``t = step + 1``: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+    ``w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)``.
+    ``shard_state=True`` keeps on each rank only its 1/R part of ``m`` and ``v``.
+    """
+
+    slot_names = ("m", "v")
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        name: str = "Adam",
+        *,
+        shard_state: bool = False,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        super().__init__(
+            learning_rate, name, shard_state=shard_state, communication_options=communication_options
+        )
+        for what, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0.0 <= beta < 1.0:
+                raise InvalidArgumentError(f"{name}: {what} must be in [0, 1); got {beta!r}")
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+
+    def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        # In place, with g as the only temporary: 12 passes, no buffer of its own.
+        m, v = slots
+        t = step + 1
+        b1, b2 = self.beta_1, self.beta_2
+        lr_t = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        xp = packing.array_module(w)
+        # Sums of like-signed terms only: g + b1 (m - g) would lose float32 digits to cancellation.
+        m *= b1  # m = b1 m + (1 - b1) g
+        g *= 1.0 - b1
+        m += g
+        xp.square(g, out=g)  # v = b2 v + (1 - b2) g^2, from ((1 - b1) g)^2
+        g *= (1.0 - b2) / (1.0 - b1) ** 2
+        v *= b2
+        v += g
+        xp.sqrt(v, out=g)  # w -= lr_t m / (sqrt(v) + epsilon)
+        g += self.epsilon
+        xp.divide(m, g, out=g)
+        g *= lr_t
+        w -= g
+
+
+def _not_floating(name: str, variables: list[Variable]) -> InvalidArgumentError | None:
+    """The error for variables an optimizer cannot update (integer, bool: ``w -= lr * g``), if any."""
+    bad = [f"{v.name!r} ({v.dtype})" for v in variables if v.dtype.kind not in "fc"]
+    if not bad:
+        return None
+    return InvalidArgumentError(
+        f"{name}: cannot update variables of a non-floating dtype: {', '.join(bad)}; make them float, "
+        "or leave them out of apply_gradients (trainable=False)"
+    )
+
+
+_SAME_BUILD = (
+    "Every rank must build the optimizer with the same shard_state and for the same variables: "
+    "create the optimizer the same way on every rank and pass every rank the same variables."
+)

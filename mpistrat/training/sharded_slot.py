@@ -1,0 +1,95 @@
+"""A slot of a sharded optimizer: each rank holds the part for the elements it updates.
+
+``optimizer.get_slot(var, name)`` returns one when the optimizer was made with
+``shard_state=True``. Reading the whole slot is collective; its shape, dtype and this
+rank's parts are not.
+
+>>> import mpistrat, numpy as np
+>>> w = mpistrat.Variable(np.zeros(3))
+>>> opt = mpistrat.optimizers.SGD(0.1, momentum=0.9, shard_state=True)
+>>> _ = opt.apply_gradients([(np.ones(3), w)])
+>>> slot = opt.get_slot(w, "momentum")
+>>> slot.shape, slot.numpy()
+((3,), array([-0.1, -0.1, -0.1]))
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpistrat.comm import packing
+from mpistrat.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+    from mpistrat.training.optimizer_state import Group
+
+__all__ = ["ShardedSlot"]
+
+
+class ShardedSlot:
+    """A slot of a sharded optimizer: each rank holds the part of it for the elements it updates.
+
+    ``shape``, ``dtype`` and ``name`` answer locally. :meth:`numpy` and :meth:`value` are
+    collective (every rank calls them): one all-gather of this slot's bytes assembles the whole
+    value on every rank. :meth:`assign` takes a whole value (the same on every rank) and keeps
+    this rank's part, sending nothing.
+    """
+
+    def __init__(self, group: Group, index: int, slot: str, name: str, collectives: Collectives):
+        self._group, self._index, self._slot = group, index, slot
+        self._name, self._collectives = name, collectives
+        self._shape = group.params.shapes[index]
+
+    name = property(lambda self: self._name, doc="The slot's name, ``<variable>/<slot>``.")
+    shape = property(lambda self: self._shape)
+    dtype = property(lambda self: self._group.dtype)
+    trainable = False
+
+    def _pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        a, b = self._group.params.spans[self._index]
+        return [(lo - a, hi - a, at) for lo, hi, at in self._group.layout.pieces(a, b, rank)]
+
+    def local_parts(self) -> list[tuple[int, Any]]:
+        """This rank's parts: ``(offset in the flattened slot, array)`` pairs; no communication."""
+        slot = self._group.slots[self._slot]
+        return [(lo, slot[at : at + hi - lo]) for lo, hi, at in self._pieces(self._group.layout.rank)]
+
+    def value(self) -> Any:
+        """The whole slot on every rank (collective: one all-gather of its bytes)."""
+        xp = self._group.xp
+        mine = [part for _, part in self.local_parts()]
+        local = xp.concatenate(mine) if mine else xp.zeros(0, self.dtype)
+        gathered = self._collectives.all_gather(local, 0, kind=f"slot value ({self._name})")
+        out = xp.empty(int(np.prod(self._shape)), self.dtype)
+        at = 0
+        for rank in range(self._group.layout.ranks):
+            for lo, hi, _ in self._pieces(rank):
+                out[lo:hi] = gathered[at : at + hi - lo]
+                at += hi - lo
+        return out.reshape(self._shape)
+
+    def numpy(self) -> np.ndarray:
+        """A NumPy copy of :meth:`value` (collective)."""
+        value = self.value()
+        return np.asarray(value) if packing.array_module(value) is np else value.get()
+
+    def read_value(self) -> Any:
+        return self.value()
+
+    def assign(self, value: Any) -> ShardedSlot:
+        """Set the whole slot from ``value`` (the same on every rank): this rank keeps its part."""
+        xp, slot = self._group.xp, self._group.slots[self._slot]
+        flat = xp.asarray(value, dtype=self.dtype).reshape(-1)
+        if flat.size != int(np.prod(self._shape)):
+            raise InvalidArgumentError(
+                f"{self._name}.assign: expected a value of shape {self._shape}; got {tuple(xp.shape(value))}"
+            )
+        for lo, hi, at in self._pieces(self._group.layout.rank):
+            slot[at : at + hi - lo] = flat[lo:hi]
+        return self
+
+    def __repr__(self) -> str:
+        return f"<mpistrat.ShardedSlot {self._name!r} shape={self._shape} dtype={self.dtype}>"

@@ -1,0 +1,565 @@
+"""Checkpoints: round trips at every size, clear errors, atomic saves, and restoring at another size."""
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpistrat.optimizers import SGD, Adam
+
+import mpistrat
+import mpistrat.checkpoint.checkpoint as checkpoint_module
+from mpistrat import ContextError, InvalidArgumentError
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.launch import launcher_options
+from tests.training.test_optimizers import CONFIGS, numpy_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def shared_dir(group, tmp_path):
+    """One directory for the whole group: its rank 0's."""
+    return group.comm.bcast(str(tmp_path) if group.rank == 0 else None, root=0)
+
+
+def make_state(group):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.arange(3.0), name="w")
+        total = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+        mean = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="MEAN")
+        step = mpistrat.Variable(np.int64(0))
+        opt = SGD(0.5, momentum=0.9)
+    return w, total, mean, step, opt
+
+
+def test_round_trip(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    w, total, mean, step, opt = make_state(group)
+
+    def train():
+        rid = mpistrat.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(np.ones(3), w)])
+        total.assign_add(rid + 1.0)
+        mean.assign_add(rid + 1.0)
+
+    group.strategy.run(train)
+    ckpt = mpistrat.Checkpoint(model={"w": w}, optimizer=opt, step=step, stats=[total, mean])
+    with group.strategy.scope():
+        step.assign(7)
+        expected = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
+        path = ckpt.save(os.path.join(directory, "ckpt"))
+        for var in (w, total, mean, opt.get_slot(w, "momentum"), ckpt.save_counter):
+            var.assign(np.zeros(var.shape, var.dtype))
+        step.assign(0)
+        latest = mpistrat.latest_checkpoint(directory)
+        ckpt.restore(latest).assert_consumed()
+        got = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
+        iterations, step_value = int(opt.iterations.numpy()), int(step.numpy())
+    n = group.size
+    ok = latest == path == os.path.join(directory, "ckpt-1") and int(ckpt.save_counter) == 1
+    ok = ok and step_value == 7 and iterations == 1
+    ok = ok and expected[1] == n * (n + 1) / 2 and expected[2] == (n + 1) / 2
+    ok = ok and all(np.allclose(g, e) for g, e in zip(got, expected, strict=True))
+    all_ranks_agree(group.comm, ok, f"{got} != {expected}")
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_save_and_restore_hold_one_variable_at_a_time(group, tmp_path, shard):
+    """Entries travel one at a time: during a save or a restore a rank allocates a few copies of one
+    variable at most (read, broadcast, assembled from its parts), not the state: here the whole
+    state is 36 variables, the bound 8."""
+    directory = shared_dir(group, tmp_path)
+    shapes = [(128, 128)] * 12  # float32: 64 KiB each; with Adam's two slots, 36 such
+    largest = 128 * 128 * 4
+    with group.strategy.scope():
+        ws = [mpistrat.Variable(np.full(s, 0.5, np.float32), name=f"w{k}") for k, s in enumerate(shapes)]
+        opt = Adam(0.1, shard_state=shard)
+    group.strategy.run(
+        lambda: opt.apply_gradients([(np.ones(s, np.float32), w) for s, w in zip(shapes, ws, strict=True)])
+    )
+    ckpt = mpistrat.Checkpoint(ws=ws, opt=opt)
+    peaks = []
+    tracemalloc.start()
+    try:
+        for action in (
+            lambda: ckpt.save(os.path.join(directory, "ckpt")),
+            lambda: ckpt.restore(mpistrat.latest_checkpoint(directory)),
+        ):
+            group.strategy.extended.collectives.caches.clear()
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            action()
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+    finally:
+        tracemalloc.stop()
+    total = 3 * len(shapes) * largest  # weights and both slots
+    ok = all(p <= 8 * largest for p in peaks) and total > 4 * 8 * largest
+    all_ranks_agree(group.comm, ok, f"peak bytes during save, restore: {peaks}; one variable is {largest}")
+
+
+def test_restore_creates_optimizer_slots(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    w, _, _, _, opt = make_state(group)
+    group.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
+    mpistrat.Checkpoint(w=w, opt=opt).write(os.path.join(directory, "a"))
+    w2, _, _, _, fresh = make_state(group)
+    mpistrat.Checkpoint(w=w2, opt=fresh).restore(os.path.join(directory, "a"))
+    slot = fresh.get_slot(w2, "momentum")
+    ok = np.allclose(slot.numpy(), -0.5 * group.size) and int(fresh.iterations.numpy()) == 1
+    all_ranks_agree(group.comm, ok and np.allclose(w2.numpy(), w.numpy()), repr(slot))
+
+
+def test_mismatched_entries_are_an_error_and_nothing_is_assigned(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        a, c = mpistrat.Variable(np.zeros(2)), mpistrat.Variable(np.int64(3))
+    path = mpistrat.Checkpoint(a=a, c=c).write(os.path.join(directory, "ab"))
+    with group.strategy.scope():
+        wrong, b = mpistrat.Variable(np.zeros(3)), mpistrat.Variable(1.0)
+        c.assign(0)
+    message = raises_on_every_rank(
+        group.comm, InvalidArgumentError, lambda: mpistrat.Checkpoint(a=wrong, b=b, c=c).restore(path)
+    )
+    assert message.endswith("different shape or dtype: a (checkpoint: float64[2], here: float64[3])")
+    assert int(c.numpy()) == 0 and float(b.numpy()) == 1.0 and wrong.numpy().tolist() == [0.0] * 3
+
+
+def test_restore_is_partial_unless_asked_to_be_strict(group, tmp_path, mpistrat_log):
+    """tf's CheckpointLoadStatus: restore assigns what matches; assert_consumed() and
+    assert_existing_objects_matched() raise AssertionError naming what did not."""
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        a, c = mpistrat.Variable(np.ones(2)), mpistrat.Variable(np.int64(3))
+    path = mpistrat.Checkpoint(a=a, c=c).write(os.path.join(directory, "ac"))
+    with group.strategy.scope():
+        b = mpistrat.Variable(1.0)
+        c.assign(0)
+    # b is tracked but not in the file; a is in the file but not tracked: c is restored anyway.
+    status = mpistrat.Checkpoint(b=b, c=c).restore(path)
+    with pytest.raises(AssertionError, match=r"no value in the checkpoint .*: b$"):
+        status.assert_existing_objects_matched()
+    with pytest.raises(AssertionError, match="no value in the checkpoint"):
+        status.assert_consumed()
+    assert int(c.numpy()) == 3 and float(b.numpy()) == 1.0
+    status.expect_partial()
+    # Only unused values: the tracked objects all matched, but not everything was consumed.
+    status = mpistrat.Checkpoint(c=c).restore(path)
+    assert status.assert_existing_objects_matched() is status
+    with pytest.raises(AssertionError, match=r"nothing here tracks: a$"):
+        status.assert_consumed()
+    assert mpistrat.Checkpoint(a=a, c=c).restore(path).assert_consumed() is not None
+    # tf warns about unused values when the status goes away, unless expect_partial() was called.
+    del status
+    assert mpistrat.Checkpoint(c=c).restore(path).expect_partial() is not None
+    warnings = [m for level, m in mpistrat_log if level == "WARNING"]
+    if WORLD.Get_rank() == 0:  # the group's rank 0, whose warnings the logger lets through
+        assert len(warnings) == 1 and "nothing here tracks were not restored: a" in warnings[0], warnings
+
+
+def test_restore_of_none_restores_nothing(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    status = ckpt.restore(None)
+    # tf's InitializationOnlyStatus: nothing to assert about, expect_partial() is harmless.
+    assert status.expect_partial() is status
+    with pytest.raises(AssertionError, match=re.escape("No checkpoint specified (save_path=None)")):
+        status.assert_consumed()
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) is None
+    assert mpistrat.latest_checkpoint(os.path.join(directory, "no such directory")) is None
+
+
+def test_a_rank_without_a_checkpoint_fails_every_rank(group, tmp_path):
+    if group.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    path = ckpt.write(os.path.join(directory, "c"))
+    raises_on_every_rank(
+        group.comm, mpistrat.CollectiveMismatchError, lambda: ckpt.restore(path if group.rank == 0 else None)
+    )
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeypatch):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4.0))
+    ckpt = mpistrat.Checkpoint(v=v)
+    prefix = os.path.join(directory, "ckpt")
+    path = ckpt.save(prefix)
+    fixed = ckpt.write(os.path.join(directory, "fixed"))
+
+    def crash(tmp, target):
+        assert os.path.getsize(tmp) > 0
+        raise OSError("no space left on device (simulated)")
+
+    monkeypatch.setattr(checkpoint_module, "_before_rename", crash)
+    with group.strategy.scope():
+        v.assign(np.full(4, -1.0))
+    raises_on_every_rank(group.comm, OSError, lambda: ckpt.save(prefix), "simulated")
+    raises_on_every_rank(group.comm, OSError, lambda: ckpt.write(fixed), "simulated")
+    monkeypatch.undo()
+    with group.strategy.scope():
+        latest = mpistrat.latest_checkpoint(directory)
+    for good in (latest, fixed):  # the numbered one and the one a write would have replaced
+        with group.strategy.scope():
+            v.assign(np.full(4, -1.0))
+        ckpt.restore(good).assert_consumed()
+        all_ranks_agree(group.comm, v.numpy().tolist() == [0, 1, 2, 3], f"{good}: {v!r}")
+    files = sorted(os.listdir(directory))
+    # The failed save did not count: the next one is ckpt-2 again.
+    ok = latest == path and int(ckpt.save_counter) == 1 and files == ["checkpoint", "ckpt-1", "fixed"]
+    all_ranks_agree(group.comm, ok, f"{latest} {int(ckpt.save_counter)} {files}")
+
+
+def test_reading_errors_reach_every_rank(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "nope")))
+    raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.read(os.path.join(directory, "nope")))
+    if group.rank == 0:
+        np.savez(os.path.join(directory, "foreign.npz"), v=np.zeros(3))
+    group.comm.Barrier()
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: ckpt.restore(os.path.join(directory, "foreign.npz")),
+        "not an mpistrat checkpoint",
+    )
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) is None
+
+
+def corrupt_copies(data):
+    """(name, bytes) of ``data`` truncated at several lengths and with one byte flipped at many places."""
+    cuts = sorted({0, 1, 4, 30, len(data) // 2, len(data) - 22, len(data) - 1})
+    yield from ((f"cut{n}", data[:n]) for n in cuts)
+    for i in range(0, len(data), 3):
+        flipped = bytearray(data)
+        flipped[i] ^= 0xFF
+        yield f"flip{i}", bytes(flipped)
+
+
+def test_corrupt_files_raise_one_clear_error_on_every_rank(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4.0))
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.write(os.path.join(directory, "good"))
+    names = []
+    if group.rank == 0:
+        data = Path(path).read_bytes()
+        for name, content in corrupt_copies(data):
+            Path(directory, name).write_bytes(content)
+            names.append(name)
+    names = group.comm.bcast(names, root=0)
+    bad, detected = [], 0
+    for name in names:
+        target = os.path.join(directory, name)
+        with group.strategy.scope():
+            v.assign(np.full(4, -1.0))
+        try:
+            ckpt.restore(target)
+        except InvalidArgumentError as exc:
+            detected += 1
+            if target not in str(exc) or (
+                "truncated or corrupt" not in str(exc) and "not an mpistrat" not in str(exc)
+            ):
+                bad.append(f"{name}: unclear message {exc}")
+        except BaseException as exc:  # a raw zipfile/NumPy/OS error is the bug
+            bad.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:  # damage zip does not check (a timestamp, a comment length): the values must be intact
+            if v.numpy().tolist() != [0.0, 1.0, 2.0, 3.0]:
+                bad.append(f"{name}: restored wrong values {v.numpy()}")
+    all_ranks_agree(group.comm, not bad and detected > len(names) // 2, f"{detected}/{len(names)}: {bad[:5]}")
+
+
+def test_restore_of_a_missing_file_is_still_file_not_found(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "none")))
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append((record.levelname, record.getMessage()))
+
+
+@pytest.fixture
+def mpistrat_log():
+    logger, handler = logging.getLogger("mpistrat"), Records()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "names a deleted file"])
+def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable(
+    group, tmp_path, damage, mpistrat_log
+):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4.0))
+    ckpt = mpistrat.Checkpoint(v=v)
+    for _ in range(3):
+        ckpt.save(os.path.join(directory, "ckpt"))
+    if group.rank == 0:
+        now = time.time()
+        index = Path(directory, checkpoint_module.INDEX)
+        for age, name in ((300, "ckpt-1"), (200, "ckpt-2"), (100, "ckpt-3")):
+            os.utime(Path(directory, name), (now - age, now - age))
+        # Newer than the valid ones, but not valid checkpoints of ours: all must be skipped.
+        Path(directory, "ckpt-4").write_bytes(Path(directory, "ckpt-3").read_bytes()[:-30])  # truncated
+        np.savez(Path(directory, "foreign.npz"), v=np.zeros(4))
+        Path(directory, "notes.txt").write_text("not a checkpoint")
+        Path(directory, "ckpt-5.tmp123-host").write_bytes(Path(directory, "ckpt-3").read_bytes())
+        text = index.read_text()
+        if damage == "truncated":
+            index.write_text(text[: len(text) // 2])
+        elif damage == "garbage":
+            index.write_bytes(b"\x00\xff" * 8)
+        elif damage == "empty":
+            index.write_text("")
+        else:
+            os.remove(Path(directory, "ckpt-3"))
+        for name in ("ckpt-4", "foreign.npz", "notes.txt", "ckpt-5.tmp123-host"):
+            os.utime(Path(directory, name), (now, now))
+    group.comm.Barrier()
+    want = os.path.join(directory, "ckpt-2" if damage == "names a deleted file" else "ckpt-3")
+    with group.strategy.scope():
+        got = mpistrat.latest_checkpoint(directory)
+    all_ranks_agree(group.comm, got == want, f"{got} != {want}")
+    if WORLD.Get_rank() == 0:  # the group's rank 0, whose warnings the logger lets through
+        warnings = [m for level, m in mpistrat_log if level == "WARNING" and "index" in m]
+        assert len(warnings) == 1 and want in warnings[0], mpistrat_log
+
+
+def test_latest_without_an_index_is_still_none(group, tmp_path, mpistrat_log):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    ckpt.save(os.path.join(directory, "ckpt"))
+    if group.rank == 0:
+        os.remove(os.path.join(directory, checkpoint_module.INDEX))
+    group.comm.Barrier()
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) is None
+    assert not [m for lv, m in mpistrat_log if lv == "WARNING"]
+
+
+def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-1
+    host = checkpoint_module._host()
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+    alive = os.getppid()
+    old = time.time() - 2 * checkpoint_module._STALE_AFTER
+    npz, index = Path(directory, "ckpt-1").read_bytes(), b'{"latest": "x"}'
+    files = {  # name: (content, old?, removed?)
+        f"ckpt.tmp{dead}-{host}": (npz, False, True),  # a killed save on this host
+        f"checkpoint.tmp{dead}-{host}": (index, False, True),  # the index's
+        f"ckpt-9.tmp{dead}-{host}": (npz[:4], False, True),  # killed early in the write
+        f"ckpt.tmp{alive}-{host}": (npz, False, False),  # another job saving now, on this host
+        f"ckpt.tmp-{dead}": (npz, True, False),  # not our naming
+        f"ckpt.tmp{dead}-": (npz, True, False),  # nor this
+        f"ckpt.tmp{dead}-elsewhere.example": (npz, False, False),  # maybe saving now, on another host
+        f"ckpt-2.tmp{dead}-elsewhere.example": (npz, True, True),  # long abandoned there
+        f"ckpt.tmp{dead}": (npz, False, False),  # the old naming, recent: maybe another host's
+        f"ckpt-3.tmp{dead}": (npz, True, True),  # the old naming, long abandoned
+        f"notes.tmp{dead}-{host}": (b"my notes", True, False),  # our naming, not our content
+        f"empty.tmp{dead}-{host}": (b"", True, False),  # nothing to reclaim, maybe not ours
+        "data.bin": (npz, True, False),
+    }
+    if group.rank == 0:
+        for name, (content, is_old, _) in files.items():
+            Path(directory, name).write_bytes(content)
+            if is_old:
+                os.utime(Path(directory, name), (old, old))
+    group.comm.Barrier()
+    ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-2
+    present = set(os.listdir(directory))
+    wrong = [name for name, (_, _, removed) in files.items() if (name in present) == removed]
+    ok = not wrong and {"ckpt-1", "ckpt-2", checkpoint_module.INDEX} <= present
+    all_ranks_agree(group.comm, ok, f"wrongly kept or removed: {wrong}")
+    with group.strategy.scope():
+        assert mpistrat.latest_checkpoint(directory) == os.path.join(directory, "ckpt-2")
+
+
+def test_ranks_in_different_checkpoint_calls_fail_instead_of_hanging(group, tmp_path):
+    if group.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    call = (
+        (lambda: mpistrat.latest_checkpoint(directory))
+        if group.rank == 0
+        else (lambda: ckpt.save(f"{directory}/c"))
+    )
+
+    def in_scope():
+        with group.strategy.scope():
+            call()
+
+    raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, in_scope, "different collectives")
+
+
+def test_context_and_argument_rules(world, tmp_path):
+    w, _, _, _, opt = make_state(world)
+    ckpt = mpistrat.Checkpoint(w=w)
+    with pytest.raises(ContextError, match="cross-replica"):
+        world.strategy.run(lambda: ckpt.save(str(tmp_path / "x")))
+    with pytest.raises(InvalidArgumentError, match="must be a Variable"):
+        mpistrat.Checkpoint(w="not a variable")
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        mpistrat.Checkpoint(__mpistrat__=w)
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        mpistrat.Checkpoint(save_counter=w)
+    world.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
+    with pytest.raises(InvalidArgumentError, match="does not track"):
+        mpistrat.Checkpoint(opt=opt).save(str(tmp_path / "y"))
+    with pytest.raises(InvalidArgumentError, match="index file"):
+        ckpt.write(str(tmp_path / "checkpoint"))
+    with pytest.raises(InvalidArgumentError, match="got None"):
+        ckpt.read(None)
+    with pytest.raises(ContextError, match="cross-replica"):
+        world.strategy.run(lambda: mpistrat.latest_checkpoint(str(tmp_path)))
+
+
+# -- separate jobs (serial pass only) --------------------------------------------------------
+
+
+def child_env():
+    """This environment without the variables of the MPI job pytest may itself be part of."""
+    prefixes = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "MPICH_INTERFACE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def mpiexec(n, *args):
+    launcher = [str(Path(sys.executable).parent / "mpiexec"), *launcher_options()]
+    cmd = [
+        *launcher,
+        "-n",
+        str(n),
+        sys.executable,
+        str(ROOT / "tests" / "checkpoint" / "checkpoint_job.py"),
+        *args,
+    ]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.serial
+def test_save_on_two_ranks_restore_on_three(tmp_path):
+    mpiexec(2, "save", str(tmp_path), "4")
+    assert os.listdir(tmp_path) and (tmp_path / "ckpt-4").is_file()
+    mpiexec(3, "restore", str(tmp_path), "3", str(tmp_path / "out.json"))
+    report = json.loads((tmp_path / "out.json").read_text())
+    cfg = CONFIGS["adam"][1]
+    after_save = numpy_reference(cfg, lambda k: cfg["lr"], steps=4)
+    final_w, final_b = numpy_reference(cfg, lambda k: cfg["lr"], steps=7)
+    restored = report["restored"]
+    assert restored["path"] == str(tmp_path / "ckpt-4") and restored["iterations"] == 4
+    assert np.allclose(restored["w"], after_save[0], rtol=1e-10) and restored["seen"] == 40.0
+    assert report["ranks"] == 3 and report["step"] == 7 and report["iterations"] == 7
+    assert np.allclose(report["w"], final_w, rtol=1e-10) and np.isclose(report["b"], final_b, rtol=1e-10)
+    assert report["seen"] == 70.0
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(
+    "saved,restored",
+    [((2, True), (3, False)), ((3, False), (2, True)), ((4, True), (3, True)), ((3, True), (1, False))],
+    ids=["2-sharded-to-3", "3-to-2-sharded", "4-sharded-to-3-sharded", "3-sharded-to-1"],
+)
+def test_checkpoints_cross_sharding_and_rank_counts(tmp_path, saved, restored):
+    """A checkpoint does not depend on shard_state or R: weights and every slot come back bitwise,
+    and training goes on to the serial reference."""
+    (n_save, shard_save), (n_restore, shard_restore) = saved, restored
+    mpiexec(n_save, "save", str(tmp_path), "4", str(tmp_path / "saved.json"), *(["--shard"] * shard_save))
+    mpiexec(
+        n_restore, "restore", str(tmp_path), "3", str(tmp_path / "out.json"), *(["--shard"] * shard_restore)
+    )
+    before = json.loads((tmp_path / "saved.json").read_text())
+    report = json.loads((tmp_path / "out.json").read_text())
+    restored_state = report["restored"]
+    assert restored_state["w"] == before["w"] and restored_state["b"] == before["b"]
+    assert restored_state["slots"] == before["slots"] and restored_state["iterations"] == 4
+    cfg = CONFIGS["adam"][1]
+    final_w, final_b = numpy_reference(cfg, lambda k: cfg["lr"], steps=7)
+    assert np.allclose(report["w"], final_w, rtol=1e-10) and np.isclose(report["b"], final_b, rtol=1e-10)
+
+
+KILLED_SAVE = """
+import sys, time
+import numpy as np
+import mpistrat, mpistrat.checkpoint.checkpoint as ck
+
+directory = sys.argv[1]
+v = mpistrat.Variable(np.arange(4.0))
+ckpt = mpistrat.Checkpoint(v=v)
+ckpt.save(directory + "/ckpt")
+v.assign(np.full(4, -1.0))
+
+def hang(tmp, path):
+    if path.endswith("ckpt-2"):
+        print("WRITTEN", tmp, flush=True)
+        time.sleep(100)
+
+ck._before_rename = hang
+ckpt.save(directory + "/ckpt")
+"""
+
+
+@pytest.mark.serial
+def test_killed_save_leaves_the_old_checkpoint_loadable(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], env=child_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "WRITTEN", f"the job ended before the hook: {line}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert Path(line[1]).is_file()  # the new checkpoint was written, never renamed
+    v = mpistrat.Variable(np.zeros(4))
+    ckpt = mpistrat.Checkpoint(v=v)
+    assert mpistrat.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
+    ckpt.restore(mpistrat.latest_checkpoint(tmp_path)).assert_consumed()
+    assert v.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+    # The restored save_counter numbers the next save, which reclaims the killed one's temporary file.
+    assert ckpt.save(tmp_path / "ckpt") == str(tmp_path / "ckpt-2")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1", "ckpt-2"]
+
+
+def test_a_name_that_only_looks_like_a_temporary_never_fails_a_save(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    path = ckpt.save(os.path.join(directory, "model"))
+    if group.rank == 0:  # a "process id" too large for the operating system
+        Path(directory, f"model.tmp{10**20}-{checkpoint_module._host()}").write_bytes(Path(path).read_bytes())
+    group.comm.Barrier()
+    ckpt.save(os.path.join(directory, "model"))
+    with group.strategy.scope():
+        latest = mpistrat.latest_checkpoint(directory)
+    all_ranks_agree(group.comm, latest == os.path.join(directory, "model-2"), str(latest))

@@ -1,0 +1,331 @@
+"""Fault injection: real ``mpiexec -n 3`` jobs that fail on purpose (serial pass only).
+
+Each job has a hard wall-clock limit (the bound the guarantee promises, start-up included);
+a job that outlives it is killed, with all its processes, and the test fails.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpistrat.diagnostics import watchdog
+from tests.support import launch
+from tests.support.launch import MPIEXEC
+
+FAULTS = Path(__file__).resolve().parents[1] / "faults"
+RANKS = 3
+
+pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}"),
+    pytest.mark.slow,
+]
+
+
+def run_job(
+    script: str, *args: str, limit: float, env: dict[str, str] | None = None, ranks: int = RANKS
+) -> tuple[int, str]:
+    """Run ``tests/faults/<script>`` under ``mpiexec -n ranks``; return (exit code, stdout + stderr)."""
+    return launch.run_job(FAULTS / script, *args, ranks=ranks, limit=limit, env=env)
+
+
+def on_every_rank(out: str, text: str) -> bool:
+    """Whether each rank printed ``rank <r> <text>`` (lines of different ranks may interleave)."""
+    return all(f"rank {r} {text}" in out for r in range(RANKS))
+
+
+def test_exception_in_run_ends_the_job_with_that_ranks_traceback():
+    code, out = run_job("raise_in_run.py", limit=10)
+    assert code != 0, out
+    assert "[rank 1] Traceback (most recent call last):" in out, out
+    assert "[rank 1] RuntimeError: boom on rank 1" in out, out
+    assert "calling MPI_Abort" in out, out
+
+
+def test_exception_in_a_thread_ends_the_job():
+    code, out = run_job("thread_raises.py", limit=10)
+    assert code != 0, out
+    assert "[rank 1] Exception in thread loader:" in out, out
+    assert "[rank 1] OSError: loader thread failed on rank 1" in out, out
+
+
+def test_abort_on_exception_can_be_turned_off():
+    # Without the hook rank 1 just exits; its exit hook tells the others, who end the job.
+    code, out = run_job("raise_in_run.py", limit=15, env={"MPISTRAT_ABORT_ON_EXCEPTION": "0"})
+    assert code != 0, out
+    assert "[rank 1] Traceback" not in out and "RuntimeError: boom on rank 1" in out, out
+    assert "rank 1 exited after collective #0 (an uncaught RuntimeError)" in out, out
+
+
+def test_mismatched_arguments_raise_on_every_rank_with_the_key_path():
+    code, out = run_job("mismatch_args.py", limit=30)
+    assert code == 0, out
+    for case in ("shape", "structure", "dtype", "reduce op", "all_gather dims"):
+        assert on_every_rank(out, f"case {case}: ok"), out
+    assert on_every_rank(out, "after: ok"), out
+
+
+def test_collectives_in_different_orders_raise_instead_of_mixing_data():
+    code, out = run_job("wrong_order.py", limit=30)
+    assert code == 0, out
+    message = (
+        "ranks are in different collectives: rank 0: all_gather (collective #1) at "
+        "tests/faults/wrong_order.py:14 in step; ranks 1, 2: all_reduce (collective #1) at "
+        "tests/faults/wrong_order.py:15 in step."
+    )
+    assert on_every_rank(out, f"mismatch: {message}"), out
+    assert on_every_rank(out, "after: ok"), out
+
+
+@pytest.mark.parametrize("how", ["option", "env", "check off"])
+def test_a_skipped_collective_times_out_naming_the_missing_rank(how):
+    env = {"option": {}, "env": {"MPISTRAT_TIMEOUT": "5"}, "check off": {"MPISTRAT_CHECK": "0"}}[how]
+    code, out = run_job("skip_collective.py", *(["--env"] if how == "env" else []), limit=15, env=env)
+    assert code != 0, out
+    assert "all_reduce (collective #2, called at tests/faults/skip_collective.py:18 in <lambda>)" in out, out
+    assert "did not complete within its timeout of 5 s" in out, out
+    assert "waiting for rank 1: rank 1 is not in a collective (last finished all_reduce #1" in out, out
+    assert "it is at tests/faults/skip_collective.py:19 in <module>" in out, out  # where rank 1 is
+    if how != "check off":  # the handshake is polled, so the waiting ranks raise
+        assert "CollectiveTimeoutError" in out, out
+
+
+def test_below_thread_multiple_a_timeout_still_ends_the_job():
+    code, out = run_job("skip_collective.py", limit=15, env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    assert code != 0, out
+    assert "CollectiveTimeoutError" in out and "which ranks are missing is unknown" in out, out
+
+
+def test_a_killed_rank_ends_the_job():
+    code, out = run_job("kill_rank.py", limit=5 + 10)
+    assert code != 0, out
+    assert "signal 9" in out or "Killed" in out or "timed out" in out, out
+
+
+def test_a_killed_rank_ends_the_job_with_default_settings():
+    """The launcher sees the process die and ends the job (Open MPI names the rank, MPICH its PID)."""
+    code, out = run_job("kill_rank.py", "--default", limit=20)
+    assert code != 0, out
+    assert "signal 9" in out or "Killed" in out, out
+
+
+def test_a_frozen_rank_is_named_as_not_answering():
+    code, out = run_job("freeze_rank.py", limit=5 + 20)
+    assert code != 0, out
+    assert "waiting for rank 1: rank 1 did not answer within" in out, out
+
+
+def test_a_frozen_coordinator_is_stood_in_for_and_every_waiting_rank_raises():
+    """Rank 1 stands in for rank 0; the lowest waiting rank prints the diagnosis, the other points to it."""
+    code, out = run_job("freeze_rank.py", "0", limit=5 + 25)
+    assert code != 0, out
+    explanation = re.compile(
+        r"waiting for rank 0: rank 0 did not answer within \d s \(slow to answer, or killed, or blocked "
+        r"outside Python\)\. Waiting in it: ranks 1, 2 \(rank 0 did not answer as the watchdog's "
+        r"coordinator; rank 1 stood in\)"
+    )
+    assert len(explanation.findall(out)) == 1, out
+    for r in (1, 2):
+        assert f"[rank {r}] mpistrat.errors.CollectiveTimeoutError: all_reduce (collective #2" in out, out
+    assert (
+        "[rank 2] mpistrat.errors.CollectiveTimeoutError: " in out and "rank 1 prints who is missing" in out
+    ), out
+
+
+def test_merge_fn_error_reaches_every_rank_and_the_strategy_goes_on():
+    code, out = run_job("merge_fn_raises.py", limit=30)
+    assert code == 0, out
+    assert on_every_rank(out, "raised StepFailed: merge_fn saw 3 replicas"), out
+    assert on_every_rank(out, "after: ok"), out
+
+
+def test_a_late_rank_gets_a_stall_warning_naming_it():
+    code, out = run_job("stall_warning.py", limit=30, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"})
+    assert code == 0, out
+    assert out.count("WARNING: all_reduce (collective #2") == 1, out  # from the lowest waiting rank only
+    assert "[mpistrat rank 0] WARNING" in out, out
+    assert "has waited 1 s: waiting for rank 2: rank 2 is not in a collective" in out, out
+    assert on_every_rank(out, "finished"), out
+
+
+@pytest.mark.parametrize(
+    ("ranks", "late", "freeze", "slow"),
+    [
+        (2, -1, False, 0),
+        (3, -1, False, 0),
+        (4, -1, False, 0),
+        (4, 0, False, 0),
+        (2, 0, True, 0),
+        (4, 0, True, 0),
+        (16, -1, False, 4),
+    ],
+    ids=["2-last", "3-last", "4-last", "4-first", "2-first-frozen", "4-first-frozen", "16-last-4-slow"],
+)
+def test_a_stall_costs_side_channel_messages_linear_in_the_ranks(ranks, late, freeze, slow):
+    """One rank diagnoses a stall for everyone: per event at most one report, query, answer and result
+    per other rank, 4(R-1). A frozen rank 0 (the coordinator) is passed over after a wait: one more
+    report per waiting rank, and when it wakes it diagnoses the stale reports once: 8(R-1) in all.
+
+    At 16 oversubscribed ranks, 4 of them alive but slow to answer, the warning still names only
+    the late rank (it called slow ranks gone: "did not answer (it exited, ...)"), and the bytes stay
+    O(R): the diagnosis's text goes to the rank that prints it, not to every waiting rank (17 KB,
+    1.1 KB per rank, at 16 ranks; 0.44 KB per rank now).
+
+    The job checks that one warning was logged, naming the late rank (tests/faults/stall_count.py).
+    """
+    args = [str(late)] + (["--freeze"] if freeze else []) + (["--slow", str(slow)] if slow else [])
+    env = {"MPISTRAT_STALL_WARNING_SECONDS": "1"}
+    code, out = run_job("stall_count.py", *args, limit=90, env=env, ranks=ranks)
+    assert code == 0, out
+    found = re.search(
+        rf"side-channel messages for one stall at {ranks} ranks \(rank \d+ \w+\): (\d+), (\d+) bytes", out
+    )
+    assert found, out
+    messages, nbytes = int(found.group(1)), int(found.group(2))
+    assert 0 < messages <= (8 if freeze else 4) * (ranks - 1), out
+    if not freeze:
+        assert nbytes <= 600 * ranks, out
+    assert out.count(" WARNING: all_reduce (collective #2") == 1, out
+    assert all(f"rank {r} finished" in out for r in range(ranks)), out
+
+
+def test_idling_past_the_timeout_between_collectives_is_no_timeout():
+    """A handshake outside a watched call used to inherit the last call's expired deadline."""
+    code, out = run_job("idle_past_timeout.py", limit=40, env={"MPISTRAT_TIMEOUT": "1"})
+    assert code == 0, out
+    assert on_every_rank(out, "finished"), out
+    assert "CollectiveTimeoutError" not in out and "MPI_Abort" not in out, out
+
+
+def test_one_stall_in_a_merge_call_is_one_warning():
+    code, out = run_job("merge_call_stall.py", limit=40, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"})
+    assert code == 0, out
+    assert on_every_rank(out, "finished"), out
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "waiting for rank 0" in warnings[0], out
+
+
+@pytest.mark.parametrize("what", ["dataset", "checkpoint", "variable"])
+def test_every_collective_is_watched_a_missing_rank_times_out(what):
+    """Dataset steps, checkpoint saves and variable creation used to open with an unwatched
+    handshake: with a rank missing, nothing was printed and the job hung despite the timeout."""
+    code, out = run_job("skip_other.py", what, limit=20, env={"MPISTRAT_TIMEOUT": "4"})
+    assert code != 0, out
+    assert "did not complete within its timeout of 4 s" in out, out
+    assert "waiting for rank 1" in out, out
+
+
+def test_a_long_transfer_is_not_blamed_on_a_rank():
+    """Every rank is inside one 900 MiB all_gather for longer than the stall warning. MPI holds up the
+    watchdog's messages meanwhile (over 1 s, measured), so ranks answer late; the warning must not call
+    them missing (it said "rank 1 did not answer (it exited, was killed, ...)")."""
+    code, out = run_job("long_transfer.py", "300", limit=60, env={"MPISTRAT_STALL_WARNING_SECONDS": "0.3"})
+    assert code == 0, out
+    assert on_every_rank(out, "finished"), out
+    assert "did not answer (" not in out and "waiting for rank" not in out, out
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    # The opening all_reduce may also wait 0.3 s on a loaded machine (ranks start unevenly): the
+    # same rule holds for it, but only the all_gather is sure to be long.
+    gather_warnings = [w for w in warnings if "all_gather" in w]
+    took = max(float(t) for t in re.findall(r"gathered \S+ MiB in ([\d.]+) s", out))
+    if took > 0.3 + 3 * watchdog.GRACE:  # long enough for a diagnosis: it says no rank is missing
+        assert len(gather_warnings) == 1 and "every rank " in gather_warnings[0], out
+    assert all("every rank " in w for w in warnings), out
+
+
+@pytest.mark.parametrize("how", ["exit0", "exit3", "raise", "skip", "inside", "create"])
+def test_a_rank_that_leaves_ends_the_job_at_once_naming_it(how):
+    """With default settings the others used to wait forever (one warning at 60 s). Now the
+    leaving rank's exit hook tells them, and they end the job naming it."""
+    env = {"MPISTRAT_ABORT_ON_EXCEPTION": "0"} if how in ("raise", "inside") else {}
+    code, out = run_job("rank_leaves.py", how, limit=30, env=env)
+    assert code != 0, out
+    assert "rank 0 finished" not in out and "rank 2 finished" not in out, out
+    why = {"raise": "an uncaught ValueError", "inside": "an uncaught OSError"}.get(
+        how, "sys.exit or the end of its program"
+    )
+    if how == "create":  # strategy creation (MPI_Comm_dup) is covered too
+        pattern = (
+            r"\[rank (\d)\] mpistrat: MPIStrategy\(\) cannot create its communicator \(MPI_Comm_dup, "
+            rf"collective over the 3 ranks .*rank_leaves.py:\d+ in <module>\): world rank 1 exited \({why}\)"
+        )
+    else:
+        pattern = (
+            r"\[rank (\d)\] mpistrat: all_reduce \(collective #2, called at .*rank_leaves.py:\d+ "
+            rf"in [<>\w]+\) cannot complete: rank 1 exited after collective #1 \({why}\)"
+        )
+    named = re.findall(pattern, out)
+    assert named and set(named) <= {"0", "2"}, out
+
+
+@pytest.mark.parametrize("how", ["every", "early", "before_import"])
+def test_collectives_in_exit_handlers_work_or_end_the_job_naming_what_is_missing(how):
+    """A program's atexit handler reduces. Every rank doing so works; rank 1 returning early used
+    to hang the others silently (mpistrat's hook had stopped the watchdog). Now its exit is seen
+    and named, or, for a handler that runs after mpistrat's hook, the timeout ends the job."""
+    code, out = run_job("exit_handler.py", how, limit=40)
+    if how == "every":
+        assert code == 0, out
+        assert on_every_rank(out, f"exit handler total {[float(RANKS)] * 2}"), out
+        return
+    assert code != 0, out
+    assert "rank 1 returns early" in out and "rank 0 exit handler" not in out, out
+    headline = (
+        r"\[rank [02]\] mpistrat: reduce \(collective #2, called at .*exit_handler.py:\d+ in last_words\)"
+    )
+    if how == "early":
+        assert re.search(headline + " cannot complete: rank 1 exited after collective #1", out), out
+    else:
+        assert re.search(
+            headline + " did not complete within its timeout of 3 s; .*after mpistrat's exit hook", out
+        ), out
+
+
+def test_a_rank_stopped_for_good_ends_the_job_by_the_default_timeout():
+    """The default timeout (30 minutes, shortened here by replacing the default itself, not by
+    setting MPISTRAT_TIMEOUT) ends the job from the watchdog, naming the frozen rank."""
+    code, out = run_job("freeze_rank.py", "1", "--default-timeout", "4", limit=40)
+    assert code != 0, out
+    assert "did not complete within its timeout of 4 s (MPISTRAT_TIMEOUT's default" in out, out
+    assert "waiting for rank 1" in out, out
+
+
+def test_a_hang_prints_every_ranks_flight_record_and_the_straggler_before_it():
+    """Rank 1, late at every step, then hangs: the stall warning names it as the straggler, and the
+    stall warning and the timeout show each rank's last handshakes (rank 1 finished #20, the others
+    wait in #21's handshake; the tally of #20 would have come with #21)."""
+    env = {"MPISTRAT_STALL_WARNING_SECONDS": "1"}
+    code, out = run_job("straggler_hang.py", limit=4 + 15, env=env)
+    assert code != 0, out
+    warning = next((line for line in out.splitlines() if "WARNING: all_reduce (collective #21" in line), "")
+    share = re.search(r"Before it, rank 1 was the last to arrive in (\d+)% of 19 collectives", warning)
+    assert share and int(share[1]) >= 90, out  # late at every step; a loaded machine may delay another once
+    timeout = out[out.index("CollectiveTimeoutError: all_reduce (collective #21") :]
+    for text in (out[out.index(warning) :], timeout):
+        records = text[text.index("flight records (each rank's last 8 handshakes, oldest first):") :]
+        found = re.findall(r"^(?:\[rank \d\] )?  rank (\d): (.*)$", records, re.MULTILINE)[:3]
+        assert [int(r) for r, _ in found] == [0, 1, 2], records
+        lines = [line for _, line in found]
+        assert "#20 all_reduce" in lines[1] and "#21" not in lines[1], records  # rank 1 never entered #21
+        for waiting in (lines[0], lines[2]):
+            assert waiting.split("; ")[-1].startswith("#21 all_reduce") and "in its handshake for" in waiting
+    assert "[rank 0] mpistrat.errors.CollectiveTimeoutError" in out and "[rank 2] mpistrat" in out, out
+
+
+@pytest.mark.parametrize(("late", "summary"), [("2", None), ("-1", None), ("2", "off")])
+def test_the_end_of_job_summary_names_a_straggler_and_is_quiet_otherwise(tmp_path, late, summary):
+    env = {"MPISTRAT_TIMELINE": str(tmp_path)}
+    if summary:
+        env["MPISTRAT_STRAGGLER_SUMMARY"] = summary
+    code, out = run_job("stragglers_summary.py", late, limit=30, env=env)
+    assert code == 0 and on_every_rank(out, "finished"), out
+    # 20 ms late at every step: last nearly always (a loaded machine may delay another rank once)
+    shares = [int(p) for p in re.findall(r"rank 2 was the last to arrive in (\d+)% of 30 collectives", out)]
+    said = bool(shares) and min(shares) >= 90
+    assert said == (late == "2" and summary is None), out
+    assert out.count("WARNING: stragglers over 3 ranks") == int(said), out  # rank 0 alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-0000{r}.jsonl" for r in range(3)]

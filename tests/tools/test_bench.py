@@ -1,0 +1,416 @@
+"""``mpistrat bench``: its sweep arithmetic, a run at this pass's size, and runs at 1-4 ranks.
+
+A results file is validated against the conventions it claims (OSU-style iteration
+counts, nccl-tests bandwidths) recomputed here from its own raw numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpistrat
+from mpistrat.tools import bench, bench_meta, bench_ops, bench_report
+from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
+from tests.conftest import all_ranks_agree
+from tests.support.launch import launcher_options
+
+WORLD = MPI.COMM_WORLD
+OPTIMIZER_OPS = ["apply_gradients_sgd", "apply_gradients_adam"]
+SMALL = ["--max", "1KiB", "--iters", "3", "--min-iters", "2", "--leaves", "8"]
+
+
+def test_sizes_are_powers_of_two_within_bounds():
+    assert bench.sizes_between(4, 64) == [4, 8, 16, 32, 64]
+    assert bench.sizes_between(5, 64) == [8, 16, 32, 64]
+    assert bench.sizes_between(1, 1) == [1]
+    assert len(bench.sizes_between(4, 64 << 20)) == 25
+
+
+def test_iterations_shrink_with_size_as_osu_does():
+    assert bench.iterations(8 << 10, 1000, 20) == (1000, 200)
+    assert bench.iterations(16 << 10, 1000, 20) == (500, 100)
+    assert bench.iterations(64 << 20, 1000, 20) == (20, 4)
+    assert bench.iterations(4, 10, 20) == (10, 2)  # never more than asked for
+    assert bench.iterations(4, 10, 20, warmup=0) == (10, 0)
+
+
+def test_bad_arguments_are_refused_with_the_reason(capsys):
+    for args, reason in (
+        (["--ops", "all_reduce,nope"], "unknown ['nope']"),
+        (["--dtype", "float16x"], "--dtype"),
+        (["--dtype", "bool"], "--dtype"),
+        (["--min", "1MiB", "--max", "4"], "larger than --max"),
+        (["--leaves", "0"], "--leaves"),
+        (["--compression", "bf16", "--deterministic"], "choose one"),
+        (["--compression", "fp16", "--ops", "apply_gradients_adam"], "not with apply_gradients_adam"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            bench.main(args)
+        assert info.value.code == 2
+        assert reason in capsys.readouterr().err
+
+
+def test_percentiles_are_nearest_rank():
+    assert bench_report.percentile([7.0], 50) == 7.0 and bench_report.percentile([7.0], 99) == 7.0
+    assert bench_report.percentile([4, 1, 3, 2], 50) == 2  # the 2nd of 4: half the values do not exceed it
+    hundred = [float(v) for v in range(100, 0, -1)]  # 1..100, shuffled order does not matter
+    assert bench_report.tail(hundred) == {"p50": 50.0, "p99": 99.0}
+    assert bench_report.tail(hundred[:99]) == {"p50": 51.0, "p99": None}  # 2..100: 99 values, too few
+    assert bench_report.tail([*[1.0] * 199, 1000.0]) == {"p50": 1.0, "p99": 1.0}  # one outlier in 200
+    assert bench_report.tail([*[1.0] * 98, 1000.0, 1000.0]) == {"p50": 1.0, "p99": 1000.0}
+
+
+def test_the_environment_leaves_out_other_variables_and_secrets():
+    env = {
+        "SLURM_JOB_ID": "42",
+        "OMP_NUM_THREADS": "1",
+        "UCX_TLS": "sm,self",
+        "FI_PROVIDER": "tcp",
+        "MPICH_ASYNC_PROGRESS": "0",
+        "PMIX_RANK": "0",
+        "NCCL_DEBUG": "INFO",
+        "MPISTRAT_CHECK": "0",
+        "OMPI_MCA_btl": "^ofi",
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "SLURM_API_TOKEN": "t",
+        "MPISTRAT_SECRET": "s",
+        "UCX_Password": "p",
+        "FI_KEY_FILE": "k",
+        "XSLURM_JOB_ID": "no",
+    }
+    assert bench_meta.environment(env) == {
+        "FI_PROVIDER": "tcp",
+        "MPICH_ASYNC_PROGRESS": "0",
+        "MPISTRAT_CHECK": "0",
+        "NCCL_DEBUG": "INFO",
+        "OMPI_MCA_btl": "^ofi",
+        "OMP_NUM_THREADS": "1",
+        "PMIX_RANK": "0",
+        "SLURM_JOB_ID": "42",
+        "UCX_TLS": "sm,self",
+    }
+
+
+def test_cpu_lists_and_the_git_commit_of_a_checkout(tmp_path):
+    assert bench_meta.cpu_list([5]) == "5" and bench_meta.cpu_list(range(64)) == "0-63"
+    assert bench_meta.cpu_list([0, 2, 4, 5, 6]) == "0,2,4-6"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / "pkg" / "sub").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "refs" / "heads" / "main").write_text(sha + "\n")
+    assert bench_meta.git_commit(repo / "pkg" / "sub") == sha
+    (repo / ".git" / "refs" / "heads" / "main").unlink()  # packed, as after git gc
+    (repo / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/main\n")
+    assert bench_meta.git_commit(repo / "pkg") == sha
+    (repo / ".git" / "HEAD").write_text(sha[::-1] + "\n")  # detached
+    assert bench_meta.git_commit(repo) == sha[::-1]
+    assert bench_meta.git_commit(tmp_path / "elsewhere") is None or not (tmp_path / ".git").exists()
+
+
+def test_an_unwritable_output_is_refused_before_the_sweep(tmp_path, capsys):
+    blocker = tmp_path / f"file-{WORLD.Get_rank()}"
+    blocker.write_text("")
+    code = bench.main([*SMALL, "--json", str(blocker / "run.json"), "--no-progress"])
+    out = capsys.readouterr()
+    problems = [] if code == 2 else [f"exit code {code}"]
+    if "## all_reduce" in out.out:
+        problems.append("the sweep ran")
+    if WORLD.Get_rank() == 0 and "cannot write it" not in out.err:
+        problems.append(f"stderr {out.err[-300:]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_a_max_between_powers_of_two_is_said(tmp_path, capsys):
+    code = bench.main(["--ops", "all_reduce", "--min", "3", "--max", "3000", "--iters", "2", "--quiet"])
+    err = capsys.readouterr().err
+    problems = [] if code == 0 else [f"exit code {code}"]
+    if WORLD.Get_rank() == 0 and not (
+        "--max 3000 is not a power of two: the largest size is 2 KiB" in err
+        and "--min 3 is not a power of two: the smallest size is 4 B" in err
+    ):
+        problems.append(f"stderr {err!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: int | None = None) -> list[str]:
+    """Problems with a results file, [] if none."""
+    problems = []
+    meta, rows = data["meta"], data["results"]
+    if data["format"] != bench_report.FORMAT:
+        problems.append(f"format {data['format']}")
+    for key in ("mpistrat", "mpi4py", "mpi_library", "hosts", "date", "options", "command", "check"):
+        if key not in meta:
+            problems.append(f"meta lacks {key}")
+    env = meta.get("environment", {})
+    if any(not k.startswith(bench_meta.PREFIXES) or "KEY" in k or "TOKEN" in k for k in env):
+        problems.append(f"meta environment {sorted(env)}")
+    if meta.get("cpu", {}).get("logical_cores") != os.cpu_count() or len(meta.get("affinity", [])) != ranks:
+        problems.append(f"meta cpu {meta.get('cpu')} affinity {meta.get('affinity')}")
+    if meta["ranks"] != ranks or meta["nodes"] != len(meta["hosts"]):
+        problems.append(f"meta ranks/nodes {meta['ranks']}/{meta['nodes']}")
+    seen = {r["op"] for r in rows}
+    if ops is not None and seen != set(ops):
+        problems.append(f"ops {sorted(seen)} != {sorted(ops)}")
+    if len({(r["op"], r["bytes"]) for r in rows}) != len(rows):
+        problems.append("a size repeats within an op")
+    for r in rows:
+        where = f"{r['op']} {r['bytes']} B"
+        if r["ranks"] != ranks or (max_bytes and r["bytes"] > max_bytes and r["op"] != "all_reduce_nest"):
+            problems.append(f"{where}: ranks {r['ranks']}")
+        iters, warmup = bench.iterations(r["bytes"], *_iters(meta))
+        if (r["iters"], r["warmup"]) != (iters, warmup):
+            problems.append(f"{where}: iterations {r['iters']}/{r['warmup']}, expected {iters}/{warmup}")
+        factor = OPS[r["op"]].busbw(ranks)
+        for side in ("mpistrat", "raw", "raw2"):
+            s = r[side]
+            if s is None:
+                continue
+            t = s["time_us"]
+            if not (s["ok"] and 0 < t["min"] <= t["avg"] * (1 + 1e-9) and t["avg"] <= t["max"] * (1 + 1e-9)):
+                problems.append(f"{where} {side}: ok={s['ok']} times {t}")
+            # p99 only from enough iterations; the slowest rank's iterations average at least the slowest mean
+            enough = r["iters"] >= bench_report.P99_MIN_ITERS
+            if not (
+                t["p50"] > 0 and (t["p99"] is None) != enough and (t["p99"] is None or t["p99"] >= t["p50"])
+            ):
+                problems.append(f"{where} {side}: percentiles {t} after {r['iters']} iterations")
+            algbw = r["bytes"] / (t["avg"] * 1e-6) / 1e9
+            if not (
+                math.isclose(s["algbw_GBps"], algbw, rel_tol=1e-6)
+                and math.isclose(s["busbw_GBps"], algbw * factor, rel_tol=1e-6, abs_tol=1e-12)
+            ):
+                problems.append(f"{where} {side}: bandwidths {s['algbw_GBps']} {s['busbw_GBps']}")
+        if not math.isclose(r["ratio"], r["mpistrat"]["time_us"]["avg"] / r["raw"]["time_us"]["avg"]):
+            problems.append(f"{where}: ratio {r['ratio']}")
+        if (r["raw2"] is None) != (OPS[r["op"]].raw2 is None):
+            problems.append(f"{where}: raw2 {r['raw2']}")
+    return problems
+
+
+def _iters(meta: dict) -> tuple[int, int, int | None]:
+    o = meta["options"]
+    return o["iters"], o["min_iters"], o["warmup"]
+
+
+def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    code = bench.main([*SMALL, "--json", str(out), "--csv", str(tmp_path / "run.csv"), "--no-progress"])
+    printed = capsys.readouterr().out
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, DEFAULT_OPS, 1024)
+        problems += [f"table lacks {op}" for op in DEFAULT_OPS if f"## {op}:" not in printed]
+        csv_lines = (tmp_path / "run.csv").read_text().splitlines()
+        if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
+            problems.append(f"csv: {csv_lines[:2]}")
+        if data["meta"]["shard"] is not False or data["meta"]["options"]["shard"] is not False:
+            problems.append(f"shard recorded as {data['meta']['shard']}")
+    elif printed:
+        problems.append(f"rank {rank} printed {printed[:80]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_bench_without_check_other_dtype_and_train_step(tmp_path):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    args = ["--ops", "all_reduce,train_step,run_step", "--dtype", "int32", "--no-check", "--min", "512"]
+    code = bench.main([*SMALL, *args, "--scaling", "strong", "--batch", "8", "--json", str(out), "--quiet"])
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, ["all_reduce", "train_step", "run_step"])
+        meta = data["meta"]
+        if meta["check"] or meta["scaling"] != "strong" or meta["options"]["dtype"] != "int32":
+            problems.append(f"meta {meta['check']} {meta['scaling']} {meta['options']}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("op", OPTIMIZER_OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])  # int32: float32 weights
+def test_optimizer_step_checks_weights_after_however_many_steps(group, op, dtype):
+    """Each side's check holds after every step, and only at the step count the side reports."""
+    setup = Setup(group.strategy, group.comm, np.dtype(dtype), 1000, 3, 1, "weak")
+    case = OPS[op].build(setup)
+    problems = []
+    if (case.count, case.leaves, case.nbytes) != (1000 // np.dtype(dtype).itemsize, 3, 1000):
+        problems.append(f"case {case.count} {case.leaves} {case.nbytes}")
+    for name, (fn, check) in case.variants.items():
+        for _ in range(4):
+            k = fn()
+            if not check(k):
+                problems.append(f"{name}: check fails after step {k}")
+        if check(k - 1) or check(k + 1):  # the weights after k steps are not those after k -/+ 1
+            problems.append(f"{name}: the check cannot tell step {k} from its neighbours")
+    all_ranks_agree(group.comm, not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("rule", ["_SGD", "_ADAM"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_flat_update_is_the_per_variable_update_over_the_whole_arrays(rule, dtype):
+    """raw2's in-place passes over flat arrays give raw's per-variable update, step after step."""
+    r = getattr(bench_ops, rule)
+    rng = np.random.default_rng(1)
+    sizes = [3, 10, 1, 7]
+    w = rng.standard_normal(sum(sizes)).astype(dtype)
+    slots = [np.zeros_like(w) for _ in range(r.slots)]
+    leaves = np.split(w.copy(), np.cumsum(sizes)[:-1])  # raw's K variables, stepped one at a time
+    leaf_slots = [[np.zeros_like(leaf) for _ in range(r.slots)] for leaf in leaves]
+    for step in range(5):
+        g = rng.standard_normal(w.size).astype(dtype)
+        parts = np.split(g, np.cumsum(sizes)[:-1])
+        for leaf, part, slot in zip(leaves, parts, leaf_slots, strict=True):
+            r.update(step, leaf, part, slot)
+        r.flat(step, w, g.copy(), slots)
+        tol = 50 * np.finfo(dtype).eps
+        np.testing.assert_allclose(w, np.concatenate(leaves), rtol=tol, atol=tol)
+        for i in range(r.slots):
+            np.testing.assert_allclose(
+                slots[i], np.concatenate([s[i] for s in leaf_slots]), rtol=tol, atol=tol
+            )
+
+
+@pytest.mark.parametrize("op", OPTIMIZER_OPS)
+def test_optimizer_ops_time_the_flat_step_as_raw2(group, op):
+    """raw2, the weights and each slot one flat array, is a third side checked like the others."""
+    setup = Setup(group.strategy, group.comm, np.dtype("float32"), 4000, 7, 1, "weak")
+    case = OPS[op].build(setup)
+    assert OPS[op].raw2 and list(case.variants) == ["mpistrat", "raw", "raw2"]  # the same on every rank
+    fn, check = case.variants["raw2"]
+    problems = []
+    for _ in range(5):
+        k = fn()
+        if not check(k) or check(k + 1):
+            problems.append(f"raw2: check after step {k}")
+    all_ranks_agree(group.comm, not problems, "; ".join(problems))
+
+
+def test_shard_builds_the_optimizers_with_shard_state_and_is_recorded(tmp_path, capsys, monkeypatch):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    made: list[dict] = []
+    for name in ("SGD", "Adam"):
+        real = getattr(mpistrat.optimizers, name)
+
+        def spy(*args, real=real, **kwargs):
+            made.append(dict(kwargs))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mpistrat.optimizers, name, spy)
+    out, csv_out = tmp_path / "run.json", tmp_path / "run.csv"
+    ops = [*OPTIMIZER_OPS, "all_reduce"]
+    args = ["--ops", ",".join(ops), "--min", "512", "--shard", "--no-progress"]
+    code = bench.main([*SMALL, *args, "--json", str(out), "--csv", str(csv_out)])
+    printed = capsys.readouterr().out
+    problems = [f"exit code {code}"] if code else []
+    if not made or any(kw.get("shard_state") is not True for kw in made):
+        problems.append(f"optimizers made with {made}")
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, ops, 1024)
+        if data["meta"]["shard"] is not True or data["meta"]["options"]["shard"] is not True:
+            problems.append(f"meta {data['meta']}")
+        if "optimizer state sharded" not in printed.splitlines()[0]:
+            problems.append(f"table header {printed.splitlines()[:1]}")
+        header, *rows = [line.split(",") for line in csv_out.read_text().splitlines()]
+        if len(rows) != len(data["results"]) or any(row[header.index("shard")] != "True" for row in rows):
+            problems.append(f"csv {header} {rows[:1]}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_optimizer_steps_through_the_cli_without_warm_up(tmp_path):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    args = ["--ops", ",".join(OPTIMIZER_OPS), "--dtype", "float64", "--warmup", "0", "--min", "256"]
+    code = bench.main([*SMALL, *args, "--json", str(out), "--quiet"])
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, OPTIMIZER_OPS, 1024)
+        problems += [
+            f"{r['op']}: count {r['count']}" for r in data["results"] if r["count"] * 8 != r["bytes"]
+        ]
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def mpiexec_env() -> dict[str, str]:
+    """This environment without the launcher's variables, so a child mpiexec starts afresh."""
+    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    return env
+
+
+def mpiexec() -> list[str]:
+    """The launcher and what this MPI family needs to start a test job here (tests/support/launch.py)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec next to this Python or on PATH")
+    return [found, *launcher_options()]
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_bench_under_mpiexec(tmp_path, ranks):
+    out = tmp_path / f"bench-{ranks}.json"
+    args = [*SMALL, "--json", str(out)]
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("## all_reduce:") == 1, done.stdout[-2000:]  # the table, from rank 0 only
+    assert validate(json.loads(out.read_text()), ranks, DEFAULT_OPS, 1024) == []
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_optimizer_steps_under_mpiexec(tmp_path, ranks):
+    out = tmp_path / f"bench-{ranks}.json"
+    args = [*SMALL, "--ops", ",".join(OPTIMIZER_OPS), "--json", str(out)]
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(done.stdout.count(f"## {op}:") == 1 for op in OPTIMIZER_OPS), done.stdout[-2000:]
+    assert validate(json.loads(out.read_text()), ranks, OPTIMIZER_OPS, 1024) == []
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("mode", [["--deterministic"], ["--compression", "bf16"], ["--compression", "fp16"]])
+def test_bench_times_exact_and_compressed_reductions_and_records_the_mode(tmp_path, mode):
+    """The reduce ops' results are checked: exact for --deterministic (the pattern's sums are exact),
+    within the stated 16-bit bound for --compression; the mode is in the JSON's options."""
+    out = tmp_path / "bench.json"
+    ops = "all_reduce,all_reduce_nest,reduce,run_step,merge_call"
+    args = [*SMALL, "--ops", ops, "--json", str(out), *mode]
+    cmd = [*mpiexec(), "-n", "3", sys.executable, "-m", "mpistrat", "bench", *args]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert validate(result, 3, ops.split(","), 1024) == []
+    recorded = result["meta"]["options"]
+    assert recorded["deterministic"] is ("--deterministic" in mode)
+    assert recorded["compression"] == (mode[1] if len(mode) > 1 else None)
+    assert all(row["mpistrat"]["ok"] for row in result["results"])
+
+
+def test_the_compression_tolerance_is_the_documented_bound():
+    """(2u + (R+1) 2^-24)(1 + u), with u = 2^-8 for bf16 and 2^-11 for fp16 (docs/concepts.md)."""
+    args = bench._parser().parse_args(["--compression", "bf16"])
+    assert bench._tolerance(args, 4) == (2 * 2**-8 + 5 * 2**-24) * (1 + 2**-8)
+    args = bench._parser().parse_args(["--compression", "fp16"])
+    assert bench._tolerance(args, 2) == (2 * 2**-11 + 3 * 2**-24) * (1 + 2**-11)
+    assert bench._tolerance(bench._parser().parse_args([]), 2) == 0.0

@@ -1,0 +1,277 @@
+"""``mpistrat report``: the rows table, the scaling table and the regression gate, on files built by hand.
+
+Every expectation is written out here from the definitions (strong: speed-up T0/Tn,
+efficiency T0·n0/(n·Tn); weak: efficiency T0/Tn, speed-up efficiency·n/n0), not recomputed
+with the code under test.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from mpistrat.tools import bench_report, report
+from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env, serial_only
+
+RANK = MPI.COMM_WORLD.Get_rank()
+
+
+def _side(avg: float, nbytes: int, p50: float | None = None, p99: float | None = None) -> dict:
+    return {
+        "time_us": {"min": avg, "avg": avg, "max": avg, "p50": avg if p50 is None else p50, "p99": p99},
+        "algbw_GBps": nbytes / (avg * 1e-6) / 1e9,
+        "busbw_GBps": nbytes / (avg * 1e-6) / 1e9,
+        "ok": True,
+    }
+
+
+def bench_file(path: Path, ranks: int, scaling: str, times: dict, dtype: str = "float32") -> str:
+    """A results file as `mpistrat bench --json` writes it; ``times`` maps (op, bytes) to
+    (mpistrat mean, raw mean) or (mpistrat mean, raw mean, p50, p99) in µs."""
+    rows = []
+    for (op, nbytes), t in times.items():
+        ours, raw, p50, p99 = (*t, None, None)[:4] if len(t) == 2 else t
+        rows.append(
+            {
+                "op": op,
+                "bytes": nbytes,
+                "count": nbytes // 4,
+                "leaves": 1,
+                "dtype": dtype,
+                "ranks": ranks,
+                "iters": 5,
+                "warmup": 1,
+                "mpistrat": _side(ours, nbytes, p50, p99),
+                "raw": _side(raw, nbytes),
+                "raw2": None,
+                "ratio": ours / raw,
+                "ratio2": None,
+            }
+        )
+    meta = {"label": f"{ranks} ranks", "ranks": ranks, "nodes": 1, "hosts": ["h"], "scaling": scaling}
+    path.write_text(json.dumps({"format": bench_report.FORMAT, "meta": meta, "results": rows}))
+    return str(path)
+
+
+@pytest.fixture
+def here(tmp_path):
+    """A folder of this rank's own (several ranks run the suite side by side)."""
+    folder = tmp_path / f"rank{RANK}"
+    folder.mkdir()
+    return folder
+
+
+MIB4 = 4 << 20
+
+
+def test_strong_scaling_table_by_hand(here):
+    files = [
+        bench_file(here / "s1.json", 1, "strong", {("train_step", MIB4): (100.0, 90.0)}),
+        bench_file(here / "s2.json", 2, "strong", {("train_step", MIB4): (60.0, 50.0)}),
+        bench_file(here / "s4.json", 4, "strong", {("train_step", MIB4): (40.0, 30.0)}),
+    ]
+    table = report.scaling_table([bench_report.load(f) for f in files])
+    got = [(r["ranks"], r["time_us"], r["speedup"], r["efficiency"]) for r in table]
+    # speed-up 100/60, 100/40; efficiency = speed-up * 1/n
+    want = [(1, 100.0, 1.0, 1.0), (2, 60.0, 5 / 3, 5 / 6), (4, 40.0, 2.5, 0.625)]
+    assert [r[0] for r in got] == [r[0] for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert g[1:] == pytest.approx(w[1:], rel=1e-12)
+    assert [r["raw_speedup"] for r in table] == pytest.approx([1.0, 1.8, 3.0], rel=1e-12)
+    assert [r["raw_efficiency"] for r in table] == pytest.approx([1.0, 0.9, 0.75], rel=1e-12)
+    assert {r["mode"] for r in table} == {"strong"} and {r["op"] for r in table} == {"train_step"}
+
+
+def test_weak_scaling_from_two_ranks_with_repeated_runs(here):
+    """n0 is the smallest rank count (2 here); two runs at 4 ranks count as their mean."""
+    files = [
+        bench_file(here / "w2.json", 2, "weak", {("all_reduce", 1024): (50.0, 40.0)}),
+        bench_file(here / "w4a.json", 4, "weak", {("all_reduce", 1024): (60.0, 40.0)}),
+        bench_file(here / "w4b.json", 4, "weak", {("all_reduce", 1024): (65.0, 40.0)}),
+        bench_file(here / "w8.json", 8, "weak", {("all_reduce", 1024): (80.0, 50.0)}),
+    ]
+    table = report.scaling_table([bench_report.load(f) for f in files])
+    assert [(r["ranks"], r["runs"]) for r in table] == [(2, 1), (4, 2), (8, 1)]
+    # efficiency T0/Tn: 50/62.5 = 0.8, 50/80 = 0.625; speed-up efficiency * n/n0: 1.6, 2.5
+    assert [r["time_us"] for r in table] == pytest.approx([50.0, 62.5, 80.0])
+    assert [r["efficiency"] for r in table] == pytest.approx([1.0, 0.8, 0.625])
+    assert [r["speedup"] for r in table] == pytest.approx([1.0, 1.6, 2.5])
+    assert [r["raw_efficiency"] for r in table] == pytest.approx([1.0, 1.0, 0.8])
+
+
+def test_the_scaling_table_picks_train_step_and_the_largest_common_size(here):
+    rows1 = {
+        ("all_reduce", 4): (10.0, 5.0),
+        ("train_step", 1024): (8.0, 4.0),
+        ("train_step", 2048): (9.0, 4.0),
+    }
+    rows2 = {("all_reduce", 4): (12.0, 6.0), ("train_step", 1024): (5.0, 3.0)}
+    runs = [
+        bench_report.load(bench_file(here / "a.json", 1, "strong", rows1)),
+        bench_report.load(bench_file(here / "b.json", 2, "strong", rows2)),
+    ]
+    table = report.scaling_table(runs)
+    assert [(r["op"], r["bytes"], r["ranks"]) for r in table] == [
+        ("train_step", 1024, 1),
+        ("train_step", 1024, 2),
+    ]
+    assert table[1]["speedup"] == pytest.approx(8 / 5)
+    chosen = report.scaling_table(runs, op="all_reduce")
+    assert [r["efficiency"] for r in chosen] == pytest.approx([1.0, 10 / 12 / 2])
+
+
+ROWS = {("all_reduce", 4): (10.0, 5.0), ("all_reduce", 1024): (20.0, 10.0), ("all_gather", 4): (30.0, 15.0)}
+
+
+def _gate(here, capsys, now: dict, reference: dict, *extra: str, ranks: int = 2) -> tuple[int, str]:
+    new = bench_file(here / "new.json", ranks, "weak", now)
+    ref = bench_file(here / "ref.json", 2, "weak", reference)
+    code = report.main([new, "--reference", ref, "--quiet", *extra])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_a_file_against_itself_passes_the_gate(here, capsys):
+    path = bench_file(here / "same.json", 2, "weak", ROWS)
+    assert report.main([path, "--reference", path, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "gate passed: 3 row(s) compared" in out and "SLOWER" not in out and "missing" not in out
+
+
+def test_a_2x_regression_fails_the_gate_naming_the_row_with_both_numbers(here, capsys):
+    slower = {**ROWS, ("all_reduce", 1024): (40.0, 10.0)}  # 20 us -> 40 us
+    code, out = _gate(here, capsys, slower, ROWS)
+    assert code == 1
+    assert "SLOWER: all_reduce 1 KiB float32 at 2 ranks: 40.00 us against 20.00 us" in out
+    assert out.count("SLOWER") == 1
+    assert "gate FAILED: 3 row(s) compared" in out and "1 slower" in out
+
+
+def test_the_tolerance_is_a_fraction_of_the_reference(here, capsys):
+    # 20 -> 21.8 is 1.09x: inside 10 %; 20 -> 22.2 is 1.11x: outside it, inside 20 %
+    assert _gate(here, capsys, {**ROWS, ("all_reduce", 1024): (21.8, 10.0)}, ROWS)[0] == 0
+    assert _gate(here, capsys, {**ROWS, ("all_reduce", 1024): (22.2, 10.0)}, ROWS)[0] == 1
+    assert (
+        _gate(here, capsys, {**ROWS, ("all_reduce", 1024): (22.2, 10.0)}, ROWS, "--tolerance", "0.2")[0] == 0
+    )
+    # faster is never a regression
+    assert _gate(here, capsys, {k: (v[0] / 3, v[1]) for k, v in ROWS.items()}, ROWS)[0] == 0
+
+
+def test_the_gate_can_compare_the_median(here, capsys):
+    now = {k: (v[0] * 2, v[1], v[0], None) for k, v in ROWS.items()}  # mean doubled, median unchanged
+    ref = {k: (v[0], v[1], v[0], None) for k, v in ROWS.items()}
+    assert _gate(here, capsys, now, ref)[0] == 1
+    assert _gate(here, capsys, now, ref, "--metric", "p50")[0] == 0
+    code, out = _gate(here, capsys, now, ref, "--metric", "p99")
+    assert code == 2 and "has no p99" in out
+
+
+def test_missing_rows_are_listed_on_both_sides(here, capsys):
+    now = {("all_reduce", 4): (10.0, 5.0), ("merge_call", 4): (50.0, 20.0)}
+    code, out = _gate(here, capsys, now, ROWS)
+    assert code == 0
+    assert "1 row(s) compared" in out
+    assert "missing: 1 row(s) not in the reference: merge_call 4 B float32 at 2 ranks" in out
+    assert (
+        "missing: 2 row(s) only in the reference: all_reduce 1 KiB float32 at 2 ranks; all_gather 4 B" in out
+    )
+
+
+def test_rows_at_another_rank_count_or_dtype_do_not_match(here, capsys):
+    code, out = _gate(here, capsys, ROWS, ROWS, ranks=4)
+    assert code == 1 and "no row matched" in out and "0 row(s) compared" in out
+
+
+def test_the_gate_decision_itself():
+    key = ("all_reduce", 4, 2, "float32")
+    assert report.gate({key: 20.0}, {key: 10.0}, 0.10).slower == [(key, 20.0, 10.0)]
+    assert report.gate({key: 11.0}, {key: 10.0}, 0.10).passed
+    assert not report.gate({}, {key: 10.0}, 0.10).passed
+
+
+def test_csv_and_markdown_files(here, capsys):
+    files = [
+        bench_file(here / "s1.json", 1, "strong", {("train_step", MIB4): (100.0, 90.0)}),
+        bench_file(here / "s2.json", 2, "strong", {("train_step", MIB4): (60.0, 50.0, 58.0, 70.0)}),
+    ]
+    out_csv, out_md = here / "eff.csv", here / "eff.md"
+    assert report.main([*files, "--csv", str(out_csv), "--markdown", str(out_md)]) == 0
+    printed = capsys.readouterr().out
+    assert "strong scaling of train_step at 4 MiB, relative to 1 rank" in printed
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [r["ranks"] for r in rows] == ["1", "2"]  # one row per rank count
+    assert list(rows[0]) == list(report.SCALING_COLUMNS)
+    assert float(rows[1]["speedup"]) == pytest.approx(100 / 60) and float(
+        rows[1]["efficiency"]
+    ) == pytest.approx(100 / 120)
+    md = out_md.read_text()
+    assert "| ranks | runs | time us | speed-up | efficiency |" in md
+    assert "| 2 | 1 | 60.00 | 1.67 | 0.83 | 50.00 | 1.80 | 0.90 |" in md
+    # the rows table: the one file at 1 rank has no p99, the other 70 us
+    assert "| train_step | 4 MiB | 2 | float32 | 60.00 | 58.00 | 70.00 | 1.20 |" in md
+    assert "| train_step | 4 MiB | 1 | float32 | 100.00 | 100.00 | - | 1.11 |" in md
+
+
+def test_one_rank_count_writes_the_rows_table(here, capsys):
+    path = bench_file(here / "one.json", 2, "weak", ROWS)
+    out_csv = here / "rows.csv"
+    assert report.main([path, "--csv", str(out_csv), "--quiet"]) == 0
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [(r["op"], r["bytes"], r["mean_us"]) for r in rows] == [
+        ("all_reduce", "4", "10.0"),
+        ("all_reduce", "1024", "20.0"),
+        ("all_gather", "4", "30.0"),
+    ]
+    assert rows[0]["p99_us"] == ""  # no p99: empty, not 0
+    out = here / "one-eff.csv"
+    assert report.main([path, "--csv", str(out), "--table", "scaling", "--op", "all_reduce", "--quiet"]) == 0
+    assert [r["efficiency"] for r in csv.DictReader(out.open())] == ["1.0"]
+
+
+def test_bad_inputs_are_reported_not_raised(here, capsys):
+    other = here / "other.json"
+    other.write_text('{"hello": 1}')
+    assert report.main([str(other)]) == 2
+    assert "not a results file of mpistrat bench" in capsys.readouterr().err
+    path = bench_file(here / "x.json", 2, "weak", ROWS)
+    assert report.main([path, "--reference", path, "--tolerance", "-1"]) == 2
+    assert "--tolerance" in capsys.readouterr().err
+    assert report.main([path, "--table", "scaling", "--op", "nope"]) == 2
+    assert "not in every results file" in capsys.readouterr().err
+
+
+@serial_only
+def test_report_of_real_runs_at_one_and_two_ranks(tmp_path):
+    paths = []
+    for ranks in (1, 2):
+        path = tmp_path / f"bench-{ranks}.json"
+        cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *SMALL]
+        cmd += [
+            "--ops",
+            "all_reduce,train_step",
+            "--batch",
+            "4",
+            "--scaling",
+            "strong",
+            "--json",
+            str(path),
+            "--quiet",
+        ]
+        done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+        assert done.returncode == 0, done.stderr[-3000:]
+        paths.append(str(path))
+    out = tmp_path / "efficiency.csv"
+    cmd = [sys.executable, "-m", "mpistrat", "report", *paths, "--csv", str(out), "--reference", paths[0]]
+    done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
+    # the 2-rank rows are not in the 1-rank reference; the 1-rank rows match themselves
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "strong scaling of train_step" in done.stdout and "row(s) only in" not in done.stdout
+    assert "row(s) not in the reference" in done.stdout
+    assert [r["ranks"] for r in csv.DictReader(out.open())] == ["1", "2"]
