@@ -1,19 +1,16 @@
 """Python time all_gather spends cutting a multi-leaf pack apart at R ranks, without MPI.
 
-    python benchmarks/all_gather_bookkeeping.py 1024 64
+    python -m benchmarks.all_gather_bookkeeping 1024 64
 
 Calls the unpacking step with a stand-in transport, so R can be far more than this
 machine runs: what matters is that its work grows as R * L, not R * L^2.
 """
 
-import os
 import sys
 import time
 import types
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpistrat.collectives.all_gather import _allgather_pack
 from mpistrat.comm import packing

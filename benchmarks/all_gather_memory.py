@@ -1,19 +1,16 @@
 """Peak memory of one all_gather of 200 MiB of float64 per rank: the numbers in docs/performance.md.
 
-    mpiexec -n 2 python benchmarks/all_gather_memory.py {leaf,nest,axis1}
+    mpiexec -n 2 python -m benchmarks.all_gather_memory {leaf,nest,axis1}
 
 Prints, on rank 0, how much the peak resident set grew around the call (the input is
 allocated before; the output is R times the input).
 """
 
-import os
 import resource
 import sys
 
 import numpy as np
 from mpi4py import MPI
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpistrat.collectives import Collectives
 

@@ -5,7 +5,7 @@ the older commit, and this one), alternating, so that a noisy machine slows both
 table shows each side's median over the rounds, next to raw mpi4py measured in the same runs.
 
     git worktree add --detach /tmp/before <commit>
-    python benchmarks/bench_versions.py /tmp/before . --ranks 2 --rounds 3 \\
+    python -m benchmarks.bench_versions /tmp/before . --ranks 2 --rounds 3 \\
         --ops all_reduce,all_reduce_nest,all_gather_uneven --max 4MiB
 """
 
@@ -20,10 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE))
-
-from mpistrat.tools.bench_report import human  # noqa: E402
+from mpistrat.tools.bench_report import human
 
 
 def run(tree: Path, ranks: int, bench_args: list[str], out: Path) -> list[dict]:

@@ -2,21 +2,15 @@
 
 Run it at several sizes and paste the rows side by side:
 
-    for n in 1 2 3 4 8; do mpiexec -n $n python benchmarks/bytes_per_rank.py; done
+    for n in 1 2 3 4 8; do mpiexec -n $n python -m benchmarks.bytes_per_rank; done
 
 Every strategy talks on a counting communicator (tests/support/counting.py), so the numbers are
 what mpistrat hands to MPI, not timings. Rank 0 prints one line per operation: the
 largest bytes in + out of any rank other than 0, and rank 0's own.
 """
 
-import os
-import sys
-
 import numpy as np
 from mpi4py import MPI
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from mpistrat.optimizers import SGD, Adam
 
 import mpistrat

@@ -8,7 +8,7 @@ beside mpistrat and run this script there under ``mpiexec`` (``docs/performance.
 commands)::
 
     python3 -m venv /tmp/peers/torch && /tmp/peers/torch/bin/pip install torch ".[mpich]"
-    /tmp/peers/torch/bin/mpiexec -n 2 /tmp/peers/torch/bin/python benchmarks/peers.py --peer torch
+    /tmp/peers/torch/bin/mpiexec -n 2 /tmp/peers/torch/bin/python -m benchmarks.peers --peer torch
 
 Every rank is one worker of the peer (rank and size from MPI; rank 0 picks free local ports and
 broadcasts them), so the three sides run on the same processes and the same cores. For each

@@ -4,7 +4,7 @@ Run it under ``mpiexec`` once per version, alternating, with ``PYTHONPATH`` poin
 source tree; rank 0 prints the best mean over ``--repeats`` loops of ``--calls`` calls:
 
     for i in 1 2 3 4; do for tree in /tmp/before .; do
-        PYTHONPATH=$tree mpiexec -n 2 python benchmarks/per_call.py --bytes 4; done; done
+        PYTHONPATH=$tree mpiexec -n 2 python -m benchmarks.per_call --bytes 4; done; done
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bytes and time of one float32 all_reduce: plain, deterministic, bf16 and fp16.
 
-    mpiexec -n 2 python benchmarks/reduction_cost.py [--sizes 4K 64K 1M 16M] [--repeat 20]
+    mpiexec -n 2 python -m benchmarks.reduction_cost [--sizes 4K 64K 1M 16M] [--repeat 20]
 
 Bytes are what each rank hands to MPI, counted by tests/support/counting.py's communicator (the
 handshake left out); "ring" is the bytes that leave a rank in a bandwidth-optimal algorithm
@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mpistrat
 from mpistrat.options import CommunicationOptions

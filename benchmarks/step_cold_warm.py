@@ -7,7 +7,7 @@ turn, and before every call 48 MiB of other memory is read. Unsharded, it then t
 parts on cold caches: packing, the ``Allreduce`` and the update on each side's own arrays,
 and mpistrat's handshake and ``strategy.run`` alone. ``docs/performance.md`` quotes it:
 
-    mpiexec -n 2 python benchmarks/step_cold_warm.py --variables 16 --optimizer sgd
+    mpiexec -n 2 python -m benchmarks.step_cold_warm --variables 16 --optimizer sgd
 """
 
 from __future__ import annotations

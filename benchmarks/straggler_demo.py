@@ -1,6 +1,6 @@
 """The run shown in docs/diagnosing.md: one rank with a bigger input shard holds the others up.
 
-    MPISTRAT_TIMELINE=results/timeline mpiexec -n 4 python benchmarks/straggler_demo.py
+    MPISTRAT_TIMELINE=results/timeline mpiexec -n 4 python -m benchmarks.straggler_demo
     mpistrat timeline results/timeline -o results/trace.json
     mpistrat plot results/timeline -o docs/img/heatmap-stragglers.png
 

@@ -4,7 +4,7 @@ The local part of a step alone (no communication): gradients packed into the sta
 buffer and the update's passes over parameters and slots, for each block size, best of
 repeats. ``docs/performance.md`` quotes it to choose ``optimizer_state.BLOCK`` and ``WHOLE``:
 
-    python benchmarks/update_blocks.py --params 1M 16M --optimizer sgd adam
+    python -m benchmarks.update_blocks --params 1M 16M --optimizer sgd adam
 """
 
 from __future__ import annotations

@@ -55,14 +55,9 @@ from mpistrat.input import (
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.training import metrics, optimizers
+from mpistrat.training.distributed_variables import MirroredVariable, SyncOnReadVariable
 from mpistrat.training.losses import compute_average_loss, scale_regularization_loss
-from mpistrat.training.variables import (
-    MirroredVariable,
-    SyncOnReadVariable,
-    Variable,
-    VariableAggregation,
-    VariableSynchronization,
-)
+from mpistrat.training.variables import Variable, VariableAggregation, VariableSynchronization
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -19,9 +20,12 @@ from mpistrat.errors import ContextError
 
 if TYPE_CHECKING:
     from mpistrat.distribute.replica_context import ReplicaContext
-    from mpistrat.distribute.strategy import Strategy
+    from mpistrat.distribute.strategy_base import Strategy
 
 __all__ = [
+    "ModeKind",
+    "Mode",
+    "SyncedWrites",
     "experimental_set_strategy",
     "get_strategy",
     "has_strategy",
@@ -33,23 +37,79 @@ __all__ = [
 CROSS_REPLICA_HINT = "use get_replica_context().merge_call()"
 
 
+class ModeKind(enum.Enum):
+    """Which context a :class:`Mode` is.
+
+    ``DEFAULT``: no scope. ``CROSS_REPLICA``: SPMD, inside ``scope()`` (or a merge_fn run on every
+    rank): every rank executes. ``REPLICA``: inside ``run``. ``MERGE``: inside a root-mode ``merge_fn``:
+    rank 0 alone, holding every replica's values (or the default strategy's merge_fn).
+    """
+
+    DEFAULT = "default"
+    CROSS_REPLICA = "cross_replica"
+    REPLICA = "replica"
+    MERGE = "merge"
+
+
+# The members as module names, for ``mode.kind is context.MERGE``: on Python 3.11 an Enum's class
+# attribute costs a lookup through its metaclass (~80 ns), on paths that run at every step.
+DEFAULT = ModeKind.DEFAULT
+CROSS_REPLICA = ModeKind.CROSS_REPLICA
+REPLICA = ModeKind.REPLICA
+MERGE = ModeKind.MERGE
+
+
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One entry of the stack.
+    """One entry of the stack: a strategy, its replica context (None in cross-replica context), a kind.
 
-    ``kind`` is ``"default"`` (no scope), ``"cross_replica"`` (SPMD: inside ``scope()``,
-    every rank executes), ``"replica"`` (inside ``run``), or ``"merge"`` (inside a
-    ``merge_fn``: rank 0 alone, holding every replica's values). A ``"merge"`` mode with a
-    ``replica_context`` is ``strategy.run`` called inside such a merge_fn: one replica at a
-    time on rank 0 alone, where nothing may communicate.
+    A ``MERGE`` mode with a ``replica_context`` is ``strategy.run`` called inside such a merge_fn:
+    one replica at a time on rank 0 alone, where nothing may communicate.
     """
 
     strategy: Strategy
     replica_context: ReplicaContext | None
-    kind: str
+    kind: ModeKind
     # A scope entered inside the default strategy's explicit scope(): as in tf, creating a
     # variable there mixes two strategies and is refused.
     inside_default: bool = False
+
+
+class SyncedWrites:
+    """What cross-replica writes to one strategy's synced variables do now: state the strategy's
+    ``merge_call`` and ``update`` set, and its variables (handed it at creation) read, as a
+    communication hook's state object is handed to the hook.
+
+    ``merged``: a list while a merge_fn runs (between :meth:`record` and :meth:`stop`, which
+    merge_call calls), into which the variables record the writes made there, as ``(key, payload)``;
+    rank 0 broadcasts them (root mode), or the ranks compare them (every rank); None otherwise.
+    ``in_sync``: above 0 inside ``update()`` and ``writes_in_sync()``, whose writes are the same on
+    every rank by construction (computed from reduced values), so they apply to each rank's copy as
+    they are, unchecked.
+
+    >>> writes = SyncedWrites()
+    >>> merged = writes.record()
+    >>> writes.merged.append((0, "payload"))
+    >>> writes.stop()
+    >>> merged, writes.merged, writes.in_sync
+    ([(0, 'payload')], None, 0)
+    """
+
+    __slots__ = ("in_sync", "merged")
+
+    def __init__(self) -> None:
+        self.merged: list[tuple[int, Any]] | None = None
+        self.in_sync = 0
+
+    def record(self) -> list[tuple[int, Any]]:
+        """Start recording the writes made from now on (in a merge_fn); the list they go into."""
+        merged: list[tuple[int, Any]] = []
+        self.merged = merged
+        return merged
+
+    def stop(self) -> None:
+        """Stop recording (the merge_fn returned or raised)."""
+        self.merged = None
 
 
 _local = threading.local()
@@ -67,7 +127,7 @@ def current_mode() -> Mode:
     if stack:
         return stack[-1]
     strategy = _default_strategy()
-    return Mode(strategy, strategy.extended.default_replica_context, "default")
+    return Mode(strategy, strategy.extended.default_replica_context, DEFAULT)
 
 
 def default_strategy() -> Strategy:
@@ -125,20 +185,20 @@ class _Pushed:
 
 
 @contextlib.contextmanager
-def colocation(extended: Any, target: Any) -> Iterator[None]:
-    """A ``colocate_vars_with`` block: variables created in it are placed with ``target``."""
+def colocation(strategy: Strategy, target: Any) -> Iterator[None]:
+    """A ``colocate_vars_with`` block of ``strategy``: variables created in it are placed with ``target``."""
     stack = getattr(_local, "colocation", None)
     if stack is None:
         stack = _local.colocation = []
-    stack.append((extended, target))
+    stack.append((strategy, target))
     try:
         yield
     finally:
         stack.pop()
 
 
-def current_colocation() -> tuple[Any, Any] | None:
-    """The innermost ``colocate_vars_with`` block of this thread: ``(extended, target)``, or None."""
+def current_colocation() -> tuple[Strategy, Any] | None:
+    """The innermost ``colocate_vars_with`` block of this thread: ``(strategy, target)``, or None."""
     stack = getattr(_local, "colocation", None)
     return stack[-1] if stack else None
 
@@ -151,7 +211,7 @@ def get_strategy() -> Strategy:
 def has_strategy() -> bool:
     """True inside a non-default strategy's ``scope()`` or ``run`` (not in the default strategy's
     ``merge_fn``), or after :func:`experimental_set_strategy`."""
-    return not current_mode().strategy.extended.is_default
+    return current_mode().strategy is not _default_strategy()
 
 
 def experimental_set_strategy(strategy: Strategy | None) -> None:
@@ -175,9 +235,9 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
         raise ContextError("experimental_set_strategy: Must not be called inside a Strategy scope.")
     stack.clear()
     _local.set_strategy = None
-    if strategy is not None and not strategy.extended.is_default:
+    if strategy is not None and strategy is not _default_strategy():
         strategy.extended.collectives  # noqa: B018 (raises if finalized)
-        mode = Mode(strategy, None, "cross_replica")
+        mode = Mode(strategy, None, CROSS_REPLICA)
         stack.append(mode)
         _local.set_strategy = mode
 
@@ -204,16 +264,26 @@ def in_cross_replica_context() -> bool:
 def require_cross_replica(method: str) -> Mode:
     """The current mode, if it is cross-replica (or the default context); else raise."""
     mode = current_mode()
-    if mode.replica_context is not None and mode.kind != "default":
+    if mode.replica_context is not None and mode.kind is not DEFAULT:
         raise ContextError(f"{method}: Method requires being in cross-replica context, {CROSS_REPLICA_HINT}")
     return mode
 
 
 def require_replica(method: str) -> Mode:
+    """The current mode, if it is a replica context that may communicate; else raise.
+
+    Not ``strategy.run`` inside a root-mode merge_fn: it runs every replica in turn on rank 0 alone.
+    """
     mode = current_mode()
     if mode.replica_context is None:
         raise ContextError(
             f"{method}: Method requires being in replica context; "
             "call it inside strategy.run(fn), not in cross-replica context"
+        )
+    if mode.kind is MERGE:
+        raise ContextError(
+            f"{method}: this is strategy.run inside a merge_fn, which runs every replica "
+            "in turn on rank 0 alone, so it cannot communicate; use "
+            "MPIStrategy(merge_call='every_rank'), or call strategy.run outside merge_fn"
         )
     return mode

@@ -153,7 +153,7 @@ def test_preemption_watcher_reports_an_agreed_signal_on_every_rank(world):
             watcher.block_until_worker_exit()  # nothing to wait for (tf: a no-op off TPUs)
         finally:
             preemption._unwatch_signals()
-            s.extended.collectives.stop_requested = s.extended.collectives.stop_agreed = False
+            s.extended.collectives.stop.clear()
     where = "SIGUSR1 on rank 0" if world.rank == 0 else "on another rank"
     all_ranks_agree(world.comm, before is None and after is not None and where in after, repr(after))
 

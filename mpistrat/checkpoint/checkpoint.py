@@ -1,18 +1,15 @@
 """Checkpoints of variables and optimizers in ``tf.train.Checkpoint``'s shape, surviving a killed save.
 
-Every rank calls :meth:`Checkpoint.save`, :meth:`~Checkpoint.write`, :meth:`~Checkpoint.restore`
-and :meth:`~Checkpoint.read` (they are collective, in cross-replica context). Rank 0 writes one
-``.npz`` file atomically: to a temporary file, ``fsync``, then ``rename``, so the previous
-checkpoint at that path stays intact until the new one is complete. ``save(prefix)`` numbers
-its files ``prefix-1``, ``prefix-2``, ... by ``save_counter`` (saved in the file, so a restored
-checkpoint continues the numbering) and records the newest in the directory's ``checkpoint``
-index, which :func:`latest_checkpoint` reads. Sync-on-read variables are saved aggregated;
-``restore`` reads on rank 0 and broadcasts, so a checkpoint restores at any number of ranks.
-
-Faults it handles: each save removes the temporary files that killed saves left in its
-directory (see :func:`_stale_temporaries`); :func:`latest_checkpoint` falls back to the newest
-valid checkpoint file when the index is unreadable, with a warning; and ``restore`` of a
-truncated or corrupt file raises ``InvalidArgumentError`` naming the file, on every rank.
+This module is the API and who does what: every rank calls :meth:`Checkpoint.save`,
+:meth:`~Checkpoint.write`, :meth:`~Checkpoint.restore` and :meth:`~Checkpoint.read` (they are
+collective, in cross-replica context); rank 0 writes and reads the file, one entry at a time,
+and ``restore`` broadcasts what it reads, so a checkpoint restores at any number of ranks.
+Sync-on-read variables are saved aggregated. ``save(prefix)`` numbers its files ``prefix-1``,
+``prefix-2``, ... by ``save_counter`` (saved in the file, so a restored checkpoint continues
+the numbering) and records the newest in the directory's index, which :func:`latest_checkpoint`
+reads. The file itself, written atomically so a killed save leaves the previous checkpoint
+intact, and what happens to corrupt files and unreadable indexes are
+:mod:`mpistrat.checkpoint.format`'s; its errors reach every rank.
 
 >>> import mpistrat, numpy as np, os, tempfile
 >>> w = mpistrat.Variable(np.arange(3.0))
@@ -28,48 +25,39 @@ truncated or corrupt file raises ``InvalidArgumentError`` naming the file, on ev
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
-import socket
-import time
 import weakref
-import zipfile
-import zlib
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mpistrat import context, nest
-from mpistrat.collectives.handshake import code
+from mpistrat.checkpoint.format import (
+    INDEX,
+    SAVE_COUNTER,
+    Archive,
+    Index,
+    Reader,
+    checkpoint_state,
+    commit,
+    read_index,
+    write_index,
+)
+from mpistrat.collectives.fingerprint import hash64
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.input.datasets import input_position
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.training.optimizers import Optimizer
-from mpistrat.training.variables import Variable, _to_numpy
+from mpistrat.training.variables import Variable
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+    from mpistrat.distribute.strategy import Strategy
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "latest_checkpoint"]
-
-INDEX = "checkpoint"  # in a checkpoint's directory: names the latest one
-SAVE_COUNTER = "save_counter"  # the entry holding Checkpoint.save_counter, as tf names it
-_META = "__mpistrat__"
-_FORMAT = 1
-
-# Temporary files are named ``<path>.tmp<pid>-<host>``. A later save in the same directory
-# removes one when it is certainly abandoned: written on this host by a process that is
-# no longer alive, or (another host, a reused PID, or a name from before the host was
-# recorded: ``<path>.tmp<pid>``) last modified more than _STALE_AFTER seconds ago.
-_TMP_NAME = re.compile(r"^(?P<target>.+)\.tmp(?P<pid>[0-9]+)(?:-(?P<host>[A-Za-z0-9._-]+))?$")
-_STALE_AFTER = 3600.0
-# Only files that start like what _write_atomic writes: an .npz (a zip) or the index's JSON.
-_TMP_STARTS = (b"PK\x03\x04", b'{"latest"')
-
-
-def _before_rename(tmp: str, path: str) -> None:
-    """Called between writing the temporary file and renaming it (a seam for tests)."""
 
 
 class Checkpoint:
@@ -143,22 +131,22 @@ class Checkpoint:
             wanted = {n[len(prefix) :].rsplit("/", 1)[0] for n in names if n.startswith(prefix)}
             opt.build([self._variables[w] for w in sorted(wanted) if w in self._variables])
 
-    def _strategy(self, method: str) -> Any:
+    def _strategy(self, method: str) -> Strategy:
         """The strategy whose ranks take part: the tracked variables' (all one), else the current one."""
         owners = {id(s): s for v in self._variables.values() if (s := v.distribute_strategy) is not None}
-        owners.update((id(p.strategy), p.strategy) for p in self._inputs.values())
+        owners.update((id(p.owner), p.owner) for p in self._inputs.values())
         if len(owners) > 1:
             raise InvalidArgumentError(
                 f"Checkpoint.{method}: the tracked variables and inputs belong to different strategies"
             )
         mode = context.current_mode()
         strategy = next(iter(owners.values())) if owners else mode.strategy
-        if mode.kind in ("replica", "merge"):
+        if mode.kind in (context.REPLICA, context.MERGE):
             raise ContextError(
                 f"Checkpoint.{method} is collective: call it on every rank in cross-replica context "
                 "(outside strategy.run and merge_fn)"
             )
-        if mode.kind != "default" and mode.strategy is not strategy:
+        if mode.kind is not context.DEFAULT and mode.strategy is not strategy:
             raise ContextError(
                 f"Checkpoint.{method}: the variables belong to {strategy}, not to {mode.strategy}"
             )
@@ -176,7 +164,11 @@ class Checkpoint:
         number = int(self._save_counter.numpy()) + 1
         path = f"{os.fspath(file_prefix)}-{number}"
         directory = os.path.dirname(path) or "."
-        self._write_file(path, "save", number, lambda: _write_index(directory, [os.path.basename(path)]))
+
+        def record() -> None:  # on rank 0, once the file is in place
+            write_index(directory, [os.path.basename(path)])
+
+        write_file(self, collectives_of(self, "save"), path, "save", number, record)
         self._save_counter.assign(np.int64(number))
         return path
 
@@ -190,39 +182,7 @@ class Checkpoint:
             raise InvalidArgumentError(
                 f"Checkpoint.write: {INDEX!r} is the index file's name; pick another name"
             )
-        return self._write_file(path, "write", int(self._save_counter.numpy()))
-
-    def _write_file(
-        self, path: str, method: str, counter: int, after: Callable[[], None] | None = None
-    ) -> str:
-        """Rank 0 writes every entry to ``path`` atomically, then runs ``after`` (the index's update).
-
-        Entries travel one at a time: a sharded slot is assembled from its parts (one
-        all-gather of that variable), written, and dropped before the next, so no rank ever
-        holds more than one variable beyond its own state.
-        """
-        strategy = self._strategy(method)
-        collectives = strategy.extended.collectives
-        entries = self._entries()
-        described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
-        collectives.agree(
-            "checkpoint.save", fingerprint=code(repr(described)), describe=lambda: {"leaves": described}
-        )
-        # Gathered before the file opens: ranks at different positions fail the save, leaving nothing behind.
-        positions = {n: v.value() for n, v in entries.items() if isinstance(v, InputPosition)}
-        archive = _Archive(path) if collectives.rank == 0 else None
-        for name, var in entries.items():
-            # Collective for sync-on-read variables (aggregated) and sharded slots.
-            value = positions[name] if name in positions else var.value()
-            if archive is not None:
-                archive.add(name, value)
-            del value
-        if archive is not None:
-            archive.add(SAVE_COUNTER, np.array(counter, np.int64))
-            meta = {"format": _FORMAT, "num_replicas": strategy.num_replicas_in_sync}
-            archive.add(_META, np.array(json.dumps(meta)))
-        collectives.on_root(lambda: _commit(archive, after), kind=f"checkpoint.{method} (write)")
-        return path
+        return write_file(self, collectives_of(self, "write"), path, "write", int(self._save_counter.numpy()))
 
     def restore(self, save_path: str | os.PathLike[str] | None) -> CheckpointLoadStatus:
         """Load ``save_path`` into the tracked objects (collective); returns a status.
@@ -234,37 +194,46 @@ class Checkpoint:
         then. ``save_counter`` is restored too. ``None`` (nothing saved yet) restores nothing.
         """
         strategy = self._strategy("restore")
+        collectives = strategy.extended.collectives
         # Collective even for None, so a rank that found no checkpoint fails every rank instead of hanging.
-        strategy.extended.collectives.agree(
+        collectives.agree(
             "checkpoint.restore",
             fingerprint=int(save_path is None),
             describe=lambda: {"leaves": [("save_path", "None" if save_path is None else "a path", ())]},
         )
         if save_path is None:
             return CheckpointLoadStatus(None, [], [])
-        return self._load(os.fspath(save_path), "restore", strategy)
+        return self._load(os.fspath(save_path), "restore", collectives, strategy.extended.writes_in_sync)
 
     def read(self, save_path: str | os.PathLike[str]) -> CheckpointLoadStatus:
         """Load a file written by :meth:`write` (collective); as :meth:`restore`, but ``None`` is an error."""
         if save_path is None:
             raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
         strategy = self._strategy("read")
-        strategy.extended.collectives.agree("checkpoint.restore")
-        return self._load(os.fspath(save_path), "read", strategy)
-
-    def _load(self, path: str, method: str, strategy: Any) -> CheckpointLoadStatus:
-        """Rank 0 checks the file and reads what it holds; then each entry travels alone (one
-        broadcast), so no rank holds more than one variable beyond its own state."""
         collectives = strategy.extended.collectives
-        index, counter = collectives.on_root(lambda: _read_index(path), kind=f"checkpoint.{method} (read)")
+        collectives.agree("checkpoint.restore")
+        return self._load(os.fspath(save_path), "read", collectives, strategy.extended.writes_in_sync)
+
+    def _load(
+        self,
+        path: str,
+        method: str,
+        collectives: Collectives,
+        writes_in_sync: Callable[[], AbstractContextManager[None]],
+    ) -> CheckpointLoadStatus:
+        """Rank 0 checks the file and reads what it holds; then each entry travels alone (one
+        broadcast), so no rank holds more than one variable beyond its own state. Every rank
+        assigns rank 0's values inside ``writes_in_sync()`` (the strategy's: they are the same
+        on every rank by construction)."""
+        index, counter = collectives.on_root(lambda: read_index(path), kind=f"checkpoint.{method} (read)")
         if index is None:
             raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
         self._build_slots(sorted(index))
         entries = self._entries()
         _check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
-        reader = _Reader(path) if collectives.rank == 0 else None
+        reader = Reader(path) if collectives.rank == 0 else None
         try:
-            with strategy.extended.writes_in_sync():  # every rank assigns rank 0's broadcast values
+            with writes_in_sync():
                 for name, var in entries.items():
                     if name in index:
                         dtype, shape = index[name]
@@ -281,6 +250,49 @@ class Checkpoint:
             self._save_counter.assign(np.int64(counter))
         missing = [n for n in entries if n not in index]
         return CheckpointLoadStatus(path, missing, [n for n in index if n not in entries])
+
+
+# -- what CheckpointManager and PreemptionCheckpointHandler share ------------------------------
+
+
+def collectives_of(checkpoint: Checkpoint, method: str) -> Collectives:
+    """The collectives of the ranks that save and restore ``checkpoint`` (``method`` names the
+    caller in errors: outside cross-replica context, or variables of several strategies)."""
+    return checkpoint._strategy(method).extended.collectives
+
+
+def write_file(
+    checkpoint: Checkpoint,
+    collectives: Collectives,
+    path: str,
+    method: str,
+    counter: int,
+    after: Callable[[], None] | None = None,
+) -> str:
+    """Rank 0 writes every entry to ``path`` atomically, then runs ``after`` (the index's update).
+
+    Entries travel one at a time: a sharded slot is assembled from its parts (one
+    all-gather of that variable), written, and dropped before the next, so no rank ever
+    holds more than one variable beyond its own state. Collective over ``collectives``.
+    """
+    entries = checkpoint._entries()
+    described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
+    collectives.agree(
+        "checkpoint.save", fingerprint=hash64(repr(described)), describe=lambda: {"leaves": described}
+    )
+    # Gathered before the file opens: ranks at different positions fail the save, leaving nothing behind.
+    positions = {n: v.value() for n, v in entries.items() if isinstance(v, InputPosition)}
+    archive = Archive(path) if collectives.rank == 0 else None
+    for name, var in entries.items():
+        # Collective for sync-on-read variables (aggregated) and sharded slots.
+        value = positions[name] if name in positions else var.value()
+        if archive is not None:
+            archive.add(name, value)
+        del value
+    if archive is not None:
+        archive.finish(counter, collectives.size)
+    collectives.on_root(lambda: commit(archive, after), kind=f"checkpoint.{method} (write)")
+    return path
 
 
 class CheckpointLoadStatus:
@@ -335,9 +347,7 @@ def _warn_unused(path: str | None, unused: list[str], silenced: list[bool]) -> N
         )
 
 
-def _check_shapes(
-    what: str, entries: dict[str, Any], index: dict[str, tuple[np.dtype, tuple[int, ...]]]
-) -> None:
+def _check_shapes(what: str, entries: dict[str, Any], index: Index) -> None:
     mismatched = [
         f"{n} ({v.mismatch(*index[n])})"
         if isinstance(v, InputPosition)
@@ -361,344 +371,13 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     rank gets its answer; outside any scope each rank reads for itself.
     """
     mode = context.current_mode()
-    if mode.kind in ("replica", "merge"):
+    if mode.kind in (context.REPLICA, context.MERGE):
         raise ContextError(
             "latest_checkpoint is collective: call it on every rank in cross-replica context "
             "(outside strategy.run and merge_fn)"
         )
     collectives = mode.strategy.extended.collectives
     collectives.agree("checkpoint.latest")
-    return collectives.on_root(lambda: _find_latest(os.fspath(directory)), kind="checkpoint.latest (read)")
-
-
-def _write_atomic(path: str, content: str) -> None:
-    """Write ``content`` to a temporary file in the same directory, fsync it, rename it over ``path``."""
-    tmp = _temporary(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(content.encode())
-        _replace_durably(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def _temporary(path: str) -> str:
-    """The temporary file a write of ``path`` goes to (its directory made if missing)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return f"{path}.tmp{os.getpid()}-{_host()}"
-
-
-def _replace_durably(tmp: str, path: str) -> None:
-    """fsync the finished ``tmp``, rename it over ``path`` and make the rename itself durable."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    _before_rename(tmp, path)
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-class _Archive:
-    """Rank 0's checkpoint file in the making: ``.npz`` members (as ``np.savez`` writes them, no
-    pickles) added one at a time to a temporary file. The first error is kept, not raised: the
-    other ranks are in the same loop of collectives, and :func:`_commit` raises it on every rank."""
-
-    def __init__(self, path: str):
-        self.path, self.error = path, None
-        self.tmp = ""
-        self.zip: zipfile.ZipFile | None = None
-        try:
-            _remove_stale_temporaries(os.path.dirname(path) or ".")
-            self.tmp = _temporary(path)
-            self.zip = zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
-        except BaseException as exc:
-            self.error = exc
-
-    def add(self, name: str, value: Any) -> None:
-        """Append ``value`` (a NumPy or device array) as member ``name``."""
-        if self.error is not None or self.zip is None:
-            return
-        try:
-            array = _to_numpy(value)  # a device-to-host copy may fail too: kept like a write error
-            with self.zip.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
-        except BaseException as exc:
-            self.error = exc
-
-    def close(self) -> None:
-        if self.zip is not None:
-            zip_, self.zip = self.zip, None
-            zip_.close()
-
-
-def _commit(archive: _Archive | None, after: Callable[[], None] | None) -> None:
-    """Finish rank 0's archive and rename it into place, then run ``after``; or raise its error."""
-    assert archive is not None  # run on rank 0 alone
-    try:
-        if archive.error is not None:
-            raise archive.error
-        archive.close()
-        _replace_durably(archive.tmp, archive.path)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            archive.close()
-        with contextlib.suppress(OSError):
-            if archive.tmp:
-                os.remove(archive.tmp)
-        raise
-    if after is not None:
-        after()
-
-
-# -- faults: corrupt files, unreadable indexes, abandoned temporaries ---------------------------
-
-# What a truncated or corrupt .npz raises while being read, depending on where the damage is.
-# (NotImplementedError and RuntimeError: zipfile's answer to a damaged compression method or flags.)
-_CORRUPT = (
-    zipfile.BadZipFile,
-    zlib.error,
-    ValueError,
-    EOFError,
-    KeyError,
-    OSError,
-    NotImplementedError,
-    RuntimeError,
-)
-
-
-def _read_index(path: str) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...]]] | None, Any]:
-    """What the checkpoint file ``path`` holds: ``{entry: (dtype, shape)}`` and its save counter
-    (None if absent); the index is None for a file that is not an mpistrat checkpoint. On rank 0.
-
-    Every member's CRC is checked first (reading the file through once, in small pieces), so a
-    truncated or corrupt file raises ``InvalidArgumentError`` naming it before anything is
-    restored. A missing or unopenable file raises what ``open`` raises.
-    """
-    with open(path, "rb") as f:
-        try:
-            with zipfile.ZipFile(f) as archive:
-                bad = archive.testzip()
-                if bad is not None:
-                    raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
-                index: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-                for info in archive.infolist():
-                    with archive.open(info) as member:
-                        shape, dtype = _header(member)
-                    index[info.filename.removesuffix(".npy")] = (dtype, tuple(shape))
-                if _META not in index:
-                    return None, None
-                small = {k: _member(archive, k) for k in (_META, SAVE_COUNTER) if k in index}
-            meta = json.loads(str(small[_META]))
-            if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-                raise ValueError(f"unknown format {meta!r}")
-        except _CORRUPT as exc:
-            raise InvalidArgumentError(
-                f"Checkpoint.restore: {path} is truncated or corrupt and cannot be read "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
-    counter = small.get(SAVE_COUNTER)
-    index.pop(_META)
-    index.pop(SAVE_COUNTER, None)
-    return index, None if counter is None else int(counter)
-
-
-def _header(member: Any) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype an ``.npy`` member's header gives, read without its data."""
-    version = np.lib.format.read_magic(member)
-    if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(member)
-    elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(member)
-    else:
-        raise ValueError(f"unsupported .npy format version {version}")
-    return shape, dtype
-
-
-def _member(archive: zipfile.ZipFile, name: str) -> np.ndarray:
-    with archive.open(f"{name}.npy") as member:
-        return np.lib.format.read_array(member, allow_pickle=False)
-
-
-class _Reader:
-    """Rank 0's open checkpoint file, read one entry at a time (after :func:`_read_index`)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.archive: zipfile.ZipFile | None = None
-        self.error: InvalidArgumentError | None = None
-        try:
-            self.archive = zipfile.ZipFile(path)
-        except (OSError, *_CORRUPT) as exc:
-            self.error = self._failed(exc)
-
-    def _failed(self, exc: BaseException) -> InvalidArgumentError:
-        return InvalidArgumentError(
-            f"Checkpoint.restore: {self.path} could not be read ({type(exc).__name__}: {exc}); "
-            "was it changed while being restored?"
-        )
-
-    def get(self, name: str, placeholder: np.ndarray) -> tuple[np.ndarray, InvalidArgumentError | None]:
-        """Entry ``name``, or ``placeholder`` and the error to raise on every rank."""
-        if self.error is not None or self.archive is None:
-            return placeholder, self.error or self._failed(RuntimeError("not open"))
-        try:
-            value = _member(self.archive, name)
-        except (OSError, *_CORRUPT) as exc:
-            self.error = self._failed(exc)
-            return placeholder, self.error
-        if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
-            self.error = self._failed(ValueError(f"{name} is not what its header said"))
-            return placeholder, self.error
-        return value, None
-
-    def close(self) -> None:
-        if self.archive is not None:
-            self.archive.close()
-
-
-def _is_valid(path: str) -> bool:
-    """Whether ``path`` is a complete mpistrat checkpoint file (every member's CRC checked)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            if f"{_META}.npy" not in archive.namelist():
-                return False
-        return _read_index(path)[0] is not None
-    except (InvalidArgumentError, *_CORRUPT):
-        return False
-
-
-def _write_index(directory: str, names: list[str]) -> None:
-    """Record checkpoint file names (oldest first; the last is the latest) in the directory's index."""
-    _write_atomic(os.path.join(directory, INDEX), json.dumps({"latest": names[-1], "all": names}))
-
-
-def _find_latest(directory: str) -> str | None:
-    return _checkpoint_state(directory)[0]
-
-
-def _checkpoint_state(directory: str) -> tuple[str | None, list[str]]:
-    """The latest checkpoint's path and every recorded one (oldest first), from the directory's index.
-
-    No index: ``(None, [])``. An unreadable index, or one naming a file that is gone: a
-    warning, and the newest valid checkpoint file in ``directory`` as the only one.
-    """
-    index = os.path.join(directory, INDEX)
-    try:
-        with open(index, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None, []  # nothing was ever saved here
-    except OSError as exc:
-        problem = f"cannot be read ({type(exc).__name__}: {exc})"
-    else:
-        try:
-            state = json.loads(raw.decode())
-            names = state.get("all", [state["latest"]])  # files of older versions hold only "latest"
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in [state["latest"], *names]):
-                raise TypeError(f"expected names of files; got {state!r}")
-            candidate = os.path.join(directory, os.path.basename(state["latest"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            problem = f"is truncated or corrupt ({type(exc).__name__}: {exc})"
-        else:
-            if os.path.isfile(candidate):
-                return candidate, [os.path.join(directory, os.path.basename(n)) for n in names]
-            problem = f"names {candidate}, which does not exist"
-    fallback = _newest_valid(directory)
-    logger.warning(
-        "latest_checkpoint: the index %s %s; using the newest valid checkpoint in %s instead: %s",
-        index,
-        problem,
-        directory,
-        fallback,
+    return collectives.on_root(
+        lambda: checkpoint_state(os.fspath(directory))[0], kind="checkpoint.latest (read)"
     )
-    return fallback, [] if fallback is None else [fallback]
-
-
-def _newest_valid(directory: str) -> str | None:
-    """The most recently modified valid checkpoint file in ``directory``, or None."""
-    candidates = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            if entry.name == INDEX or _TMP_NAME.match(entry.name):
-                continue
-            with contextlib.suppress(OSError):
-                if entry.is_file():
-                    candidates.append((entry.stat().st_mtime, entry.name))
-    for _, name in sorted(candidates, reverse=True):
-        if _is_valid(os.path.join(directory, name)):
-            return os.path.join(directory, name)
-    return None
-
-
-def _host() -> str:
-    """This host's name as it appears in temporary files' names."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. PermissionError: it exists, as another user's process
-        return True
-    except (OverflowError, ValueError):  # not a process id at all: the name only looks like ours
-        return True
-    return True
-
-
-def _stale_temporaries(directory: str, now: float | None = None) -> list[str]:
-    """Temporary files in ``directory`` that a killed save abandoned and no save still writes.
-
-    A file is one of ours if its name is ``<name>.tmp<pid>-<host>`` (or ``<name>.tmp<pid>``)
-    and it starts like an ``.npz`` or the index; anything else is never touched. One of
-    ours is stale if it names this host and a PID that is not alive here (and not this
-    process), or if it was last modified more than ``_STALE_AFTER`` seconds ago (another
-    host's save, a reused PID, an old-style name). A concurrent save by another job thus
-    keeps its temporary: its process is alive, or it is on another host and recent.
-    """
-    now = time.time() if now is None else now
-    host, stale = _host(), []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    for entry in entries:
-        match = _TMP_NAME.match(entry.name)
-        if not match:
-            continue
-        with contextlib.suppress(OSError):
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            pid = int(match["pid"])
-            dead_here = match["host"] == host and pid != os.getpid() and not _pid_alive(pid)
-            if not dead_here and now - entry.stat(follow_symlinks=False).st_mtime <= _STALE_AFTER:
-                continue
-            with open(entry.path, "rb") as f:
-                start = f.read(16)
-            if start.startswith(_TMP_STARTS):
-                stale.append(entry.path)
-    return sorted(stale)
-
-
-def _remove_stale_temporaries(directory: str) -> None:
-    """Remove :func:`_stale_temporaries` (on rank 0, before a save); never fails the save."""
-    removed, size = 0, 0
-    for path in _stale_temporaries(directory):
-        with contextlib.suppress(OSError):
-            nbytes = os.path.getsize(path)
-            os.remove(path)
-            removed, size = removed + 1, size + nbytes
-    if removed:
-        logger.info(
-            "Checkpoint.save: removed %d temporary file(s) of killed saves in %s (%.1f MiB)",
-            removed,
-            directory,
-            size / 2**20,
-        )

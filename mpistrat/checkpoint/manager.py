@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat.checkpoint.checkpoint import Checkpoint, _checkpoint_state, _write_index
+from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of, write_file
+from mpistrat.checkpoint.format import checkpoint_state, write_index
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.training.variables import Variable
 
@@ -66,12 +67,12 @@ class CheckpointManager:
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep
-        collectives = checkpoint._strategy("CheckpointManager").extended.collectives
+        collectives = collectives_of(checkpoint, "CheckpointManager")
         collectives.agree("checkpoint.manager")
         prefix = os.path.join(self._directory, checkpoint_name)
 
         def read() -> tuple[str, str | None, list[str]]:  # on rank 0: its prefix and its index
-            return (prefix, *_checkpoint_state(self._directory))
+            return (prefix, *checkpoint_state(self._directory))
 
         self._prefix, self._latest, self._checkpoints = collectives.on_root(
             read, kind="checkpoint.manager (read)"
@@ -107,15 +108,15 @@ class CheckpointManager:
         def record_and_sweep() -> None:  # rank 0, once the new file is in place
             # The index names the new checkpoint before anything is deleted, so a job killed
             # while deleting still finds it; then once more without the deleted files.
-            _write_index(self._directory, [os.path.basename(p) for p in [*doomed, *kept]])
+            write_index(self._directory, [os.path.basename(p) for p in [*doomed, *kept]])
             if doomed:
                 for old in doomed:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(old)
-                _write_index(self._directory, [os.path.basename(p) for p in kept])
+                write_index(self._directory, [os.path.basename(p) for p in kept])
 
-        self._checkpoint._write_file(path, "save", counter, record_and_sweep)
-        collectives = self._checkpoint._strategy("CheckpointManager.save").extended.collectives
+        collectives = collectives_of(self._checkpoint, "save")
+        write_file(self._checkpoint, collectives, path, "save", counter, record_and_sweep)
         if collectives.rank != 0 and os.path.dirname(self._prefix) != self._directory:
             os.makedirs(self._directory, exist_ok=True)  # as tf's save creates it (left empty here)
         self._checkpoint.save_counter.assign(np.int64(counter))

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint.checkpoint import Checkpoint
+from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError
@@ -153,7 +153,7 @@ class PreemptionCheckpointHandler:
             )
         checkpoint = manager.checkpoint
         self._manager, self._config = manager, config
-        self._collectives = checkpoint._strategy("PreemptionCheckpointHandler").extended.collectives
+        self._collectives = collectives_of(checkpoint, "PreemptionCheckpointHandler")
         self._run_calls = Variable._plain(np.zeros((), np.int64), RUN_CALLS, False)
         checkpoint._variables[RUN_CALLS] = self._run_calls
         self._reasons: list[str] = []  # what this rank saw (filled by signal handlers and the watcher)
@@ -224,11 +224,11 @@ class PreemptionCheckpointHandler:
     def _request(self, reason: str) -> None:
         """A trigger fired on this rank: set the flag the next handshake carries (signal-safe)."""
         self._reasons.append(reason)
-        self._collectives.stop_requested = True
+        self._collectives.stop.request()
 
     def _check_and_maybe_save(self, *save_args: Any, **save_kwargs: Any) -> None:
         collectives = self._collectives
-        if self._deadline is not None and not collectives.stop_requested and time.time() >= self._deadline:
+        if self._deadline is not None and not collectives.stop.requested and time.time() >= self._deadline:
             self._request(f"the allocation ends in {self._config.grace_period:g} s (grace_period)")
         if len(self._reasons) > self._reported:
             self._reported = len(self._reasons)
@@ -237,12 +237,12 @@ class PreemptionCheckpointHandler:
                 self._reasons[-1],
                 extra=ANY_RANK,
             )
-        if not collectives.stop_agreed and collectives.handshakes == self._checked_at:
+        if not collectives.stop.agreed and collectives.handshakes == self._checked_at:
             # No handshake since the last check (the check is off, or a step without collectives):
             # one of its own, so a pending flag still reaches every rank.
             collectives.agree("preemption check", extras=[])
         self._checked_at = collectives.handshakes
-        if collectives.stop_agreed:
+        if collectives.stop.agreed:
             self._save_and_exit(save_args, save_kwargs)
 
     def _save_and_exit(self, save_args: tuple[Any, ...], save_kwargs: dict[str, Any]) -> None:
@@ -256,7 +256,7 @@ class PreemptionCheckpointHandler:
         else:
             path = self._manager.save(*save_args, **save_kwargs)
             logger.warning("PreemptionCheckpointHandler: saved %s", path)
-        self._collectives.stop_requested = self._collectives.stop_agreed = False
+        self._collectives.stop.clear()
         _unwatch_signals()  # saved: from here on a SIGTERM (Slurm ending the job) ends the process
         if self._config.exit_fn is not None:
             self._config.exit_fn()
@@ -326,12 +326,12 @@ class PreemptionWatcher:
     def _request(self, reason: str) -> None:
         """A signal on this rank (called from the signal handler: only sets flags)."""
         self._reasons.append(reason)
-        self._collectives.stop_requested = True
+        self._collectives.stop.request()
 
     @property
     def preemption_message(self) -> str | None:
         """None until a termination signal has been agreed by every rank; then what was seen."""
-        if self._message is None and self._collectives.stop_agreed:
+        if self._message is None and self._collectives.stop.agreed:
             seen = (
                 f"{self._reasons[-1]} on rank {self._collectives.rank}"
                 if self._reasons

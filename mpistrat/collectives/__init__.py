@@ -1,12 +1,15 @@
 """Nest-level collectives over one private communicator, one file per collective.
 
 ==================  ==========================================================
-``handshake.py``    :func:`agree`: the agreement every collective opens with
+``handshake.py``    :func:`agree`: the agreement every collective opens with; the stop state
+``fingerprint.py``  the codes the handshake compares: every hash, and its memo
+``mismatch.py``     what each rank passed, explained once the ranks disagree
 ``leaves.py``       nests to arrays; cached fingerprints and pack plans
+``caches.py``       what the collectives remember between calls
 ``all_reduce.py``   sum or mean, one ``Allreduce`` per dtype pack
 ``exact_sum.py``    exact sums in integer limbs (``deterministic=True``)
 ``compressed.py``   16-bit values on the wire (``compression="bf16"|"fp16"``)
-``reduce_axis.py``  sum or mean along an axis and across ranks (``Strategy.reduce(axis=)``)
+``reduce_axis.py``  sum or mean along an axis and across ranks (a ``reduce`` with an ``axis``)
 ``all_gather.py``   concatenate along an axis, uneven sizes, ``Allgatherv``
 ``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
 ``objects.py``      pickled transfers to and from rank 0, and :func:`on_root`
@@ -45,10 +48,12 @@ from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics import flight, stragglers, timeline, watchdog
-from mpistrat.errors import InvalidArgumentError
+from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
 __all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
+
+FREED = "this strategy was finalized (experimental_finalize); create a new MPIStrategy"
 
 
 class Collectives:
@@ -56,23 +61,26 @@ class Collectives:
 
     def __init__(self, comm: MPI.Intracomm, options: CommunicationOptions | None = None):
         self.comm = comm
+        self.freed = False  # set by free(): its owner freed the communicator (see require_open)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
-        # The strategy-wide reduction mode ("" for plain MPI sums): the one-array fast path is plain only.
+        # The default reduction mode ("" for plain MPI sums): the one-array fast path is plain only.
         self.reduction = self.options.reduction
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.caches = caches.Caches()  # what its collectives remember between calls
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
-        self._handshake_send = np.empty(handshake.SLOTS, dtype=np.int64)
-        self._handshake_recv = np.empty(handshake.SLOTS, dtype=np.int64)
-        # A preemption handler sets stop_requested (a signal came); the handshake carries it
-        # (MAX) and sets stop_agreed on every rank at the same collective. handshakes counts them.
-        self.stop_requested = False
-        self.stop_agreed = False
-        self.handshakes = 0
-        # The strategy's check level: its option, else the environment (read once, here).
+        # A stop requested here (a preemption signal) that the handshake carries to every rank.
+        self.stop = handshake.StopState()
+        # The handshake's send and receive buffers, reused, and the stop state it carries.
+        self._handshake = (
+            np.empty(handshake.SLOTS, dtype=np.int64),
+            np.empty(handshake.SLOTS, dtype=np.int64),
+            self.stop,
+        )
+        self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
+        # The check level: the options', else the environment (read once, here).
         check = self.options.check
         self.check: int = config.read("MPISTRAT_CHECK") if check is None else handshake.level(check)
         error = None
@@ -102,6 +110,15 @@ class Collectives:
         )
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
+
+    def free(self) -> None:
+        """Mark the communicator freed (its strategy was finalized): ``require_open`` then raises."""
+        self.freed = True
+
+    def require_open(self) -> None:
+        """Raise ``ContextError`` once freed: for holders that outlive the strategy (an iterator)."""
+        if self.freed:
+            raise ContextError(FREED)
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce

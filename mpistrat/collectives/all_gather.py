@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives import mismatch
+from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import mpi, packing
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.diagnostics import watchdog
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
 __all__ = ["all_gather"]
+
+# A NumPy leaf whose result is at least this large is gathered straight into its result.
+_DIRECT_BYTES = 1 << 20
 
 
 @watchdog.collective("all_gather")
@@ -69,9 +73,7 @@ def all_gather(
     rests = [tuple(s for d, s in enumerate(a.shape) if d != ax) for a, ax in zip(arrays, axes, strict=True)]
     impl = lv.device_implementation(arrays, opts)
     leaves_key = [(packing.dtype_name(a), ax, r) for a, ax, r in zip(arrays, axes, rests, strict=True)]
-    fingerprint = mismatch.fingerprint(
-        impl, opts.bytes_per_pack, treespec, *leaves_key, memo=self.caches.codes
-    )
+    fingerprint = code_of(impl, opts.bytes_per_pack, treespec, *leaves_key, memo=self.caches.codes)
     sizes = self.agree(  # always: the sizes along axis are needed, check or not
         kind,
         fingerprint=fingerprint,
@@ -104,10 +106,6 @@ def all_gather(
             xp = packing.array_module(o)
             out[i] = o if ax == 0 else xp.ascontiguousarray(xp.moveaxis(o, 0, ax))
     return optree.tree_unflatten(treespec, out)
-
-
-# A NumPy leaf whose result is at least this large is gathered straight into its result.
-_DIRECT_BYTES = 1 << 20
 
 
 def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import compressed, exact_sum, mismatch
 from mpistrat.collectives import leaves as lv
+from mpistrat.collectives.fingerprint import arrays_code, code_of
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
 __all__ = ["all_reduce", "allreduce_arrays", "describe", "reduction_code", "reduce_special"]
+
+_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes 16-bit compression takes
 
 
 @watchdog.collective("all_reduce")
@@ -69,7 +72,7 @@ def all_reduce(
     if numpy_only and error is None:
         fingerprint, packs = lv.numpy_plan(self.caches, op, treespec, arrays, opts.bytes_per_pack)
     else:
-        fingerprint = lv.fingerprint(
+        fingerprint = arrays_code(
             self.caches.codes, op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack
         )
     mode = opts.reduction
@@ -86,74 +89,6 @@ def all_reduce(
         divisor = self.size if op is ReduceOp.MEAN else None
         out = allreduce_arrays(self, arrays, opts.bytes_per_pack, opts.implementation, divisor, packs)
     return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
-
-
-def reduction_code(mode: str) -> int:
-    """What the handshake's fingerprint mixes in for a reduction mode (0 for plain MPI sums):
-    ranks that reduce differently disagree, and raise, instead of mixing limbs with floats."""
-    return 0 if not mode else mismatch.fingerprint("CommunicationOptions.reduction", mode)
-
-
-def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: CommunicationOptions) -> dict[str, Any]:
-    """``mismatch.describe``, with the reduction settings as a last entry when they are not plain:
-    a rank that differs only in them is named with them (the other: "no such leaf")."""
-    described = mismatch.describe(value, op, implementation=impl, bytes_per_pack=opts.bytes_per_pack)
-    if not opts.reduction:  # as the plain paths describe themselves
-        return described
-    settings = f"deterministic={bool(opts.deterministic)} compression={opts.compression or 'none'}"
-    described["leaves"].append(("CommunicationOptions", settings, None))  # after the leaves: named last
-    described["advice"] = (
-        "Every rank must pass the same nest structure, dtypes and shapes. Every rank must also pass the "
-        "same CommunicationOptions deterministic and compression settings."
-    )
-    return described
-
-
-def reduce_special(
-    self: Collectives, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
-) -> list[Any]:
-    """Sum (MEAN: average) with ``opts.reduction`` set: per pack, exact sums or 16-bit values on
-    the wire for the floating-point packs that mode takes; the other packs go the plain way.
-
-    Device arrays are reduced through host copies, and their results copied back.
-    """
-    mode = opts.reduction
-    out: list[Any] = [None] * len(arrays)
-    for p in packing.plan_packs(arrays, opts.bytes_per_pack):
-        takes = exact_sum.supported(p.dtype) if mode == "deterministic" else p.dtype in _COMPRESSIBLE
-        if not takes:
-            part = allreduce_arrays(
-                self,
-                [arrays[i] for i in p.indices],
-                0,
-                opts.implementation,
-                self.size if mean else None,
-            )
-            for i, o in zip(p.indices, part, strict=True):
-                out[i] = o
-            continue
-        buf = packing.pack(arrays, p)
-        host = buf if p.module is np else buf.get()
-        if mode == "deterministic":
-            real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
-            summed, _ = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [], self.size if mean else None)
-            result = summed.view(host.dtype)
-        else:
-            result = compressed.compressed_sum(self.comm, host, mode, mean, kind)
-        packing.unpack(result if p.module is np else p.module.asarray(result), arrays, p, out)
-    return out
-
-
-_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
-    """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
-    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], self.options.bytes_per_pack)
-    bpp = self.options.bytes_per_pack
-    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp))
-    divisor = self.size if op is ReduceOp.MEAN else None
-    return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]
 
 
 def allreduce_arrays(
@@ -196,3 +131,68 @@ def allreduce_arrays(
                 transport.allreduce(buf, buf)
             packing.unpack(buf if divisor is None else lv.divide(buf, divisor), arrays, p, out)
     return out
+
+
+def reduce_special(
+    self: Collectives, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
+) -> list[Any]:
+    """Sum (MEAN: average) with ``opts.reduction`` set: per pack, exact sums or 16-bit values on
+    the wire for the floating-point packs that mode takes; the other packs go the plain way.
+
+    Device arrays are reduced through host copies, and their results copied back.
+    """
+    mode = opts.reduction
+    out: list[Any] = [None] * len(arrays)
+    for p in packing.plan_packs(arrays, opts.bytes_per_pack):
+        takes = exact_sum.supported(p.dtype) if mode == "deterministic" else p.dtype in _COMPRESSIBLE
+        if not takes:
+            part = allreduce_arrays(
+                self,
+                [arrays[i] for i in p.indices],
+                0,
+                opts.implementation,
+                self.size if mean else None,
+            )
+            for i, o in zip(p.indices, part, strict=True):
+                out[i] = o
+            continue
+        buf = packing.pack(arrays, p)
+        host = buf if p.module is np else buf.get()
+        if mode == "deterministic":
+            real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
+            summed, _ = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [], self.size if mean else None)
+            result = summed.view(host.dtype)
+        else:
+            result = compressed.compressed_sum(self.comm, host, mode, mean, kind)
+        packing.unpack(result if p.module is np else p.module.asarray(result), arrays, p, out)
+    return out
+
+
+def reduction_code(mode: str) -> int:
+    """What the handshake's fingerprint mixes in for a reduction mode (0 for plain MPI sums):
+    ranks that reduce differently disagree, and raise, instead of mixing limbs with floats."""
+    return 0 if not mode else code_of("CommunicationOptions.reduction", mode)
+
+
+def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: CommunicationOptions) -> dict[str, Any]:
+    """``mismatch.describe``, with the reduction settings as a last entry when they are not plain:
+    a rank that differs only in them is named with them (the other: "no such leaf")."""
+    described = mismatch.describe(value, op, implementation=impl, bytes_per_pack=opts.bytes_per_pack)
+    if not opts.reduction:  # as the plain paths describe themselves
+        return described
+    settings = f"deterministic={bool(opts.deterministic)} compression={opts.compression or 'none'}"
+    described["leaves"].append(("CommunicationOptions", settings, None))  # after the leaves: named last
+    described["advice"] = (
+        "Every rank must pass the same nest structure, dtypes and shapes. Every rank must also pass the "
+        "same CommunicationOptions deterministic and compression settings."
+    )
+    return described
+
+
+def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
+    """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
+    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], self.options.bytes_per_pack)
+    bpp = self.options.bytes_per_pack
+    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp))
+    divisor = self.size if op is ReduceOp.MEAN else None
+    return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]

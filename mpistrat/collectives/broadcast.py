@@ -16,6 +16,7 @@ import optree
 
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives import mismatch
+from mpistrat.collectives.fingerprint import arrays_code
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
@@ -53,7 +54,7 @@ def broadcast(
     if numpy_only and error is None:
         fingerprint, packs = lv.numpy_plan(self.caches, None, treespec, arrays, self.options.bytes_per_pack)
     else:
-        fingerprint = lv.fingerprint(
+        fingerprint = arrays_code(
             self.caches.codes, None, None, treespec, arrays, bytes_per_pack=self.options.bytes_per_pack
         )
     self.agree(

@@ -1,4 +1,4 @@
-"""What one strategy's collectives remember between calls, in one place.
+"""What one ``Collectives`` object remembers between calls, in one place.
 
 A training loop repeats the same calls with the same structures, dtypes and shapes, so
 flattening plans, pack plans and fingerprints are worth keeping. Every cache is a
@@ -39,7 +39,7 @@ class Memo(dict[Any, Any]):
 
 
 class Caches:
-    """One strategy's caches (see the module docstring)."""
+    """One ``Collectives`` object's caches (see the module docstring)."""
 
     def __init__(self) -> None:
         self.flat = Memo(256)  # (container type, keys or length) -> (treespec, leaf order)

@@ -14,9 +14,10 @@ or bad input on any one rank is then raised on every rank instead of deadlocking
 :func:`agree` is the entry for every caller, collective or not: it applies the check
 setting, numbers the call, and is watched (timeouts, stall diagnosis) when its caller
 is not. Per-rank numbers (all_gather's sizes) follow in one ``Allgather``; one
-number's maximum over the ranks rides in the handshake itself, and so does
-``Collectives.stop_requested`` (a preemption signal seen on any rank): once any rank sets
-it, every rank's ``stop_agreed`` turns true at the same collective, at no extra cost.
+number's maximum over the ranks rides in the handshake itself, and so does the request
+of a :class:`StopState` (``Collectives.stop``: a preemption signal seen on any rank):
+once any rank requests a stop, its ``agreed`` turns true on every rank at the same
+collective, at no extra cost.
 
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
@@ -34,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives import mismatch
+from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.diagnostics import timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
@@ -41,7 +43,7 @@ from mpistrat.options import CommunicationOptions
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["SLOTS", "agree", "check_enabled", "check_level", "code", "level"]
+__all__ = ["SLOTS", "StopState", "agree", "check_enabled", "check_level", "level"]
 
 _MAGIC = 0x6D707374  # "mpst"
 
@@ -57,14 +59,14 @@ SLOTS = 13
 
 
 def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
-    """Whether the handshake check runs for a call with ``options`` (default: the strategy's)."""
+    """Whether the handshake check runs for a call with ``options`` (default: the collectives' own)."""
     return check_level(collectives, options) > 0
 
 
 def check_level(collectives: Collectives, options: CommunicationOptions | None = None) -> int:
     """0: no check; 1: the handshake (the default); 2 (``strict``): also compare the copies of
-    the variables every-rank merge functions update. The call's option, else the strategy's
-    level (``Collectives.check``: its option, else ``MPISTRAT_CHECK`` at its creation)."""
+    the variables every-rank merge functions update. The call's option, else the collectives'
+    level (``Collectives.check``: their option, else ``MPISTRAT_CHECK`` at their creation)."""
     if options is None or options.check is None:
         return collectives.check
     return level(options.check)
@@ -75,9 +77,41 @@ def level(check: bool | str) -> int:
     return 2 if check == "strict" else int(bool(check))
 
 
-def code(text: str, memo: Any = None) -> int:
-    """A number for ``text`` that is the same on every rank (a kind, a description)."""
-    return mismatch.cached_code(memo, text, lambda: text)
+class StopState:
+    """A stop asked for on this rank, and whether every rank has learned of one (preemption).
+
+    Each ``Collectives`` owns one (``collectives.stop``) and passes it to whoever asks to
+    stop. :meth:`request` only sets a flag (safe in a signal handler); the next handshake
+    carries it (``Allreduce(MAX)``), and from that collective on :attr:`agreed` is true on
+    every rank. :meth:`clear` once the stop was handled.
+
+    >>> stop = StopState()
+    >>> stop.request(); stop.requested, stop.agreed
+    (True, False)
+    """
+
+    __slots__ = ("_agreed", "requested")
+
+    def __init__(self) -> None:
+        self.requested = False  # read by every handshake: a plain attribute, no property
+        self._agreed = False
+
+    def request(self) -> None:
+        """Ask every rank to stop: the next handshake carries the request."""
+        self.requested = True
+
+    @property
+    def agreed(self) -> bool:
+        """Whether a handshake has carried some rank's request (the same answer on every rank)."""
+        return self._agreed
+
+    def learned(self) -> None:
+        """The handshake's: some rank's request reached every rank at this collective."""
+        self._agreed = True
+
+    def clear(self) -> None:
+        """Forget the request and the agreement (the stop was handled)."""
+        self.requested = self._agreed = False
 
 
 @watchdog.collective("handshake")  # watched on its own when a caller opens with it alone
@@ -103,7 +137,7 @@ def agree(
         error: a bad-input error this rank found: raised on every rank.
         extras: per-rank numbers, gathered once all agree (the handshake then always runs).
         maximum: a number whose largest value over the ranks is returned.
-        options: the call's options (their ``check``; the default: the strategy's).
+        options: the call's options (their ``check``; the default: the collectives' own).
 
     Returns:
         With ``extras``, every rank's extras (a table, one row per rank); with
@@ -119,14 +153,15 @@ def agree(
         return None
     self.seq += 1
     codes = self.caches.codes
-    seq, kind_code, tally = self.seq, codes.get(kind) or code(kind, codes), self.stragglers
-    send, recv = self._handshake_send, self._handshake_recv  # reused: this is per-call overhead
+    seq, tally = self.seq, self.stragglers
+    kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
+    send, recv, stop = self._handshake  # buffers reused, and the stop state: this is per-call overhead
     last, longest = tally.outgoing
     send[:] = (  # in slot order: one flat tuple (unpacking parts costs 70 ns per call)
         _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
         -_MAGIC, -seq, -kind_code, -fingerprint,  # at NEGATED
         error is not None, maximum or 0, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
-        self.stop_requested,  # STOP
+        stop.requested,  # STOP
     )  # fmt: skip
     began = time.monotonic()
     entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
@@ -145,7 +180,7 @@ def agree(
         entry[SITE] = timeline.writer.handshake(self, seq, kind, began, ended)
     self.handshakes += 1
     if top[STOP]:
-        self.stop_agreed = True
+        stop.learned()
     if top[ERROR] or top[:NEGATED] != [-f for f in top[NEGATED : 2 * NEGATED]]:
         self.disagreements += 1
         entry[STATE] = "raised: the ranks disagreed"

@@ -33,32 +33,13 @@ if TYPE_CHECKING:
 __all__ = ["all_gather_in_place", "all_reduce_in_place", "reduce_scatter_in_place"]
 
 
-def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> str:
-    """The reduction mode that applies to ``buf`` ("" when plain MPI sums it)."""
-    mode = self.reduction if options is None else self.options.merge(options).reduction
-    if mode == "deterministic":
-        return mode if exact_sum.supported(buf.dtype) else ""
-    return mode if buf.dtype in (np.float32, np.float64) else ""
-
-
-def _special(self: Collectives, buf: Any, mode: str, kind: str) -> Any:
-    """The sum over ranks of the 1-D ``buf``, exact or compressed, as a new array where ``buf`` lives."""
-    host = buf if type(buf) is np.ndarray else buf.get()
-    if mode == "deterministic":
-        real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
-        result = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [])[0].view(host.dtype)
-    else:
-        result = compressed.compressed_sum(self.comm, host, mode, False, kind)
-    return result if type(buf) is np.ndarray else packing.array_module(buf).asarray(result)
-
-
 @watchdog.collective("all_reduce")
 def all_reduce_in_place(
     self: Collectives, buf: Any, *, kind: str = "all_reduce", options: CommunicationOptions | None = None
 ) -> None:
     """Sum ``buf`` across ranks into itself (host buffers to MPI, device buffers to their transport).
 
-    ``options``: the call's (the default: the strategy's); their ``deterministic`` or
+    ``options``: the call's (the default: the collectives' own); their ``deterministic`` or
     ``compression`` make the sum exact or carry 16-bit values (floating-point buffers).
     """
     if (options is not None or self.reduction) and (mode := _mode(self, buf, options)):
@@ -109,6 +90,25 @@ def all_gather_in_place(self: Collectives, buf: Any, *, kind: str = "all_gather"
         self.comm.Allgather(MPI.IN_PLACE, buf)
     else:
         mpi.allgather(self.comm, MPI.IN_PLACE, buf)
+
+
+def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> str:
+    """The reduction mode that applies to ``buf`` ("" when plain MPI sums it)."""
+    mode = self.reduction if options is None else self.options.merge(options).reduction
+    if mode == "deterministic":
+        return mode if exact_sum.supported(buf.dtype) else ""
+    return mode if buf.dtype in (np.float32, np.float64) else ""
+
+
+def _special(self: Collectives, buf: Any, mode: str, kind: str) -> Any:
+    """The sum over ranks of the 1-D ``buf``, exact or compressed, as a new array where ``buf`` lives."""
+    host = buf if type(buf) is np.ndarray else buf.get()
+    if mode == "deterministic":
+        real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
+        result = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [])[0].view(host.dtype)
+    else:
+        result = compressed.compressed_sum(self.comm, host, mode, False, kind)
+    return result if type(buf) is np.ndarray else packing.array_module(buf).asarray(result)
 
 
 def _host(buf: Any, kind: str) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives import mismatch
+from mpistrat.collectives.fingerprint import arrays_code
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
@@ -35,7 +35,6 @@ __all__ = [
     "MAX_DEPTH",
     "device_implementation",
     "divide",
-    "fingerprint",
     "flatten",
     "known_reduce_op",
     "leaf_path",
@@ -108,43 +107,10 @@ def reduce_op(value: ReduceOp | str) -> ReduceOp:
     return op
 
 
-def fingerprint(
-    memo: Any,
-    op: ReduceOp | None,
-    impl: str | None,
-    treespec: Any,
-    arrays: list[Any],
-    sig: Any = None,
-    bytes_per_pack: int = 0,
-) -> int:
-    """A code for (op, implementation, packing, structure, dtypes, shapes), the same on every rank.
-
-    ``bytes_per_pack`` is in it because ranks that split a nest differently would hand MPI
-    buffers of different sizes.
-
-    ``sig`` (plain NumPy arrays: their (dtype, shape) pairs) is only a cheaper cache key:
-    the code itself comes from the same text either way, so both paths agree.
-    """
-    key = (
-        op,
-        impl,
-        bytes_per_pack,
-        treespec,
-        sig if sig is not None else tuple((packing.dtype_name(a), a.shape) for a in arrays),
-    )
-    return mismatch.cached_code(
-        memo,
-        key,
-        lambda: repr(
-            (op, impl, bytes_per_pack, str(treespec), [(packing.dtype_name(a), a.shape) for a in arrays])
-        ),
-    )
-
-
 def numpy_plan(
     caches: Caches, op: ReduceOp | None, treespec: Any, arrays: list[Any], bytes_per_pack: int
 ) -> tuple[int, list[packing.Pack]]:
-    """(fingerprint, pack plan) for plain NumPy ``arrays``.
+    """(fingerprint, pack plan) for plain NumPy ``arrays`` (the fingerprint: :func:`.arrays_code`).
 
     The last plan per structure is kept: comparing a signature costs less than hashing it.
     """
@@ -152,7 +118,7 @@ def numpy_plan(
     last = caches.plans.get(treespec)
     if last is not None and last[0] is op and last[1] == bytes_per_pack and last[2] == sig:
         return last[3], last[4]
-    code = fingerprint(caches.codes, op, None, treespec, arrays, sig, bytes_per_pack)
+    code = arrays_code(caches.codes, op, None, treespec, arrays, sig, bytes_per_pack)
     packs = packing.plan_packs(arrays, bytes_per_pack, sig, caches.packs)
     caches.plans.keep(treespec, (op, bytes_per_pack, sig, code, packs))
     return code, packs
@@ -162,7 +128,7 @@ def flatten(value: Any, memo: Any = None) -> tuple[list[Any], Any]:
     """``nest.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays.
 
     Flat lists, tuples and dicts of NumPy arrays (gradients, metrics) are flattened from the
-    structures ``memo`` (a strategy's ``Caches.flat``) remembers: optree spends ~0.2 us per
+    structures ``memo`` (``Collectives.caches.flat``) remembers: optree spends ~0.2 us per
     leaf deciding that an array is a leaf.
     """
     kind = type(value)

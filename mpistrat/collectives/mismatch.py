@@ -1,7 +1,8 @@
 """Explain a failed handshake: which collective, which leaf, and what each rank passed.
 
 Runs only after the handshake found a disagreement, on every rank at once: one
-``allgather`` of each rank's description, then the same exception everywhere.
+``allgather`` of each rank's description, then the same exception everywhere. (The
+codes the handshake compares come from :mod:`.fingerprint`, on every call.)
 
 >>> print(by_rank(["float64 (3,)", "float64 (4,)", "float64 (3,)"]))
 ranks 0, 2: float64 (3,); rank 1: float64 (4,)
@@ -9,12 +10,8 @@ ranks 0, 2: float64 (3,); rank 1: float64 (4,)
 
 from __future__ import annotations
 
-import hashlib
-import zlib
-from collections.abc import Callable
 from typing import Any, NoReturn
 
-import numpy as np
 import optree
 from mpi4py import MPI
 
@@ -25,60 +22,7 @@ from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratErr
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import local_copy
 
-__all__ = [
-    "by_rank",
-    "cached_code",
-    "checksum",
-    "describe",
-    "fingerprint",
-    "first_difference",
-    "raise_disagreement",
-    "rank_list",
-]
-
-
-def hash64(text: str) -> int:
-    """A 62-bit code of ``text`` (room for its negation in the handshake's int64 slots).
-
-    >>> hash64("all_reduce") == hash64("all_reduce") != hash64("all_gather")
-    True
-    """
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-
-
-def fingerprint(*parts: Any, memo: Any = None) -> int:
-    """A 62-bit code of hashable ``parts`` that is the same on every rank for equal parts.
-
-    ``memo`` (a strategy's ``Caches.codes``) remembers it: a training loop repeats the same
-    calls, and the lookup is several times cheaper than formatting the parts.
-
-    >>> fingerprint("SUM", (3,)) == fingerprint("SUM", (3,)) != fingerprint("SUM", (4,))
-    True
-    """
-    return cached_code(memo, parts, lambda: repr(parts))
-
-
-def cached_code(memo: Any, key: Any, text: Callable[[], str]) -> int:
-    """``hash64(text())``, remembered in ``memo`` (a ``Memo``, or None) under the hashable ``key``."""
-    if memo is None:
-        return hash64(text())
-    code = memo.get(key)
-    if code is None:
-        code = memo.keep(key, hash64(text()))
-    return code
-
-
-def checksum(arr: Any) -> int:
-    """A 63-bit checksum of an array's bytes (CRC-32 and Adler-32 side by side), the same for
-    equal bytes on every rank.
-
-    >>> import numpy as np
-    >>> checksum(np.arange(3.0)) == checksum(np.arange(3.0)) != checksum(np.arange(1.0, 4.0))
-    True
-    """
-    host = np.ascontiguousarray(arr if packing.array_module(arr) is np else arr.get())
-    data = host.reshape(-1).view(np.uint8).data
-    return ((zlib.crc32(data) << 31) ^ zlib.adler32(data)) & (2**63 - 1)
+__all__ = ["by_rank", "describe", "first_difference", "raise_disagreement", "rank_list"]
 
 
 def rank_list(ranks: list[int]) -> str:

@@ -44,6 +44,8 @@ __all__ = [
 # two, which is what small merge_call arguments cost.
 INLINE_BYTES = 1 << 16
 
+_NO_BYTES = np.empty(0, dtype=np.uint8)  # what a rank with no raw bytes sends
+
 
 @watchdog.collective("merge_call")
 def gather_to_root(
@@ -200,9 +202,6 @@ def _split_or_fail(obj: Any, what: str) -> tuple[Any, np.ndarray, UnsupportedTyp
     except Exception as exc:
         error = UnsupportedTypeError(f"{what}: {type(exc).__name__}: {exc}")
         return (*_split_arrays(Unsendable(str(error))), error)
-
-
-_NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
 def _split_arrays(obj: Any) -> tuple[tuple[bytes, list[int]], np.ndarray]:

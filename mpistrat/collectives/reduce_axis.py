@@ -1,6 +1,6 @@
 """reduce_along_axis: sum (or mean) every rank's arrays along an axis and across ranks.
 
-What ``Strategy.reduce(op, value, axis)`` does in the SPMD cross-replica context: each
+What a cross-replica ``reduce(op, value, axis)`` needs when every rank executes: each
 leaf is summed along ``axis`` on its rank, the sums are all-reduced, and MEAN divides by
 the number of elements along ``axis`` over all ranks (uneven batches give the exact
 mean). Sizes along ``axis`` may differ between ranks.
@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from mpistrat.collectives import exact_sum, mismatch
+from mpistrat.collectives import exact_sum
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.all_reduce import describe, reduction_code
+from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError, MpistratError
@@ -86,7 +87,7 @@ def reduce_along_axis(
         return optree.tree_unflatten(treespec, total_sums)
     moved = [lv.moveaxis_to_front(a, int(axis) % a.ndim) for a in arrays]
     rest = [(packing.dtype_name(a), a.shape[1:]) for a in moved]
-    fingerprint = mismatch.fingerprint(op, "axis", treespec, *rest, memo=self.caches.codes)
+    fingerprint = code_of(op, "axis", treespec, *rest, memo=self.caches.codes)
     self.agree(
         kind,
         fingerprint=fingerprint ^ reduction_code("deterministic"),
@@ -107,6 +108,15 @@ def reduce_along_axis(
     for dtype in dict.fromkeys(moved[i].dtype for i in exact):  # one pack per dtype, in first-seen order
         _exact_pack(self, [i for i in exact if moved[i].dtype == dtype], moved, op, out)
     return optree.tree_unflatten(treespec, out)
+
+
+def mean_of(total: Any, count: Any) -> Any:
+    """``total / count`` in ``total``'s float dtype (tf keeps float32 and float16); integers give float64."""
+    xp = packing.array_module(total)
+    total = xp.asarray(total)
+    if total.dtype.kind in "fc":
+        return total / xp.asarray(count, dtype=total.dtype)
+    return xp.true_divide(total, count)
 
 
 def _exact_pack(
@@ -137,12 +147,3 @@ def _exact_pack(
         at += w
         module = packing.array_module(moved[i])
         out[i] = (result[()] if result.ndim == 0 else result) if module is np else module.asarray(result)
-
-
-def mean_of(total: Any, count: Any) -> Any:
-    """``total / count`` in ``total``'s float dtype (tf keeps float32 and float16); integers give float64."""
-    xp = packing.array_module(total)
-    total = xp.asarray(total)
-    if total.dtype.kind in "fc":
-        return total / xp.asarray(count, dtype=total.dtype)
-    return xp.true_divide(total, count)

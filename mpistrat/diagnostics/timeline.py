@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import nest
-from mpistrat.diagnostics.callsite import call_site
+from mpistrat.diagnostics.callsite import cached_call_site as _site
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.log import ANY_RANK, logger
 
@@ -162,30 +161,6 @@ def _line(cat: str, name: str, ts: float, dur: float, tid: int, args: tuple[Any,
             f'"handshake_ms":{handshake * 1e3:.6f},"transfer_ms":{transfer * 1e3:.6f}}}}}\n'
         )
     return head + "}\n"
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpistrat/
-_inside: set[int] = set()  # ids of mpistrat's code objects (they live as long as the process)
-_sites: dict[tuple[str, str, int], str] = {}
-
-
-def _site() -> str:
-    """Where the program called into mpistrat, as ``file:line in function`` (cached per place)."""
-    f: Any = sys._getframe(1)
-    while f is not None:
-        code = f.f_code
-        if id(code) not in _inside:
-            if not code.co_filename.startswith(_PACKAGE):
-                break
-            _inside.add(id(code))
-        f = f.f_back
-    if f is None:
-        return "<inside mpistrat>"
-    key = (f.f_code.co_filename, f.f_code.co_name, f.f_lineno)
-    site = _sites.get(key)
-    if site is None:
-        site = _sites[key] = call_site(f)
-    return site
 
 
 def _bytes(args: Any) -> int:

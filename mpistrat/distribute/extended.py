@@ -4,7 +4,9 @@ Two cross-replica contexts meet here. In the SPMD one (inside ``strategy.scope()
 every rank executing) ``reduce_to`` and ``batch_reduce_to`` are MPI collectives
 over each rank's local value. In a ``merge_fn`` (rank 0 alone, ``PerReplica``
 arguments holding every replica's value) they are local array arithmetic, and
-writes to variables travel back with merge_call's broadcast.
+writes to variables travel back with merge_call's broadcast. Each method checks its
+arguments, then hands them to the one of the two (``reductions.py``) that ``_reductions``
+picks. The default strategy's extended is a subclass (``default.py``).
 
 >>> import mpistrat, numpy as np
 >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
@@ -24,7 +26,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from mpi4py import MPI
 
 from mpistrat import context, nest
@@ -32,19 +33,17 @@ from mpistrat.collectives import Collectives
 from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
 from mpistrat.diagnostics.stragglers import Stragglers
-from mpistrat.distribute import merge
+from mpistrat.distribute import merge, reductions
+from mpistrat.distribute.reductions import Collective, InPlace
 from mpistrat.distribute.replica_context import ReplicaContext
-from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
+from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
-from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, component, local_copy
+from mpistrat.values import HasLocalCopy, Mirrored, PerReplica
 
 if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
+    from mpistrat.distribute.strategy_base import Strategy
 
 __all__ = ["StrategyExtended"]
-
-ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
 
 class StrategyExtended:
@@ -60,34 +59,45 @@ class StrategyExtended:
         comm: MPI.Intracomm,
         options: CommunicationOptions,
         *,
-        is_default: bool = False,
         merge_call: str = "root",
     ):
+        self._setup(container_strategy, comm, options, merge_call)
+        # The private communicator is freed when the Collectives using it are collected, so a
+        # program may drop strategies without experimental_finalize() and not run out of them.
+        c = self._collectives
+        release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.transports.close)
+        release.atexit = False  # MPI_Finalize frees what is left at exit
+        self._release: weakref.finalize | None = release
+        # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
+        self.placement = devices.place(comm)
+        # The two cross-replica contexts' reductions (see _reductions).
+        self._spmd = Collective(self)
+        self._in_place = InPlace(self.size, options, reductions.mirrored(self.size))
+
+    def _setup(
+        self,
+        container_strategy: Strategy,
+        comm: MPI.Intracomm,
+        options: CommunicationOptions,
+        merge_call: str,
+    ) -> None:
+        """What every strategy's extended holds (the default strategy's too)."""
         self._container_strategy = container_strategy
         self._comm: MPI.Intracomm | None = comm
         self._options = options
         self._collectives = Collectives(comm, options)
-        # The private communicator is freed when the Collectives using it are collected, so a
-        # program may drop strategies without experimental_finalize() and not run out of them.
-        self._release: weakref.finalize | None = None
-        if not is_default:
-            c = self._collectives
-            self._release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.transports.close)
-            self._release.atexit = False  # MPI_Finalize frees what is left at exit
-        self.is_default = is_default
+        self._release = None
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
-        self.placement = devices.cpu_placement() if is_default else devices.place(comm)
         self.merge_call_mode = merge_call  # "root" or "every_rank" (see mpistrat.distribute.merge)
-        # Writes to synced variables made inside a merge_fn: on rank 0 they are broadcast with
-        # its result; on every rank (every_rank mode), their copies may be compared.
-        self.merge_writes: list[tuple[int, Any]] | None = None
-        # Inside writes_in_sync() (update, update_non_slot): writes apply to each rank's copy as they are.
-        self.in_sync = 0
+        # What cross-replica writes to this strategy's variables do now (inside a merge_fn, inside
+        # update()): its variables are handed it at creation, merge_call and update set it.
+        self.writes = context.SyncedWrites()
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
         self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._synced_keys = itertools.count()
+        # variable_created_in_scope: what distribute_strategy says of variables created in the scope
+        self._scope_owner: Strategy | None = container_strategy
 
         self.default_replica_context: ReplicaContext = ReplicaContext(container_strategy, 0)
 
@@ -166,26 +176,31 @@ class StrategyExtended:
             _, release, args, _ = detached
             release(*args, wait=True)  # unwatches first: the watchdog must not touch a freed communicator
         self._comm = None
+        self._collectives.free()
 
     # -- context rules ------------------------------------------------------------------
 
     def _require_cross_replica(self, method: str) -> context.Mode:
         """Cross-replica context of this strategy, or the default context; else raise as tf does."""
         mode = context.current_mode()
-        if mode.kind == "default":
-            return mode
-        self._require_scope(method, mode)
+        if mode.kind is not context.DEFAULT:
+            self._require_cross_replica_of_mine(method, mode)
+        return mode
+
+    def _require_cross_replica_of_mine(self, method: str, mode: context.Mode) -> None:
+        """Outside the default context: this strategy's, and cross-replica."""
+        if mode.strategy is not self._container_strategy:
+            self._require_scope(method, mode)  # raises
         if mode.replica_context is not None:
             raise ContextError(
                 f"{method}: Method requires being in cross-replica context, {context.CROSS_REPLICA_HINT}"
             )
-        return mode
 
     def _require_scope(self, method: str, mode: context.Mode | None = None) -> None:
         mode = mode or context.current_mode()
         if mode.strategy is self._container_strategy:
             return
-        if mode.kind == "default":
+        if mode.kind is context.DEFAULT:
             raise ContextError(
                 f'{method}: Need to be inside "with strategy.scope()" for {self._container_strategy}'
             )
@@ -195,9 +210,19 @@ class StrategyExtended:
 
     def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
         """Enter this strategy's scope when called from the default context (as tf does)."""
-        if mode.kind == "default" and not self.is_default:
+        if mode.kind is context.DEFAULT:
             return self._container_strategy.scope()
         return _NOTHING
+
+    def _reductions(self, method: str) -> Collective | InPlace:
+        """The reductions of the current cross-replica context (else raise): the one place that tells
+        a merge_fn, where every replica's value is at hand, from the SPMD context, where each rank
+        holds its own. ``reduce_to``, ``batch_reduce_to`` and ``broadcast_to`` check their arguments,
+        then hand them to what this returns."""
+        mode = context.current_mode()
+        if mode.kind is not context.DEFAULT:
+            self._require_cross_replica_of_mine(method, mode)
+        return self._in_place if mode.kind is context.MERGE else self._spmd
 
     # -- reductions ---------------------------------------------------------------------
 
@@ -221,13 +246,10 @@ class StrategyExtended:
                 for this reduction (as for ``all_reduce``); checked but unused inside a
                 root-mode ``merge_fn``, where nothing is communicated.
         """
-        mode = self._require_cross_replica("reduce_to")
-        op = _reduce_op(reduce_op, "reduce_to")
-        _check_destinations(destinations, "reduce_to")
-        if mode.kind == "merge" or self.is_default:
-            self._options.merge(options)  # a wrong type is an error here too
-            return self._mirrored(merge.reduce_here(op, value, self.size, "reduce_to"))
-        return self._all_reduce(op, value, "reduce_to", options)
+        reducer = self._reductions("reduce_to")
+        op = reductions.reduce_op(reduce_op, "reduce_to")
+        reductions.check_destinations(destinations, "reduce_to")
+        return reducer.reduce_to(op, value, options)
 
     def batch_reduce_to(
         self, reduce_op: Any, value_destination_pairs: Any, options: CommunicationOptions | None = None
@@ -237,32 +259,10 @@ class StrategyExtended:
         Returns one result per ``(value, destinations)`` pair, in order. ``options`` as for
         :meth:`reduce_to` (``bytes_per_pack`` splits the fused buffer into packs).
         """
-        mode = self._require_cross_replica("batch_reduce_to")
-        op = _reduce_op(reduce_op, "batch_reduce_to")
-        pairs = _pairs(value_destination_pairs)
-        if mode.kind == "merge" or self.is_default:
-            self._options.merge(options)
-            return [self._mirrored(merge.reduce_here(op, v, self.size, "batch_reduce_to")) for v, _ in pairs]
-        return list(self._all_reduce(op, [v for v, _ in pairs], "batch_reduce_to", options))
-
-    def _mirrored(self, value: Any) -> Any:
-        """A merge_fn's reduced value, mirrored to every replica (the default strategy: the value)."""
-        return value if self.is_default else Mirrored((value,) * self.size)
-
-    def _all_reduce(
-        self, op: str | ReduceOp, value: Any, kind: str, options: CommunicationOptions | None = None
-    ) -> Any:
-        """One collective over every rank's part of ``value`` (an error here reaches every rank)."""
-        local, error = None, None
-        try:
-            local = _local(value, self.rank, self.size, kind)
-            if options is not None:
-                self._options.merge(options)  # checked here, so a wrong type reaches every rank
-        except MpistratError as exc:
-            error, options = exc, None
-        if op == ONLY_FIRST_REPLICA:  # replica 0's value: a broadcast, not a sum with zeros
-            return self.collectives.broadcast(local, kind=kind, error=error)
-        return self.collectives.all_reduce(op, local, options, kind=kind, error=error)
+        reducer = self._reductions("batch_reduce_to")
+        op = reductions.reduce_op(reduce_op, "batch_reduce_to")
+        pairs = reductions.pairs(value_destination_pairs)
+        return list(reducer.batch_reduce_to(op, [v for v, _ in pairs], options))
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every replica (``destinations``: a variable or device string).
@@ -270,11 +270,9 @@ class StrategyExtended:
         In the SPMD context every rank gets rank 0's value (a collective); inside a
         ``merge_fn`` the value is wrapped as ``Mirrored``.
         """
-        mode = self._require_cross_replica("broadcast_to")
-        _check_destinations(destinations, "broadcast_to")
-        if mode.kind == "merge" or self.is_default:
-            return self._mirrored(tensor)
-        return self.collectives.broadcast(tensor, kind="broadcast_to")
+        reducer = self._reductions("broadcast_to")
+        reductions.check_destinations(destinations, "broadcast_to")
+        return reducer.broadcast_to(tensor)
 
     # -- updates ------------------------------------------------------------------------
 
@@ -295,36 +293,37 @@ class StrategyExtended:
         tuple of the values held here (one per local replica).
         """
         mode = self._require_cross_replica("update")
-        with self._enter(mode):
-            a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update")
-            if self.is_default:
-                result = fn(var, *a, **kw)
-            else:
-                if (
-                    not isinstance(var, HasLocalCopy)
-                    or getattr(var, "distribute_strategy", None) is not self._container_strategy
-                ):
-                    raise InvalidArgumentError(
-                        f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
-                        "Create it inside `with strategy.scope():`"
-                    )
-                component = var._local_variable()
-                self.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
-                try:
-                    result = fn(component, *a, **kw)
-                finally:
-                    self.in_sync -= 1
-        return result if group else _ungroup(result)
+        if mode.kind is context.DEFAULT:  # as tf: from the default context, in this strategy's scope
+            with self._container_strategy.scope():
+                return self.update(var, fn, args, kwargs, group)
+        a, kw = unwrap_mirrored((tuple(args), dict(kwargs or {})), "update")
+        if (
+            not isinstance(var, HasLocalCopy)
+            or getattr(var, "distribute_strategy", None) is not self._container_strategy
+        ):
+            raise InvalidArgumentError(
+                f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
+                "Create it inside `with strategy.scope():`"
+            )
+        component = var._local_variable()
+        writes = self.writes
+        writes.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
+        try:
+            result = fn(component, *a, **kw)
+        finally:
+            writes.in_sync -= 1
+        return result if group else ungroup(result)
 
     @contextlib.contextmanager
     def writes_in_sync(self) -> Iterator[None]:
         """Cross-replica writes inside are the same on every rank by construction (computed from
         reduced or broadcast values), so they are not compared across ranks."""
-        self.in_sync += 1
+        writes = self.writes
+        writes.in_sync += 1
         try:
             yield
         finally:
-            self.in_sync -= 1
+            writes.in_sync -= 1
 
     def update_non_slot(
         self,
@@ -346,9 +345,9 @@ class StrategyExtended:
                 f"({self.parameter_devices}); got {colocate_with!r}"
             )
         with self._enter(mode), self.writes_in_sync():
-            a, kw = _unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
+            a, kw = unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
             result = fn(*a, **kw)
-        return result if group else _ungroup(result)
+        return result if group else ungroup(result)
 
     def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
         """Devices for non-slot variables (an optimizer's step counter): every parameter device.
@@ -374,15 +373,14 @@ class StrategyExtended:
         >>> var2.colocated_with is var1
         True
         """
-        if not self.is_default:
-            self._require_scope("colocate_vars_with")
-            owned = getattr(colocate_with_variable, "distribute_strategy", None) is self._container_strategy
-            if not owned and colocate_with_variable != self.parameter_devices:
-                raise InvalidArgumentError(
-                    "colocate_vars_with must only be passed a variable created in this strategy's scope() "
-                    f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
-                )
-        return context.colocation(self, colocate_with_variable)
+        self._require_scope("colocate_vars_with")
+        owned = getattr(colocate_with_variable, "distribute_strategy", None) is self._container_strategy
+        if not owned and colocate_with_variable != self.parameter_devices:
+            raise InvalidArgumentError(
+                "colocate_vars_with must only be passed a variable created in this strategy's scope() "
+                f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
+            )
+        return context.colocation(self._container_strategy, colocate_with_variable)
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` (a per-rank copy) belongs to, else ``value`` itself."""
@@ -398,8 +396,7 @@ class StrategyExtended:
             raise InvalidArgumentError(
                 f"variable_created_in_scope: expected a Variable; got {type(v).__name__}"
             )
-        owner = getattr(v, "distribute_strategy", None)
-        return owner is (None if self.is_default else self._container_strategy)
+        return getattr(v, "distribute_strategy", None) is self._scope_owner
 
     def read_var(self, v: Any) -> Any:
         """The cross-replica value of the variable ``v`` (as tf): a mirrored variable's value, a
@@ -416,61 +413,33 @@ class StrategyExtended:
         self._require_cross_replica("call_for_each_replica")
         return self._container_strategy.run(fn, args=args, kwargs=kwargs)
 
+    def call_merge_fn(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        every_rank: bool = False,
+        agree: bool = True,
+    ) -> Any:
+        """Run ``merge_fn(strategy, *args, **kwargs)`` as ``ReplicaContext.merge_call`` does, once it
+        checked the replica context: where ``merge_call`` says (see :mod:`mpistrat.distribute.merge`).
 
-def _reduce_op(op: Any, method: str) -> str | ReduceOp:
-    """A ReduceOp, or ONLY_FIRST_REPLICA, from a ReduceOp, a VariableAggregation or a name."""
-    name = getattr(op, "name", op)
-    if isinstance(name, str) and name.upper() == ONLY_FIRST_REPLICA:
-        return ONLY_FIRST_REPLICA
-    choices = "ReduceOp.SUM/MEAN, VariableAggregation.SUM/MEAN/ONLY_FIRST_REPLICA or one of their names"
-    return enum_member(ReduceOp, name, f"{method}: reduce_op", choices)
-
-
-def _check_destinations(destinations: Any, method: str) -> None:
-    ok = (
-        isinstance(destinations, (DistributedValues, np.ndarray, np.generic))
-        or type(destinations) in (bool, int, float, complex)  # a value passed as its own destination
-        or isinstance(destinations, HasLocalCopy)  # a variable
-        or type(destinations).__module__.startswith("cupy")
-    )
-    if isinstance(destinations, str):
-        ok = bool(destinations)
-    if not ok:
-        raise InvalidArgumentError(
-            f"{method}: destinations must be a variable, a distributed value or a device string "
-            f"(not a list, tuple or None); got {destinations!r}"
-        )
-
-
-def _pairs(value_destination_pairs: Any) -> list[tuple[Any, Any]]:
-    pairs = list(value_destination_pairs)
-    for i, pair in enumerate(pairs):
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise InvalidArgumentError(
-                f"batch_reduce_to: value_destination_pairs[{i}] must be a (value, destinations) pair; "
-                f"got {pair!r}"
-            )
-        _check_destinations(pair[1], "batch_reduce_to")
-    return [tuple(p) for p in pairs]
+        ``every_rank=True`` runs it on every rank whatever ``merge_call`` says (the optimizers do);
+        ``agree=False`` then skips the closing handshake unless the check is strict.
+        """
+        strategy = self._container_strategy
+        if every_rank or self.merge_call_mode == "every_rank":
+            return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs, agree=agree)
+        return merge.merge_on_root(strategy, merge_fn, args, kwargs)
 
 
 _NOTHING = contextlib.nullcontext()
 _CONTAINERS = (list, tuple, dict)  # what optree would walk into; anything else is a leaf here
 
 
-def _local(value: Any, rank: int, size: int, method: str) -> Any:
-    """This rank's component of a distributed value (SPMD context); a variable's local copy."""
-
-    def one(x: Any) -> Any:
-        return local_copy(component(x, rank, size, method))
-
-    if not isinstance(value, _CONTAINERS):  # one leaf (a gradient): no tree walk
-        return one(value)
-    return nest.tree_map(one, value)
-
-
-def _unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
-    """``(args, kwargs)`` with mirrored values and variables replaced by this rank's copy."""
+def unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
+    """``update``'s ``(args, kwargs)`` with mirrored values and variables replaced by this rank's copy."""
 
     def one(x: Any) -> Any:
         if isinstance(x, PerReplica):
@@ -488,5 +457,6 @@ def _unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: 
     return nest.tree_map(one, arguments)
 
 
-def _ungroup(result: Any) -> Any:
+def ungroup(result: Any) -> Any:
+    """``update(group=False)``'s result: each leaf a tuple of the values held here (one replica)."""
     return nest.tree_map(lambda x: (x,), result)

@@ -34,15 +34,17 @@ import numpy as np
 import optree
 
 from mpistrat import context, nest
-from mpistrat.collectives import Unsendable, check_level, mismatch
+from mpistrat.collectives import Unsendable, check_level
+from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.reduce_axis import mean_of
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
+from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, local_copy
 
 if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
+    from mpistrat.collectives import Collectives
+    from mpistrat.distribute.strategy_base import Strategy
 
 __all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "reduce_here"]
 
@@ -85,13 +87,14 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
         if gathered is None:  # gather_to_root returns the list on rank 0, where run() runs
             raise MpistratError("merge_call: rank 0 holds no gathered arguments")
         m_args, m_kwargs = _regroup(local, gathered)
-        extended.merge_writes = []
+        record = extended.writes  # the writes merge_fn makes to the strategy's variables
+        writes = record.record()
         try:
-            with context.push(context.Mode(strategy, None, "merge")):
+            with context.push(context.Mode(strategy, None, context.MERGE)):
                 result = merge_fn(strategy, *m_args, **m_kwargs)
         finally:
-            writes, extended.merge_writes = extended.merge_writes, None
-        shared, components = _split_result(result, extended.size, strategy)
+            record.stop()
+        shared, components = _split_result(result, collectives.size, strategy)
         return shared, writes, bool(components[0])
 
     shared, writes, scattered = collectives.on_root(run, kind="merge_call (result)")
@@ -103,7 +106,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
             components if rank == 0 else None, kind="merge_call (components)"
         )
     return nest.tree_map(
-        lambda x: _fill(x, mine, extended),
+        lambda x: _fill(x, mine, strategy),
         shared,
         is_leaf=lambda x: isinstance(x, (_Component, _Synced, _TheStrategy)),
     )
@@ -186,11 +189,11 @@ def _split_result(result: Any, size: int, strategy: Any = None) -> tuple[Any, li
     return nest.tree_map(split, result), components
 
 
-def _fill(leaf: Any, mine: list[Any], extended: Any) -> Any:
+def _fill(leaf: Any, mine: list[Any], strategy: Strategy) -> Any:
     if isinstance(leaf, _TheStrategy):
-        return extended if leaf.extended else extended._container_strategy
+        return strategy.extended if leaf.extended else strategy
     if isinstance(leaf, _Synced):
-        return extended.synced(leaf.key)
+        return strategy.extended.synced(leaf.key)
     if isinstance(leaf, _Component):
         return mine[leaf.index]
     return leaf
@@ -234,7 +237,7 @@ def _reduce_leaf(op: Any, leaf: Any, size: int, method: str, axis: int | None) -
                 "alone with only rank 0's copy; reduce it in strategy.scope() on every rank, or use "
                 "MPIStrategy(merge_call='every_rank')"
             )
-        leaf = Mirrored((leaf._local_copy(),)) if isinstance(leaf, DistributedValues) else leaf._local_copy()
+        leaf = Mirrored((local_copy(leaf),)) if isinstance(leaf, DistributedValues) else local_copy(leaf)
     if isinstance(leaf, PerReplica):
         parts = list(leaf.values)
         if len(parts) not in (1, size):
@@ -298,23 +301,24 @@ def merge_on_every_rank(
     collectives = extended.collectives
     m_args, m_kwargs = nest.tree_map(_own, (tuple(args), kwargs))
     error: BaseException | None = None
-    extended.merge_writes = []
     disagreements = collectives.disagreements
+    record = extended.writes  # the writes merge_fn makes to the strategy's variables
+    written = record.record()
     try:
-        with context.push(context.Mode(strategy, None, "cross_replica")):
+        with context.push(context.Mode(strategy, None, context.CROSS_REPLICA)):
             result = merge_fn(strategy, *m_args, **m_kwargs)
     except BaseException as exc:
         error = exc
     finally:
-        written, extended.merge_writes = extended.merge_writes, None
+        record.stop()
     # A collective inside merge_fn that failed on every rank (a rank that raised early met the
     # others there) has told everyone already: a closing handshake now would wait for nobody.
     told = collectives.disagreements != disagreements
     if not told and (agree or check_level(collectives) > 1):
-        _agree(extended, written, error)
+        _agree(collectives, extended.synced, written, error)
     if error is not None:
         raise error
-    rank = extended.rank
+    rank = collectives.rank
     return nest.tree_map(lambda leaf: _select(leaf, rank), result)
 
 
@@ -332,22 +336,26 @@ def _select(leaf: Any, rank: int) -> Any:
     return leaf
 
 
-def _agree(extended: Any, written: list[tuple[int, Any]], error: BaseException | None) -> None:
+def _agree(
+    collectives: Collectives,
+    synced: Callable[[int], Any],
+    written: list[tuple[int, Any]],
+    error: BaseException | None,
+) -> None:
     """One handshake after merge_fn: it failed on no rank (else every rank raises), and, under
-    ``MPISTRAT_CHECK=strict``, every mirrored variable it wrote holds the same bytes everywhere."""
+    ``MPISTRAT_CHECK=strict``, every mirrored variable it wrote (``synced`` finds it by key) holds
+    the same bytes everywhere."""
     fingerprint, describe = 0, None
-    if check_level(extended.collectives) > 1:
-        mirrored = [(extended.synced(k), v) for k, v in dict(written).items()]
-        sums = [
-            (repr(var.name), mismatch.checksum(v)) for var, v in mirrored if getattr(var, "mirrored", False)
-        ]
-        fingerprint = mismatch.fingerprint(*sums) if sums else 0  # sync-on-read copies differ by design
+    if check_level(collectives) > 1:
+        mirrored = [(synced(k), v) for k, v in dict(written).items()]
+        sums = [(repr(var.name), checksum(v)) for var, v in mirrored if getattr(var, "mirrored", False)]
+        fingerprint = code_of(*sums) if sums else 0  # sync-on-read copies differ by design
         describe = lambda: {  # noqa: E731
             "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
             "advice": _DIVERGED,
         }
     try:
-        extended.collectives.agree("merge_call", fingerprint=fingerprint, describe=describe, error=error)
+        collectives.agree("merge_call", fingerprint=fingerprint, describe=describe, error=error)
     except BaseException:
         if error is not None:
             raise error from None  # this rank's own exception, with its traceback

@@ -6,13 +6,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
-from mpistrat.distribute import merge
 from mpistrat.errors import ContextError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
+    from mpistrat.distribute.strategy_base import Strategy
 
 __all__ = ["ReplicaContext"]
 
@@ -34,7 +33,7 @@ class ReplicaContext:
         self._modes: list[Any] = []
 
     def __enter__(self) -> ReplicaContext:
-        push = context.push(context.Mode(self._strategy, self, "replica"))
+        push = context.push(context.Mode(self._strategy, self, context.REPLICA))
         push.__enter__()
         self._modes.append(push)
         return self
@@ -114,35 +113,11 @@ class ReplicaContext:
         >>> ctx.merge_call(lambda strategy, x: x + 1, args=(41,))
         42
         """
-        return self._merge_call(merge_fn, args, kwargs, self._strategy.extended.merge_call_mode)
-
-    def _merge_call(
-        self,
-        merge_fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        mode: str,
-        *,
-        agree: bool = True,
-    ) -> Any:
         self._require_current("merge_call")
-        kwargs = dict(kwargs or {})
-        strategy = self._strategy
-        if strategy.extended.is_default:
-            with context.push(context.Mode(strategy, None, "merge")):
-                return merge_fn(strategy, *args, **kwargs)
-        if mode == "every_rank":
-            return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs, agree=agree)
-        return merge.merge_on_root(strategy, merge_fn, args, kwargs)
+        return self._strategy.extended.call_merge_fn(merge_fn, args, dict(kwargs or {}))
 
     def _require_current(self, method: str) -> None:
-        mode = context.require_replica(f"ReplicaContext.{method}")
-        if mode.kind == "merge":
-            raise ContextError(
-                f"ReplicaContext.{method}: this is strategy.run inside a merge_fn, which runs every replica "
-                "in turn on rank 0 alone, so it cannot communicate; use "
-                "MPIStrategy(merge_call='every_rank'), or call strategy.run outside merge_fn"
-            )
+        mode = context.require_replica(f"ReplicaContext.{method}")  # nor strategy.run inside a merge_fn
         if mode.replica_context is not self:
             raise ContextError(
                 f"ReplicaContext.{method} called on a replica context that is not the current one; "

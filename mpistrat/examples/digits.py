@@ -138,9 +138,24 @@ def _epoch_rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch])
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
+class _NoBar:
+    """No progress bar: tqdm (the examples extra) is not installed."""
 
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # optional: the run is the same without a bar
+        return _NoBar()
     return tqdm(total=total, desc=desc, disable=not enabled, unit="step", leave=True, file=sys.stdout)
 
 

@@ -1,9 +1,24 @@
 """Distributed input: datasets split across replicas, one pipeline per replica, and their iterators.
 
->>> import mpistrat, numpy as np
->>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
->>> dist = strategy.experimental_distribute_dataset(mpistrat.ArrayDataset(np.arange(6), batch_size=4))
->>> [strategy.run(lambda x: x.sum(), args=(x,)) for x in dist]
+Handed the ranks' :class:`~mpistrat.collectives.Collectives` (their rank, size and
+collectives are all it uses):
+
+=================  ===========================================================
+``contexts.py``    ``InputContext``, ``ValueContext``, ``InputOptions``
+``datasets.py``    the two distributed datasets, ``InputIterator``, checkpoint entries
+``iterators.py``   ``DistributedIterator``, ``Optional``, and the split global batch's steps
+``pipelines.py``   the steps of one pipeline per rank (lengths may differ)
+``source.py``      the user's iterable, read from a saved position
+``position.py``    where a dataset stands (epoch, step), as a checkpoint entry
+``batches.py``     checking and splitting batches; their fingerprints
+``arrays.py``      ``ArrayDataset``: arrays batched, shuffled and sharded by index
+=================  ===========================================================
+
+>>> import numpy as np
+>>> from mpi4py import MPI
+>>> from mpistrat.collectives import Collectives
+>>> dist = distribute_dataset(Collectives(MPI.COMM_SELF.Dup()), ArrayDataset(np.arange(6), batch_size=4))
+>>> [x.sum() for x in dist]
 [np.int64(6), np.int64(9)]
 """
 

@@ -26,7 +26,7 @@ import numpy as np
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives.mismatch import cached_code
+from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
 
@@ -226,7 +226,7 @@ def fingerprint(
     and between a batch and an unbatched element (``batched``).
 
     ``leaves`` are arrays or :class:`ArraySpec` (both have ``dtype`` and ``shape``).
-    ``memo`` (a strategy's ``Caches.codes``) remembers it: an iterator computes one at every
+    ``memo`` (``Collectives.caches.codes``) remembers it: an iterator computes one at every
     step, and the answer rarely changes.
     """
     key = (

@@ -19,7 +19,7 @@ from mpistrat import context
 from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
 
 if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
+    from mpistrat.collectives import Collectives
 
 __all__ = [
     "InputContext",
@@ -195,7 +195,7 @@ class InputOptions:
 def require_spmd(method: str) -> context.Mode:
     """The current mode, if every rank executes here (not inside a ``merge_fn``)."""
     mode = context.current_mode()
-    if mode.kind == "merge":
+    if mode.kind is context.MERGE:
         raise ContextError(
             f"{method} cannot be called inside a merge_fn: merge_fn runs on rank 0 alone, "
             "and reading distributed input needs every rank"
@@ -203,18 +203,18 @@ def require_spmd(method: str) -> context.Mode:
     return mode
 
 
-def distribute_values_from_function(strategy: Strategy, value_fn: Callable[[ValueContext], Any]) -> Any:
+def distribute_values_from_function(collectives: Collectives, value_fn: Callable[[ValueContext], Any]) -> Any:
     """``value_fn(ValueContext(rank, R))`` on this rank: this replica's value, ready for ``run``.
 
-    >>> import mpistrat
-    >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
-    >>> distribute_values_from_function(strategy, lambda ctx: ctx.replica_id_in_sync_group * 10)
+    >>> from mpi4py import MPI
+    >>> from mpistrat.collectives import Collectives
+    >>> ranks = Collectives(MPI.COMM_SELF.Dup())
+    >>> distribute_values_from_function(ranks, lambda ctx: ctx.replica_id_in_sync_group * 10)
     0
     """
     if not callable(value_fn):
         raise InvalidArgumentError(f"value_fn must be callable; got {type(value_fn).__name__}")
     mode = require_spmd("experimental_distribute_values_from_function")
-    if mode.replica_context is not None and mode.kind != "default":
+    if mode.replica_context is not None and mode.kind is not context.DEFAULT:
         context.require_cross_replica("experimental_distribute_values_from_function")
-    extended = strategy.extended
-    return value_fn(ValueContext(extended.rank, extended.size))
+    return value_fn(ValueContext(collectives.rank, collectives.size))

@@ -1,8 +1,13 @@
 """The distributed datasets of ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``.
 
->>> import mpistrat, numpy as np
->>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
->>> dist = strategy.experimental_distribute_dataset([np.arange(4), np.arange(4, 6)])
+Each is handed the ranks' :class:`~mpistrat.collectives.Collectives` (its rank, size and
+collectives are all it uses) and an ``owner``, whoever made it, that only its checkpoint
+entry hands back.
+
+>>> import numpy as np
+>>> from mpi4py import MPI
+>>> from mpistrat.collectives import Collectives
+>>> dist = distribute_dataset(Collectives(MPI.COMM_SELF.Dup()), [np.arange(4), np.arange(4, 6)])
 >>> [x.tolist() for x in dist]
 [[0, 1, 2, 3], [4, 5]]
 """
@@ -16,21 +21,13 @@ from mpistrat import context
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.batches import examine
 from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, require_spmd
-from mpistrat.input.iterators import (
-    _UNKNOWN,
-    END,
-    DistributedIterator,
-    Optional,
-    PipelineIterator,
-    Source,
-    SpecCell,
-    SplitIterator,
-    wrap_user_error,
-)
+from mpistrat.input.iterators import DistributedIterator, Optional, SplitIterator
+from mpistrat.input.pipelines import PipelineIterator, SpecCell
 from mpistrat.input.position import InputPosition
+from mpistrat.input.source import END, UNKNOWN, Source, wrap_user_error
 
 if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
+    from mpistrat.collectives import Collectives
 
 __all__ = [
     "DistributedDataset",
@@ -68,16 +65,19 @@ class DistributedDataset:
     From an :class:`~mpistrat.ArrayDataset` each rank gathers only its own rows.
     """
 
-    def __init__(self, strategy: Strategy, dataset: Iterable[Any], options: InputOptions):
-        self._strategy = strategy
+    def __init__(
+        self, collectives: Collectives, dataset: Iterable[Any], options: InputOptions, owner: object = None
+    ):
+        self._collectives = collectives
+        self._owner = owner
         self._options = options
         # An ArrayDataset yields checked global batches whose rows each replica gathers for itself.
         self._source = Source(dataset, SplitIterator.where)
-        self._spec: Any = _UNKNOWN
+        self._spec: Any = UNKNOWN
 
     def __iter__(self) -> DistributedIterator:
         require_spmd("iter(distributed dataset)")
-        return SplitIterator(self._strategy, self._source, self._options)
+        return SplitIterator(self._collectives, self._source, self._options, self._owner)
 
     @property
     def element_spec(self) -> Any:
@@ -86,15 +86,13 @@ class DistributedDataset:
         None for an empty dataset. Reading it peeks at the first global batch, which
         the next iteration still yields.
         """
-        if self._spec is _UNKNOWN:
+        if self._spec is UNKNOWN:
             first = self._source.peek()
             self._spec = None if first is END else examine(first, SplitIterator.where).spec
         return self._spec
 
     def __repr__(self) -> str:
-        return (
-            f"DistributedDataset({self._source.iterable!r}, replicas={self._strategy.num_replicas_in_sync})"
-        )
+        return f"DistributedDataset({self._source.iterable!r}, replicas={self._collectives.size})"
 
 
 class DistributedDatasetsFromFunction:
@@ -102,21 +100,23 @@ class DistributedDatasetsFromFunction:
 
     def __init__(
         self,
-        strategy: Strategy,
+        collectives: Collectives,
         dataset_fn: Callable[[InputContext], Iterable[Any]],
         options: InputOptions,
         where: str = PipelineIterator.where,
+        owner: object = None,
     ):
         if not callable(dataset_fn):
             raise InvalidArgumentError(
                 f"{where}: dataset_fn must be callable; got {type(dataset_fn).__name__}"
             )
-        extended = strategy.extended
-        self._strategy = strategy
+        collectives.require_open()
+        self._collectives = collectives
+        self._owner = owner
         self._options = options
         self._where = where  # make_input_fn_iterator's errors name it
         self._spec = SpecCell()
-        self.input_context = InputContext(extended.size, extended.rank, extended.size)
+        self.input_context = InputContext(collectives.size, collectives.rank, collectives.size)
         error, cause, source = None, None, None
         try:
             source = Source(dataset_fn(self.input_context), where)
@@ -124,7 +124,7 @@ class DistributedDatasetsFromFunction:
             error, cause = wrap_user_error(exc, where), (None if isinstance(exc, MpistratError) else exc)
         # Every rank learns whether dataset_fn failed anywhere, so none goes on to wait for it.
         try:
-            extended.collectives.agree(where, error=error)
+            collectives.agree(where, error=error)
         except MpistratError as exc:
             if cause is not None:
                 raise exc from cause
@@ -135,7 +135,9 @@ class DistributedDatasetsFromFunction:
 
     def __iter__(self) -> DistributedIterator:
         require_spmd("iter(distributed dataset)")
-        return PipelineIterator(self._strategy, self._source, self._options, self._spec, self._where)
+        return PipelineIterator(
+            self._collectives, self._source, self._options, self._spec, self._where, self._owner
+        )
 
     @property
     def element_spec(self) -> Any:
@@ -146,7 +148,7 @@ class DistributedDatasetsFromFunction:
         of unbatched elements has their whole shapes, as tf's (``ArraySpec((), int64)``
         for ``range``).
         """
-        if self._spec.value is not _UNKNOWN:
+        if self._spec.value is not UNKNOWN:
             return self._spec.value
         first = self._source.peek()
         return None if first is END else examine(first, self._where, unbatched=True).spec
@@ -200,9 +202,12 @@ class InputIterator:
 
 
 def distribute_dataset(
-    strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None
+    collectives: Collectives,
+    dataset: Iterable[Any],
+    options: InputOptions | None = None,
+    owner: object = None,
 ) -> DistributedDataset:
-    """``Strategy.experimental_distribute_dataset``: split each global batch across replicas."""
+    """``experimental_distribute_dataset``: split each global batch across replicas."""
     where = SplitIterator.where
     _require_cross_replica(where)
     opts = _options(options, where)
@@ -211,38 +216,42 @@ def distribute_dataset(
             f"{where}: InputReplicationMode.PER_REPLICA is only supported in "
             "distribute_datasets_from_function"
         )
-    return DistributedDataset(strategy, dataset, opts)
+    return DistributedDataset(collectives, dataset, opts, owner)
 
 
 def distribute_datasets_from_function(
-    strategy: Strategy,
+    collectives: Collectives,
     dataset_fn: Callable[[InputContext], Iterable[Any]],
     options: InputOptions | None = None,
     where: str = PipelineIterator.where,
+    owner: object = None,
 ) -> DistributedDatasetsFromFunction:
-    """``Strategy.distribute_datasets_from_function``: one pipeline per rank (collective).
+    """``distribute_datasets_from_function``: one pipeline per rank (collective).
 
     Each pipeline yields batches, or unbatched elements (one per replica per step, as tf).
     """
     _require_cross_replica(where)
-    return DistributedDatasetsFromFunction(strategy, dataset_fn, _options(options, where), where)
+    return DistributedDatasetsFromFunction(collectives, dataset_fn, _options(options, where), where, owner)
 
 
-def make_dataset_iterator(strategy: Strategy, dataset: Iterable[Any]) -> InputIterator:
-    """``Strategy.make_dataset_iterator``: an :class:`InputIterator` over split global batches."""
-    return InputIterator(distribute_dataset(strategy, dataset))
+def make_dataset_iterator(
+    collectives: Collectives, dataset: Iterable[Any], owner: object = None
+) -> InputIterator:
+    """``make_dataset_iterator``: an :class:`InputIterator` over split global batches."""
+    return InputIterator(distribute_dataset(collectives, dataset, owner=owner))
 
 
 def make_input_fn_iterator(
-    strategy: Strategy,
+    collectives: Collectives,
     input_fn: Callable[[InputContext], Iterable[Any]],
     replication_mode: InputReplicationMode | str = InputReplicationMode.PER_WORKER,
+    owner: object = None,
 ) -> InputIterator:
-    """``Strategy.make_input_fn_iterator``: an :class:`InputIterator`, one pipeline per rank (collective)."""
+    """``make_input_fn_iterator``: an :class:`InputIterator`, one pipeline per rank (collective)."""
     mode = InputReplicationMode.from_any(replication_mode)
     options = InputOptions(experimental_replication_mode=mode)
     return InputIterator(
-        distribute_datasets_from_function(strategy, input_fn, options, where="make_input_fn_iterator")
+        distribute_datasets_from_function(collectives, input_fn, options, "make_input_fn_iterator", owner)
     )
 
 
@@ -258,8 +267,8 @@ def input_position(obj: Any) -> InputPosition | None:
     elif isinstance(obj, (SplitIterator, PipelineIterator)):
         restart = obj._restart
     if isinstance(obj, (DistributedDataset, SplitIterator)):
-        return InputPosition(SplitIterator.where, obj._strategy, obj._source, False, restart)
+        return InputPosition(SplitIterator.where, obj._collectives, obj._source, False, restart, obj._owner)
     if isinstance(obj, (DistributedDatasetsFromFunction, PipelineIterator)):
         where = obj._where if isinstance(obj, DistributedDatasetsFromFunction) else obj.where
-        return InputPosition(where, obj._strategy, obj._source, True, restart)
+        return InputPosition(where, obj._collectives, obj._source, True, restart, obj._owner)
     return None

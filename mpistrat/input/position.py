@@ -25,8 +25,8 @@ from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
-    from mpistrat.input.iterators import Source
+    from mpistrat.collectives import Collectives
+    from mpistrat.input.source import Source
 
 __all__ = ["InputPosition", "Position", "check_position"]
 
@@ -97,7 +97,8 @@ class InputPosition:
     on every rank, so it restores at any number of ranks. ``distribute_datasets_from_function``:
     one ``[epoch, step]`` row per rank (each pipeline counts its own batches), restored
     only at the same number of ranks. ``restart`` (an iterator's) makes the next read
-    open the restored pass.
+    open the restored pass. ``owner`` is whoever made the dataset (a checkpoint asks it
+    whose ranks take part); nothing here uses it.
     """
 
     dtype = np.dtype(np.int64)
@@ -105,20 +106,22 @@ class InputPosition:
     def __init__(
         self,
         what: str,
-        strategy: Strategy,
+        collectives: Collectives,
         source: Source,
         per_rank: bool,
         restart: Callable[[], None] | None = None,
+        owner: object = None,
     ):
         self.what = what
-        self.strategy = strategy
+        self.collectives = collectives
         self.source = source
         self.per_rank = per_rank
         self.restart = restart
+        self.owner = owner
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.strategy.extended.size, 2) if self.per_rank else (2,)
+        return (self.collectives.size, 2) if self.per_rank else (2,)
 
     def _expected(self) -> str:
         if self.per_rank:
@@ -143,8 +146,7 @@ class InputPosition:
 
     def value(self) -> np.ndarray:
         """The position to save (collective: every rank's, gathered; for split input they must agree)."""
-        collectives = self.strategy.extended.collectives
-        table = collectives.agree(f"checkpoint.save ({self.what})", extras=list(self.source.position))
+        table = self.collectives.agree(f"checkpoint.save ({self.what})", extras=list(self.source.position))
         if self.per_rank:
             return table
         if (table != table[0]).any():
@@ -157,14 +159,14 @@ class InputPosition:
 
     def assign(self, value: Any) -> InputPosition:
         """Restore a saved position (collective: an error on any rank is raised on every rank)."""
-        extended = self.strategy.extended
-        row = np.asarray(value)[extended.rank] if self.per_rank else np.asarray(value)
+        collectives = self.collectives
+        row = np.asarray(value)[collectives.rank] if self.per_rank else np.asarray(value)
         epoch, step, error = 0, 0, None
         try:
             epoch, step = self.source.check(f"Checkpoint.restore ({self.what})", row[0].item(), row[1].item())
         except InvalidArgumentError as exc:
             error = exc
-        extended.collectives.agree(f"checkpoint.restore ({self.what})", error=error, options=_ALWAYS)
+        collectives.agree(f"checkpoint.restore ({self.what})", error=error, options=_ALWAYS)
         self.source.reposition(epoch, step)  # reached only when every rank's position was valid
         if self.restart is not None:
             self.restart()

@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.collectives import check_enabled
+from mpistrat.collectives import Collectives, check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
 from mpistrat.tools import bench_meta, bench_report
@@ -235,9 +235,7 @@ def _record(comm: MPI.Intracomm, op_name: str, case: Case, timed: dict, args: An
     return row
 
 
-def _metadata(
-    comm: MPI.Intracomm, strategy: mpistrat.MPIStrategy, args: Any, argv: list[str]
-) -> dict[str, Any]:
+def _metadata(comm: MPI.Intracomm, collectives: Collectives, args: Any, argv: list[str]) -> dict[str, Any]:
     import mpi4py
 
     hosts = comm.allgather(MPI.Get_processor_name() or socket.gethostname())
@@ -252,7 +250,7 @@ def _metadata(
         "hosts": sorted(set(hosts)),
         "scaling": args.scaling,
         "shard": args.shard,
-        "check": check_enabled(strategy.extended.collectives),
+        "check": check_enabled(collectives),
         "mpistrat": mpistrat.__version__,
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
@@ -385,14 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     rtol = _tolerance(args, world.Get_size())
     strategy = mpistrat.MPIStrategy(world, communication_options=options)
-    meta = _metadata(comm, strategy, args, argv)
+    collectives = strategy.extended.collectives  # taken once: the metadata reads its check level
+    meta = _metadata(comm, collectives, args, argv)
     sizes = sizes_between(args.min, args.max)
     if rank == 0:
         for note in _notes(args, sizes):
             print(f"mpistrat bench: {note}", file=sys.stderr, flush=True)
     tasks = [(o, s) for o in ops for s in sizes]
     show = args.progress if args.progress is not None else rank == 0 and _from_terminal()
-    bar = _progress(len(tasks), rank == 0 and show)
+    bar = _progress(len(tasks), rank == 0 and show, asked=bool(args.progress))
     rows: list[dict[str, Any]] = []
     seen: set[tuple[str, int]] = set()
     try:  # closed before an interrupt is reported, so the bar does not redraw after the message
@@ -442,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _NoBar:
+    """No progress bar: where none is wanted, or tqdm is not installed."""
+
     def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
         pass
 
@@ -452,11 +453,23 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, show: bool) -> Any:
+def _progress(total: int, show: bool, asked: bool = False) -> Any:
+    """tqdm's bar on stderr where tqdm is installed (the ``progress`` extra), else none.
+
+    Without tqdm an explicit ``--progress`` (``asked``) says so once; the sweep runs as ever.
+    """
     if not show:
         return _NoBar()
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if asked:
+            print(
+                "mpistrat bench: --progress needs tqdm (pip install tqdm, or the progress extra): no bar",
+                file=sys.stderr,
+                flush=True,
+            )
+        return _NoBar()
     return tqdm(total=total, desc="mpistrat bench", unit="size", file=sys.stderr, dynamic_ncols=True)
 
 

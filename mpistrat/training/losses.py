@@ -27,7 +27,7 @@ __all__ = ["compute_average_loss", "scale_regularization_loss"]
 def _require_replica_context(function: str) -> context.Mode:
     """The current mode, unless it is a strategy's cross-replica context (tf raises RuntimeError there)."""
     mode = context.current_mode()
-    if mode.kind != "default" and mode.replica_context is None:
+    if mode.kind is not context.DEFAULT and mode.replica_context is None:
         raise ContextError(
             f"You are calling `{function}` in cross replica context (strategy.scope() or a merge_fn), while "
             "it was expected to be called in replica context (inside strategy.run)"
@@ -38,7 +38,7 @@ def _require_replica_context(function: str) -> context.Mode:
 def _global_count(local: int) -> int:
     """The number of examples of this step over every replica (a collective)."""
     mode = _require_replica_context("compute_average_loss")
-    if mode.kind == "merge":
+    if mode.kind is context.MERGE:
         raise ContextError(
             "compute_average_loss: without global_batch_size it counts the examples of every replica, "
             "which cannot be done inside merge_fn (rank 0 alone); pass global_batch_size"

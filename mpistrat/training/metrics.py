@@ -32,7 +32,8 @@ import numpy as np
 from mpistrat import context
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
-from mpistrat.training.variables import DistributedVariable, Variable
+from mpistrat.training.distributed_variables import DistributedVariable
+from mpistrat.training.variables import Variable
 
 __all__ = ["Metric", "Mean", "Sum", "Accuracy", "SparseCategoricalAccuracy", "CategoricalAccuracy"]
 
@@ -94,7 +95,7 @@ class Metric:
         if (
             self._variables
             and isinstance(self._variables[0], DistributedVariable)
-            and context.current_mode().kind != "replica"
+            and context.current_mode().kind is not context.REPLICA
         ):
             raise ContextError(
                 f"{type(self).__name__} {self._name!r}.update_state: a metric created in a strategy's "

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat.collectives import mismatch
 from mpistrat.collectives.all_reduce import reduction_code
+from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
@@ -305,7 +305,7 @@ class FlatState:
             for s in steps
             for j in s.present
         ]
-        fingerprint = mismatch.fingerprint(
+        fingerprint = code_of(
             "apply_gradients",
             self.shard,
             tuple(
@@ -377,13 +377,13 @@ class FlatState:
 def _compare_copies(collectives: Collectives, plan: _Plan, kind: str) -> None:
     """``MPISTRAT_CHECK=strict``: every variable the step wrote holds the same bytes on every rank."""
     sums = [
-        (repr(s.group.variables[j].name), mismatch.checksum(s.group.params.views[j]))
+        (repr(s.group.variables[j].name), checksum(s.group.params.views[j]))
         for s in plan.steps
         for j in s.present
     ]
     collectives.agree(
         f"{kind} (strict check)",
-        fingerprint=mismatch.fingerprint(*sums),
+        fingerprint=code_of(*sums),
         describe=lambda: {
             "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
             "advice": _DIVERGED,

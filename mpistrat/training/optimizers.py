@@ -31,14 +31,15 @@ from typing import Any
 import numpy as np
 
 from mpistrat import context
-from mpistrat.collectives import mismatch
+from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
 from mpistrat.training.sharded_slot import ShardedSlot
-from mpistrat.training.variables import Variable, VariableAggregation
+from mpistrat.training.variables import Variable, VariableAggregation, Writable
+from mpistrat.values import local_copy
 
 __all__ = ["Optimizer", "SGD", "Adam", "ShardedSlot"]
 
@@ -102,7 +103,7 @@ class Optimizer:
         """Bytes of optimizer state this rank holds besides the variables: slots and step buffers."""
         if self._state is not None:
             return self._state.nbytes()
-        return sum(int(s._local().nbytes) for _, slots in self._slots.values() for s in slots.values())
+        return sum(int(local_copy(s).nbytes) for _, slots in self._slots.values() for s in slots.values())
 
     @property
     def name(self) -> str:
@@ -158,9 +159,13 @@ class Optimizer:
             self._slot_variables(new)
             return
         new.sort(key=creation_order)  # the same order on every rank, whatever order each was given
-        extended = context.get_strategy().extended if self._strategy is None else self._strategy.extended
+        if self._strategy is None:  # plain variables: the default strategy's, or the one in scope
+            strategy, distributed = context.get_strategy(), context.has_strategy()
+        else:
+            strategy, distributed = self._strategy, True
+        extended = strategy.extended
         bytes_per_pack = 0
-        if not extended.is_default:
+        if distributed:
             collectives = extended.collectives
             bytes_per_pack = collectives.options.bytes_per_pack
             described = [
@@ -169,7 +174,7 @@ class Optimizer:
             ] + [(repr(v.name), f"variable #{creation_order(v)} {v.dtype}", v.shape) for v in new]
             collectives.agree(
                 f"{self._name}.build",
-                fingerprint=mismatch.fingerprint(*described),
+                fingerprint=code_of(*described),
                 describe=lambda: {"leaves": described, "advice": _SAME_BUILD},
                 error=_not_floating(self._name, new),
             )
@@ -195,7 +200,7 @@ class Optimizer:
             with self._creation_scope():
                 extended = context.get_strategy().extended
                 with extended.colocate_vars_with(var):
-                    xp = packing.array_module(var._local())
+                    xp = packing.array_module(local_copy(var))
                     slots = {
                         n: Variable(
                             xp.zeros(var.shape, dtype=var.dtype), trainable=False, name=f"{var.name}/{n}"
@@ -230,12 +235,12 @@ class Optimizer:
     def _creation_scope(self) -> Iterator[None]:
         """Enter the variables' strategy from the default context; refuse inside merge_fn."""
         mode = context.current_mode()
-        if mode.kind == "merge":
+        if mode.kind is context.MERGE:
             raise ContextError(
                 f"{self._name}: cannot create slot variables inside merge_fn (rank 0 alone); call "
                 "optimizer.build(var_list) in strategy.scope() first"
             )
-        if self._strategy is not None and mode.kind == "default":
+        if self._strategy is not None and mode.kind is context.DEFAULT:
             with self._strategy.scope():
                 yield
         else:
@@ -272,14 +277,16 @@ class Optimizer:
         if state is None:
             # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
             # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
-            replica._merge_call(self._distributed_apply, (pairs,), None, "every_rank", agree=False)
+            mode = context.require_replica("ReplicaContext.merge_call")  # as merge_call checks
+            mode.strategy.extended.call_merge_fn(
+                self._distributed_apply, (pairs,), {}, every_rank=True, agree=False
+            )
             return self.iterations
-        self._require_own_replica(replica)
-        extended = replica._strategy.extended
+        strategy = self._require_own_replica()
         counter = own_copy(self.iterations)
         step = int(counter._value)
         state.step(
-            None if extended.is_default else extended.collectives,
+            None if strategy is None else strategy.extended.collectives,
             [g for g, _ in pairs],
             variables,
             self._update_flat,
@@ -288,21 +295,25 @@ class Optimizer:
             plan=plan,
             options=self._communication_options,
         )
-        with counter._writable() as count:  # this rank's copy: every rank counts the same steps
+        with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
         return self.iterations
 
-    def _require_own_replica(self, replica: Any) -> None:
+    def _require_own_replica(self) -> Any:
         """The step runs in the replica context of its variables' strategy (else it would reduce over
-        another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn."""
-        replica._require_current("apply_gradients")
+        another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn.
+
+        Returns that strategy; None for the default strategy's plain variables (nothing to send).
+        """
+        mode = context.require_replica("ReplicaContext.apply_gradients")
         mine = self._strategy or context.default_strategy()
-        if replica._strategy is not mine:
+        if mode.strategy is not mine:
             raise ContextError(
                 f"{self._name}.apply_gradients: its variables belong to {mine}, but this is the replica "
-                f"context of {replica._strategy}; call it inside that strategy's run: "
+                f"context of {mode.strategy}; call it inside that strategy's run: "
                 "`strategy.run(lambda: opt.apply_gradients(...))`"
             )
+        return self._strategy
 
     def _flat_state(self) -> FlatState | None:
         """The flat state of an optimizer with a flat update (None for a per-variable one)."""

@@ -1,11 +1,9 @@
-"""Variables: plain, mirrored and sync-on-read, as ``tf.Variable`` under ``tf.distribute``.
+"""Variables as ``tf.Variable``: the plain :class:`Variable`, and what every variable shares.
 
 ``Variable(...)`` outside any strategy scope is a plain variable. Inside
-``strategy.scope()`` (or ``strategy.run``) it is a :class:`MirroredVariable`
-(synchronization AUTO/ON_WRITE), whose initial value is rank 0's, broadcast at
-creation, or a :class:`SyncOnReadVariable` (ON_READ). Either holds one copy per
-rank. Writes in replica context are aggregated across replicas as ``aggregation``
-says; writes in cross-replica context apply on every rank.
+``strategy.scope()`` (or ``strategy.run``) it is a distributed one, a ``MirroredVariable``
+or a ``SyncOnReadVariable`` (see :mod:`mpistrat.training.distributed_variables`, which
+tells this module which to make).
 
 >>> import mpistrat, numpy as np
 >>> v = mpistrat.Variable(np.zeros(2))
@@ -17,7 +15,6 @@ array([1., 2.])
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import operator
 import sys
@@ -27,21 +24,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import context
-from mpistrat.collectives import check_enabled, mismatch
 from mpistrat.comm import packing
-from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
-from mpistrat.reduce_op import ReduceOp
+from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
 
 if TYPE_CHECKING:
+    from mpistrat.training.distributed_variables import DistributedVariable
     from mpistrat.training.flat_storage import FlatBuffer
 
 __all__ = [
     "Variable",
-    "MirroredVariable",
-    "SyncOnReadVariable",
     "VariableSynchronization",
     "VariableAggregation",
+    "Writable",
+    "combine",
+    "set_class_chooser",
+    "to_numpy",
 ]
 
 
@@ -61,16 +59,6 @@ class VariableAggregation(enum.Enum):
     SUM = 1
     MEAN = 2
     ONLY_FIRST_REPLICA = 3
-
-
-_AGGREGATION_HELP = (
-    "You must specify an aggregation method to update a {kind} in replica context: pass e.g. "
-    "`mpistrat.Variable(..., aggregation=mpistrat.VariableAggregation.SUM)` (SUM, MEAN or "
-    "ONLY_FIRST_REPLICA). Mirrored variables are kept in sync, so a replica-context write must say how "
-    "the replicas' values combine. Alternatively update it in cross-replica context: call "
-    "`mpistrat.get_replica_context().merge_call(merge_fn)` and, in merge_fn, "
-    "`strategy.extended.update(var, fn)`."
-)
 
 
 class Variable(HasLocalCopy):
@@ -95,7 +83,7 @@ class Variable(HasLocalCopy):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         if cls is Variable:
-            cls = _class_to_create(kwargs.get("synchronization", VariableSynchronization.AUTO))
+            cls = _choose_class(kwargs.get("synchronization", VariableSynchronization.AUTO))
         return object.__new__(cls)
 
     def __init__(
@@ -176,10 +164,10 @@ class Variable(HasLocalCopy):
 
     def numpy(self) -> np.ndarray:
         """A NumPy copy of the current value."""
-        return _to_numpy(self.value()).copy()
+        return to_numpy(self.value()).copy()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        arr = _to_numpy(self.value())
+        arr = to_numpy(self.value())
         return arr.astype(dtype) if dtype is not None else (arr.copy() if copy else arr)
 
     # -- writes -----------------------------------------------------------------------
@@ -211,7 +199,7 @@ class Variable(HasLocalCopy):
             _refuse_replica_write(self, how)
         new = self._coerce(value, how)
         if not self._private():  # someone holds the current value: leave it as it is
-            self._set(_combine(how, self._value, new.copy() if how == "assign" else new))
+            self._set(combine(how, self._value, new.copy() if how == "assign" else new))
             return
         old = self._value
         # Nobody else holds it (not a value() read earlier, nor a view of it): write in place, as
@@ -229,19 +217,9 @@ class Variable(HasLocalCopy):
             return self._storage.private(self)
         return sys.getrefcount(self._value) <= _PRIVATE
 
-    def _writable(self) -> _Writable:
-        """A context giving this variable's array to update in place (the optimizers' arithmetic).
-
-        Its own storage when nothing else holds it; a private copy when something does (a
-        ``value()`` read earlier keeps its value, as a write in tf leaves earlier reads alone).
-
-        >>> v = Variable(np.zeros(2))
-        >>> with v._writable() as w:
-        ...     w += 1.0
-        >>> v.numpy()
-        array([1., 1.])
-        """
-        return _Writable(self)
+    def _writable(self) -> Writable:
+        """``Writable(self)``: this variable's array to update in place (see :class:`Writable`)."""
+        return Writable(self)
 
     def _set(self, new: Any) -> None:
         self._value = new
@@ -292,12 +270,12 @@ class Variable(HasLocalCopy):
     # -- Python and NumPy protocols -----------------------------------------------------
 
     def __repr__(self) -> str:
-        local = _to_numpy(self._local())
+        local = to_numpy(self._local())
         shown = local.item() if local.ndim == 0 else local
         return f"<mpistrat.Variable {self._name!r} shape={local.shape} dtype={local.dtype}, numpy={shown!r}>"
 
     def __reduce__(self) -> Any:
-        return (_rebuild_plain, (_to_numpy(self._local()), self._name, self._trainable))
+        return (_rebuild_plain, (to_numpy(self._local()), self._name, self._trainable))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new plain variable with a copy of the value, name, trainability and constraint."""
@@ -355,307 +333,16 @@ for _name, _unary in {"neg": operator.neg, "pos": operator.pos, "abs": operator.
 del _name, _op, _unary
 
 
-class DistributedVariable(Variable, DistributedValues):
-    """A variable with one copy per replica; this rank holds its own copy (``values[0]``)."""
-
-    mirrored = False
-
-    def __init__(self, initial_value: Any, **kwargs: Any):
-        super().__init__(initial_value, **kwargs)
-        if self._synchronization is VariableSynchronization.NONE:
-            raise InvalidArgumentError(
-                f"synchronization=NONE is not supported for a variable created in a strategy's scope "
-                f"(variable {self._name!r}); use AUTO, ON_WRITE or ON_READ"
-            )
-        mode = context.current_mode()
-        strategy = mode.strategy
-        extended = strategy.extended
-        # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
-        kind = f"variable_creation({self._name}, {self._synchronization.name}, {self._aggregation.name})"
-        error = None
-        if self._aggregation is VariableAggregation.MEAN and self._value.dtype.kind not in "fc":
-            # as tf: a mean of integer copies would truncate (0.5 becomes 0)
-            error = InvalidArgumentError(
-                f"Variable {self._name!r}: creating a distributed variable with aggregation=MEAN and a "
-                f"non-floating dtype ({self._value.dtype}) is not supported; use a float dtype or another "
-                "aggregation"
-            )
-        value = extended.collectives.broadcast(self._value, kind=kind, error=error)
-        del self._value
-        self._component = Variable._plain(value, self._name, self._trainable)
-        self._component._owner = self
-        DistributedValues.__init__(self, (self._component,))
-        self._distribute_strategy = strategy
-        self._extended = extended
-        self._synced_key = extended.register_synced(self)
-
-    def _local(self) -> Any:
-        return self._component._value
-
-    def _local_variable(self) -> Variable:
-        return self._component
-
-    @property
-    def device(self) -> str:
-        return self._extended.parameter_devices[0]
-
-    def _note_write(self, new: Any) -> None:
-        """A write to this rank's copy; inside rank 0's merge_fn it must reach the other ranks."""
-        if self._extended.merge_writes is not None:
-            self._extended.merge_writes.append((self._synced_key, new))
-
-    def apply_merge_write(self, payload: Any) -> None:
-        xp = packing.array_module(self._local())
-        self._component._value = xp.asarray(payload)
-
-    def _mode(self, method: str) -> context.Mode:
-        """The current mode; a different strategy's scope is an error."""
-        mode = context.current_mode()
-        if mode.kind != "default" and mode.strategy is not self._distribute_strategy:
-            raise ContextError(
-                f"{self._name}.{method}: this variable belongs to {self._distribute_strategy}, but the "
-                f"current strategy is {mode.strategy}; use it inside its own strategy's scope()"
-            )
-        if (
-            mode.kind == "merge"
-            and mode.replica_context is not None
-            and (method != "value" or not self.mirrored)
-        ):
-            raise ContextError(
-                f"{self._name}.{method}: strategy.run inside a merge_fn runs every replica in turn on rank 0 "
-                "alone, which holds only its own copy of the variable and cannot communicate; only reading "
-                "a mirrored variable works there. Use MPIStrategy(merge_call='every_rank')"
-            )
-        return mode
-
-    def _aggregate(
-        self, op: VariableAggregation, local: Any, kind: str, error: MpistratError | None = None
-    ) -> Any:
-        """One collective combining every rank's ``local`` as ``op`` says."""
-        collectives, kind = self._extended.collectives, f"{kind}({self._name})"
-        if op is VariableAggregation.ONLY_FIRST_REPLICA:
-            out = collectives.broadcast(local, kind=kind, error=error)
-        else:
-            out = collectives.all_reduce(ReduceOp[op.name], local, kind=kind, error=error)
-        return out.astype(self.dtype, copy=False)
-
-    def _agreed(self, how: str, value: Any, mode: context.Mode) -> Any:
-        """A cross-replica write's value, after checking every rank writes the same bytes.
-
-        Every rank executes a cross-replica write, each with its own ``value``: one that
-        differs between ranks would leave the copies silently different, so while the
-        check is on the ranks compare checksums in the handshake and all raise instead.
-        Writes inside ``update`` (computed from reduced values) and inside a merge_fn on rank 0
-        (replayed everywhere) are not compared.
-        """
-        extended = self._extended
-        if mode.kind == "merge" or extended.in_sync or not check_enabled(extended.collectives):
-            return self._coerce(value, how)
-        new: Any = None  # stays None only on a rank that raises ``error`` (then ``describe`` is not called)
-        error: MpistratError | None = None
-        code = 0
-        try:
-            new = self._coerce(value, how)
-            code = mismatch.checksum(new)
-        except MpistratError as exc:
-            error = exc
-        extended.collectives.agree(
-            f"{how}({self._name})",
-            fingerprint=code,
-            describe=lambda: {
-                "leaves": [(repr(self._name), f"value with checksum {code:016x}", tuple(new.shape))],
-                "advice": _DIFFERENT_WRITES.format(name=self._name, how=how),
-            },
-            error=error,
-        )
-        return new
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}:{{\n  {self._extended.rank}: {self._component!r}\n}}"
-
-    def __reduce__(self) -> Any:
-        raise TypeError(
-            f"a distributed variable ({self._name!r}) cannot be pickled: it is one copy of a variable that "
-            "lives on every rank; pass its value (var.numpy()) instead"
-        )
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
-        """A new distributed variable of the same strategy holding a copy of each rank's copy, as tf's.
-
-        Creating it is collective, as creating any distributed variable is: deep-copy on every rank.
-        """
-        strategy = self._distribute_strategy
-        mode = context.current_mode()
-        scope = strategy.scope() if mode.kind == "default" else contextlib.nullcontext()
-        local = self._local().copy()
-        with scope:
-            copy = type(self)(
-                local,
-                trainable=self._trainable,
-                name=self._name,
-                synchronization=self._synchronization,
-                aggregation=self._aggregation,
-                constraint=self._constraint,
-            )
-        if not self.mirrored:  # a sync-on-read variable's copies differ: each rank keeps its own
-            copy._component._value = local
-        memo[id(self)] = copy
-        return copy
-
-
-_DIFFERENT_WRITES = (
-    "The ranks wrote different values to {name!r} in cross-replica context, which would leave its copies "
-    "different. Write a value that is the same on every rank (e.g. one reduced with strategy.reduce, or "
-    "broadcast with strategy.extended.broadcast_to), or write in replica context with an aggregation "
-    "(inside strategy.run)."
-)
-
-
-class MirroredVariable(DistributedVariable):
-    """Kept identical on every rank: created from rank 0's value, written only through aggregation."""
-
-    mirrored = True  # its copies must stay bitwise equal (MPISTRAT_CHECK=strict compares them)
-
-    def value(self) -> Any:
-        self._mode("value")
-        return self._component._value
-
-    def _write(self, how: str, value: Any) -> None:
-        mode = self._mode(how)
-        if mode.kind == "replica":
-            self._write_in_replica(how, value)
-            return
-        if self._extended.in_sync:  # inside update()/update_non_slot(): this rank's copy, as it is
-            self._component._write(how, value)
-            return
-        value = self._agreed(how, value, mode)
-        self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
-
-    def _write_in_replica(self, how: str, value: Any) -> None:
-        agg = self._aggregation
-        if agg is VariableAggregation.NONE:
-            raise InvalidArgumentError(
-                f"{self._name}.{how}: " + _AGGREGATION_HELP.format(kind="MirroredVariable")
-            )
-        error, local = None, None
-        try:
-            local = self._coerce(value, how)
-        except MpistratError as exc:
-            error = exc
-        if local is None:
-            local = packing.array_module(self._local()).zeros_like(self._local())
-        combined = self._aggregate(agg, local, "variable_aggregation", error)
-        self._component._value = _combine(how, self._component._value, combined)
-
-
-class SyncOnReadVariable(DistributedVariable):
-    """Each replica updates its own copy; reading in cross-replica context aggregates the copies."""
-
-    def value(self) -> Any:
-        mode = self._mode("value")
-        local = self._component._value
-        if mode.kind == "replica":
-            return local
-        agg = self._aggregation
-        if agg is VariableAggregation.NONE:
-            raise InvalidArgumentError(
-                f"{self._name}: a sync-on-read variable with aggregation NONE cannot be read in "
-                "cross-replica context (there is no way to combine the replicas' copies); create it with "
-                "aggregation SUM, MEAN or ONLY_FIRST_REPLICA, or read it in replica context"
-            )
-        if mode.kind == "merge":
-            if agg is VariableAggregation.ONLY_FIRST_REPLICA:
-                return local  # merge_fn runs on rank 0, which holds replica 0's copy
-            raise ContextError(
-                f"{self._name}: a {agg.name} sync-on-read variable cannot be read inside merge_fn, which "
-                "runs on rank 0 alone; read it in strategy.scope() on every rank, or pass its local value "
-                "to merge_call"
-            )
-        return self._aggregate(agg, local, "sync_on_read")
-
-    def _write(self, how: str, value: Any) -> None:
-        mode = self._mode(how)
-        if mode.kind == "replica":
-            self._component._write(how, value)
-            return
-        sums = self._aggregation is VariableAggregation.SUM
-        if how != "assign" and sums:
-            raise InvalidArgumentError(  # as tf: each copy would add the delta, the sum n times it
-                f"{self._name}.{how}: a sync-on-read variable with SUM aggregation does not support {how} in "
-                "cross-replica context; update each replica's copy inside strategy.run, or set the summed "
-                "value with assign"
-            )
-        new = self._agreed(how, value, mode)
-        if sums:  # the copies must sum to the value
-            new = self._share(new, mode)
-        if how != "assign" and mode.kind == "merge":  # rank 0 alone: every rank updates its own copy
-            writes = self._extended.merge_writes
-            if writes is None:  # merge_call sets the list before it runs merge_fn
-                raise MpistratError(f"{self._name}.{how}: a merge write outside merge_call")
-            self._component._value = _combine(how, self._component._value, new)
-            writes.append((self._synced_key, (how, new)))
-            return
-        self._component._write(how, new)
-
-    def _share(self, total: Any, mode: context.Mode) -> Any:
-        """This rank's copy of a SUM variable whose copies sum to ``total``.
-
-        Integers are split exactly: the first ``total % size`` ranks hold one more, so that
-        ``10`` over 3 ranks is 4, 3, 3 (a floor division alone would read back 9). Inside a
-        merge_fn, rank 0's share is every rank's (it alone runs there).
-        """
-        size, xp = self._extended.size, packing.array_module(total)
-        if self.dtype.kind not in "iu" or mode.kind == "merge":
-            return (total / size).astype(self.dtype, copy=False)
-        quotient, remainder = xp.divmod(total, size)
-        return (quotient + (self._extended.rank < remainder)).astype(self.dtype, copy=False)
-
-    def apply_merge_write(self, payload: Any) -> None:
-        if isinstance(payload, tuple):  # (how, delta): applied to this rank's own copy
-            how, delta = payload
-            local = self._local()
-            self._component._value = _combine(how, local, packing.array_module(local).asarray(delta))
-            return
-        super().apply_merge_write(payload)
-
-
 def _refuse_replica_write(var: Variable, how: str) -> None:
     """A plain variable has one copy per process: written in a strategy's replica context, each
     rank would write its own value into its own copy, and the copies would differ silently."""
-    mode = context.current_mode()
-    if mode.kind == "replica" and not mode.strategy.extended.is_default:
+    if context.current_mode().kind is context.REPLICA and context.has_strategy():
         raise ContextError(
             f"{var.name}.{how}: this variable was created outside strategy.scope(), so each rank holds an "
             "unsynchronized copy, and writing it inside strategy.run would leave the copies different. "
             "Create it inside `with strategy.scope():` (with an aggregation), or write it outside "
             "strategy.run"
         )
-
-
-def _class_to_create(synchronization: Any) -> type[Variable]:
-    """Which variable ``Variable(...)`` makes here: plain outside a scope, else mirrored or sync-on-read."""
-    mode = context.current_mode()
-    extended = mode.strategy.extended
-    colocation = context.current_colocation()
-    if colocation is not None and colocation[0] is not extended:
-        raise ContextError(
-            "creating a variable inside colocate_vars_with() of a strategy whose scope is not active; "
-            f'need to be inside "with strategy.scope()" for {colocation[0]._container_strategy}'
-        )
-    if extended.is_default:
-        return Variable
-    if mode.inside_default:
-        raise ContextError(  # a RuntimeError, as tf's
-            f"Mixing different Strategy objects: creating a variable in {mode.strategy}'s scope, which "
-            "is inside the default strategy's scope(); leave the default strategy's scope first"
-        )
-    if mode.kind == "merge":
-        raise ContextError(
-            "cannot create a distributed variable inside merge_fn: it runs on rank 0 alone and creation is "
-            "collective; create variables in strategy.scope() or in replica context before merge_call"
-        )
-    sync = enum_member(VariableSynchronization, synchronization, "synchronization")
-    return SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable
 
 
 def _initial(initial_value: Any, dtype: Any, name: str) -> Any:
@@ -677,8 +364,19 @@ def _initial(initial_value: Any, dtype: Any, name: str) -> Any:
     return packing.as_array(arr, f"Variable {name!r}")
 
 
-class _Writable:
-    """``with var._writable() as arr:`` (a class, not a generator: it runs per step and variable)."""
+class Writable:
+    """``with Writable(var) as arr:`` gives ``var``'s array to update in place (the optimizers' arithmetic).
+
+    Its own storage when nothing else holds it; a private copy when something does (a ``value()``
+    read earlier keeps its value, as a write in tf leaves earlier reads alone). A class, not a
+    generator: it runs per step and variable.
+
+    >>> v = Variable(np.zeros(2))
+    >>> with Writable(v) as w:
+    ...     w += 1.0
+    >>> v.numpy()
+    array([1., 1.])
+    """
 
     __slots__ = ("var",)
 
@@ -708,7 +406,8 @@ class _Probe:
 _PRIVATE = _Probe().count()
 
 
-def _combine(how: str, old: Any, value: Any) -> Any:
+def combine(how: str, old: Any, value: Any) -> Any:
+    """``old`` after ``how`` (``"assign"``, ``"assign_add"``, ``"assign_sub"``) with ``value``."""
     if how == "assign":
         return value
     new = old + value if how == "assign_add" else old - value
@@ -716,9 +415,25 @@ def _combine(how: str, old: Any, value: Any) -> Any:
     return packing.array_module(old).asarray(new, dtype=old.dtype)
 
 
-def _to_numpy(arr: Any) -> np.ndarray:
+def to_numpy(arr: Any) -> np.ndarray:
+    """A NumPy view of a NumPy array, or a host copy of a device array."""
     return np.asarray(arr) if packing.array_module(arr) is np else arr.get()
 
 
 def _rebuild_plain(value: np.ndarray, name: str, trainable: bool) -> Variable:
     return Variable._plain(value, name, trainable)
+
+
+def _plain_class(synchronization: Any) -> type[Variable]:
+    return Variable
+
+
+# Which class ``Variable(...)`` makes, given its ``synchronization``: distributed_variables.py
+# sets it on import (the package imports it), since only it knows the distributed classes.
+_choose_class: Callable[[Any], type[Variable]] = _plain_class
+
+
+def set_class_chooser(choose: Callable[[Any], type[Variable]]) -> None:
+    """Register what picks the class ``Variable(...)`` makes (plain outside a scope)."""
+    global _choose_class
+    _choose_class = choose

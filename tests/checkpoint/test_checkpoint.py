@@ -16,7 +16,7 @@ import pytest
 from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
-import mpistrat.checkpoint.checkpoint as checkpoint_module
+import mpistrat.checkpoint.format as checkpoint_format
 from mpistrat import ContextError, InvalidArgumentError
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import launcher_options
@@ -201,7 +201,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeyp
         assert os.path.getsize(tmp) > 0
         raise OSError("no space left on device (simulated)")
 
-    monkeypatch.setattr(checkpoint_module, "_before_rename", crash)
+    monkeypatch.setattr(checkpoint_format, "_before_rename", crash)
     with group.strategy.scope():
         v.assign(np.full(4, -1.0))
     raises_on_every_rank(group.comm, OSError, lambda: ckpt.save(prefix), "simulated")
@@ -320,7 +320,7 @@ def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable
         ckpt.save(os.path.join(directory, "ckpt"))
     if group.rank == 0:
         now = time.time()
-        index = Path(directory, checkpoint_module.INDEX)
+        index = Path(directory, checkpoint_format.INDEX)
         for age, name in ((300, "ckpt-1"), (200, "ckpt-2"), (100, "ckpt-3")):
             os.utime(Path(directory, name), (now - age, now - age))
         # Newer than the valid ones, but not valid checkpoints of ours: all must be skipped.
@@ -354,7 +354,7 @@ def test_latest_without_an_index_is_still_none(group, tmp_path, mpistrat_log):
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
     ckpt.save(os.path.join(directory, "ckpt"))
     if group.rank == 0:
-        os.remove(os.path.join(directory, checkpoint_module.INDEX))
+        os.remove(os.path.join(directory, checkpoint_format.INDEX))
     group.comm.Barrier()
     with group.strategy.scope():
         assert mpistrat.latest_checkpoint(directory) is None
@@ -365,10 +365,10 @@ def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
     ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-1
-    host = checkpoint_module._host()
+    host = checkpoint_format._host()
     dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
     alive = os.getppid()
-    old = time.time() - 2 * checkpoint_module._STALE_AFTER
+    old = time.time() - 2 * checkpoint_format._STALE_AFTER
     npz, index = Path(directory, "ckpt-1").read_bytes(), b'{"latest": "x"}'
     files = {  # name: (content, old?, removed?)
         f"ckpt.tmp{dead}-{host}": (npz, False, True),  # a killed save on this host
@@ -394,7 +394,7 @@ def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
     ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-2
     present = set(os.listdir(directory))
     wrong = [name for name, (_, _, removed) in files.items() if (name in present) == removed]
-    ok = not wrong and {"ckpt-1", "ckpt-2", checkpoint_module.INDEX} <= present
+    ok = not wrong and {"ckpt-1", "ckpt-2", checkpoint_format.INDEX} <= present
     all_ranks_agree(group.comm, ok, f"wrongly kept or removed: {wrong}")
     with group.strategy.scope():
         assert mpistrat.latest_checkpoint(directory) == os.path.join(directory, "ckpt-2")
@@ -509,7 +509,7 @@ def test_checkpoints_cross_sharding_and_rank_counts(tmp_path, saved, restored):
 KILLED_SAVE = """
 import sys, time
 import numpy as np
-import mpistrat, mpistrat.checkpoint.checkpoint as ck
+import mpistrat, mpistrat.checkpoint.format as ck
 
 directory = sys.argv[1]
 v = mpistrat.Variable(np.arange(4.0))
@@ -557,7 +557,7 @@ def test_a_name_that_only_looks_like_a_temporary_never_fails_a_save(group, tmp_p
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
     path = ckpt.save(os.path.join(directory, "model"))
     if group.rank == 0:  # a "process id" too large for the operating system
-        Path(directory, f"model.tmp{10**20}-{checkpoint_module._host()}").write_bytes(Path(path).read_bytes())
+        Path(directory, f"model.tmp{10**20}-{checkpoint_format._host()}").write_bytes(Path(path).read_bytes())
     group.comm.Barrier()
     ckpt.save(os.path.join(directory, "model"))
     with group.strategy.scope():

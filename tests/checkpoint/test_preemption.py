@@ -39,7 +39,7 @@ def no_stale_handlers(request):
     for name in ("group", "world"):
         if name in request.fixturenames:
             collectives = request.getfixturevalue(name).strategy.extended.collectives
-            collectives.stop_requested = collectives.stop_agreed = False
+            collectives.stop.clear()
 
 
 def model(group, value=0.0):
@@ -72,11 +72,11 @@ def files(group, directory):
 def test_a_flag_on_one_rank_reaches_every_rank_at_the_next_collective(group):
     collectives = group.strategy.extended.collectives
     if group.rank == group.size - 1:
-        collectives.stop_requested = True
-    before = collectives.stop_agreed
+        collectives.stop.request()
+    before = collectives.stop.agreed
     w, _ = model(group)
     step(group, w)
-    all_ranks_agree(group.comm, not before and collectives.stop_agreed, f"{before} {collectives.stop_agreed}")
+    all_ranks_agree(group.comm, not before and collectives.stop.agreed, f"{before} {collectives.stop.agreed}")
 
 
 def test_while_nothing_is_pending_a_step_sends_what_it_sends_without_the_handler(group, tmp_path):
@@ -266,7 +266,7 @@ def test_the_run_counter_is_an_entry_of_the_checkpoint(world, tmp_path):
     handler = mpistrat.PreemptionCheckpointHandler(ckpt, directory, mpistrat.TerminationConfig(exit_fn=stop))
     for _ in range(4):
         handler.run(step, world, w)
-    handler._collectives.stop_requested = True
+    handler._collectives.stop.request()
     step(world, w)  # carries the flag
     with pytest.raises(Stopped):
         handler.save_checkpoint_if_preempted()

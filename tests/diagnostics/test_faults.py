@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistrat.diagnostics import watchdog
+from mpistrat.diagnostics import side_channel
 from tests.support import launch
 from tests.support.launch import MPIEXEC
 
@@ -232,7 +232,7 @@ def test_a_long_transfer_is_not_blamed_on_a_rank():
     # same rule holds for it, but only the all_gather is sure to be long.
     gather_warnings = [w for w in warnings if "all_gather" in w]
     took = max(float(t) for t in re.findall(r"gathered \S+ MiB in ([\d.]+) s", out))
-    if took > 0.3 + 3 * watchdog.GRACE:  # long enough for a diagnosis: it says no rank is missing
+    if took > 0.3 + 3 * side_channel.GRACE:  # long enough for a diagnosis: it says no rank is missing
         assert len(gather_warnings) == 1 and "every rank " in gather_warnings[0], out
     assert all("every rank " in w for w in warnings), out
 

@@ -10,7 +10,7 @@ import pytest
 
 import mpistrat
 from mpistrat import CommunicationOptions
-from mpistrat.diagnostics import abort, watchdog
+from mpistrat.diagnostics import abort, diagnosis, watchdog
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.log import RankFilter, logger
 from tests.conftest import all_ranks_agree
@@ -81,7 +81,7 @@ def test_diagnose_asks_every_rank_where_it_is(world):
         pytest.skip("needs 2 ranks")
     monitor = world.strategy.extended.collectives.monitor
     world.comm.Barrier()
-    explanation, waiting = watchdog.diagnose(monitor, start=monitor.start, grace=30.0)
+    explanation, waiting = watchdog.WATCHDOG.diagnose(monitor, start=monitor.start, grace=30.0)
     world.comm.Barrier()
     others = [r for r in range(world.size) if r != world.rank]
     ok = waiting == [world.rank] and all(f"rank {r} is not in a collective" in explanation for r in others)
@@ -105,7 +105,7 @@ def state(rank, seq=None, kind=None, world=None, agreed=False):
 
 def test_explain_names_the_missing_ranks_and_counts_known_ones_as_waiting():
     answers = {0: state(0, 2, "all_reduce"), 1: state(1), 3: state(3, 2, "all_gather", world=7)}
-    explanation, waiting = watchdog._explain(2, "all_reduce", answers, 5, known={4}, listened=1.0)
+    explanation, waiting = diagnosis.explain(2, "all_reduce", answers, 5, known={4}, listened=1.0)
     assert waiting == [0, 4]
     assert explanation == (
         "waiting for ranks 1, 3: rank 1 is not in a collective (no collective yet); it is at x.py:1; "
@@ -113,16 +113,16 @@ def test_explain_names_the_missing_ranks_and_counts_known_ones_as_waiting():
         "rank 2 did not answer within 1 s (slow to answer, or killed, or blocked outside Python). "
         "Waiting in it: ranks 0, 4"
     )
-    everyone = watchdog._explain(2, "all_reduce", {0: state(0, 2, "all_reduce")}, 1, set(), 1.0)
+    everyone = diagnosis.explain(2, "all_reduce", {0: state(0, 2, "all_reduce")}, 1, set(), 1.0)
     assert everyone == ("every rank is in it now", [0])
-    nobody = watchdog._explain(2, "all_reduce", {0: state(0)}, 2, set(), 1.0)
+    nobody = diagnosis.explain(2, "all_reduce", {0: state(0)}, 2, set(), 1.0)
     assert nobody == ("no rank is waiting in it any more", [])
 
 
 def test_explain_blames_no_rank_once_the_handshake_proved_every_rank_entered():
     """A long transfer: ranks busy inside it may answer late, but they are not missing."""
     answers = {0: state(0, 2, "all_gather", agreed=True), 1: state(1, 2, "all_gather", agreed=True)}
-    explanation, waiting = watchdog._explain(2, "all_gather", answers, 3, known=set(), listened=1.0)
+    explanation, waiting = diagnosis.explain(2, "all_gather", answers, 3, known=set(), listened=1.0)
     assert waiting == [0, 1]
     assert explanation == (
         "every rank has entered it (its opening handshake completed): a long transfer, not a missing rank; "
@@ -132,7 +132,7 @@ def test_explain_blames_no_rank_once_the_handshake_proved_every_rank_entered():
     before = {0: state(0, 2, "all_gather"), 1: state(1, 2, "all_gather")}  # still in the handshake
     assert (
         "rank 2 did not answer within 1 s (slow"
-        in watchdog._explain(2, "all_gather", before, 3, set(), 1.0)[0]
+        in diagnosis.explain(2, "all_gather", before, 3, set(), 1.0)[0]
     )
 
 
@@ -281,12 +281,12 @@ def test_dropped_strategies_free_their_communicators(world):
 def test_a_forked_child_does_not_announce_that_its_rank_left(world, monkeypatch):
     """A child made by os.fork() inherits the exit hook; only the rank's own process may say it left."""
     sent = []
-    monkeypatch.setattr(watchdog, "_send", lambda mon, message, dest: sent.append((message[0], dest)))
+    monkeypatch.setattr(watchdog.WATCHDOG, "send", lambda mon, message, dest: sent.append((message[0], dest)))
     monkeypatch.setattr(watchdog.WATCHDOG, "pid", -1)  # as in a child: another process
-    watchdog.announce_exit()
+    watchdog.WATCHDOG.announce_exit()
     assert sent == []
     monkeypatch.setattr(watchdog.WATCHDOG, "pid", os.getpid())
-    watchdog.announce_exit()
+    watchdog.WATCHDOG.announce_exit()
     watched = [m for m in watchdog.WATCHDOG.registry if m.side and m.watched]
     assert len(sent) == len(watched) and all(what == "left" for what, _ in sent)
     assert (len(watched) > 0) == (world.size > 1)

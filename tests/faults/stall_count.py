@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.diagnostics import watchdog
+from mpistrat.diagnostics import side_channel, watchdog
 from mpistrat.log import logger
 from tests.support.counting import CountingComm, Ledger
 
@@ -63,16 +63,16 @@ with Ledger.recording() as ledger:
     if freeze and rank == max(set(range(size)) - {late}):
         # Past the coordinator's wait for a result, and the stand-in's diagnosis.
         waker = threading.Timer(
-            1 + watchdog.WAIT + watchdog.LISTEN + 2, os.kill, (pids[late], signal.SIGCONT)
+            1 + side_channel.WAIT + side_channel.LISTEN + 2, os.kill, (pids[late], signal.SIGCONT)
         )
         waker.start()
     if rank in range(1, slow + 1) and rank != late:
-        watchdog._serve = slowly(watchdog._serve)
+        watchdog.WATCHDOG.serve = slowly(watchdog.WATCHDOG.serve)
     if rank == late:
         if freeze:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
-            time.sleep(1 + watchdog.LISTEN + 2)  # past the stall warning and its diagnosis
+            time.sleep(1 + side_channel.LISTEN + 2)  # past the stall warning and its diagnosis
     total = strategy.run(step)
     time.sleep(0.5)  # anything the watchdog still sends about this stall is counted too
 assert total.tolist() == [float(size)] * 4, total

@@ -196,7 +196,7 @@ if "$PYTHON" -c "import mpistrat.examples.multi_worker, sklearn" 2> /dev/null; t
     mw_run="srun --mpi=pmi2 $PYTHON -m mpistrat.examples.multi_worker --slurm --checkpoint-dir $WORK/mw/ckpt"
     multi_worker=$(sbatch --parsable --ntasks=2 --chdir="$WORK/mw" --output="$WORK/results/slurm-%j.out" \
         --wrap "$mw_run --epochs 2 && $mw_run --epochs 3 && SLURM_CONF=$SLURM_CONF $PYTHON -m pytest -q -p no:cacheprovider \
-            $REPO/tests/test_cluster_resolver.py -k agrees_with_scontrol -rs")
+            $REPO/tests/distribute/test_cluster_resolver.py -k agrees_with_scontrol -rs")
     say "submitted the multi-worker tutorial under srun --slurm: job $multi_worker"
     ids+=("$multi_worker")
 fi

@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.tools import bench, bench_meta, bench_ops, bench_report
+from mpistrat.tools import bench, bench_meta, bench_optimizer, bench_report
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 from tests.support.launch import launcher_options
@@ -225,6 +225,37 @@ def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
+@pytest.mark.parametrize("tqdm", ["installed", "missing"])
+def test_progress_is_tqdms_bar_and_without_tqdm_the_same_sweep(tmp_path, capsys, monkeypatch, tqdm):
+    """tqdm is optional (the ``progress`` extra): without it ``--progress`` runs the same checked
+    sweep and says, once, that there is no bar."""
+    if tqdm == "missing":
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` raises ImportError
+    else:
+        pytest.importorskip("tqdm")
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    code = bench.main([*SMALL, "--json", str(out), "--csv", str(tmp_path / "run.csv"), "--progress"])
+    printed = capsys.readouterr()
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, DEFAULT_OPS, 1024)
+        problems += [f"table lacks {op}" for op in DEFAULT_OPS if f"## {op}:" not in printed.out]
+        csv_lines = (tmp_path / "run.csv").read_text().splitlines()
+        if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
+            problems.append(f"csv: {csv_lines[:2]}")
+        tasks = len(DEFAULT_OPS) * len(bench.sizes_between(4, 1024))
+        if tqdm == "installed" and f"{tasks}/{tasks}" not in printed.err:
+            problems.append(f"no finished bar in stderr {printed.err[-300:]!r}")
+        said = "mpistrat bench: --progress needs tqdm (pip install tqdm, or the progress extra): no bar\n"
+        if tqdm == "missing" and printed.err != said:
+            problems.append(f"stderr {printed.err[-300:]!r}")
+    elif printed.out or printed.err:
+        problems.append(f"rank {rank} printed {printed.out[:80]!r} {printed.err[:80]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
 def test_bench_without_check_other_dtype_and_train_step(tmp_path):
     n, rank = WORLD.Get_size(), WORLD.Get_rank()
     out = tmp_path / "run.json"
@@ -263,7 +294,7 @@ def test_optimizer_step_checks_weights_after_however_many_steps(group, op, dtype
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_flat_update_is_the_per_variable_update_over_the_whole_arrays(rule, dtype):
     """raw2's in-place passes over flat arrays give raw's per-variable update, step after step."""
-    r = getattr(bench_ops, rule)
+    r = getattr(bench_optimizer, rule)
     rng = np.random.default_rng(1)
     sizes = [3, 10, 1, 7]
     w = rng.standard_normal(sum(sizes)).astype(dtype)

@@ -11,7 +11,7 @@ import pytest
 
 import mpistrat
 from mpistrat.__main__ import main
-from tests.tools.test_bench import mpiexec_env, serial_only
+from tests.tools.test_bench import mpiexec_env
 
 
 def test_an_unknown_command_says_so_and_suggests(capsys):
@@ -29,7 +29,7 @@ def test_usage_and_version(capsys):
     assert capsys.readouterr().out.startswith(f"mpistrat {mpistrat.__version__}")
 
 
-@serial_only
+@pytest.mark.serial
 @pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
 def test_ctrl_c_ends_with_one_line_and_status_130():
     """SIGINT while bench runs: one line on stderr, no traceback, exit status 130 (128 + SIGINT)."""

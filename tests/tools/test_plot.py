@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat.tools import bench_report, plot
-from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env, serial_only
+from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 pytest.importorskip("matplotlib")
@@ -117,7 +117,7 @@ def test_kind_has_help_text():
     assert "auto (default)" in text and "several rank counts" in text
 
 
-@serial_only
+@pytest.mark.serial
 def test_plot_of_real_runs_at_several_rank_counts(tmp_path):
     paths = []
     for ranks in (1, 2):

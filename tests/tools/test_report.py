@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat.tools import bench_report, report
-from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env, serial_only
+from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env
 
 RANK = MPI.COMM_WORLD.Get_rank()
 
@@ -247,7 +247,7 @@ def test_bad_inputs_are_reported_not_raised(here, capsys):
     assert "not in every results file" in capsys.readouterr().err
 
 
-@serial_only
+@pytest.mark.serial
 def test_report_of_real_runs_at_one_and_two_ranks(tmp_path):
     paths = []
     for ranks in (1, 2):

@@ -1,0 +1,178 @@
+"""The hot-path bookkeeping: what one strategy's collectives are doing, marked on every call.
+
+A :class:`Monitor` is a few attributes the collective's own thread writes as it enters
+and leaves a collective (:func:`collective`) and the handshake writes once every rank has
+entered (``agreed``); the watchdog thread (``watchdog.py``) reads them a few times a second
+and writes back only what it decided (``expired``, and its own ``warned``, ``handled``,
+``noticed``). Its one dependency is the ``Collectives`` object it watches (held weakly), for
+the sequence number and the flight record. It sends no messages: asking other ranks is the
+side channel's (``side_channel.py``), saying what was found is ``diagnosis.py``'s.
+
+>>> from mpi4py import MPI
+>>> from mpistrat.collectives import Collectives
+>>> Collectives(MPI.COMM_SELF).monitor.watched  # one rank cannot stall
+False
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from mpi4py import MPI
+
+from mpistrat.diagnostics import timeline
+from mpistrat.diagnostics.callsite import call_site
+from mpistrat.diagnostics.diagnosis import two_threads
+from mpistrat.errors import ContextError
+
+if TYPE_CHECKING:
+    from mpistrat.diagnostics.side_channel import Channel
+
+__all__ = ["Monitor", "collective", "exited"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# mpistrat's exit hook ran (set by ``Watchdog.shutdown``): no thread watches any more, so a
+# collective's handshake polls, to bound the collective itself. A module attribute, as
+# ``timeline.writer``: the decorator reads it once per call.
+exited = False
+
+
+class Monitor:
+    """What one strategy's collectives are doing: written by their thread, read by the watchdog's.
+
+    Fields by who writes them (the watchdog thread reads all of them):
+
+    * set once, when the strategy is created (``watchdog.watch``): ``owner``, ``comm``,
+      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``;
+      ``watched`` is cleared when the strategy is finalized or collected;
+    * the collective's thread, on every call (:func:`collective`, the handshake):
+      ``kind``, ``start``, ``deadline``, ``polled``, ``thread``, ``last_thread``, ``last``,
+      ``agreed``, ``completed``; ``polling`` while it waits in ``watchdog.wait``;
+    * the watchdog thread, for the collective's thread to raise: ``expired``;
+    * the watchdog thread, for itself (one stall or timeout acted on once): ``warned``,
+      ``handled``, ``noticed``.
+    """
+
+    def __init__(self, collectives: Any):
+        # -- set at creation
+        self.owner = weakref.ref(collectives)
+        self.comm: MPI.Intracomm = collectives.comm
+        self.rank, self.size = collectives.rank, collectives.size
+        self.watched = self.size > 1
+        self.env_timeout: float | None = None
+        self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
+        self.stall_after: float | None = None
+        self.side: Channel | None = None  # this strategy's side-channel state; None: no side channel
+        # -- written by the collective's thread, read by the watchdog thread
+        self.kind = ""
+        self.start: float | None = None  # monotonic time the current collective began; None: idle
+        self.deadline: float | None = None
+        self.polled = False  # the current collective's timeout was chosen: its handshake polls, to raise
+        self.busy = threading.Lock()  # held by the thread inside a collective: one thread at a time
+        self.thread: int | None = None  # that thread
+        self.last_thread: int | None = None  # the thread of the last collective (where the program is)
+        self.last: tuple[str, int, float] | None = None  # (kind, seq, end time) of the last collective
+        self.polling = False  # the collective's thread waits in watchdog.wait(), so it can raise
+        self.agreed: float | None = None  # start of the collective whose opening handshake completed
+        self.completed = 0  # the last collective this rank completed (not one it left by an error)
+        # -- written by the watchdog thread, read by the collective's thread
+        self.expired: str | None = None  # the timeout message (watchdog.wait raises it)
+        # -- the watchdog thread's own
+        self.warned: float | None = None  # start of the collective whose stall was warned of
+        self.handled: float | None = None  # start of the collective whose timeout or loss was handled
+        self.noticed: tuple[float, float] | None = None  # (start, time) this rank saw the stall
+
+    @property
+    def seq(self) -> int:
+        owner = self.owner()
+        return -1 if owner is None else owner.seq
+
+    def state(self) -> dict[str, Any]:
+        """Where this rank is now: inside which collective, or where its program is."""
+        now, start = time.monotonic(), self.start
+        thread = self.thread or self.last_thread or threading.main_thread().ident
+        frame = sys._current_frames().get(thread) if thread is not None else None
+        return {
+            "world": MPI.COMM_WORLD.Get_rank(),
+            "seq": self.seq,
+            "kind": self.kind if start is not None else None,
+            "waited": None if start is None else now - start,
+            # Past the opening handshake (an all-reduce): every rank has entered this collective.
+            "agreed": start is not None and self.agreed == start,
+            "last": None if self.last is None else (self.last[0], self.last[1], now - self.last[2]),
+            "site": call_site(frame) if frame is not None else "<no Python frame>",
+            "flight": _flight(self, now, start),
+        }
+
+
+def _flight(mon: Monitor, now: float, start: float | None) -> str | None:
+    owner = mon.owner()
+    if owner is None or not hasattr(owner, "flight"):
+        return None
+    busy = start is not None
+    return owner.flight.describe(now, busy=busy, agreed=busy and mon.agreed == start)
+
+
+def collective(default_kind: str) -> Callable[[F], F]:
+    """Decorate a ``Collectives`` method: mark this strategy busy in it while it runs.
+
+    The method's ``kind`` and ``options`` arguments (when it has them) name the
+    collective and may set its timeout; a collective called inside another one
+    (a helper) belongs to the outer one. A second thread calling while one is inside
+    a collective of the same strategy gets ``ContextError``: two threads' collectives
+    would pair up differently on different ranks.
+    """
+
+    def decorate(method: F) -> F:
+        names = list(inspect.signature(method).parameters)[1:]
+        kind_at = names.index("kind") if "kind" in names else -1
+        options_at = names.index("options") if "options" in names else -1
+
+        @functools.wraps(method)
+        def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
+            mon: Monitor = self.monitor
+            me = threading.get_ident()
+            if not mon.busy.acquire(blocking=False):
+                if mon.thread != me:
+                    raise ContextError(two_threads(mon, me, default_kind))
+                return method(self, *args, **kwargs)  # a helper inside this thread's collective: part of it
+            mon.thread = me
+            try:
+                if not (mon.watched or timeline.writer is not None):
+                    return method(self, *args, **kwargs)
+                kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
+                options = args[options_at] if 0 <= options_at < len(args) else kwargs.get("options")
+                chosen = getattr(options, "timeout_seconds", None) or self.options.timeout_seconds
+                timeout = chosen or mon.env_timeout
+                now = time.monotonic()
+                mon.kind = kind
+                mon.deadline = None if timeout is None else now + timeout
+                # After the exit hook no thread watches: the handshake polls, to bound the collective itself.
+                polled = chosen is not None or mon.env_polled or exited
+                mon.polled = timeout is not None and polled
+                mon.start = now
+                try:
+                    result = method(self, *args, **kwargs)
+                    mon.completed = self.seq
+                    return result
+                finally:
+                    mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
+                    mon.polled = False
+                    mon.last = (kind, self.seq, time.monotonic())
+                    if timeline.writer is not None:
+                        timeline.writer.collective(self, kind, now, mon.last[2], args)
+            finally:
+                mon.last_thread, mon.thread = me, None
+                mon.busy.release()
+
+        return watched  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,291 @@
+"""The side channel: the one place that sends messages to find out who is missing from a collective.
+
+Who is missing is asked with point-to-point messages with a reserved tag on the
+strategy's private communicator. MPI never matches point-to-point messages with
+collectives, so this traffic cannot disturb the collective in progress, and no second
+communicator is needed. Every rank's watchdog answers a query with where its main thread
+is (inside which collective, or at which line of the program); a rank that does not
+answer has exited, was killed, or is stuck outside Python. This needs MPI thread level
+``MULTIPLE`` (mpi4py's default); below it there is no side channel and the messages say
+the missing ranks are unknown.
+
+One rank diagnoses each event (a stall or a timeout of one collective, keyed by
+``(seq, kind, "stall" | "timeout")``) for everyone, so an event costs O(R) messages, not
+one query round per waiting rank (which is 2(R-1)² messages with one straggler):
+
+1. A waiting rank whose stall or timeout comes sends one ``report`` to the coordinator,
+   rank 0 of the communicator. Rank 0's watchdog thread runs even while its main thread
+   computes elsewhere, so rank 0 coordinates even when it is the missing rank.
+2. The coordinator diagnoses the first report of an event itself (rank 0 waiting in the
+   collective starts on its own timer): one ``query`` to every other rank and their
+   ``answer``, gathered until every rank answered or ``LISTEN`` seconds passed, without
+   blocking its thread. Ranks oversubscribed on few cores answer late; a rank that does
+   not answer is named as such ("slow to answer, or killed, ..."), never as gone.
+3. It sends the ``result`` to every rank that reported or was found waiting, so ranks
+   whose own timer comes later already have it and report nothing. A report that comes
+   after the result is answered with it directly. Only the rank that prints the diagnosis
+   (the lowest waiting one) gets its O(R) text; the others get a line that points to it.
+
+Per event that is at most R-1 reports, R-1 queries, R-1 answers and R-1 results, O(R)
+bytes in all. A reporter that has no result ``WAIT`` seconds after reporting reports to the
+next rank (1, then 2, ...), and diagnoses the event itself when its own rank comes up, so a
+stopped or finished rank 0 costs ``WAIT`` seconds and R-1 reports per rank passed over,
+and the explanation says who stood in. A rank that exits says so (``left``) to its
+coordinator, which tells the others of the first: a collective it will never join ends at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from mpi4py import MPI
+
+from mpistrat.diagnostics import diagnosis
+
+if TYPE_CHECKING:
+    from mpistrat.diagnostics.monitor import Monitor
+
+__all__ = ["GRACE", "LISTEN", "PATIENCE", "POLL", "TAG", "WAIT", "Channel", "SideChannel"]
+
+TAG = 0x6D73  # reserved on the private communicator for the watchdog's messages
+POLL = 0.1  # seconds between the watchdog's looks (and the latency of its answers)
+GRACE = 1.0  # seconds diagnose() waits for answers to a query by default
+LISTEN = 4.0  # seconds a diagnosis waits for every answer: oversubscribed ranks answer late, not never
+WAIT = LISTEN + 5 * POLL  # seconds a reporter waits for a result before reporting to the next rank
+PATIENCE = 2 * WAIT + LISTEN  # seconds after a deadline to wait for its diagnosis (one stand-in fits)
+
+_KEEP = 32  # events remembered per strategy (results, reports)
+
+Event = tuple[int, str, str]  # (seq, kind, "stall" | "timeout"): one event of one collective
+Result = tuple[str, int]  # (who is missing and where, the rank that prints it: -1 each rank)
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """An event this rank diagnoses: its query, when to stop waiting, who to tell besides the waiting."""
+
+    qid: int
+    began: float
+    reporters: set[int]
+
+
+class Channel:
+    """One strategy's side-channel state (``Monitor.side``), touched with ``SideChannel.lock`` held."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, dict[int, dict[str, Any]]] = {}  # query id -> rank -> its state
+        self.diagnosing: dict[Event, Diagnosis] = {}  # events this rank diagnoses for everyone
+        self.results: dict[Event, Result] = {}  # made here or sent by the rank that diagnosed
+        self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
+        self.told: dict[Event, set[int]] = {}  # the ranks a result was sent to (each gets it once)
+        self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
+
+
+def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:
+    table[event] = value
+    while len(table) > _KEEP:
+        del table[next(iter(table))]
+
+
+def _coordinator(mon: Monitor) -> int:
+    return 1 if mon.rank == 0 else 0
+
+
+class SideChannel:
+    """This process's end of the side channel: the watched monitors, and every message about them.
+
+    One per process (the watchdog, ``watchdog.WATCHDOG``, is one). ``lock`` guards the
+    registry and every side-channel MPI call, so no call touches a communicator being freed.
+    """
+
+    def __init__(self) -> None:
+        # Weak: a strategy that is dropped without experimental_finalize() is collected, and its
+        # communicator freed (see watchdog.release), instead of living on here until MPI runs out of them.
+        self.registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        self.lock = threading.Lock()  # guards the registry and every side-channel MPI call
+        self.queries = itertools.count(1)
+        self.sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
+        self.pid = os.getpid()  # a forked child inherits this object and the exit hook, not the rank
+        self.departed: dict[int, str] = {}  # world rank -> why, of every rank any strategy heard leave
+
+    # -- called with ``lock`` held
+
+    def send(self, mon: Monitor, message: tuple[Any, ...], dest: int) -> None:
+        self.sends.append(mon.comm.isend(message, dest=dest, tag=TAG))
+
+    def query(self, mon: Monitor, side: Channel) -> int:
+        """Ask every other rank where it is; their answers are filed under the returned id."""
+        qid = next(self.queries)
+        side.answers[qid] = {}
+        for r in range(mon.size):
+            if r != mon.rank:
+                self.send(mon, ("query", qid), r)
+        return qid
+
+    def coordinate(self, mon: Monitor, side: Channel, event: Event, reporter: int | None) -> None:
+        """``reporter`` (None: this rank) waits in ``event``: answer it, or diagnose ``event`` for all."""
+        if event in side.results:
+            told = side.told.get(event)
+            if told is None:
+                told = set()
+                _remember(side.told, event, told)
+            if reporter is not None and reporter not in told:  # its report crossed the result: it has one
+                told.add(reporter)
+                speaker = side.results[event][1]
+                self.send(mon, ("result", event, diagnosis.pointer(speaker), speaker), reporter)
+        elif event in side.diagnosing:
+            if reporter is not None:
+                side.diagnosing[event].reporters.add(reporter)
+        else:
+            reporters = set() if reporter is None else {reporter}
+            side.diagnosing[event] = Diagnosis(self.query(mon, side), time.monotonic(), reporters)
+
+    def depart(
+        self, mon: Monitor, side: Channel, rank: int, last: int, why: str, world: int, told_by: int
+    ) -> None:
+        """``rank`` exited after collective ``last``; the coordinator tells every other rank of the first."""
+        if rank in side.departed:
+            return
+        first = not side.departed
+        side.departed[rank] = (last, why)
+        self.departed.setdefault(world, why)
+        if first and told_by == rank:  # from the rank itself: this rank is its coordinator
+            for r in range(mon.size):
+                if r not in (rank, mon.rank):
+                    self.send(mon, ("left", rank, last, why, world), r)
+
+    # -- each takes ``lock``: the watchdog thread's looks, a diagnosis from any thread, the exit hook
+
+    def forget_sent(self) -> None:
+        """Drop the sends that completed."""
+        with self.lock:
+            self.sends[:] = [r for r in self.sends if not r.Test()]
+
+    def serve(self, mon: Monitor) -> None:
+        """Answer queries, file answers and results, and take reports of events to diagnose."""
+        side = mon.side
+        if side is None:
+            return
+        with self.lock:
+            if mon not in self.registry:
+                return
+            status = MPI.Status()
+            while (message := mon.comm.improbe(MPI.ANY_SOURCE, TAG, status)) is not None:
+                what, ref, *payload = message.recv()
+                source = status.Get_source()
+                if what == "query":
+                    self.send(mon, ("answer", ref, mon.state()), source)
+                elif what == "answer":
+                    if ref in side.answers:
+                        side.answers[ref][source] = payload[0]
+                elif what == "report":
+                    self.coordinate(mon, side, tuple(ref), source)
+                elif what == "result":
+                    _remember(side.results, tuple(ref), (payload[0], int(payload[1])))
+                elif what == "left":  # ref: the rank that exited; payload: its last collective, why, world
+                    self.depart(mon, side, ref, payload[0], payload[1], payload[2], told_by=source)
+
+    def advance(self, mon: Monitor) -> None:
+        """Finish the diagnoses whose answers are in (or overdue), and send out their results."""
+        side = mon.side
+        if side is None or not side.diagnosing:
+            return
+        now = time.monotonic()
+        with self.lock:
+            if mon not in self.registry:
+                return
+            for event, job in list(side.diagnosing.items()):
+                answers = side.answers[job.qid]
+                if len(answers) < mon.size - 1 and now < job.began + LISTEN:
+                    continue
+                del side.diagnosing[event], side.answers[job.qid]
+                answers[mon.rank] = mon.state()
+                silent = {r for r in job.reporters if r not in answers}  # reported it, then stopped answering
+                explanation, waiting = diagnosis.explain(
+                    event[0], event[1], answers, mon.size, silent, now - job.began
+                )
+                if mon.rank > 0:  # reports reach rank r only after ranks 0 to r-1 did not reply
+                    explanation += diagnosis.stood_in(mon.rank)
+                # The diagnosis (O(R) text with every rank's flight record) goes to one rank, the one
+                # that speaks for the waiting ones; the others get a pointer to it. Sent to each, it
+                # would cost O(R^2) bytes.
+                full = explanation + diagnosis.records(mon, answers)
+                speaker = min(waiting) if waiting else mon.rank
+                pointer = diagnosis.pointer(speaker)
+                _remember(side.results, event, (full if mon.rank == speaker else pointer, speaker))
+                recipients = (job.reporters | set(waiting)) - {mon.rank}
+                _remember(side.told, event, set(recipients))
+                for r in sorted(recipients):
+                    self.send(mon, ("result", event, full if r == speaker else pointer, speaker), r)
+
+    def result(self, mon: Monitor, event: Event, now: float) -> Result | None:
+        """The diagnosis of ``event`` (this rank waits in it) if it is here; else see that one is coming."""
+        side = mon.side
+        if side is None:
+            return diagnosis.NO_SIDE_CHANNEL, -1
+        with self.lock:
+            if mon not in self.registry:
+                return diagnosis.FINALIZED, -1
+            if event in side.results:
+                return side.results[event]
+            if event in side.diagnosing:
+                return None
+            reported = side.reported.get(event)
+            if reported is not None and now - reported[1] < WAIT:
+                return None
+            coordinator = 0 if reported is None else reported[0] + 1
+            if coordinator < mon.rank:
+                self.send(mon, ("report", event), coordinator)
+                _remember(side.reported, event, (coordinator, now))
+            else:  # rank 0, or every rank below this one failed to reply: diagnose it here
+                self.coordinate(mon, side, event, None)
+            return None
+
+    def diagnose(self, mon: Monitor, start: float | None, grace: float = GRACE) -> tuple[str, list[int]]:
+        """Ask every rank where it is, from this thread; return (who is missing, the waiting ranks).
+
+        This rank counts as waiting. The watchdog does not call this on every waiting rank:
+        one rank asks for all of them (see the module docstring).
+        """
+        seq, kind, side = mon.seq, mon.kind, mon.side
+        if side is None:
+            return diagnosis.NO_SIDE_CHANNEL, [mon.rank]
+        with self.lock:
+            if mon not in self.registry:
+                return diagnosis.FINALIZED, [mon.rank]
+            qid = self.query(mon, side)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and len(side.answers[qid]) < mon.size - 1 and mon.start == start:
+            time.sleep(POLL / 5)
+            self.serve(mon)
+        with self.lock:
+            answers = side.answers.pop(qid)
+        answers[mon.rank] = mon.state()
+        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace)
+        return explanation + diagnosis.records(mon, answers), waiting
+
+    def announce_exit(self) -> None:
+        """This process is exiting: tell each live strategy's coordinator (which tells the others).
+
+        Ranks waiting in a collective this rank will never join then end at once, naming it,
+        instead of waiting for a timeout. One message per strategy from each exiting rank and
+        at most R-1 from the coordinator, so a job's normal end costs O(R) messages.
+        """
+        if not MPI.Is_initialized() or MPI.Is_finalized() or os.getpid() != self.pid:
+            return  # (a forked child inherits the exit hook, not the rank: its parent goes on)
+        why, world = diagnosis.exit_reason(), MPI.COMM_WORLD.Get_rank()
+        with self.lock:
+            for mon in list(self.registry):
+                if mon.side is not None and mon.watched:
+                    self.send(mon, ("left", mon.rank, mon.completed, why, world), _coordinator(mon))
+        ends = time.monotonic() + GRACE
+        while self.sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
+            with self.lock:
+                self.sends[:] = [r for r in self.sends if not r.Test()]
+            time.sleep(POLL / 20)
