@@ -30,12 +30,12 @@ def test_the_library_does_not_import_the_tools():
     assert offenders == [], "the library imports the tools"
 
 
-def _module_name(path: Path) -> str:
+def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(tree: ast.AST, modules: set[str]) -> set[str]:
+def runtime_imports(tree: ast.AST, modules: set[str]) -> set[str]:
     """The mpistrat modules a file imports when it runs (anywhere but under ``if TYPE_CHECKING``)."""
     skipped = {
         id(n)
@@ -63,10 +63,10 @@ def _runtime_imports(tree: ast.AST, modules: set[str]) -> set[str]:
 def test_no_import_cycle():
     """Data flows down docs/internals.md's layer map: no module imports, even lazily, one that
     imports it back (the package's __init__ files, which only re-export, aside)."""
-    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(paths)
     graph = {
-        name: _runtime_imports(ast.parse(path.read_text(), str(path)), modules) - {name}
+        name: runtime_imports(ast.parse(path.read_text(), str(path)), modules) - {name}
         for name, path in paths.items()
         if path.name != "__init__.py" or "collectives" in path.parts
     }
