@@ -51,7 +51,7 @@ from mpistrat.input.datasets import input_position
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.training.optimizers import Optimizer
-from mpistrat.training.variables import Variable
+from mpistrat.training.variables import Variable, plain_variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -98,7 +98,7 @@ class Checkpoint:
                         f"iterator, or a nest of them; got {type(leaf).__name__}"
                     )
         # Plain on every rank: saves and restores are collective, so every rank holds the same count.
-        self._save_counter = Variable._plain(np.zeros((), np.int64), SAVE_COUNTER, False)
+        self._save_counter = plain_variable(np.zeros((), np.int64), SAVE_COUNTER)
 
     @property
     def save_counter(self) -> Variable:
@@ -114,7 +114,7 @@ class Checkpoint:
         names = {id(v): n for n, v in self._variables.items()}
         for opt_name, opt in self._optimizers.items():
             entries[f"{opt_name}/iterations"] = opt.iterations
-            for var, slots in opt._slots.values():
+            for var, slots in opt.slots_by_variable():
                 if id(var) not in names:
                     raise InvalidArgumentError(
                         f"Checkpoint: optimizer {opt_name!r} has slots for variable {var.name!r}, which this "
@@ -253,6 +253,12 @@ class Checkpoint:
 
 
 # -- what CheckpointManager and PreemptionCheckpointHandler share ------------------------------
+
+
+def track(checkpoint: Checkpoint, name: str, variable: Variable) -> None:
+    """Save and restore ``variable`` under ``name`` with ``checkpoint``'s variables (the preemption
+    handler's own counter)."""
+    checkpoint._variables[name] = variable
 
 
 def collectives_of(checkpoint: Checkpoint, method: str) -> Collectives:

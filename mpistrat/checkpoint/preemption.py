@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of
+from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of, track
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.log import ANY_RANK, logger
-from mpistrat.training.variables import Variable
+from mpistrat.training.variables import plain_variable
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "PreemptionWatcher", "TerminationConfig"]
 
@@ -154,8 +154,8 @@ class PreemptionCheckpointHandler:
         checkpoint = manager.checkpoint
         self._manager, self._config = manager, config
         self._collectives = collectives_of(checkpoint, "PreemptionCheckpointHandler")
-        self._run_calls = Variable._plain(np.zeros((), np.int64), RUN_CALLS, False)
-        checkpoint._variables[RUN_CALLS] = self._run_calls
+        self._run_calls = plain_variable(np.zeros((), np.int64), RUN_CALLS)
+        track(checkpoint, RUN_CALLS, self._run_calls)
         self._reasons: list[str] = []  # what this rank saw (filled by signal handlers and the watcher)
         self._reported = 0
         self._checked_at = -1  # handshakes seen at the last check

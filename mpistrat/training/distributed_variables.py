@@ -32,6 +32,7 @@ from mpistrat.training.variables import (
     VariableAggregation,
     VariableSynchronization,
     combine,
+    plain_variable,
     set_class_chooser,
 )
 from mpistrat.values import DistributedValues
@@ -75,7 +76,7 @@ class DistributedVariable(Variable, DistributedValues):
             )
         value = extended.collectives.broadcast(self._value, kind=kind, error=error)
         del self._value
-        self._component = Variable._plain(value, self._name, self._trainable)
+        self._component = plain_variable(value, self._name, self._trainable)
         self._component._owner = self
         DistributedValues.__init__(self, (self._component,))
         self._distribute_strategy = strategy

@@ -139,6 +139,10 @@ class Optimizer:
             )
         return entry[1][slot_name]
 
+    def slots_by_variable(self) -> list[tuple[Variable, dict[str, Variable | ShardedSlot]]]:
+        """Each variable that has slots, with its slots by name (what a checkpoint saves)."""
+        return list(self._slots.values())
+
     def variables(self) -> list[Variable | ShardedSlot]:
         """The step counter and every slot variable."""
         out: list[Variable | ShardedSlot] = [self.iterations]

@@ -38,6 +38,7 @@ __all__ = [
     "VariableAggregation",
     "Writable",
     "combine",
+    "plain_variable",
     "set_class_chooser",
     "to_numpy",
 ]
@@ -116,13 +117,6 @@ class Variable(HasLocalCopy):
         self._value = _initial(initial_value, dtype, self._name)
         colocation = context.current_colocation()
         self.colocated_with = None if colocation is None else colocation[1]
-
-    @classmethod
-    def _plain(cls, value: Any, name: str, trainable: bool) -> Variable:
-        var = object.__new__(Variable)
-        var._synchronization, var._aggregation = VariableSynchronization.NONE, VariableAggregation.NONE
-        var._trainable, var._name, var._value = trainable, name, value
-        return var
 
     # -- properties -------------------------------------------------------------------
 
@@ -279,7 +273,7 @@ class Variable(HasLocalCopy):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new plain variable with a copy of the value, name, trainability and constraint."""
-        copy = Variable._plain(self._local().copy(), self._name, self._trainable)
+        copy = plain_variable(self._local().copy(), self._name, self._trainable)
         copy._constraint = self._constraint
         copy._synchronization, copy._aggregation = self._synchronization, self._aggregation
         memo[id(self)] = copy
@@ -420,8 +414,17 @@ def to_numpy(arr: Any) -> np.ndarray:
     return np.asarray(arr) if packing.array_module(arr) is np else arr.get()
 
 
+def plain_variable(value: Any, name: str, trainable: bool = False) -> Variable:
+    """A plain variable holding ``value`` as it is, outside any strategy (no scope is consulted):
+    the bookkeeping variables of checkpoints, and each rank's component of a distributed one."""
+    var = object.__new__(Variable)
+    var._synchronization, var._aggregation = VariableSynchronization.NONE, VariableAggregation.NONE
+    var._trainable, var._name, var._value = trainable, name, value
+    return var
+
+
 def _rebuild_plain(value: np.ndarray, name: str, trainable: bool) -> Variable:
-    return Variable._plain(value, name, trainable)
+    return plain_variable(value, name, trainable)
 
 
 def _plain_class(synchronization: Any) -> type[Variable]:
