@@ -50,6 +50,14 @@ def all_gather(
     kind: str = "all_gather",
 ) -> Any:
     """Concatenate every rank's arrays along ``axis``; sizes along ``axis`` may differ."""
+    if (
+        options is None
+        and type(value) is np.ndarray
+        and type(axis) is int
+        and -value.ndim <= axis < value.ndim  # a 0-d array fails here: the general path says why
+        and lv.plain(value.dtype)
+    ):
+        return _all_gather_array(self, value, axis % value.ndim, kind)
     opts, error, arrays, axes = self.options, None, [], []
     leaves: list[Any] = []
     treespec: Any = None
@@ -106,6 +114,29 @@ def all_gather(
             xp = packing.array_module(o)
             out[i] = o if ax == 0 else xp.ascontiguousarray(xp.moveaxis(o, 0, ax))
     return optree.tree_unflatten(treespec, out)
+
+
+def _all_gather_array(self: Collectives, x: np.ndarray, axis: int, kind: str) -> np.ndarray:
+    """``all_gather`` of one plain NumPy array: the same steps, fingerprint and result without the
+    nest bookkeeping (a batch gathered at every step is the common call)."""
+    bpp = self.options.bytes_per_pack
+    rest = x.shape[:axis] + x.shape[axis + 1 :]
+    key = (packing.dtype_name(x), axis, rest)
+    fingerprint = code_of(None, bpp, lv.LEAF_SPEC, key, memo=self.caches.codes)
+    sizes = self.agree(
+        kind,
+        fingerprint=fingerprint,
+        describe=lambda: mismatch.describe(x, None, axis, implementation=None, bytes_per_pack=bpp),
+        extras=[x.shape[axis]],
+    )
+    if x.itemsize * int(sizes.sum()) * math.prod(rest) >= _DIRECT_BYTES:
+        return _allgather_direct(self, x, axis, sizes[:, 0])
+    moved = [lv.moveaxis_to_front(x, axis)]
+    part: list[Any] = [None]
+    for p in packing.plan_packs(moved, bpp, None, self.caches.packs):
+        _allgather_pack(self, moved, p, sizes, part, self.options.implementation)
+    gathered = part[0]
+    return gathered if axis == 0 else np.ascontiguousarray(np.moveaxis(gathered, 0, axis))
 
 
 def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.ndarray) -> np.ndarray:
