@@ -176,7 +176,7 @@ def main() -> int:
                 "peer": peer_name,
                 "mpistrat": mpistrat.__version__,
                 "mpi_library": " ".join(MPI.Get_library_version().split())[:120],
-                "command": ["mpiexec", "-n", str(size), "python", "benchmarks/peers.py", *sys.argv[1:]],
+                "command": ["mpiexec", "-n", str(size), "python", "-m", "benchmarks.peers", *sys.argv[1:]],
             }
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "results": rows}, f, indent=1)

@@ -8,11 +8,12 @@
 >>> total = strategy.run(step, args=(np.ones(3),))
 """
 
-import sys
+import sys as _sys
 
 from mpi4py import MPI
 
 from mpistrat import experimental, nest
+from mpistrat.checkpoint import preemption as _preemption
 from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.checkpoint.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
@@ -64,8 +65,8 @@ __version__ = "0.1.0"
 
 # The public namespaces that live in a layer folder answer to their public names too, as
 # os.path does: `from mpistrat.optimizers import SGD` works as in tf.keras.
-for _namespace in (cluster_resolver, metrics, optimizers):
-    sys.modules[f"{__name__}.{_namespace.__name__.rsplit('.', 1)[1]}"] = _namespace
+for _namespace in (cluster_resolver, metrics, optimizers, _preemption):
+    _sys.modules[f"{__name__}.{_namespace.__name__.rsplit('.', 1)[1]}"] = _namespace
 del _namespace
 
 __all__ = [

@@ -136,7 +136,8 @@ def default_strategy() -> Strategy:
 
 
 def set_default_strategy(factory: Callable[[], Strategy]) -> None:
-    """Register what ``get_strategy()`` returns outside any scope (``strategy.py`` does, on import)."""
+    """Register what ``get_strategy()`` returns outside any scope (``distribute/default.py`` does,
+    on import)."""
     global _default_strategy
     _default_strategy = factory
 

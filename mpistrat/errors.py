@@ -69,7 +69,7 @@ def portable(exc: BaseException) -> BaseException:
     return MergeCallError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
-def enum_member(cls: type[E], value: Any, what: str, choices: str | None = None) -> E:
+def enum_member(cls: type[E], value: Any, what: str, choices: str | None = None, given: Any = None) -> E:
     """``value`` if it is a member of ``cls``, else the member it names (any case); else an
     ``InvalidArgumentError`` that names ``what`` and the choices. The one way a name becomes an enum.
 
@@ -79,11 +79,11 @@ def enum_member(cls: type[E], value: Any, what: str, choices: str | None = None)
     <Colour.RED: 1>
     >>> enum_member(Colour, "blue", "colour")
     Traceback (most recent call last):
-    mpistrat.errors.InvalidArgumentError: colour must be a Colour or one of RED (any case); got 'blue'
+    mpistrat.errors.InvalidArgumentError: colour must be a Colour or one of RED; got 'blue'
     """
     if isinstance(value, cls):
         return value
     if isinstance(value, str) and value.upper() in cls.__members__:
         return cls[value.upper()]
-    choices = choices or f"a {cls.__name__} or one of {', '.join(cls.__members__)} (any case)"
-    raise InvalidArgumentError(f"{what} must be {choices}; got {value!r}")
+    choices = choices or f"a {cls.__name__} or one of {', '.join(cls.__members__)}"
+    raise InvalidArgumentError(f"{what} must be {choices}; got {value if given is None else given!r}")

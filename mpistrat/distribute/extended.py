@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from mpistrat import context, nest
-from mpistrat.collectives import Collectives
+from mpistrat.collectives import FREED, Collectives
 from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
 from mpistrat.diagnostics.stragglers import Stragglers
@@ -104,9 +104,7 @@ class StrategyExtended:
     @property
     def collectives(self) -> Collectives:
         if self._comm is None:
-            raise ContextError(
-                "this strategy was finalized (experimental_finalize); create a new MPIStrategy"
-            )
+            raise ContextError(FREED)
         return self._collectives
 
     @property

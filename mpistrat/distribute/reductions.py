@@ -119,7 +119,7 @@ def reduce_op(op: Any, method: str) -> str | ReduceOp:
     if isinstance(name, str) and name.upper() == ONLY_FIRST_REPLICA:
         return ONLY_FIRST_REPLICA
     choices = "ReduceOp.SUM/MEAN, VariableAggregation.SUM/MEAN/ONLY_FIRST_REPLICA or one of their names"
-    return enum_member(ReduceOp, name, f"{method}: reduce_op", choices)
+    return enum_member(ReduceOp, name, f"{method}: reduce_op", choices, given=op)
 
 
 def check_destinations(destinations: Any, method: str) -> None:

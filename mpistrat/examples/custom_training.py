@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 import mpistrat
+from mpistrat import metrics
 from mpistrat.examples import mlp
 from mpistrat.examples.digits import load_digits
-from mpistrat.training import metrics
 
 __all__ = ["main"]
 

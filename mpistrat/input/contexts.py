@@ -203,7 +203,17 @@ def require_spmd(method: str) -> context.Mode:
     return mode
 
 
-def distribute_values_from_function(collectives: Collectives, value_fn: Callable[[ValueContext], Any]) -> Any:
+def handed(collectives: Any, owner: object = None) -> tuple[Collectives, object]:
+    """The ``Collectives`` the public input functions were handed, and who owns what they make.
+
+    They take a ``Collectives``; ported code hands them a strategy, as they took before: then its
+    collectives are used, and the strategy owns the result (what a checkpoint of it asks).
+    """
+    extended = getattr(collectives, "extended", None)
+    return (collectives, owner) if extended is None else (extended.collectives, collectives)
+
+
+def distribute_values_from_function(collectives: Any, value_fn: Callable[[ValueContext], Any]) -> Any:
     """``value_fn(ValueContext(rank, R))`` on this rank: this replica's value, ready for ``run``.
 
     >>> from mpi4py import MPI
@@ -217,4 +227,5 @@ def distribute_values_from_function(collectives: Collectives, value_fn: Callable
     mode = require_spmd("experimental_distribute_values_from_function")
     if mode.replica_context is not None and mode.kind is not context.DEFAULT:
         context.require_cross_replica("experimental_distribute_values_from_function")
-    return value_fn(ValueContext(collectives.rank, collectives.size))
+    ranks, _ = handed(collectives)
+    return value_fn(ValueContext(ranks.rank, ranks.size))

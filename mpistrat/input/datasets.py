@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mpistrat import context
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.batches import examine
-from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, require_spmd
+from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, handed, require_spmd
 from mpistrat.input.iterators import DistributedIterator, Optional, SplitIterator
 from mpistrat.input.pipelines import PipelineIterator, SpecCell
 from mpistrat.input.position import InputPosition
@@ -202,7 +202,7 @@ class InputIterator:
 
 
 def distribute_dataset(
-    collectives: Collectives,
+    collectives: Any,
     dataset: Iterable[Any],
     options: InputOptions | None = None,
     owner: object = None,
@@ -216,11 +216,12 @@ def distribute_dataset(
             f"{where}: InputReplicationMode.PER_REPLICA is only supported in "
             "distribute_datasets_from_function"
         )
-    return DistributedDataset(collectives, dataset, opts, owner)
+    ranks, owner = handed(collectives, owner)
+    return DistributedDataset(ranks, dataset, opts, owner)
 
 
 def distribute_datasets_from_function(
-    collectives: Collectives,
+    collectives: Any,
     dataset_fn: Callable[[InputContext], Iterable[Any]],
     options: InputOptions | None = None,
     where: str = PipelineIterator.where,
@@ -231,18 +232,17 @@ def distribute_datasets_from_function(
     Each pipeline yields batches, or unbatched elements (one per replica per step, as tf).
     """
     _require_cross_replica(where)
-    return DistributedDatasetsFromFunction(collectives, dataset_fn, _options(options, where), where, owner)
+    ranks, owner = handed(collectives, owner)
+    return DistributedDatasetsFromFunction(ranks, dataset_fn, _options(options, where), where, owner)
 
 
-def make_dataset_iterator(
-    collectives: Collectives, dataset: Iterable[Any], owner: object = None
-) -> InputIterator:
+def make_dataset_iterator(collectives: Any, dataset: Iterable[Any], owner: object = None) -> InputIterator:
     """``make_dataset_iterator``: an :class:`InputIterator` over split global batches."""
     return InputIterator(distribute_dataset(collectives, dataset, owner=owner))
 
 
 def make_input_fn_iterator(
-    collectives: Collectives,
+    collectives: Any,
     input_fn: Callable[[InputContext], Iterable[Any]],
     replication_mode: InputReplicationMode | str = InputReplicationMode.PER_WORKER,
     owner: object = None,
