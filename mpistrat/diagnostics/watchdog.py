@@ -20,7 +20,7 @@ main thread waits.
 * A rank heard to have exited before the collective (it said so at exit) ends the
   collective at once, naming it.
 
-Also here: the strategies' lifecycle with the thread (:func:`watch`, :func:`unwatch`,
+Also here: the strategies' lifecycle with the thread (:func:`watch`,
 :func:`release`), the bounded duplication of a strategy's communicator (:func:`duplicate`)
 and the exit hook (``Watchdog.shutdown``).
 """
@@ -53,7 +53,6 @@ __all__ = [
     "collective",
     "duplicate",
     "release",
-    "unwatch",
     "wait",
     "watch",
 ]
@@ -206,13 +205,6 @@ def watch(collectives: Any) -> Monitor:
         WATCHDOG.start()
     WATCHDOG.reap(block=False)  # communicators of collected strategies that could not be freed then
     return mon
-
-
-def unwatch(mon: Monitor) -> None:
-    """Stop watching (before the communicator is freed); takes the lock the watchdog's MPI calls hold."""
-    with WATCHDOG.lock:
-        WATCHDOG.registry.discard(mon)
-    mon.watched = False
 
 
 def release(

@@ -266,3 +266,26 @@ def test_broadcast_to_and_only_first_replica_are_one_bcast(counted):
     ok = np.array_equal(got, want) and np.array_equal(v.numpy(), want)
     all_ranks_agree(WORLD, ok, f"rank {rank}: {got[:3]}, {v.numpy()[:3]}")
     del size
+
+
+@pytest.mark.parametrize("nest", [False, True])  # one array (its short path) and a one-leaf list
+def test_uneven_all_gather_is_handshake_sizes_and_one_allgatherv(counted, nest):
+    """Each rank receives the result once and sends its own rows once; besides, only the
+    handshake (13 int64) and one int64 size per rank: no per-leaf or per-rank calls."""
+    rank, size = counted.extended.rank, counted.num_replicas_in_sync
+    x = np.ones((100 * (rank + 1), 8), np.float32)  # uneven rows: rank r has 100 (r + 1)
+    result_bytes = 100 * 8 * 4 * size * (size + 1) // 2
+    with Ledger.recording() as ledger:
+        got = counted.extended.collectives.all_gather([x] if nest else x, 0)
+    got = got[0] if nest else got
+    handshake, sizes, data = ledger.log if len(ledger.log) == 3 else (None, None, None)
+    ok = (
+        got.shape == (result_bytes // 32, 8)
+        and handshake is not None
+        and (handshake.name, sizes.name) == ("Allreduce", "Allgather")
+        and handshake.sent + handshake.received == 2 * 13 * 8
+        and (sizes.sent, sizes.received) == (8, 8 * size)
+        and data.name == ("Allgatherv" if size > 1 else "Allgather")  # one rank: equal counts
+        and (data.sent, data.received) == (x.nbytes, result_bytes)
+    )
+    all_ranks_agree(WORLD, ok, f"rank {rank} of {size}: {ledger.log}")
