@@ -53,7 +53,7 @@ from mpistrat.input import (
     InputReplicationMode,
     ValueContext,
 )
-from mpistrat.options import CommunicationImplementation, CommunicationOptions
+from mpistrat.options import CheckpointOptions, CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.training import metrics, optimizers
 from mpistrat.training.distributed_variables import MirroredVariable, SyncOnReadVariable
@@ -76,6 +76,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
     "CheckpointManager",
+    "CheckpointOptions",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicationImplementation",

@@ -10,7 +10,7 @@ launch): nothing here depends on them agreeing.
 
 A strategy's settings (``CHECK``, ``TIMEOUT``, ``STALL_WARNING_SECONDS``, ``TIMELINE``,
 ``FLIGHT_RECORDS``, ``STRAGGLER_*``) are read when the strategy is created; the process's
-(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``) when they take effect.
+(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``, ``IO_HINTS``) when they take effect.
 ``docs/configuration.md`` is the table of :data:`SETTINGS`.
 
 >>> read("MPISTRAT_STALL_WARNING_SECONDS", env={})
@@ -95,6 +95,16 @@ def _summary(raw: str) -> str:
 
 def _directory(raw: str) -> str | None:
     return None if raw.lower() in ("0", "off", "no", "false") else raw  # a path keeps its case
+
+
+def _hints(raw: str) -> dict[str, str]:
+    hints = {}
+    for item in raw.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError("comma-separated key=value MPI-IO hints")
+        hints[key.strip()] = value.strip()
+    return hints
 
 
 def _device(raw: str) -> str:
@@ -190,6 +200,14 @@ SETTINGS: dict[str, Setting] = {
             None,
             "`1`, `0`, `auto`",
             "Whether MPI may be handed device pointers; `auto` (unset) asks the MPI library.",
+        ),
+        Setting(
+            "MPISTRAT_IO_HINTS",
+            _hints,
+            None,
+            "`key=value,key=value`",
+            "MPI-IO hints for checkpoint files (Lustre striping, ROMIO collective buffering); "
+            "`CheckpointOptions(io_hints=...)` adds to them.",
         ),
         Setting(
             "MPISTRAT_DEVICE",

@@ -1,4 +1,4 @@
-"""Options for collective communication, as ``tf.distribute.experimental.CommunicationOptions``."""
+"""Options for collectives and for checkpoints, as tf's ``CommunicationOptions`` and ``CheckpointOptions``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import enum
 
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["COMPRESSIONS", "CommunicationImplementation", "CommunicationOptions"]
+__all__ = ["COMPRESSIONS", "CheckpointOptions", "CommunicationImplementation", "CommunicationOptions"]
 
 # What ``CommunicationOptions.compression`` accepts: None inherits, "none" turns it off.
 COMPRESSIONS = ("none", "bf16", "fp16")
@@ -128,3 +128,40 @@ class CommunicationOptions:
         if override.compression not in (None, "none") and "deterministic" not in changes:
             changes["deterministic"] = None
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """How a checkpoint is written and read, as ``tf.train.CheckpointOptions``.
+
+    >>> CheckpointOptions(enable_async=True, io_hints={"striping_factor": 16}).io_hints
+    {'striping_factor': '16'}
+
+    Args:
+        enable_async: ``save``/``write`` return once this rank's share is copied aside; the
+            file is written while training goes on, and the next checkpoint call (a save, a
+            restore, ``Checkpoint.sync()``) or the end of the job finishes it: a failure is
+            raised on every rank there. (tf's older name, ``experimental_enable_async_checkpoint``,
+            is accepted too.)
+        io_hints: MPI-IO hints for the file (``MPI_Info`` keys and values), e.g. Lustre's
+            ``striping_factor``/``striping_unit`` or ROMIO's ``romio_cb_write``; they add to
+            (and override) the ``MPISTRAT_IO_HINTS`` setting. Hints an MPI does not know are ignored.
+    """
+
+    enable_async: bool = False
+    io_hints: dict[str, str] | None = None
+    experimental_enable_async_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("enable_async", "experimental_enable_async_checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.experimental_enable_async_checkpoint:
+            object.__setattr__(self, "enable_async", True)
+        hints = self.io_hints
+        if hints is not None:
+            if not isinstance(hints, dict) or not all(isinstance(k, str) and k for k in hints):
+                raise InvalidArgumentError(
+                    f"io_hints must be a dict of MPI-IO hint names to values; got {hints!r}"
+                )
+            object.__setattr__(self, "io_hints", {k: str(v) for k, v in hints.items()})

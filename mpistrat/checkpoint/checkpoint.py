@@ -1,15 +1,16 @@
-"""Checkpoints of variables and optimizers in ``tf.train.Checkpoint``'s shape, surviving a killed save.
+"""Checkpoints of variables and optimizers in ``tf.train.Checkpoint``'s shape, written by every rank.
 
-This module is the API and who does what: every rank calls :meth:`Checkpoint.save`,
-:meth:`~Checkpoint.write`, :meth:`~Checkpoint.restore` and :meth:`~Checkpoint.read` (they are
-collective, in cross-replica context); rank 0 writes and reads the file, one entry at a time,
-and ``restore`` broadcasts what it reads, so a checkpoint restores at any number of ranks.
+This module is the API: every rank calls :meth:`Checkpoint.save`, :meth:`~Checkpoint.write`,
+:meth:`~Checkpoint.restore`, :meth:`~Checkpoint.read` and :meth:`~Checkpoint.sync` (they are
+collective, in cross-replica context). A checkpoint is one file in the safetensors layout
+(:mod:`~mpistrat.checkpoint.format`): every rank writes its share of it
+(:mod:`~mpistrat.checkpoint.saving`) and on restore reads what it will hold
+(:mod:`~mpistrat.checkpoint.restoring`), so it restores at any number of ranks, sharded or not.
 Sync-on-read variables are saved aggregated. ``save(prefix)`` numbers its files ``prefix-1``,
 ``prefix-2``, ... by ``save_counter`` (saved in the file, so a restored checkpoint continues
 the numbering) and records the newest in the directory's index, which :func:`latest_checkpoint`
-reads. The file itself, written atomically so a killed save leaves the previous checkpoint
-intact, and what happens to corrupt files and unreadable indexes are
-:mod:`mpistrat.checkpoint.format`'s; its errors reach every rank.
+reads. Files are written under a temporary name and renamed once complete, so a killed save
+leaves the previous checkpoint intact; errors on any rank reach every rank.
 
 >>> import mpistrat, numpy as np, os, tempfile
 >>> w = mpistrat.Variable(np.arange(3.0))
@@ -34,22 +35,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import context, nest
-from mpistrat.checkpoint.format import (
-    INDEX,
-    SAVE_COUNTER,
-    Archive,
-    Index,
-    Reader,
-    checkpoint_state,
-    commit,
-    read_index,
-    write_index,
-)
-from mpistrat.collectives.fingerprint import hash64
+from mpistrat.checkpoint import restoring, saving
+from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
+from mpistrat.checkpoint.format import Table
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.input.datasets import input_position
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
+from mpistrat.options import CheckpointOptions
 from mpistrat.training.optimizers import Optimizer
 from mpistrat.training.variables import Variable, plain_variable
 
@@ -58,6 +51,9 @@ if TYPE_CHECKING:
     from mpistrat.distribute.strategy import Strategy
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "latest_checkpoint"]
+
+SAVE_COUNTER = "save_counter"  # Checkpoint.save_counter's name, as tf's: reserved
+Index = dict[str, tuple[np.dtype, tuple[int, ...]]]  # {entry: (dtype, shape)} of a file
 
 
 class Checkpoint:
@@ -154,13 +150,16 @@ class Checkpoint:
 
     # -- save / write / restore / read -------------------------------------------------------
 
-    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+    def save(self, file_prefix: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
         """Write a numbered checkpoint ``<file_prefix>-<n>`` (collective); returns its path.
 
         ``n`` is ``save_counter + 1``, and ``save_counter`` becomes ``n`` once the file is
-        written. The directory's index then names this file as the latest, for
-        :func:`latest_checkpoint` (use :class:`CheckpointManager` to keep several).
+        written (with ``options.enable_async``: at once). The directory's index then names this
+        file as the latest, for :func:`latest_checkpoint` (use :class:`CheckpointManager` to keep
+        several).
         """
+        collectives = collectives_of(self, "save")
+        saving.wait_for_saves(collectives)  # a background save first: it may take a number
         number = int(self._save_counter.numpy()) + 1
         path = f"{os.fspath(file_prefix)}-{number}"
         directory = os.path.dirname(path) or "."
@@ -168,11 +167,15 @@ class Checkpoint:
         def record() -> None:  # on rank 0, once the file is in place
             write_index(directory, [os.path.basename(path)])
 
-        write_file(self, collectives_of(self, "save"), path, "save", number, record)
         self._save_counter.assign(np.int64(number))
+        try:
+            write_file(self, collectives, path, "save", number, options, record)
+        except BaseException:
+            self._save_counter.assign(np.int64(number - 1))  # a failed save does not count
+            raise
         return path
 
-    def write(self, file_path: str | os.PathLike[str]) -> str:
+    def write(self, file_path: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
         """Write a checkpoint to exactly ``file_path`` (collective); returns it.
 
         Unnumbered, and not recorded in the directory's index; read it back with :meth:`read`.
@@ -182,37 +185,56 @@ class Checkpoint:
             raise InvalidArgumentError(
                 f"Checkpoint.write: {INDEX!r} is the index file's name; pick another name"
             )
-        return write_file(self, collectives_of(self, "write"), path, "write", int(self._save_counter.numpy()))
+        collectives = collectives_of(self, "write")
+        write_file(self, collectives, path, "write", int(self._save_counter.numpy()), options)
+        return path
 
-    def restore(self, save_path: str | os.PathLike[str] | None) -> CheckpointLoadStatus:
+    def sync(self) -> None:
+        """Wait until every background save (``CheckpointOptions(enable_async=True)``) is written
+        and in place (collective); a failed one raises here, on every rank."""
+        saving.wait_for_saves(collectives_of(self, "sync"))
+
+    def restore(
+        self, save_path: str | os.PathLike[str] | None, options: CheckpointOptions | None = None
+    ) -> CheckpointLoadStatus:
         """Load ``save_path`` into the tracked objects (collective); returns a status.
 
         Lenient, as tf's: entries the file lacks keep their values, and entries of the file
         that nothing here tracks are skipped (a warning names them unless the status's
         ``expect_partial()`` is called); ``status.assert_consumed()`` makes either an error.
-        Entries whose shape or dtype differ are an error naming them; nothing is assigned
-        then. ``save_counter`` is restored too. ``None`` (nothing saved yet) restores nothing.
+        Entries whose shape or dtype differ, and a damaged file, are an error naming them;
+        nothing is assigned then. ``save_counter`` is restored too. ``None`` (nothing saved
+        yet) restores nothing. A background save still being written is finished first.
         """
         strategy = self._strategy("restore")
         collectives = strategy.extended.collectives
+        saving.wait_for_saves(collectives)
         # Collective even for None, so a rank that found no checkpoint fails every rank instead of hanging.
         collectives.agree(
             "checkpoint.restore",
             fingerprint=int(save_path is None),
             describe=lambda: {"leaves": [("save_path", "None" if save_path is None else "a path", ())]},
+            options=saving.ALWAYS,
         )
         if save_path is None:
             return CheckpointLoadStatus(None, [], [])
-        return self._load(os.fspath(save_path), "restore", collectives, strategy.extended.writes_in_sync)
+        return self._load(
+            os.fspath(save_path), "restore", collectives, strategy.extended.writes_in_sync, options
+        )
 
-    def read(self, save_path: str | os.PathLike[str]) -> CheckpointLoadStatus:
+    def read(
+        self, save_path: str | os.PathLike[str], options: CheckpointOptions | None = None
+    ) -> CheckpointLoadStatus:
         """Load a file written by :meth:`write` (collective); as :meth:`restore`, but ``None`` is an error."""
         if save_path is None:
             raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
         strategy = self._strategy("read")
         collectives = strategy.extended.collectives
-        collectives.agree("checkpoint.restore")
-        return self._load(os.fspath(save_path), "read", collectives, strategy.extended.writes_in_sync)
+        saving.wait_for_saves(collectives)
+        collectives.agree("checkpoint.restore", options=saving.ALWAYS)
+        return self._load(
+            os.fspath(save_path), "read", collectives, strategy.extended.writes_in_sync, options
+        )
 
     def _load(
         self,
@@ -220,34 +242,25 @@ class Checkpoint:
         method: str,
         collectives: Collectives,
         writes_in_sync: Callable[[], AbstractContextManager[None]],
+        options: CheckpointOptions | None,
     ) -> CheckpointLoadStatus:
-        """Rank 0 checks the file and reads what it holds; then each entry travels alone (one
-        broadcast), so no rank holds more than one variable beyond its own state. Every rank
-        assigns rank 0's values inside ``writes_in_sync()`` (the strategy's: they are the same
-        on every rank by construction)."""
-        index, counter = collectives.on_root(lambda: read_index(path), kind=f"checkpoint.{method} (read)")
-        if index is None:
+        """Rank 0 reads the file's table of contents and every rank gets it; then every rank reads
+        its part (:func:`restoring.load`): checked before anything is assigned."""
+        options = _checked_options(options, f"Checkpoint.{method}")
+        table: Table | None = collectives.on_root(
+            lambda: read_table(path), kind=f"checkpoint.{method} (read)"
+        )
+        if table is None:
             raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
+        index: Index = {n: (e.dtype, e.shape) for n, e in table.entries.items()}
+        index.update({n: (np.dtype(np.int64), np.shape(p)) for n, p in table.positions.items()})
         self._build_slots(sorted(index))
         entries = self._entries()
         _check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
-        reader = Reader(path) if collectives.rank == 0 else None
-        try:
-            with writes_in_sync():
-                for name, var in entries.items():
-                    if name in index:
-                        dtype, shape = index[name]
-                        value, error = np.empty(shape, dtype), None
-                        if reader is not None:
-                            value, error = reader.get(name, value)
-                        var.assign(
-                            collectives.broadcast(value, kind=f"checkpoint.{method} ({name})", error=error)
-                        )
-        finally:
-            if reader is not None:
-                reader.close()
-        if counter is not None:
-            self._save_counter.assign(np.int64(counter))
+        targets = {n: v for n, v in entries.items() if n in index}
+        restoring.load(table, targets, collectives, writes_in_sync, options.io_hints, method)
+        if table.counter is not None:
+            self._save_counter.assign(np.int64(table.counter))
         missing = [n for n in entries if n not in index]
         return CheckpointLoadStatus(path, missing, [n for n in index if n not in entries])
 
@@ -273,32 +286,37 @@ def write_file(
     path: str,
     method: str,
     counter: int,
+    options: CheckpointOptions | None,
     after: Callable[[], None] | None = None,
-) -> str:
-    """Rank 0 writes every entry to ``path`` atomically, then runs ``after`` (the index's update).
+    on_success: Callable[[], None] | None = None,
+) -> None:
+    """Every rank writes its share of ``checkpoint`` to rank 0's ``path`` (collective); rank 0 then
+    runs ``after`` (the index's update) and every rank ``on_success``.
 
-    Entries travel one at a time: a sharded slot is assembled from its parts (one
-    all-gather of that variable), written, and dropped before the next, so no rank ever
-    holds more than one variable beyond its own state. Collective over ``collectives``.
+    With ``options.enable_async`` the call returns once this rank's share is copied aside: the
+    next checkpoint call (or the end of the job) finishes the file, then runs both. A background
+    save still being written is finished first.
     """
-    entries = checkpoint._entries()
-    described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
-    collectives.agree(
-        "checkpoint.save", fingerprint=hash64(repr(described)), describe=lambda: {"leaves": described}
-    )
-    # Gathered before the file opens: ranks at different positions fail the save, leaving nothing behind.
-    positions = {n: v.value() for n, v in entries.items() if isinstance(v, InputPosition)}
-    archive = Archive(path) if collectives.rank == 0 else None
-    for name, var in entries.items():
-        # Collective for sync-on-read variables (aggregated) and sharded slots.
-        value = positions[name] if name in positions else var.value()
-        if archive is not None:
-            archive.add(name, value)
-        del value
-    if archive is not None:
-        archive.finish(counter, collectives.size)
-    collectives.on_root(lambda: commit(archive, after), kind=f"checkpoint.{method} (write)")
-    return path
+    options = _checked_options(options, f"Checkpoint.{method}")
+    saving.wait_for_saves(collectives)
+    save = saving.begin(checkpoint._entries(), collectives, path, method, counter, options.io_hints, after)
+    if options.enable_async:
+        saving.start_in_background(save, collectives, on_success or (lambda: None))
+        return
+    saving.write(save)
+    saving.finish(save, collectives)
+    if on_success is not None:
+        on_success()
+
+
+def _checked_options(options: CheckpointOptions | None, where: str) -> CheckpointOptions:
+    if options is None:
+        return CheckpointOptions()
+    if not isinstance(options, CheckpointOptions):
+        raise InvalidArgumentError(
+            f"{where}: options must be an mpistrat.CheckpointOptions (or None); got {type(options).__name__}"
+        )
+    return options
 
 
 class CheckpointLoadStatus:
@@ -383,6 +401,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
             "(outside strategy.run and merge_fn)"
         )
     collectives = mode.strategy.extended.collectives
+    saving.wait_for_saves(collectives)
     collectives.agree("checkpoint.latest")
     return collectives.on_root(
         lambda: checkpoint_state(os.fspath(directory))[0], kind="checkpoint.latest (read)"

@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.checkpoint import saving
 from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of, write_file
-from mpistrat.checkpoint.format import checkpoint_state, write_index
+from mpistrat.checkpoint.files import checkpoint_state, write_index
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.options import CheckpointOptions
 from mpistrat.training.variables import Variable
 
 __all__ = ["CheckpointManager"]
@@ -33,11 +35,11 @@ class CheckpointManager:
     ``checkpoint.restore(manager.latest_checkpoint)`` restores: restore first, and the
     numbering continues where the earlier job stopped.
 
-    Rank 0 writes, into rank 0's ``directory``. Another rank may pass another directory (tf's
-    multi-worker tutorial gives each non-chief worker a temporary one, which it deletes after
-    each save): its calls are accepted, ``save()`` creates that directory but writes nothing
-    there, and its paths
-    (``save()``'s result, ``latest_checkpoint``, ``checkpoints``) are rank 0's.
+    Every rank writes its share of one file in rank 0's ``directory``. Another rank may pass
+    another directory (tf's multi-worker tutorial gives each non-chief worker a temporary one,
+    which it deletes after each save): its calls are accepted, ``save()`` creates that directory
+    but writes nothing there, and its paths (``save()``'s result, ``latest_checkpoint``,
+    ``checkpoints``) are rank 0's.
 
     Args:
         checkpoint: the :class:`Checkpoint` to save.
@@ -68,6 +70,7 @@ class CheckpointManager:
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep
         collectives = collectives_of(checkpoint, "CheckpointManager")
+        saving.wait_for_saves(collectives)
         collectives.agree("checkpoint.manager")
         prefix = os.path.join(self._directory, checkpoint_name)
 
@@ -91,13 +94,23 @@ class CheckpointManager:
         """The paths of the checkpoints kept, oldest first."""
         return list(self._checkpoints)
 
-    def save(self, checkpoint_number: int | Variable | None = None) -> str:
+    def save(
+        self,
+        checkpoint_number: int | Variable | None = None,
+        check_interval: bool = True,
+        options: CheckpointOptions | None = None,
+    ) -> str:
         """Write a new checkpoint (collective), delete the oldest beyond ``max_to_keep``; returns its path.
 
         It is numbered ``checkpoint_number`` if given (e.g. the training step), else by
-        ``save_counter``, which is incremented either way. Saving a number that is
-        already kept replaces that file and makes it the newest.
+        ``save_counter``, which is incremented either way. Saving a number that is already kept
+        replaces that file and makes it the newest. With ``CheckpointOptions(enable_async=True)``
+        it returns once this rank's share is copied aside: ``latest_checkpoint``, the index and
+        the deletions follow when the file is in place (the next checkpoint call, ``sync()`` or
+        the end of the job). ``check_interval`` is tf's and has no effect (no interval is set).
         """
+        collectives = collectives_of(self._checkpoint, "save")
+        saving.wait_for_saves(collectives)
         counter = int(self._checkpoint.save_counter.numpy()) + 1
         number = counter if checkpoint_number is None else _integer(checkpoint_number)
         path = f"{self._prefix}-{number}"
@@ -115,13 +128,24 @@ class CheckpointManager:
                         os.remove(old)
                 write_index(self._directory, [os.path.basename(p) for p in kept])
 
-        collectives = collectives_of(self._checkpoint, "save")
-        write_file(self._checkpoint, collectives, path, "save", counter, record_and_sweep)
+        def kept_now() -> None:  # every rank, once the file is in place
+            self._latest, self._checkpoints = path, kept
+
+        self._checkpoint.save_counter.assign(np.int64(counter))
+        try:
+            write_file(
+                self._checkpoint, collectives, path, "save", counter, options, record_and_sweep, kept_now
+            )
+        except BaseException:
+            self._checkpoint.save_counter.assign(np.int64(counter - 1))  # a failed save does not count
+            raise
         if collectives.rank != 0 and os.path.dirname(self._prefix) != self._directory:
             os.makedirs(self._directory, exist_ok=True)  # as tf's save creates it (left empty here)
-        self._checkpoint.save_counter.assign(np.int64(counter))
-        self._latest, self._checkpoints = path, kept
         return path
+
+    def sync(self) -> None:
+        """Wait for a background save to be written and in place (collective), as tf's."""
+        self._checkpoint.sync()
 
 
 def _integer(number: Any) -> int:

@@ -29,6 +29,8 @@ assigned as a method below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from mpi4py import MPI
 
@@ -80,6 +82,9 @@ class Collectives:
             self.stop,
         )
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
+        # Work started over this communicator that every rank must finish before it is freed (a
+        # background checkpoint save): name -> what finishes it (collective).
+        self.pending: dict[str, Callable[[], None]] = {}
         # The check level: the options', else the environment (read once, here).
         check = self.options.check
         self.check: int = config.read("MPISTRAT_CHECK") if check is None else handshake.level(check)
@@ -111,6 +116,11 @@ class Collectives:
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
+    def finish_pending(self) -> None:
+        """Finish the work in :attr:`pending` (collective: before the communicator is freed)."""
+        while self.pending:
+            self.pending.popitem()[1]()
+
     def free(self) -> None:
         """Mark the communicator freed (its strategy was finalized): ``require_open`` then raises."""
         self.freed = True
@@ -132,3 +142,4 @@ class Collectives:
     all_reduce_in_place = in_place.all_reduce_in_place
     reduce_scatter_in_place = in_place.reduce_scatter_in_place
     all_gather_in_place = in_place.all_gather_in_place
+    all_gather_bytes = in_place.all_gather_bytes

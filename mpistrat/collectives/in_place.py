@@ -16,6 +16,7 @@ array([0., 1., 2., 3.])
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from mpistrat.options import CommunicationOptions
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["all_gather_in_place", "all_reduce_in_place", "reduce_scatter_in_place"]
+__all__ = ["all_gather_bytes", "all_gather_in_place", "all_reduce_in_place", "reduce_scatter_in_place"]
 
 
 @watchdog.collective("all_reduce")
@@ -90,6 +91,20 @@ def all_gather_in_place(self: Collectives, buf: Any, *, kind: str = "all_gather"
         self.comm.Allgather(MPI.IN_PLACE, buf)
     else:
         mpi.allgather(self.comm, MPI.IN_PLACE, buf)
+
+
+@watchdog.collective("all_gather")
+def all_gather_bytes(
+    self: Collectives, mine: np.ndarray, out: np.ndarray, counts: list[int], *, kind: str = "all_gather"
+) -> None:
+    """Every rank's bytes ``mine`` end to end in ``out`` (host memory), ``counts[r]`` of them from
+    rank ``r``: one ``Allgatherv``, or ``Allgather`` when the counts are equal (MPICH's is twice as
+    fast for large messages). Uneven counts, zeros included; each below 2**31."""
+    if counts.count(counts[0]) == len(counts):
+        self.comm.Allgather([mine, MPI.BYTE], [out, MPI.BYTE])
+        return
+    displs = [0, *itertools.accumulate(counts[:-1])]
+    self.comm.Allgatherv([mine, MPI.BYTE], [out, counts, displs, MPI.BYTE])
 
 
 def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> str:

@@ -169,6 +169,7 @@ class StrategyExtended:
         return self.collectives.stragglers.table()
 
     def finalize(self) -> None:
+        self._collectives.finish_pending()  # a background checkpoint save, while MPI still can
         detached = self._release.detach() if self._release is not None else None
         if self._comm is not None and detached is not None:
             _, release, args, _ = detached

@@ -38,7 +38,7 @@ from mpistrat.collectives import Collectives, check_enabled
 from mpistrat.comm.mpi import mpi_datatype
 from mpistrat.errors import MpistratError
 from mpistrat.tools import bench_meta, bench_report
-from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, OPT_IN, Case, Setup
+from mpistrat.tools.bench_ops import DEFAULT_OPS, GROUPS, OPS, OPT_IN, Case, Setup
 from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "parse_size", "iterations", "sizes_between"]
@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ops",
         default=",".join(DEFAULT_OPS),
-        help=f"comma-separated, from {', '.join(OPS)} (default: all but {', '.join(OPT_IN)})",
+        help=f"comma-separated, from {', '.join(OPS)}; 'checkpoint' is both checkpoint ops "
+        f"(default: all but {', '.join(OPT_IN)})",
     )
     p.add_argument("--min", type=parse_size, default=4, help="smallest message size (default 4)")
     p.add_argument("--max", type=parse_size, default=64 << 20, help="largest message size (default 64MiB)")
@@ -111,6 +112,13 @@ def _parser() -> argparse.ArgumentParser:
         help="train_step: batch is global (strong) or per rank (weak)",
     )
     p.add_argument("--batch", type=int, default=256, help="train_step batch size (default 256)")
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=None,
+        help="checkpoint ops: where their files go, removed afterwards (default: the current "
+        "directory; on a cluster, the parallel file system a job writes to)",
+    )
     p.add_argument(
         "--shard",
         action="store_true",
@@ -269,7 +277,8 @@ def _metadata(comm: MPI.Intracomm, collectives: Collectives, args: Any, argv: li
 
 
 def _validate(args: Any, parser: argparse.ArgumentParser) -> list[str]:
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    named = [o.strip() for o in args.ops.split(",") if o.strip()]
+    ops = list(dict.fromkeys(op for o in named for op in GROUPS.get(o, (o,))))
     unknown = [o for o in ops if o not in OPS]
     if unknown or not ops:
         parser.error(f"--ops: unknown {unknown or 'empty list'}; choose from {', '.join(OPS)}")
@@ -399,10 +408,23 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
             dtype = np.dtype(args.dtype)
             setup = Setup(
-                strategy, comm, dtype, nbytes, args.leaves, args.batch, args.scaling, args.shard, rtol
+                strategy,
+                comm,
+                dtype,
+                nbytes,
+                args.leaves,
+                args.batch,
+                args.scaling,
+                args.shard,
+                rtol,
+                args.checkpoint_dir,
             )
             # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
-            case, timed = _run_case(strategy, op_name, setup, args, seen)
+            try:
+                case, timed = _run_case(strategy, op_name, setup, args, seen)
+            finally:
+                for cleanup in setup.cleanups:  # the checkpoint ops' files
+                    cleanup()
             bar.update(1)
             if timed is None:
                 continue

@@ -64,6 +64,8 @@ class Setup:
     scaling: str
     shard: bool = False  # the optimizer ops: build the mpistrat optimizer with shard_state=True
     rtol: float = 0.0  # how far a result may be from the exact one (compression); 0: equal
+    directory: str | None = None  # the checkpoint ops: where their files go (None: the current directory)
+    cleanups: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # run once the case is timed
 
     @property
     def rank(self) -> int:

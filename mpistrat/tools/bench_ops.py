@@ -30,10 +30,11 @@ from mpistrat.tools.bench_case import (
     pattern,
     split,
 )
+from mpistrat.tools.bench_checkpoint import checkpoint_restore, checkpoint_save, io_factor
 from mpistrat.tools.bench_optimizer import apply_gradients_adam, apply_gradients_sgd
 from mpistrat.tools.replica import replica_context
 
-__all__ = ["OPS", "Case", "Op", "Setup", "DEFAULT_OPS", "OPT_IN"]
+__all__ = ["DEFAULT_OPS", "GROUPS", "OPS", "OPT_IN", "Case", "Op", "Setup"]
 
 
 # -- all_reduce of one array -------------------------------------------------------------
@@ -371,11 +372,38 @@ OPS: dict[str, Op] = {
             allreduce_factor,
             apply_gradients_adam,
         ),
+        Op(
+            "checkpoint_save",
+            "Checkpoint.write: K variables + Adam slots, every rank its share (busbw: per rank)",
+            "Write_at_all of 1/R of the same bytes + Sync + rename",
+            None,
+            "none",
+            io_factor,
+            checkpoint_save,
+        ),
+        Op(
+            "checkpoint_restore",
+            "Checkpoint.read of the same (busbw: per rank)",
+            "Read_at_all of 1/R + Allgather",
+            None,
+            "none",
+            io_factor,
+            checkpoint_restore,
+        ),
     )
 }
 
-# What a plain ``mpistrat bench`` runs. Opt-in: train_step (compute-bound, for scaling studies) and
-# the optimizer steps: 64 variables cost ~6-14 ms a step with today's apply_gradients, so over the
-# default sweep they took 5.3 minutes at 2 ranks, where every other op together took 3.
-OPT_IN = ("train_step", "apply_gradients_sgd", "apply_gradients_adam")
+# Names that stand for several ops on the command line.
+GROUPS = {"checkpoint": ("checkpoint_save", "checkpoint_restore")}
+
+# What a plain ``mpistrat bench`` runs. Opt-in: train_step (compute-bound, for scaling studies),
+# the optimizer steps (64 variables cost ~6-14 ms a step, so over the default sweep they took 5.3
+# minutes at 2 ranks, where every other op together took 3) and the checkpoint ops (they write files).
+OPT_IN = (
+    "train_step",
+    "apply_gradients_sgd",
+    "apply_gradients_adam",
+    "checkpoint_save",
+    "checkpoint_restore",
+)
 DEFAULT_OPS = [name for name in OPS if name not in OPT_IN]

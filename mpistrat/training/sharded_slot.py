@@ -21,6 +21,7 @@ import numpy as np
 
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.training.optimizer_state import creation_order
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -51,6 +52,19 @@ class ShardedSlot:
     def _pieces(self, rank: int) -> list[tuple[int, int, int]]:
         a, b = self._group.params.spans[self._index]
         return [(lo - a, hi - a, at) for lo, hi, at in self._group.layout.pieces(a, b, rank)]
+
+    @property
+    def section(self) -> tuple[int, str, str, int]:
+        """Where a checkpoint lays this slot out: ``(group, dtype, slot name, first element)``, the same
+        on every rank. Ordered by it, a group's slots of one name tile the group's flat buffer, so
+        each rank's parts of them follow each other in the file."""
+        group = self._group
+        return (
+            creation_order(group.variables[0]),
+            group.dtype.str,
+            self._slot,
+            group.params.spans[self._index][0],
+        )
 
     def local_parts(self) -> list[tuple[int, Any]]:
         """This rank's parts: ``(offset in the flattened slot, array)`` pairs; no communication."""

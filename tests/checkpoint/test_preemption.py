@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import mpistrat
 from mpistrat import InvalidArgumentError
@@ -270,5 +271,5 @@ def test_the_run_counter_is_an_entry_of_the_checkpoint(world, tmp_path):
     step(world, w)  # carries the flag
     with pytest.raises(Stopped):
         handler.save_checkpoint_if_preempted()
-    data = world.comm.bcast(dict(np.load(os.path.join(directory, "ckpt-1"))) if world.rank == 0 else None)
+    data = world.comm.bcast(load_file(os.path.join(directory, "ckpt-1")) if world.rank == 0 else None)
     all_ranks_agree(world.comm, int(data[RUN_CALLS]) == 4 and float(data["w"]) == 5.0, str(data))

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 import mpistrat
-from mpistrat.checkpoint import format as checkpoint_format
+from mpistrat.checkpoint import files as checkpoint_files
 
 directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sig, who, at = (sys.argv[4:7] + [None] * 3)[:3]
@@ -37,14 +37,14 @@ manager = mpistrat.CheckpointManager(
 handler = mpistrat.PreemptionCheckpointHandler(manager)
 
 if during_save and rank == 0:
-    original = checkpoint_format._before_rename
+    original = checkpoint_files._before_rename
 
     def signal_every_rank(tmp: str, path: str) -> None:
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         original(tmp, path)
 
-    checkpoint_format._before_rename = signal_every_rank
+    checkpoint_files._before_rename = signal_every_rank
 
 
 def batch(step: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,352 @@
+"""A save: every rank writes its share of one file, then rank 0 names it (collective).
+
+:func:`begin` agrees on what is saved, lays the file out (:mod:`~mpistrat.checkpoint.format`)
+and picks this rank's pieces (:mod:`~mpistrat.checkpoint.pieces`); rank 0 names the temporary
+file and every rank creates it together. Then either :func:`write` writes the pieces with
+MPI-IO at once, or :func:`start_in_background` copies them aside and a thread writes them
+while training goes on. :func:`finish` (every rank, after either) gathers the errors and the
+pieces' checksums; rank 0 fills the checksums into the header, renames the file into place
+and runs ``after`` (the index's update). Any rank's error, at any step, is raised on every
+rank there, and the temporary file is removed: the previous checkpoint stays as it was.
+
+Memory: a save copies nothing of a NumPy array (MPI-IO writes from it), a device array's
+share through the host; a background save holds a copy of this rank's share until it ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.checkpoint import crc, files, mpiio
+from mpistrat.checkpoint.format import Table, dtype_code, encode_header, header_rows, lay_out
+from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, share, spans_of_share
+from mpistrat.collectives.fingerprint import hash64
+from mpistrat.comm import packing
+from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.input.position import InputPosition
+from mpistrat.log import logger
+from mpistrat.options import CommunicationOptions
+from mpistrat.training.sharded_slot import ShardedSlot
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+
+__all__ = ["ALWAYS", "Save", "begin", "finish", "start_in_background", "wait_for_saves", "write"]
+
+# Checkpoint agreements run even with the check off: a rank that failed must not be waited for.
+ALWAYS = CommunicationOptions(check=True)
+# A background writer's niceness (Linux, this thread only): the training step keeps its CPU.
+WRITER_NICENESS = 10
+
+
+@dataclasses.dataclass
+class Save:
+    """One save in progress on this rank."""
+
+    method: str  # "save" or "write", for messages
+    path: str  # rank 0's: where the file goes
+    tmp: str  # rank 0's temporary name, written by every rank
+    table: Table
+    header: bytes  # rank 0 writes it first, with every checksum 0
+    metadata: dict[str, str]
+    calls: list[list[Piece]]
+    rounds: int  # collective write calls: the most any rank makes
+    after: Callable[[], None] | None  # on rank 0 once the file is in place
+    keep: list[Any]  # arrays the pieces view (device copies, aggregated values)
+    file: Any = None  # the open MPI file, between begin and write
+    error: OSError | None = None
+    crcs: list[tuple[str, int, int, int]] = dataclasses.field(
+        default_factory=list
+    )  # entry, start, crc, length
+    thread: threading.Thread | None = None
+    began: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.table.entries.values()) + len(self.header)
+
+
+def begin(
+    entries: dict[str, Any],
+    collectives: Collectives,
+    path: str,
+    method: str,
+    counter: int,
+    io_hints: dict[str, str] | None,
+    after: Callable[[], None] | None = None,
+) -> Save:
+    """Agree on ``entries`` (name: variable, sharded slot or dataset position), lay the file out,
+    create it (collective). Errors found on any rank are raised on every rank before anything is
+    written."""
+    described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
+    error: MpistratError | None = None
+    try:
+        for name, value in entries.items():
+            if not isinstance(value, InputPosition):
+                dtype_code(value.dtype, name)
+    except InvalidArgumentError as exc:
+        error = exc
+    collectives.agree(
+        "checkpoint.save",
+        fingerprint=hash64(repr(described)),
+        describe=lambda: {"leaves": described},
+        error=error,
+        options=ALWAYS,
+    )
+    positions: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    sharded: dict[str, ShardedSlot] = {}
+    for name, value in entries.items():  # collective for positions and sync-on-read variables
+        if isinstance(value, InputPosition):
+            positions[name] = value.value().tolist()
+        elif isinstance(value, ShardedSlot):
+            sharded[name] = value
+        else:
+            whole[name] = value.value()
+    order = sorted(whole) + sorted(sharded, key=lambda n: sharded[n].section)
+    metadata = {
+        "num_replicas": str(collectives.size),
+        "save_counter": str(counter),
+        "positions": json.dumps(positions, sort_keys=True),
+    }
+    table, header = lay_out([(n, entries[n].dtype, tuple(entries[n].shape)) for n in order], metadata)
+    keep: list[Any] = []
+    pieces: list[Piece] = []
+    try:
+        pieces = _my_pieces(table, whole, sharded, collectives.rank, collectives.size, keep)
+    except Exception as exc:  # a device-to-host copy: every rank must hear of it
+        error = InvalidArgumentError(f"Checkpoint.{method}: {type(exc).__name__}: {exc}")
+    mine = calls(pieces)
+    rounds = collectives.agree("checkpoint.save (plan)", maximum=len(mine), error=error, options=ALWAYS)
+    target, tmp = collectives.on_root(lambda: _name_temporary(path), kind=f"checkpoint.{method} (prepare)")
+    save = Save(method, target, tmp, table, header, metadata, mine, rounds, after, keep)
+    _create(save, collectives, io_hints)
+    return save
+
+
+def _my_pieces(
+    table: Table,
+    whole: dict[str, Any],
+    sharded: dict[str, ShardedSlot],
+    rank: int,
+    size: int,
+    keep: list[Any],
+) -> list[Piece]:
+    """This rank's pieces: its even share of the values every rank holds, its parts of sharded slots."""
+    entries = [table.entries[n] for n in whole]
+    lo, hi = share(sum(e.nbytes for e in entries), size, rank)
+    pieces = []
+    for i, a, b in spans_of_share([e.nbytes for e in entries], lo, hi):
+        entry = entries[i]
+        memory = _host_bytes(whole[entry.name], a, b, keep)
+        pieces.append(Piece(entry.name, a, entry.offset + a, memory))
+    for name, slot in sharded.items():
+        entry = table.entries[name]
+        for element, part in slot.local_parts():
+            start = element * entry.dtype.itemsize
+            pieces.append(Piece(name, start, entry.offset + start, _host_bytes(part, 0, None, keep)))
+    return pieces
+
+
+def _host_bytes(array: Any, a: int, b: int | None, keep: list[Any]) -> np.ndarray:
+    """Bytes ``[a, b)`` of ``array`` in host memory (a view of a NumPy array; a copy from a device)."""
+    if packing.array_module(array) is np:
+        return bytes_of(array)[a:b]
+    xp = packing.array_module(array)
+    flat = xp.ascontiguousarray(array).reshape(-1).view(xp.uint8)
+    host = flat[a:b].get()
+    keep.append(host)
+    return host
+
+
+def _name_temporary(path: str) -> tuple[str, str]:
+    """On rank 0: remove what killed saves left beside ``path``; the temporary name to write."""
+    files.remove_stale_temporaries(os.path.dirname(path) or ".")
+    return path, files.temporary(path)
+
+
+def _create(save: Save, collectives: Collectives, io_hints: dict[str, str] | None) -> None:
+    """Every rank creates the temporary file (with the hints) and keeps it open; rank 0 writes the
+    header. Any rank's failure is raised on every rank, the file removed."""
+    mode = MPI.MODE_CREATE | MPI.MODE_WRONLY
+    fh, error = mpiio.open_file(collectives.comm, save.tmp, mode, mpiio.hints(io_hints))
+    if fh is not None and collectives.rank == 0:
+        try:
+            fh.Write_at(0, np.frombuffer(save.header, np.uint8))
+        except MPI.Exception as exc:
+            error = mpiio.os_error(exc, "writing the checkpoint's header", save.tmp)
+    save.file = fh
+    try:
+        collectives.agree(f"checkpoint.{save.method} (create)", error=error, options=ALWAYS)
+    except BaseException:
+        _close(save)
+        if collectives.rank == 0:
+            with contextlib.suppress(OSError):
+                os.remove(save.tmp)
+        raise
+
+
+def _close(save: Save) -> None:
+    fh, save.file = save.file, None
+    if fh is not None:
+        try:
+            fh.Close()
+        except MPI.Exception as exc:
+            save.error = save.error or mpiio.os_error(exc, "closing the checkpoint file", save.tmp)
+
+
+def write(save: Save) -> None:
+    """Write this rank's pieces now, with collective MPI-IO (every rank calls it), and flush them."""
+    save.crcs = _checksums(save.calls)
+    fh = save.file
+    save.error = mpiio.write_rounds(fh, save.calls, save.rounds, save.tmp)
+    try:
+        fh.Sync()
+    except MPI.Exception as exc:
+        save.error = save.error or mpiio.os_error(exc, "flushing the checkpoint file", save.tmp)
+    _close(save)
+
+
+def _checksums(work: list[list[Piece]]) -> list[tuple[str, int, int, int]]:
+    return [(p.entry, p.start, zlib.crc32(p.memory.data), p.nbytes) for call in work for p in call]
+
+
+def finish(save: Save, collectives: Collectives) -> None:
+    """Every rank's errors and checksums to rank 0, which completes the file and renames it into
+    place (or removes it); raises the first error on every rank (collective)."""
+    if save.thread is not None:
+        save.thread.join()
+    error = None if save.error is None else (save.error.errno, str(save.error))
+    reports = collectives.gather_to_root((error, save.crcs), kind=f"checkpoint.{save.method} (checksums)")
+    collectives.on_root(lambda: _complete(save, reports or []), kind=f"checkpoint.{save.method} (rename)")
+
+
+def _complete(save: Save, reports: list[Any]) -> None:
+    """On rank 0: the header with the checksums, fsync, rename, ``after``; or the first error."""
+    try:
+        failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
+        if failed:
+            rank, (code, text) = failed[0]
+            others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+            raise OSError(code, f"Checkpoint.{save.method} failed on rank {rank}{others}: {text}")
+        parts: dict[str, list[tuple[int, int, int]]] = {name: [] for name in save.table.entries}
+        for _, records in reports:
+            for name, start, part, length in records:
+                parts[name].append((start, part, length))
+        crcs = {}
+        for name, entry in save.table.entries.items():
+            joined = crc.joined(parts[name], entry.nbytes)
+            if joined is None:  # a bug, not damage: the ranks' pieces must tile every entry
+                raise MpistratError(f"Checkpoint.{save.method}: the ranks' pieces of {name} do not tile it")
+            crcs[name] = joined
+        header = encode_header(header_rows(save.table), save.metadata, crcs)
+        fd = os.open(save.tmp, os.O_WRONLY)
+        try:
+            os.pwrite(fd, header, 0)
+        finally:
+            os.close(fd)
+        files.replace_durably(save.tmp, save.path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(save.tmp)
+        raise
+    if save.after is not None:
+        save.after()
+
+
+# -- saves that finish in the background ---------------------------------------------------------
+
+_pending: list[tuple[Save, Collectives, Callable[[], None]]] = []
+_exit_hook = False
+
+
+def start_in_background(save: Save, collectives: Collectives, on_success: Callable[[], None]) -> None:
+    """Copy this rank's pieces aside and write them in a thread; :func:`wait_for_saves` (or the
+    end of the job) finishes the save, then runs ``on_success`` on every rank."""
+    global _exit_hook
+    _close(save)  # collective; the thread writes with POSIX calls
+    total = sum(p.nbytes for call in save.calls for p in call)
+    staged = np.empty(total, np.uint8)  # the share at this moment: training may change the arrays
+    at, copied = 0, []
+    for call in save.calls:
+        pieces = []
+        for p in call:
+            staged[at : at + p.nbytes] = p.memory
+            pieces.append(dataclasses.replace(p, memory=staged[at : at + p.nbytes]))
+            at += p.nbytes
+        copied.append(pieces)
+    save.calls, save.keep = copied, [staged]
+    header = save.header if collectives.rank == 0 else b""
+    save.thread = threading.Thread(
+        target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True
+    )
+    save.thread.start()
+    _pending.append((save, collectives, on_success))
+    collectives.pending["checkpoint saves"] = functools.partial(wait_for_saves, collectives)
+    if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
+        atexit.register(_finish_at_exit)
+        _exit_hook = True
+
+
+def _drain(save: Save, header: bytes) -> None:
+    """The background writer: POSIX writes of this rank's pieces, their checksums, fsync."""
+    if sys.platform.startswith("linux"):  # a thread's own niceness: Linux only (elsewhere the process's)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+    try:
+        mpiio.posix_write(save.tmp, header, save.calls)
+        save.crcs = _checksums(save.calls)
+    except OSError as exc:
+        save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
+    except BaseException as exc:  # whatever it is, every rank must hear of it at the wait
+        save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
+
+
+def wait_for_saves(collectives: Collectives) -> None:
+    """Finish every background save over ``collectives`` (collective); raise the first failure."""
+    mine = [p for p in _pending if p[1] is collectives]
+    failure: BaseException | None = None
+    for item in mine:
+        _pending.remove(item)
+        save, _, on_success = item
+        try:
+            finish(save, collectives)
+        except BaseException as exc:
+            failure = failure or exc
+            continue
+        logger.info(
+            "Checkpoint.%s: %s written in the background (%.1f MiB, %.2f s)",
+            save.method,
+            save.path,
+            save.nbytes / 2**20,
+            time.monotonic() - save.began,
+        )
+        on_success()
+    if failure is not None:
+        raise failure
+
+
+def _finish_at_exit() -> None:
+    """At the end of the job: finish what is still being written (every rank is here)."""
+    for collectives in list({id(c): c for _, c, _ in _pending}.values()):
+        if MPI.Is_finalized() or collectives.freed:
+            logger.error("Checkpoint: a background save could not finish: MPI is finalized")
+            continue
+        try:
+            wait_for_saves(collectives)
+        except BaseException as exc:
+            logger.error("Checkpoint: a background save failed at exit: %s", exc)

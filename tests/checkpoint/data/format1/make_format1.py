@@ -1,0 +1,49 @@
+"""How ckpt-1 here was made: a format-1 checkpoint (.npz) written by mpistrat at commit bb1bbc1.
+
+From a checkout of that commit: ``PYTHONPATH=. mpiexec -n 2 python make_format1.py DIR``; it
+writes ``DIR/ckpt-1`` and, from rank 0, the values it saved as ``DIR/ckpt-1.json``.
+"""
+
+import json
+import sys
+
+import numpy as np
+from mpistrat.optimizers import Adam
+
+import mpistrat
+
+strategy = mpistrat.MPIStrategy()
+rank = strategy.extended.rank
+with strategy.scope():
+    w = mpistrat.Variable(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), name="w")
+    b = mpistrat.Variable(np.arange(5, dtype=np.float64), name="b")
+    step = mpistrat.Variable(np.int64(7), name="step")
+    seen = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="seen")
+    opt = Adam(0.01, shard_state=True)
+data = mpistrat.ArrayDataset(np.arange(64, dtype=np.float32).reshape(32, 2), 8)
+dist = strategy.experimental_distribute_dataset(data)
+it = iter(dist)
+next(it)
+next(it)
+strategy.run(
+    lambda: opt.apply_gradients([(np.ones((3, 4), np.float32) * (rank + 1), w), (np.full(5, 0.5), b)])
+)
+strategy.run(lambda: seen.assign_add(float(rank + 1)))
+ckpt = mpistrat.Checkpoint(model={"w": w, "b": b}, step=step, seen=seen, opt=opt, data=it)
+ckpt.save(sys.argv[1] + "/ckpt")
+with strategy.scope():
+    values = {
+        "model/w": w.numpy().tolist(),
+        "model/b": b.numpy().tolist(),
+        "step": int(step.numpy()),
+        "seen": float(seen.numpy()),
+        "opt/iterations": int(opt.iterations.numpy()),
+        "slots": {
+            f"{v.name}/{n}": opt.get_slot(v, n).numpy().tolist() for v in (w, b) for n in opt.slot_names
+        },
+        "save_counter": 1,
+        "ranks": strategy.num_replicas_in_sync,
+    }
+if rank == 0:
+    with open(sys.argv[1] + "/ckpt-1.json", "w") as f:
+        json.dump(values, f, indent=1)

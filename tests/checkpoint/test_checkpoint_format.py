@@ -1,0 +1,324 @@
+"""The checkpoint file: standard safetensors (read back by the safetensors package), its checksums,
+what is checked before anything is restored, and format-1 files of the previous version."""
+
+import itertools
+import json
+import os
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mpistrat.optimizers import Adam
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import mpistrat
+from mpistrat import InvalidArgumentError
+from mpistrat.checkpoint import crc
+from mpistrat.checkpoint.files import read_table
+from mpistrat.checkpoint.pieces import Piece, calls, share, spans_of_share
+from tests.checkpoint.test_checkpoint import shared_dir
+from tests.conftest import all_ranks_agree, raises_on_every_rank
+
+FORMAT1 = Path(__file__).parent / "data" / "format1"
+DTYPES = ["float32", "float64", "float16", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"]
+DTYPES += ["uint64", "complex64"]  # every dtype a variable may have (no bool)
+
+
+# -- the arithmetic: checksums of parts, shares, calls ------------------------------------------
+
+
+@given(st.lists(st.binary(max_size=300), max_size=6))
+def test_the_checksum_of_parts_is_zlibs_checksum_of_the_whole(parts):
+    whole = b"".join(parts)
+    starts = np.cumsum([0, *map(len, parts)]).tolist()
+    records = [(s, zlib.crc32(p), len(p)) for s, p in zip(starts, parts, strict=False)]
+    assert crc.joined(records[::-1], len(whole)) == zlib.crc32(whole)
+
+
+def test_parts_that_do_not_tile_the_whole_have_no_checksum():
+    a, b = b"abcd", b"efgh"
+    assert crc.joined([(0, zlib.crc32(a), 4)], 8) is None  # a gap
+    assert crc.joined([(0, zlib.crc32(a), 4), (2, zlib.crc32(b), 4)], 8) is None  # an overlap
+    assert crc.joined([(0, zlib.crc32(a + b), 8), (0, zlib.crc32(a), 4)], 8) is None  # counted twice
+
+
+@given(st.integers(0, 10**6), st.integers(1, 64))
+def test_shares_split_every_byte_once_and_evenly(total, size):
+    bounds = [share(total, size, r) for r in range(size)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    lengths = [hi - lo for lo, hi in bounds]
+    assert max(lengths) - min(lengths) <= 1
+
+
+@given(st.lists(st.integers(0, 50), max_size=8), st.integers(0, 400), st.integers(0, 400))
+def test_a_share_of_arrays_laid_end_to_end_is_their_bytes_in_that_range(sizes, lo, hi):
+    data = np.arange(sum(sizes)) % 251
+    arrays = np.split(data, np.cumsum(sizes)[:-1]) if sizes else []
+    got = [arrays[i][a:b] for i, a, b in spans_of_share(sizes, lo, hi)]
+    want = data[lo:hi]
+    assert np.array_equal(np.concatenate(got) if got else np.zeros(0), want)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 40)), max_size=10), st.integers(1, 64))
+def test_calls_join_consecutive_bytes_up_to_the_limit_and_keep_every_byte(spans, limit):
+    used, pieces = set(), []
+    for offset, length in spans:
+        if not set(range(offset, offset + length)) & used:
+            used |= set(range(offset, offset + length))
+            pieces.append(
+                Piece("e", offset, offset, (np.arange(offset, offset + length) % 256).astype(np.uint8))
+            )
+    got = calls(pieces, limit)
+    flat = [p for call in got for p in call]
+    assert sorted(b for p in flat for b in range(p.offset, p.offset + p.nbytes)) == sorted(used)
+    for call in got:
+        assert sum(p.nbytes for p in call) <= limit
+        assert all(a.offset + a.nbytes == b.offset for a, b in itertools.pairwise(call))
+        assert all(np.array_equal(p.memory, np.arange(p.offset, p.offset + p.nbytes) % 256) for p in call)
+
+
+# -- the file is standard safetensors ------------------------------------------------------------
+
+
+def saved_state(group, shard=False):
+    """Variables of every dtype a variable may have, a sync-on-read sum, a 0-d and an empty array, Adam."""
+    rng = np.random.default_rng(5)
+    with group.strategy.scope():
+        variables = {
+            d: mpistrat.Variable((rng.standard_normal((3, 5)) * 50).astype(d), name=d)
+            for d in DTYPES
+            if d != "complex64"
+        }
+        variables["complex64"] = mpistrat.Variable((rng.standard_normal(4) + 1j).astype(np.complex64))
+        variables["scalar"] = mpistrat.Variable(np.float32(2.5))
+        variables["empty"] = mpistrat.Variable(np.zeros((0, 3), np.float32))
+        seen = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+        weights = [mpistrat.Variable(rng.standard_normal(n).astype(np.float32)) for n in (5, 1, 300)]
+        opt = Adam(0.1, shard_state=shard)
+    grads = [(np.ones(w.shape, np.float32) * (k + 1), w) for k, w in enumerate(weights)]
+    group.strategy.run(lambda: opt.apply_gradients(grads))
+    group.strategy.run(lambda: seen.assign_add(mpistrat.get_replica_context().replica_id_in_sync_group + 1.0))
+    return mpistrat.Checkpoint(v=variables, seen=seen, w=weights, opt=opt), variables, seen, weights, opt
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_checkpoint_is_a_safetensors_file_with_the_saved_values(group, tmp_path, shard):
+    directory = shared_dir(group, tmp_path)
+    ckpt, variables, seen, weights, opt = saved_state(group, shard)
+    path = ckpt.save(os.path.join(directory, "ckpt"))
+    with group.strategy.scope():
+        want = {f"v/{k}": v.numpy() for k, v in variables.items()}
+        want |= {f"w/{i}": w.numpy() for i, w in enumerate(weights)}
+        want |= {
+            f"opt/slots/w/{i}/{n}": opt.get_slot(w, n).numpy() for i, w in enumerate(weights) for n in "mv"
+        }
+        want |= {"seen": seen.numpy(), "opt/iterations": opt.iterations.numpy()}
+    problems = []
+    if group.rank == 0:
+        got = load_file(path)
+        if sorted(got) != sorted(want):
+            problems.append(f"entries {sorted(got)} != {sorted(want)}")
+        problems += [
+            f"{k}: {got[k]!r} != {w!r}"
+            for k, w in want.items()
+            if k in got
+            and (got[k].dtype != w.dtype or got[k].shape != w.shape or not np.array_equal(got[k], w))
+        ]
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata()
+        if (
+            meta["format"] != "mpistrat/2"
+            or int(meta["num_replicas"]) != group.size
+            or meta["save_counter"] != "1"
+        ):
+            problems.append(f"metadata {meta}")
+        checksums = json.loads(meta["crc32"])
+        problems += [
+            f"crc of {k}" for k, v in got.items() if int(checksums[k], 16) != zlib.crc32(v.tobytes())
+        ]
+    all_ranks_agree(group.comm, not problems, "; ".join(problems[:5]))
+
+
+def test_a_file_saved_by_safetensors_is_refused_as_foreign(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    path = os.path.join(directory, "foreign.safetensors")
+    if group.rank == 0:
+        save_file({"v": np.zeros(3)}, path)
+    group.comm.Barrier()
+    with group.strategy.scope():
+        ckpt = mpistrat.Checkpoint(v=mpistrat.Variable(np.ones(3)))
+    raises_on_every_rank(
+        group.comm, InvalidArgumentError, lambda: ckpt.restore(path), "not an mpistrat checkpoint"
+    )
+
+
+def test_a_dtype_safetensors_cannot_hold_is_an_error_on_every_rank_before_any_file(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        ok = mpistrat.Variable(np.ones(2, np.float32))
+        wide = mpistrat.Variable(np.ones(2, np.complex128), name="wide")
+    message = raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: mpistrat.Checkpoint(ok=ok, wide=wide).save(os.path.join(directory, "c")),
+        "wide is complex128",
+    )
+    assert "safetensors" in message
+    all_ranks_agree(group.comm, os.listdir(directory) == [], str(os.listdir(directory)))
+
+
+# -- headers checked before anything is read -----------------------------------------------------
+
+
+def header_of(path):
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def with_header(header, data):
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def damaged_headers(path):
+    """(name, bytes, what the error must say) of files whose header is wrong in one way each."""
+    header, data = header_of(path)
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    begin, end = header[name]["data_offsets"]
+
+    def changed(edit):
+        h = json.loads(json.dumps(header))
+        edit(h)
+        return with_header(h, data)
+
+    yield "overlap", changed(lambda h: h[name].update(data_offsets=[begin - 4, end - 4])), "overlaps"
+    yield (
+        "out of range",
+        changed(lambda h: h[name].update(data_offsets=[len(data), len(data) + end - begin])),
+        "",
+    )
+    yield "gap", with_header(header, data[:begin] + bytes(8) + data[begin:]), ""
+    yield "wrong size", changed(lambda h: h[name].update(shape=[*h[name]["shape"], 2])), "spans"
+    yield "bad dtype", changed(lambda h: h[name].update(dtype="Q99")), "Q99"
+    yield "negative", changed(lambda h: h[name].update(data_offsets=[-8, end - begin - 8])), ">= 0"
+    yield "no checksum", changed(lambda h: h["__metadata__"].update(crc32="{}")), "metadata"
+    yield "not json", struct.pack("<Q", 20) + b"{not json at all....." + data, "not JSON"
+    yield "huge length", struct.pack("<Q", 1 << 40) + data, "header of"
+    yield "truncated", with_header(header, data[:-3]), "truncated"
+    yield "extra bytes", with_header(header, data + b"xx"), "extra bytes"
+    yield "empty", b"", "shorter than"
+
+
+def test_damaged_headers_are_one_clear_error_on_every_rank_and_nothing_is_assigned(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt, _, _, weights, opt = saved_state(group, shard=True)
+    path = ckpt.write(os.path.join(directory, "good"))
+    cases = []
+    if group.rank == 0:
+        for name, content, says in damaged_headers(path):
+            target = os.path.join(directory, name.replace(" ", "-"))
+            Path(target).write_bytes(content)
+            cases.append((target, says))
+    cases = group.comm.bcast(cases, root=0)
+    with group.strategy.scope():
+        before = [w.numpy() for w in weights] + [int(opt.iterations.numpy())]
+    for target, says in cases:
+        with group.strategy.scope():
+            for w in weights:
+                w.assign(np.zeros(w.shape, np.float32))
+        raises_on_every_rank(group.comm, InvalidArgumentError, lambda t=target: ckpt.restore(t), says)
+        with group.strategy.scope():
+            untouched = all(not w.numpy().any() for w in weights)
+        all_ranks_agree(group.comm, untouched, f"{target}: assigned before the error")
+    with group.strategy.scope():
+        ckpt.restore(path).assert_consumed()
+        after = [w.numpy() for w in weights] + [int(opt.iterations.numpy())]
+    all_ranks_agree(group.comm, all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)))
+
+
+# -- format 1 ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_format_1_checkpoint_of_the_previous_version_restores_at_any_rank_count(group, shard):
+    """ckpt-1 was written at 2 ranks by the previous version (data/format1/make_format1.py)."""
+    want = json.loads((FORMAT1 / "ckpt-1.json").read_text())
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros((3, 4), np.float32), name="w")
+        b = mpistrat.Variable(np.zeros(5), name="b")
+        step = mpistrat.Variable(np.int64(0), name="step")
+        seen = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="seen")
+        opt = Adam(0.01, shard_state=shard)
+    data = mpistrat.ArrayDataset(np.arange(64, dtype=np.float32).reshape(32, 2), 8)
+    iterator = iter(group.strategy.experimental_distribute_dataset(data))
+    ckpt = mpistrat.Checkpoint(model={"w": w, "b": b}, step=step, seen=seen, opt=opt, data=iterator)
+    ckpt.restore(str(FORMAT1 / "ckpt-1")).assert_consumed()
+    with group.strategy.scope():
+        slots = {f"{v.name}/{n}": opt.get_slot(v, n).numpy() for v in (w, b) for n in opt.slot_names}
+        got = [w.numpy(), b.numpy(), int(step.numpy()), float(seen.numpy()), int(opt.iterations.numpy())]
+    ok = np.array_equal(got[0], np.float32(want["model/w"])) and np.array_equal(got[1], want["model/b"])
+    ok = (
+        ok and got[2:] == [want["step"], want["seen"], want["opt/iterations"]] and int(ckpt.save_counter) == 1
+    )
+    ok = ok and all(np.array_equal(v, np.asarray(want["slots"][k], v.dtype)) for k, v in slots.items())
+    batch = next(iterator)  # two of the four global batches were taken when it was saved
+    first = np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(batch))])
+    ok = ok and first[0].tolist() == [32.0, 33.0]
+    all_ranks_agree(group.comm, ok, f"{got} {first[:1]}")
+
+
+def format_1_file(path, arrays):
+    """A format-1 file as the previous version wrote it: .npy members in a stored zip, then its marks."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, value in [*arrays.items(), ("save_counter", np.array(3, np.int64))]:
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, value, allow_pickle=False)
+        with archive.open("__mpistrat__.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, np.array(json.dumps({"format": 1, "num_replicas": 2})))
+
+
+def test_format_1_members_in_fortran_order_and_damaged_members(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    value = np.asfortranarray(np.arange(12.0).reshape(3, 4))
+    good, short = os.path.join(directory, "good"), os.path.join(directory, "short")
+    if group.rank == 0:
+        format_1_file(good, {"a": value, "b": np.arange(5, dtype=np.int32)})
+        # A member re-zipped a few bytes short: its CRC matches its bytes, not its .npy header.
+        with zipfile.ZipFile(good) as archive:
+            members = {i.filename: archive.read(i) for i in archive.infolist()}
+        members["b.npy"] = members["b.npy"][:-4]
+        with zipfile.ZipFile(short, "w", zipfile.ZIP_STORED) as archive:
+            for name, content in members.items():
+                archive.writestr(name, content)
+    group.comm.Barrier()
+    with group.strategy.scope():
+        a, b = mpistrat.Variable(np.zeros((3, 4))), mpistrat.Variable(np.zeros(5, np.int32))
+    ckpt = mpistrat.Checkpoint(a=a, b=b)
+    ckpt.restore(good).assert_consumed()
+    with group.strategy.scope():
+        ok = np.array_equal(a.numpy(), value) and b.numpy().tolist() == [0, 1, 2, 3, 4]
+        ok = ok and int(ckpt.save_counter) == 3
+        a.assign(np.zeros((3, 4)))
+    all_ranks_agree(group.comm, ok, repr(a))
+    raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.restore(short), "header says")
+    with group.strategy.scope():
+        all_ranks_agree(group.comm, not a.numpy().any(), "assigned before the error")
+
+
+def test_read_table_names_the_file_and_what_is_wrong(tmp_path):
+    """One rank reads the table: a missing file is FileNotFoundError, a foreign one None."""
+    with pytest.raises(FileNotFoundError):
+        read_table(str(tmp_path / "nothing"))
+    np.savez(tmp_path / "foreign.npz", v=np.zeros(2))
+    assert read_table(str(tmp_path / "foreign.npz")) is None
+    (tmp_path / "text").write_text("hello, world: not a checkpoint")
+    with pytest.raises(InvalidArgumentError, match=str(tmp_path / "text")):
+        read_table(str(tmp_path / "text"))
