@@ -1,6 +1,7 @@
-"""The ``mpistrat`` command: ``mpistrat info | bench | plot | report | timeline`` (or ``python -m mpistrat``).
+"""The ``mpistrat`` command: ``info``, ``bench``, ``plot``, ``report``, ``timeline``, ``checkpoint``.
 
-Each subcommand lives in its own module with a ``main(argv)``; this file only dispatches.
+Each subcommand lives in its own module with a ``main(argv)``; this file only dispatches (``python -m
+mpistrat`` runs it too).
 Ctrl-C ends a command with one line and exit status 130, as a shell reports SIGINT.
 """
 
@@ -22,12 +23,17 @@ COMMANDS = {
         "mpistrat.tools.merge_timelines",
         "merge the ranks' MPISTRAT_TIMELINE files into one Chrome trace",
     ),
+    "checkpoint": (
+        "mpistrat.tools.checkpoint_inspect",
+        "inspect PATH: a checkpoint's entries, metadata and checksums",
+    ),
 }
 INTERRUPTED = 130  # 128 + SIGINT
 
 
 def _usage() -> str:
-    lines = [f"  {name:<8} {about}" for name, (_, about) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}} {about}" for name, (_, about) in COMMANDS.items()]
     return (
         "usage: mpistrat {" + ",".join(COMMANDS) + "} [options]   (mpistrat COMMAND --help for its options)\n"
         "       mpistrat --version\n\n" + "\n".join(lines)

@@ -38,6 +38,10 @@ _ERRNO = {
 }
 
 
+# What a file system may answer, as ROMIO passes it on inside an "Other I/O error".
+_SAID = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EFBIG)
+
+
 def hints(extra: dict[str, str] | None) -> dict[str, str]:
     """The MPI-IO hints of a checkpoint: ``MPISTRAT_IO_HINTS``, then ``extra`` over them."""
     return {**(config.read("MPISTRAT_IO_HINTS") or {}), **(extra or {})}
@@ -48,8 +52,11 @@ def os_error(exc: BaseException, what: str, path: str) -> OSError:
     if isinstance(exc, OSError):
         return OSError(exc.errno, f"{what}: {exc.strerror or exc}", path)
     if isinstance(exc, MPI.Exception):
-        code = _ERRNO.get(exc.Get_error_class(), errno.EIO)
-        return OSError(code, f"{what}: {exc.Get_error_string().strip()}", path)
+        text = exc.Get_error_string().strip()
+        code = _ERRNO.get(exc.Get_error_class())
+        if code is None:  # ROMIO says "Other I/O error" and the system's words: find the errno there
+            code = next((c for c in _SAID if os.strerror(c) in text), errno.EIO)
+        return OSError(code, f"{what}: {text.splitlines()[-1] if text else exc}", path)
     return OSError(errno.EIO, f"{what}: {type(exc).__name__}: {exc}", path)
 
 

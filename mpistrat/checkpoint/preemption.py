@@ -45,6 +45,7 @@ from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.log import ANY_RANK, logger
+from mpistrat.options import CheckpointOptions
 from mpistrat.training.variables import plain_variable
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "PreemptionWatcher", "TerminationConfig"]
@@ -250,12 +251,23 @@ class PreemptionCheckpointHandler:
             "PreemptionCheckpointHandler: every rank stops after run call %d; saving a checkpoint",
             self._total_run_calls,
         )
+        began = time.monotonic()
         if self._config.save_fn is not None:
             self._config.save_fn()
-            logger.warning("PreemptionCheckpointHandler: saved (save_fn)")
+            logger.warning("PreemptionCheckpointHandler: saved (save_fn) in %.2f s", time.monotonic() - began)
         else:
+            asked = save_kwargs.pop("options", None) or CheckpointOptions()
+            # Synchronous whatever was asked: the process exits next, so the file must be in place.
+            save_kwargs["options"] = dataclasses.replace(
+                asked, enable_async=False, experimental_enable_async_checkpoint=False
+            )
             path = self._manager.save(*save_args, **save_kwargs)
-            logger.warning("PreemptionCheckpointHandler: saved %s", path)
+            logger.warning(
+                "PreemptionCheckpointHandler: saved %s in %.2f s (%.1f MiB)",
+                path,
+                time.monotonic() - began,
+                os.path.getsize(path) / 2**20,
+            )
         self._collectives.stop.clear()
         _unwatch_signals()  # saved: from here on a SIGTERM (Slurm ending the job) ends the process
         if self._config.exit_fn is not None:

@@ -138,6 +138,8 @@ def first_difference(descriptions: list[Any]) -> str:
 
 def _same_type(error: BaseException, message: str) -> BaseException:
     try:
+        if isinstance(error, OSError) and error.errno is not None:  # keep what a caller may test
+            return type(error)(error.errno, message)
         return type(error)(message)
     except Exception:
         return MergeCallError(f"{type(error).__qualname__}: {message}")

@@ -47,18 +47,40 @@ def launcher_options() -> list[str]:
     return options
 
 
-def run_job(
-    script: Path, *args: str, ranks: int, limit: float, env: dict[str, str] | None = None
-) -> tuple[int, str]:
-    """Run ``script`` under ``mpiexec -n ranks`` from the repository root, with this environment less
-    the launcher's and the ``MPISTRAT_*`` variables (plus ``env``); return (exit code, stdout + stderr).
-
-    A job still running after ``limit`` seconds is killed with all its processes, and the test fails.
-    """
+def job_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment less the launcher's and the ``MPISTRAT_*`` variables, with the repository
+    on ``PYTHONPATH``, plus ``env``: what a job the tests start runs with."""
     child = {k: v for k, v in os.environ.items() if not k.startswith((*_LAUNCHER_VARS, "MPISTRAT_"))}
     child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     child.update(env or {})
-    cmd = [str(MPIEXEC), *launcher_options(), "-n", str(ranks), sys.executable, str(script), *args]
+    return child
+
+
+def run_job(
+    script: Path,
+    *args: str,
+    ranks: int,
+    limit: float,
+    env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
+) -> tuple[int, str]:
+    """Run ``script`` under ``mpiexec -n ranks`` from the repository root, with this environment less
+    the launcher's and the ``MPISTRAT_*`` variables (plus ``env``); return (exit code, stdout + stderr).
+    ``prefix`` goes before ``mpiexec`` (a command that runs the rest, e.g. in a mount namespace).
+
+    A job still running after ``limit`` seconds is killed with all its processes, and the test fails.
+    """
+    child = job_environment(env)
+    cmd = [
+        *(prefix or []),
+        str(MPIEXEC),
+        *launcher_options(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        str(script),
+        *args,
+    ]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,

@@ -445,3 +445,29 @@ def test_the_compression_tolerance_is_the_documented_bound():
     args = bench._parser().parse_args(["--compression", "fp16"])
     assert bench._tolerance(args, 2) == (2 * 2**-11 + 3 * 2**-24) * (1 + 2**-11)
     assert bench._tolerance(bench._parser().parse_args([]), 2) == 0.0
+
+
+@pytest.mark.parametrize("shard", [[], ["--shard"]], ids=["replicated", "sharded"])
+def test_checkpoint_ops_save_and_restore_a_model_with_adam_beside_raw_mpi_io(tmp_path, shard):
+    """``--ops checkpoint`` is both checkpoint ops; a row's size is the file's (the parameters and
+    Adam's two slots, and a header); the files go to --checkpoint-dir and are removed after."""
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    out = tmp_path / "run.json"
+    folder = WORLD.bcast(str(tmp_path / "files"), root=0)
+    args = ["--ops", "checkpoint", "--min", "64K", "--max", "128K", "--leaves", "4", "--iters", "2"]
+    code = bench.main(
+        [*args, "--min-iters", "2", "--checkpoint-dir", folder, *shard, "--json", str(out), "--quiet"]
+    )
+    problems = [f"exit code {code}"] if code else []
+    if rank == 0:
+        data = json.loads(out.read_text())
+        problems += validate(data, n, ["checkpoint_save", "checkpoint_restore"])
+        rows = {(r["op"], r["count"]): r["bytes"] for r in data["results"]}
+        for params in (16384, 32768):  # float32 parameters at 64 KiB and 128 KiB
+            for op in ("checkpoint_save", "checkpoint_restore"):
+                size = rows.get((op, params), 0)
+                if not 3 * 4 * params < size < 3 * 4 * params + (16 << 10):
+                    problems.append(f"{op} of {params} parameters: {size} bytes")
+        if os.listdir(folder):
+            problems.append(f"left behind: {os.listdir(folder)}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))

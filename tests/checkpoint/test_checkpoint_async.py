@@ -1,0 +1,158 @@
+"""Background saves (``CheckpointOptions(enable_async=True)``): the values of the moment of the call,
+written while training goes on, finished by the next checkpoint call, ``sync()`` or the end of the
+job, and a failure raised on every rank there."""
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpistrat.optimizers import SGD
+
+import mpistrat
+import mpistrat.checkpoint.mpiio as mpiio
+from mpistrat import CheckpointOptions, InvalidArgumentError
+from tests.checkpoint.test_checkpoint import shared_dir
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.launch import run_job
+
+ASYNC = CheckpointOptions(enable_async=True)
+
+
+def model(group, value=1.0):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.full((64, 33), value, np.float32), name="w")
+        opt = SGD(0.5, momentum=0.9, shard_state=True)
+    group.strategy.run(lambda: opt.apply_gradients([(np.ones((64, 33), np.float32), w)]))
+    return w, opt, mpistrat.Checkpoint(w=w, opt=opt)
+
+
+def test_a_background_save_holds_the_values_of_its_call(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    w, opt, ckpt = model(group)
+    with group.strategy.scope():
+        saved = [w.numpy(), opt.get_slot(w, "momentum").numpy()]
+    path = ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)
+    in_place_at_once = os.path.exists(path)
+    for _ in range(2):  # training goes on while the file is written
+        group.strategy.run(lambda: opt.apply_gradients([(np.ones((64, 33), np.float32), w)]))
+    ckpt.sync()
+    ok = not in_place_at_once and os.path.exists(path) and int(ckpt.save_counter) == 1
+    ckpt.restore(path).assert_consumed()
+    with group.strategy.scope():
+        now = [w.numpy(), opt.get_slot(w, "momentum").numpy()]
+        ok = ok and int(opt.iterations.numpy()) == 1 and mpistrat.latest_checkpoint(directory) == path
+    ok = ok and all(np.array_equal(a, b) for a, b in zip(saved, now, strict=True))
+    left = sorted(os.listdir(directory))
+    all_ranks_agree(group.comm, ok and left == ["checkpoint", "ckpt-1"], f"{left} {now[0][0, :2]}")
+
+
+def test_the_next_checkpoint_call_finishes_a_background_save_first(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    w, _, ckpt = model(group)
+    with group.strategy.scope():
+        want = w.numpy()
+    first = ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)
+    second = ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)  # waits for the first
+    with group.strategy.scope():
+        latest = mpistrat.latest_checkpoint(directory)  # waits for the second
+        w.assign(np.zeros((64, 33), np.float32))
+    ok = latest == second == os.path.join(directory, "ckpt-2") and os.path.exists(first)
+    ckpt.restore(first).assert_consumed()  # and a restore waits too
+    with group.strategy.scope():
+        ok = ok and np.array_equal(w.numpy(), want)
+    all_ranks_agree(group.comm, ok, f"{first} {second} {latest}")
+
+
+def test_a_manager_records_and_deletes_once_the_file_is_in_place(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    _, _, ckpt = model(group)
+    manager = mpistrat.CheckpointManager(ckpt, directory, max_to_keep=1)
+    first = manager.save()
+    second = manager.save(options=ASYNC)
+    before = (
+        manager.latest_checkpoint,
+        os.path.exists(first),
+    )  # still the first: the second is being written
+    manager.sync()
+    after = (manager.latest_checkpoint, os.path.exists(first), os.path.exists(second))
+    ok = before == (first, True) and after == (second, False, True)
+    all_ranks_agree(group.comm, ok, f"{before} {after}")
+
+
+def test_a_failed_background_write_is_raised_on_every_rank_at_the_wait(group, tmp_path, monkeypatch):
+    directory = shared_dir(group, tmp_path)
+    w, _, ckpt = model(group)
+    with group.strategy.scope():
+        want = w.numpy()
+    good = ckpt.save(os.path.join(directory, "ckpt"))
+    real = mpiio.posix_write
+
+    def full(path, header, calls):  # the last rank's disk fills up
+        if group.rank == group.size - 1:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real(path, header, calls)
+
+    monkeypatch.setattr(mpiio, "posix_write", full)
+    ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)  # returns: the failure is in the background
+    message = raises_on_every_rank(group.comm, OSError, ckpt.sync, "No space left on device")
+    assert f"rank {group.size - 1}" in message
+    monkeypatch.undo()
+    left = sorted(os.listdir(directory))
+    with group.strategy.scope():
+        w.assign(np.zeros((64, 33), np.float32))
+        latest = mpistrat.latest_checkpoint(directory)
+    ckpt.restore(latest).assert_consumed()
+    with group.strategy.scope():
+        ok = latest == good and np.array_equal(w.numpy(), want) and left == ["checkpoint", "ckpt-1"]
+    all_ranks_agree(group.comm, ok, f"{latest} {left}")
+
+
+def test_finalizing_the_strategy_finishes_a_background_save(tmp_path):
+    strategy = mpistrat.MPIStrategy(WORLD)
+    directory = WORLD.bcast(str(tmp_path), root=0)
+    with strategy.scope():
+        v = mpistrat.Variable(np.arange(1000.0))
+    path = mpistrat.Checkpoint(v=v).write(os.path.join(directory, "c"), options=ASYNC)
+    strategy.experimental_finalize()
+    all_ranks_agree(WORLD, os.path.exists(path), "not written at finalize")
+
+
+def test_options_are_checked():
+    with pytest.raises(InvalidArgumentError, match="enable_async must be True or False"):
+        CheckpointOptions(enable_async="yes")
+    with pytest.raises(InvalidArgumentError, match="io_hints must be a dict"):
+        CheckpointOptions(io_hints=["striping_factor=4"])
+    assert CheckpointOptions(experimental_enable_async_checkpoint=True).enable_async  # tf's older name
+    ckpt = mpistrat.Checkpoint(v=mpistrat.Variable(1.0))
+    with pytest.raises(InvalidArgumentError, match=r"must be an mpistrat\.CheckpointOptions"):
+        ckpt.write("/nonexistent/x", options={"enable_async": True})
+
+
+EXIT_JOB = """
+import sys
+import numpy as np
+import mpistrat
+
+strategy = mpistrat.MPIStrategy()
+with strategy.scope():
+    v = mpistrat.Variable(np.arange(50000.0))
+ckpt = mpistrat.Checkpoint(v=v)
+ckpt.save(sys.argv[1] + "/ckpt", options=mpistrat.CheckpointOptions(enable_async=True))
+with strategy.scope():
+    v.assign(np.zeros(50000))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.serial
+def test_the_end_of_the_job_finishes_a_background_save(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_JOB)
+    code, out = run_job(script, str(tmp_path), ranks=3, limit=60)
+    assert code == 0 and "returned" in out, out
+    v = mpistrat.Variable(np.zeros(50000))
+    mpistrat.Checkpoint(v=v).restore(mpistrat.latest_checkpoint(tmp_path)).assert_consumed()
+    assert np.array_equal(v.numpy(), np.arange(50000.0))
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["checkpoint", "ckpt-1", "job.py"]

@@ -1,0 +1,67 @@
+"""``mpistrat checkpoint inspect``: what a file holds, checked against what was saved and against zlib."""
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mpistrat
+from mpistrat.tools import checkpoint_inspect
+
+
+@pytest.fixture
+def saved(tmp_path):
+    w = mpistrat.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), name="w")
+    step = mpistrat.Variable(np.int64(4), name="step")
+    ckpt = mpistrat.Checkpoint(model={"w": w}, step=step)
+    ckpt.save(tmp_path / "ckpt")
+    return Path(ckpt.save(tmp_path / "ckpt")), w
+
+
+def test_inspect_lists_the_entries_and_checks_every_checksum(saved, capsys):
+    path, w = saved
+    assert checkpoint_inspect.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    crc = f"{zlib.crc32(w.numpy().tobytes()):08x}"
+    assert "format 2" in out and "saved by 1 rank(s), save_counter 2" in out
+    assert any(line.split() == ["model/w", "float32", "(3,", "4)", "48", crc] for line in out.splitlines()), (
+        out
+    )
+    assert "checksums: all 2 entries intact" in out
+
+
+def test_a_flipped_byte_is_named_and_fails(saved, capsys):
+    path, _ = saved
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0x01  # inside model/w (48 bytes), before the 8 of step
+    path.write_bytes(bytes(data))
+    assert checkpoint_inspect.main(["inspect", str(path)]) == 1
+    assert "CHECKSUM MISMATCH in 1 entries: model/w" in capsys.readouterr().out
+    assert checkpoint_inspect.main(["inspect", str(path), "--no-verify"]) == 0
+
+
+def test_json_and_a_directory_means_its_latest(saved, capsys):
+    path, _ = saved
+    assert checkpoint_inspect.main(["inspect", str(path.parent), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == str(path) and info["save_counter"] == 2 and info["mismatched"] == []
+    assert [(e["name"], e["shape"], e["dtype"]) for e in info["entries"]] == [
+        ("model/w", [3, 4], "float32"),
+        ("step", [], "int64"),
+    ]
+
+
+def test_unreadable_files_exit_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "junk").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    assert checkpoint_inspect.main(["inspect", str(tmp_path / "junk")]) == 2
+    assert checkpoint_inspect.main(["inspect", str(tmp_path / "missing")]) == 2
+    assert checkpoint_inspect.main(["inspect", str(tmp_path)]) == 2  # a directory with no index
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        len(err) == 3
+        and "truncated or corrupt" in err[0]
+        and "No such file" in err[1]
+        and "no index" in err[2]
+    )
