@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpistrat import config
 from mpistrat.checkpoint.pieces import Piece
 
-__all__ = ["hints", "open_file", "os_error", "posix_write", "read_rounds", "write_rounds"]
+__all__ = ["DEFAULT_HINTS", "hints", "open_file", "os_error", "posix_write", "read_rounds", "write_rounds"]
 
 # MPI error classes and the errno they mean, for an OSError a user can catch like any other.
 _ERRNO = {
@@ -42,9 +42,17 @@ _ERRNO = {
 _SAID = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EFBIG)
 
 
+# Each rank's bytes in a round are one run of its own, so no rank need write another's: the MPI
+# standard's hint says so (Open MPI's OMPIO otherwise funnels files under ~32 MB per rank through
+# one aggregator; MPICH's ROMIO already writes such runs independently). Sites that want
+# aggregation on their file system set it back (``collective_buffering=true,cb_nodes=...``).
+DEFAULT_HINTS = {"collective_buffering": "false"}
+
+
 def hints(extra: dict[str, str] | None) -> dict[str, str]:
-    """The MPI-IO hints of a checkpoint: ``MPISTRAT_IO_HINTS``, then ``extra`` over them."""
-    return {**(config.read("MPISTRAT_IO_HINTS") or {}), **(extra or {})}
+    """The MPI-IO hints of a checkpoint: :data:`DEFAULT_HINTS`, ``MPISTRAT_IO_HINTS`` over them,
+    then ``extra`` over those."""
+    return {**DEFAULT_HINTS, **(config.read("MPISTRAT_IO_HINTS") or {}), **(extra or {})}
 
 
 def os_error(exc: BaseException, what: str, path: str) -> OSError:
