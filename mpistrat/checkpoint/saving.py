@@ -45,7 +45,7 @@ from mpistrat.training.sharded_slot import ShardedSlot
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["ALWAYS", "Save", "begin", "finish", "start_in_background", "wait_for_saves", "write"]
+__all__ = ["ALWAYS", "Save", "begin", "finish", "start_in_background", "wait_for_saves", "write", "writing"]
 
 # Checkpoint agreements run even with the check off: a rank that failed must not be waited for.
 ALWAYS = CommunicationOptions(check=True)
@@ -314,6 +314,11 @@ def _drain(save: Save, header: bytes) -> None:
         save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
     except BaseException as exc:  # whatever it is, every rank must hear of it at the wait
         save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
+
+
+def writing() -> bool:
+    """Whether a background save is still writing on this rank (its thread has not finished)."""
+    return any(save.thread is not None and save.thread.is_alive() for save, _, _ in _pending)
 
 
 def wait_for_saves(collectives: Collectives) -> None:

@@ -420,10 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.checkpoint_dir,
             )
             # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
-            try:
-                case, timed = _run_case(strategy, op_name, setup, args, seen)
-            finally:
-                for cleanup in setup.cleanups:  # the checkpoint ops' files
+            case, timed = _run_case(strategy, op_name, setup, args, seen)
+            if setup.cleanups:  # the checkpoint ops' files, once every rank is done with them
+                comm.Barrier()
+                for cleanup in setup.cleanups:
                     cleanup()
             bar.update(1)
             if timed is None:

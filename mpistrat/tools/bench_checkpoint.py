@@ -59,8 +59,12 @@ def _directory(s: Setup) -> str:
         os.makedirs(parent, exist_ok=True)
         where = tempfile.mkdtemp(prefix="mpistrat-bench-checkpoint-", dir=parent)
     folder: str = s.comm.bcast(where, root=0)
-    if s.rank == 0:
-        s.cleanups.append(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+    def remove() -> None:  # on every rank, so that every rank knows there is something to clean up
+        if s.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    s.cleanups.append(remove)
     return folder
 
 
