@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat import context, nest
+from mpistrat import context
 from mpistrat.checkpoint import restoring, saving
 from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
 from mpistrat.checkpoint.format import Table
+from mpistrat.checkpoint.tracking import tracked
 from mpistrat.errors import ContextError, InvalidArgumentError
-from mpistrat.input.datasets import input_position
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
@@ -57,18 +57,20 @@ Index = dict[str, tuple[np.dtype, tuple[int, ...]]]  # {entry: (dtype, shape)} o
 
 
 class Checkpoint:
-    """Save and restore named variables, optimizers and nests (dicts, lists) of them.
+    """Save and restore named variables, optimizers, nests of them and objects holding them.
 
-    Entries are named by their keyword and key path, e.g. ``model/w``; an
-    optimizer contributes ``<name>/iterations`` and one entry per slot,
-    ``<name>/slots/<variable's entry>/<slot>``, so its variables must be tracked
-    by the same checkpoint. A distributed dataset or iterator contributes its position
-    (the pass and the batches taken in it) as one small integer entry, which ``restore``
-    sets back, so the next pass resumes there. Every file also holds ``save_counter``.
+    Entries are named by their keyword and key path, e.g. ``model/w``, or attribute path
+    for an object holding variables (a model class: ``model/dense/kernel``, see
+    :mod:`~mpistrat.checkpoint.tracking`). An optimizer contributes ``<name>/iterations``
+    and one entry per slot, ``<name>/slots/<variable's entry>/<slot>``, so its variables
+    must be tracked by the same checkpoint. A distributed dataset or iterator contributes
+    its position (the pass and the batches taken in it), which ``restore`` sets back, so
+    the next pass resumes there. Every file also holds ``save_counter``.
 
     Args:
-        **trackables: ``Variable``, optimizer, a distributed dataset or iterator, or a
-            dict/list/tuple nest of them (a metric's ``variables`` too).
+        **trackables: ``Variable``, optimizer, a distributed dataset or iterator, a
+            dict/list/tuple nest of them (a metric's ``variables`` too), or an object that
+            holds them as attributes (a model).
     """
 
     def __init__(self, **trackables: Any):
@@ -80,19 +82,13 @@ class Checkpoint:
                 raise InvalidArgumentError(
                     f"Checkpoint: {SAVE_COUNTER!r} and names starting with '__' are reserved; got {key!r}"
                 )
-            for path, leaf in nest.flatten_with_paths(value):
-                name = "/".join([key, *map(str, path)])
+            for name, leaf in tracked(key, value):
                 if isinstance(leaf, Variable):
                     self._variables[name] = leaf
                 elif isinstance(leaf, Optimizer):
                     self._optimizers[name] = leaf
-                elif (position := input_position(leaf)) is not None:
-                    self._inputs[name] = position
                 else:
-                    raise InvalidArgumentError(
-                        f"Checkpoint: {name} must be a Variable, an optimizer, a distributed dataset or "
-                        f"iterator, or a nest of them; got {type(leaf).__name__}"
-                    )
+                    self._inputs[name] = leaf
         # Plain on every rank: saves and restores are collective, so every rank holds the same count.
         self._save_counter = plain_variable(np.zeros((), np.int64), SAVE_COUNTER)
 

@@ -126,23 +126,25 @@ def _rounds(transfer: Any, calls: list[list[Piece]], rounds: int, path: str, doi
 
 
 def _joined(call: list[Piece]) -> np.ndarray | None:
-    """The call's memory as one array when its pieces lie end to end in one buffer, else None."""
+    """The call's memory as one array when its pieces lie end to end in one C-contiguous array
+    (a sharded slot's parts, a read's staging buffer), else None."""
     first = call[0].memory
     if len(call) == 1:
         return first
-    base = first.base if isinstance(first.base, np.ndarray) else None
-    if base is None or base.ndim != 1 or base.dtype != np.uint8:
+    base = first.base
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
         return None
-    start = first.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    start = _address(first) - _address(base)
     at = start
     for p in call:
-        if (
-            p.memory.base is not base
-            or p.memory.__array_interface__["data"][0] != base.__array_interface__["data"][0] + at
-        ):
+        if p.memory.base is not base or _address(p.memory) != _address(base) + at:
             return None
         at += p.nbytes
-    return base[start:at]
+    return base.reshape(-1).view(np.uint8)[start:at]
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 def posix_write(path: str, header: bytes, calls: list[list[Piece]]) -> None:
