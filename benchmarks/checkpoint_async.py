@@ -32,7 +32,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps timed alone per round")
     p.add_argument("--shard", action="store_true")
-    p.add_argument("--dir", default=None, help="where the files go (default: a new folder in the current one)")
+    p.add_argument(
+        "--dir", default=None, help="where the files go (default: a new folder in the current one)"
+    )
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     strategy = mpistrat.MPIStrategy()
@@ -50,7 +52,9 @@ def main() -> None:
     path = os.path.join(folder, "ckpt")
     step()
     ckpt.write(path)
-    rows: dict[str, list[float]] = {k: [] for k in ("alone", "during", "returned", "written", "sync", "steps")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("alone", "during", "returned", "written", "sync", "steps")
+    }
 
     def slowest(seconds: float) -> float:
         return comm.allreduce(seconds, op=MPI.MAX)
@@ -81,12 +85,17 @@ def main() -> None:
     if comm.rank == 0:
         med = {k: statistics.median(v) for k, v in rows.items()}
         size = os.path.getsize(path)
-        print(f"{comm.size} ranks, {args.params} parameters with Adam{' (sharded)' if args.shard else ''}, "
-              f"file {size / 2**20:.0f} MiB, medians of {args.rounds} rounds (slowest rank)")
+        print(
+            f"{comm.size} ranks, {args.params} parameters with Adam{' (sharded)' if args.shard else ''}, "
+            f"file {size / 2**20:.0f} MiB, medians of {args.rounds} rounds (slowest rank)"
+        )
         print(f"step alone               {med['alone'] * 1e3:8.1f} ms")
         print(f"step while writing       {med['during'] * 1e3:8.1f} ms  ({med['steps']:.0f} steps)")
         print(f"ratio                    {med['during'] / med['alone']:8.2f}")
-        print(f"background save returned {med['returned'] * 1e3:8.1f} ms, written after {med['written'] * 1e3:.0f} ms")
+        print(
+            f"background save returned {med['returned'] * 1e3:8.1f} ms, "
+            f"written after {med['written'] * 1e3:.0f} ms"
+        )
         print(f"synchronous save         {med['sync'] * 1e3:8.1f} ms")
         for name in os.listdir(folder):
             os.remove(os.path.join(folder, name))
