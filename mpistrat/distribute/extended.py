@@ -373,8 +373,10 @@ class StrategyExtended:
         True
         """
         self._require_scope("colocate_vars_with")
-        owned = getattr(colocate_with_variable, "distribute_strategy", None) is self._container_strategy
-        if not owned and colocate_with_variable != self.parameter_devices:
+        target = colocate_with_variable
+        owned = getattr(target, "distribute_strategy", None) is self._container_strategy
+        devices = isinstance(target, tuple) and target == self.parameter_devices  # never an array's ==
+        if not owned and not devices:
             raise InvalidArgumentError(
                 "colocate_vars_with must only be passed a variable created in this strategy's scope() "
                 f"or the value of non_slot_devices(); got {colocate_with_variable!r}"

@@ -277,6 +277,9 @@ class Optimizer:
                         f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; "
                         f"got a {type(v).__name__}"
                     )
+                self._adopt(v)
+        strategy = self._require_own_replica(variables)
+        if plan is None:
             self.build(variables)
         if state is None:
             # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
@@ -286,7 +289,6 @@ class Optimizer:
                 self._distributed_apply, (pairs,), {}, every_rank=True, agree=False
             )
             return self.iterations
-        strategy = self._require_own_replica()
         counter = own_copy(self.iterations)
         step = int(counter._value)
         state.step(
@@ -303,7 +305,7 @@ class Optimizer:
             count += 1
         return self.iterations
 
-    def _require_own_replica(self) -> Any:
+    def _require_own_replica(self, variables: list[Variable]) -> Any:
         """The step runs in the replica context of its variables' strategy (else it would reduce over
         another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn.
 
@@ -311,6 +313,14 @@ class Optimizer:
         """
         mode = context.require_replica("ReplicaContext.apply_gradients")
         mine = self._strategy or context.default_strategy()
+        if mode.strategy is not mine and self._strategy is None:
+            # Plain variables hold one unsynchronized copy per rank: no step of a strategy may write them.
+            names = ", ".join(repr(v.name) for v in variables[:3]) + (", ..." if len(variables) > 3 else "")
+            raise InvalidArgumentError(
+                f"{self._name}.apply_gradients: the variables ({names}) and the optimizer were created "
+                f"outside any strategy's scope, but this is the replica context of {mode.strategy}; "
+                "create the variables and the optimizer inside `with strategy.scope():`"
+            )
         if mode.strategy is not mine:
             raise ContextError(
                 f"{self._name}.apply_gradients: its variables belong to {mine}, but this is the replica "

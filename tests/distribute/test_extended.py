@@ -179,7 +179,7 @@ def test_update_inside_merge_fn_reaches_every_rank(group):
 
 def test_colocate_vars_with_rules(world):
     ext = world.strategy.extended
-    plain = mpistrat.Variable(1.0)
+    plain, plain_array = mpistrat.Variable(1.0), mpistrat.Variable(np.ones(3))
     with world.strategy.scope():
         var = mpistrat.Variable(1.0)
     with pytest.raises(ContextError, match=r'Need to be inside "with strategy\.scope\(\)"'):
@@ -188,8 +188,9 @@ def test_colocate_vars_with_rules(world):
     with other.scope(), pytest.raises(ContextError, match="Mixing different"):
         ext.colocate_vars_with(var)
     with world.strategy.scope():
-        with pytest.raises(InvalidArgumentError, match="created in this strategy"):
-            ext.colocate_vars_with(plain)
+        for outsider in (plain, plain_array):  # an array's != is no truth value
+            with pytest.raises(InvalidArgumentError, match="created in this strategy"):
+                ext.colocate_vars_with(outsider)
         block = ext.colocate_vars_with(ext.non_slot_devices([var]))
     with block, pytest.raises(ContextError, match="scope"):
         mpistrat.Variable(1.0)  # created outside the scope, inside the colocation block

@@ -187,6 +187,36 @@ class Adagrad(mpistrat.optimizers.Optimizer):
             w -= lr * grad / np.sqrt(a)
 
 
+OUTSIDE = {
+    "sgd": lambda: SGD(0.1),
+    "momentum": lambda: SGD(0.1, momentum=0.9),
+    "adam": lambda: Adam(0.1),
+    "adam-sharded": lambda: Adam(0.1, shard_state=True),
+    "one-at-a-time": lambda: Adagrad(0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTSIDE))
+@pytest.mark.parametrize("used_before", [False, True])
+def test_variables_and_optimizer_made_outside_the_scope_are_named_with_the_fix(group, name, used_before):
+    """The commonest slip of a port: model and optimizer made before ``strategy.scope()``, the step in
+    ``strategy.run``. Each rank holds unsynchronized copies, so the step is refused, variables untouched."""
+    w = mpistrat.Variable(np.ones(3), name="w")
+    opt = OUTSIDE[name]()
+    expected = np.ones(3)
+    if used_before:  # a step in the default strategy's replica context is a plain update
+        opt.apply_gradients([(np.ones(3), w)])
+        expected = w.numpy().copy()
+    message = raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: group.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)])),
+        "the variables ('w') and the optimizer were created outside any strategy's scope",
+    )
+    assert message.endswith("create the variables and the optimizer inside `with strategy.scope():`"), message
+    all_ranks_agree(group.comm, np.array_equal(w.numpy(), expected), f"{w.numpy()} against {expected}")
+
+
 def test_an_optimizer_of_ones_own_updates_one_variable_at_a_time(group):
     w, b, opt = train(group, lambda: Adagrad(0.5))
     params, acc = [np.zeros(3), np.zeros(())], [np.zeros(3), np.zeros(())]
