@@ -10,7 +10,8 @@ launch): nothing here depends on them agreeing.
 
 A strategy's settings (``CHECK``, ``TIMEOUT``, ``STALL_WARNING_SECONDS``, ``TIMELINE``,
 ``FLIGHT_RECORDS``, ``STRAGGLER_*``) are read when the strategy is created; the process's
-(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``, ``IO_HINTS``) when they take effect.
+(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``, ``IO_HINTS``,
+``ALLOW_SINGLETON``) when they take effect.
 ``docs/configuration.md`` is the table of :data:`SETTINGS`.
 
 >>> read("MPISTRAT_STALL_WARNING_SECONDS", env={})
@@ -208,6 +209,14 @@ SETTINGS: dict[str, Setting] = {
             "`key=value,key=value`",
             "MPI-IO hints for checkpoint files (Lustre striping, ROMIO collective buffering); "
             "`CheckpointOptions(io_hints=...)` adds to them.",
+        ),
+        Setting(
+            "MPISTRAT_ALLOW_SINGLETON",
+            _flag,
+            False,
+            "`1`/`on`, `0`/`off`",
+            "Let a process that MPI started alone go on although its launcher (srun, mpiexec) started "
+            "several: independent one-rank tasks on purpose. Otherwise `MPIStrategy()` refuses.",
         ),
         Setting(
             "MPISTRAT_DEVICE",

@@ -11,7 +11,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.diagnostics import abort, watchdog
+from mpistrat.diagnostics import abort, launch, watchdog
 from mpistrat.distribute import cluster_resolver as _resolvers
 from mpistrat.distribute import merge
 from mpistrat.distribute.default import default_strategy
@@ -34,7 +34,10 @@ class MPIStrategy(Strategy):
     Args:
         comm: the intracommunicator whose ranks are the replicas (default
             ``MPI.COMM_WORLD``); the strategy talks on a private duplicate of it.
-            Creating the strategy is collective over ``comm``.
+            Creating the strategy is collective over ``comm``. A process that MPI started
+            alone although its launcher started several (``srun`` without the PMI plugin the
+            MPI library speaks, another MPI's ``mpiexec``) raises ``ContextError`` with the fix
+            (``MPISTRAT_ALLOW_SINGLETON=1`` lets independent one-rank tasks run).
         communication_options: defaults for every collective.
         merge_call: where ``ReplicaContext.merge_call`` runs ``merge_fn``: ``"root"``
             (gather to rank 0, run once, broadcast; any merge_fn) or ``"every_rank"``
@@ -50,6 +53,7 @@ class MPIStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
         merge_call: str = "root",
     ):
+        launch.check(MPI.COMM_WORLD.Get_size())  # a task that MPI started alone must not train alone
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise UnsupportedTypeError(f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}")

@@ -5,8 +5,9 @@
 
 It is collective over ``COMM_WORLD`` (every rank must run it); rank 0 prints the
 MPI library, mpi4py, whether MPI is CUDA-aware and how that was decided, CuPy,
-CUDA and NCCL versions, ranks per node, the rank -> host -> device map, and the
-transport ``CommunicationImplementation.AUTO`` picks for host and device buffers.
+CUDA and NCCL versions, ranks per node, what the launcher started beside what MPI
+joined (a task MPI started alone makes it exit 1, saying why), the rank -> host -> device
+map, and the transport ``CommunicationImplementation.AUTO`` picks for host and device buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import mpi4py
 from mpi4py import MPI
 
 from mpistrat.comm import cuda, devices, transport
+from mpistrat.diagnostics import launch
 from mpistrat.errors import MpistratError
 
 __all__ = ["collect", "main", "render"]
@@ -109,6 +111,8 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
         "cuda_driver": first["cuda_driver"],
         "nccl": first["nccl"],
         "size": len(ranks),
+        "launch": str(launch.launched() or "no launcher (this process alone)"),
+        "launch_problem": launch.problem(len(ranks)),
         "ranks_per_node": nodes,
         "host_transport": transport.HostMPI.name,
         "device_transport": first["device_transport"],
@@ -137,6 +141,7 @@ def render(info: dict[str, Any]) -> str:
         f"CUDA              {cuda_line}",
         f"NCCL              {info['nccl']}",
         f"ranks             {info['size']} on {len(info['ranks_per_node'])} node(s) ({per_node})",
+        f"launch            {info['launch']}; MPI: {info['size']} rank{'s' if info['size'] != 1 else ''}",
         f"AUTO transport    host buffers: {info['host_transport']}",
         f"                  device buffers: {plan['AUTO']}",
         f"RING transport    device buffers: {plan['RING']}",
@@ -174,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"mpistrat info: {exc}", file=sys.stderr)
         return 1
-    if info is not None:
-        print(json.dumps(info, indent=2, default=str) if args.json else render(info), flush=True)
+    if info is None:
+        return 0
+    print(json.dumps(info, indent=2, default=str) if args.json else render(info), flush=True)
+    if info["launch_problem"]:
+        print(f"mpistrat info: {info['launch_problem']}", file=sys.stderr)
+        return 1
     return 0
