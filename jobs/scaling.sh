@@ -20,7 +20,11 @@
 #   BATCH           batch size of the default BENCH_ARGS                  (default: 1024)
 #   TRAIN_ARGS      arguments of the training example (WORKLOAD=train)
 #   SBATCH_ARGS     options for every sbatch, e.g. "--partition=p --time=0:20:00 --account=a"
-#   PYTHON, MPI_LAUNCH, RESULTS_DIR   as in bench.sbatch, passed on to every job
+#   PYTHON, MPI_LAUNCH, RESULTS_DIR, JOB_SETUP, PLOT   as in bench.sbatch, passed on to every job
+#
+# The settings reach the jobs in a file each one sources (results/series-*.env, handed over as
+# JOB_SETUP; it sources your own JOB_SETUP first), so a site that submits with --export=NONE
+# (SBATCH_EXPORT=NONE, or --export=NONE in SBATCH_ARGS) runs the series as any other.
 set -euo pipefail
 
 JOBS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -36,13 +40,41 @@ esac
 UNIT=${UNIT:-tasks}
 WORKLOAD=${WORKLOAD:-bench}
 BATCH=${BATCH:-1024}
-read -r -a sbatch_args <<< "${SBATCH_ARGS:-}"
-export RESULTS_DIR=${RESULTS_DIR:-$PWD/results}
-export PYTHON=${PYTHON:-python3}
-export PLOT=0  # the collect job plots the whole series
+read -r -a given_args <<< "${SBATCH_ARGS:-}"
+# How sbatch hands the environment over: the site's or yours; the settings file is added to it.
+export_mode=${SBATCH_EXPORT:-ALL}
+sbatch_args=()
+for arg in ${given_args[@]+"${given_args[@]}"}; do  # an empty array is unbound under set -u before bash 4.4
+    case "$arg" in --export=*) export_mode=${arg#--export=} ;; *) sbatch_args+=("$arg") ;; esac
+done
+RESULTS_DIR=${RESULTS_DIR:-$PWD/results}
+PYTHON=${PYTHON:-python3}
 mkdir -p "$RESULTS_DIR"
+RESULTS_DIR=$(cd "$RESULTS_DIR" && pwd)
 BENCH_ARGS=${BENCH_ARGS:-"--ops train_step,all_reduce --min 4MiB --max 4MiB --iters 20 --min-iters 10 --batch $BATCH"}
-export BENCH_ARGS="$BENCH_ARGS --scaling $MODE"
+BENCH_ARGS="$BENCH_ARGS --scaling $MODE"
+stamp="$(date +%Y%m%d-%H%M%S)-$$"
+if [ -n "${JOB_SETUP:-}" ]; then  # the jobs source it from their own directory: make it absolute
+    [ -f "$JOB_SETUP" ] || { echo "scaling.sh: JOB_SETUP=$JOB_SETUP is not a file" >&2; exit 2; }
+    JOB_SETUP="$(cd "$(dirname "$JOB_SETUP")" && pwd)/$(basename "$JOB_SETUP")"
+fi
+
+# settings FILE NAME=VALUE...: the file a job sources first: your JOB_SETUP, then the series' settings.
+settings() {
+    local file=$1 name pair
+    shift
+    {
+        echo "# jobs/scaling.sh $MODE ${COUNTS[*]}: the settings of every job of series $stamp"
+        [ -z "${JOB_SETUP:-}" ] || printf 'source %q\n' "$JOB_SETUP"
+        for name in PYTHON MPI_LAUNCH RESULTS_DIR BENCH_ARGS LABEL TRAIN_MODULE TRAIN_ARGS TIMELINE \
+            REPORT_ARGS OMP_NUM_THREADS $(compgen -e | grep '^MPISTRAT_' || true); do
+            [ -z "${!name+set}" ] || printf 'export %s=%q\n' "$name" "${!name}"
+        done
+        for pair in "$@"; do printf 'export %s=%q\n' "${pair%%=*}" "${pair#*=}"; done
+    } > "$file"
+}
+members="$RESULTS_DIR/series-$stamp.env"
+settings "$members" PLOT=0 # the collect job plots the whole series
 
 ids=()
 for n in "${COUNTS[@]}"; do
@@ -56,16 +88,18 @@ for n in "${COUNTS[@]}"; do
     esac
     script="$JOBS_DIR/bench.sbatch"
     [ "$WORKLOAD" = train ] && script="$JOBS_DIR/train.sbatch"
-    id=$(sbatch --parsable "${size[@]}" --job-name="mpistrat-$MODE-$n" \
-        --output="$RESULTS_DIR/slurm-%j.out" "${sbatch_args[@]}" "$script")
+    id=$(sbatch --parsable "${size[@]}" --job-name="mpistrat-$MODE-$n" --output="$RESULTS_DIR/slurm-%j.out" \
+        ${sbatch_args[@]+"${sbatch_args[@]}"} --export="$export_mode,JOB_SETUP=$members" "$script")
     id=${id%%;*}
     echo "submitted $WORKLOAD on $n $UNIT: job $id"
     ids+=("$id")
 done
 
 dependency=afterany:$(IFS=:; echo "${ids[*]}")
-collect=$(SERIES="${ids[*]}" WORKLOAD="$WORKLOAD" sbatch --parsable --ntasks=1 --dependency="$dependency" \
-    --job-name="mpistrat-$MODE-collect" --output="$RESULTS_DIR/slurm-%j.out" "${sbatch_args[@]}" \
-    "$JOBS_DIR/collect.sbatch")
+collector="$RESULTS_DIR/series-$stamp-collect.env"
+settings "$collector" SERIES="${ids[*]}" WORKLOAD="$WORKLOAD" PLOT="${PLOT:-auto}"
+collect=$(sbatch --parsable --ntasks=1 --dependency="$dependency" --job-name="mpistrat-$MODE-collect" \
+    --output="$RESULTS_DIR/slurm-%j.out" ${sbatch_args[@]+"${sbatch_args[@]}"} \
+    --export="$export_mode,JOB_SETUP=$collector" "$JOBS_DIR/collect.sbatch")
 collect=${collect%%;*}
 echo "submitted collect: job $collect (after ${ids[*]}); plots in $RESULTS_DIR/$collect/"

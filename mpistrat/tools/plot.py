@@ -81,7 +81,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError:
         raise InvalidArgumentError(
-            "mpistrat plot needs matplotlib: pip install 'mpistrat[plot]' (or pip install matplotlib)"
+            "mpistrat plot needs matplotlib: pip install matplotlib (or pip install '.[plot]' in the clone)"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

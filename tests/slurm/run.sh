@@ -159,6 +159,19 @@ say "cluster up: $(sinfo -h -o '%P %D %T %C')"
 export PYTHON RESULTS_DIR="$WORK/results"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
+# What a site that submits with --export=NONE writes into the file the jobs source first
+# (JOB_SETUP): load the software (`module load`; here the venv that has mpistrat) and say where
+# results go. The jobs' srun tasks must then get this environment too. A second setup hides
+# matplotlib, as on a site where it is not installed.
+mkdir -p "$WORK/no-matplotlib/matplotlib"
+echo 'raise ImportError("No module named matplotlib")' > "$WORK/no-matplotlib/matplotlib/__init__.py"
+{
+    printf 'bin=%q\n' "$(dirname "$PYTHON")"
+    echo 'if [ -f "$bin/activate" ]; then source "$bin/activate"; else export PATH="$bin:$PATH"; fi'
+    printf 'export PYTHONPATH=%q RESULTS_DIR=%q\n' "$REPO" "$WORK/results"
+} > "$WORK/setup.sh"
+printf 'source %q\nexport PYTHONPATH=%q\n' "$WORK/setup.sh" "$WORK/no-matplotlib:$REPO" > "$WORK/setup-no-matplotlib.sh"
+
 bench=$(BENCH_ARGS="--max 64KiB --iters 20 --min-iters 5" sbatch --parsable --ntasks=2 \
     --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
 say "submitted jobs/bench.sbatch: job $bench"
@@ -171,21 +184,44 @@ if [ -n "$MPIEXEC" ]; then
         sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
     say "submitted jobs/bench.sbatch with MPI_LAUNCH=$MPIEXEC: job $viampiexec"
 fi
-series=$(BENCH_ARGS="--ops train_step,all_reduce --min 256KiB --max 256KiB --iters 5 --min-iters 5 --batch 64" \
+# A series as a site with --export=NONE runs it: no PYTHON, nothing passed on but the setup file.
+series=$(env -u PYTHON -u PYTHONPATH SBATCH_EXPORT=NONE JOB_SETUP="$WORK/setup.sh" \
+    BENCH_ARGS="--ops train_step,all_reduce --min 256KiB --max 256KiB --iters 5 --min-iters 5 --batch 64" \
     jobs/scaling.sh strong 1 2)
 echo "$series"
 collect=$(echo "$series" | sed -n 's/^submitted collect: job \([0-9]*\).*/\1/p')
 mapfile -t members < <(echo "$series" | sed -n 's/^submitted bench on .*: job \([0-9]*\)$/\1/p')
 ids=("$bench" "${members[@]}" "$collect" ${viampiexec:+"$viampiexec"})
+# One sweep with --export=NONE, 2 CPUs per task, and no matplotlib: the sweep's results, no plots.
+bare=$(sbatch --parsable --ntasks=2 --cpus-per-task=2 --output="$WORK/results/slurm-%j.out" \
+    --export="NONE,JOB_SETUP=$WORK/setup-no-matplotlib.sh,BENCH_ARGS=--max 4KiB --iters 5 --min-iters 5" \
+    jobs/bench.sbatch)
+say "submitted jobs/bench.sbatch with --export=NONE, --cpus-per-task=2 and no matplotlib: job $bare"
+ids+=("$bare")
+# The training job with --export=NONE too.
+none="NONE,JOB_SETUP=$WORK/setup.sh,TIMELINE=1"
 if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
-    train=$(TIMELINE=1 sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
-    say "submitted jobs/train.sbatch with TIMELINE=1: job $train"
+    train=$(sbatch --parsable --ntasks=2 --export="$none" --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    say "submitted jobs/train.sbatch with --export=NONE and TIMELINE=1: job $train"
 else  # the job script itself, with a module that exists here standing in for the example
-    train=$(TIMELINE=1 TRAIN_MODULE=mpistrat TRAIN_ARGS="bench --ops all_reduce --max 64 --iters 2 --quiet" \
-        sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
+    train=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" \
+        --export="$none,TRAIN_MODULE=mpistrat,TRAIN_ARGS=bench --ops all_reduce --max 64 --iters 2 --quiet" \
+        jobs/train.sbatch)
     say "submitted jobs/train.sbatch with TRAIN_MODULE=mpistrat (mpistrat.examples.digits is not installed): job $train"
 fi
 ids+=("$train")
+
+# srun without the PMI plugin MPICH speaks: every task is rank 0 of 1, and MPIStrategy() refuses;
+# with MPISTRAT_ALLOW_SINGLETON=1 the same tasks run as independent one-rank jobs.
+{
+    echo '#!/bin/bash'
+    echo 'make="import mpistrat; print(\"replicas:\", mpistrat.MPIStrategy().num_replicas_in_sync, flush=True)"'
+    printf 'if srun --mpi=none %q -c "$make"; then echo "srun --mpi=none was not refused"; exit 1; fi\n' "$PYTHON"
+    printf 'MPISTRAT_ALLOW_SINGLETON=1 srun --mpi=none %q -c "$make"\n' "$PYTHON"
+} > "$WORK/singleton.sh"
+singleton=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" "$WORK/singleton.sh")
+say "submitted srun --mpi=none (tasks that MPI does not join): job $singleton"
+ids+=("$singleton")
 
 # The multi-worker tutorial under srun: SlurmClusterResolver reads the step's environment
 # (SLURM_PROCID, SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE), MultiWorkerMirroredStrategy
@@ -297,6 +333,28 @@ if viampiexec:
     assert other["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] for r in other["results"]), other["meta"]
 print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}, "
       f"efficiency.csv {len(eff)} rows; plots are PNGs)")
+PY
+"$PYTHON" - "$WORK/results" "$bare" "$singleton" << 'PY'
+import os, sys
+
+results, bare, singleton = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+from mpistrat.tools.bench_report import load
+
+# --export=NONE: the setup file's venv reached the srun tasks, and the missing matplotlib cost only the plots
+run = load(f"{results}/{bare}/bench.json")
+assert run["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] and r["raw"]["ok"] for r in run["results"]), run["meta"]
+assert not [f for f in os.listdir(f"{results}/{bare}") if f.endswith(".png")], os.listdir(f"{results}/{bare}")
+log = open(f"{results}/slurm-{bare}.out").read()
+assert "mpistrat bench: no plots: python3 has no matplotlib" in log, log[-3000:]
+# what the job script set (one BLAS thread per CPU of a task) reached the tasks srun started
+assert run["meta"]["environment"].get("OMP_NUM_THREADS") == "2", run["meta"]["environment"]
+# srun --mpi=none: refused on both tasks with the fix, then run on purpose as one-rank jobs
+log = open(f"{results}/slurm-{singleton}.out").read()
+refusal = "srun started 2 tasks in this job step (SLURM_STEP_NUM_TASKS=2), but MPI started this process alone"
+assert log.count(refusal) == 2 and log.count("srun --mpi=pmi2") >= 2, log[-3000:]
+assert log.count("replicas: 1") == 2, log[-3000:]
+print("test-slurm: --export=NONE with a venv setup, no matplotlib, and srun --mpi=none refused: all as expected")
 PY
 "$PYTHON" - "$WORK/results/$train/train.json" << 'PY'
 import json, sys

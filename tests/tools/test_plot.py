@@ -135,3 +135,12 @@ def test_plot_of_real_runs_at_several_rank_counts(tmp_path):
         done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=110)
         assert done.returncode == 0, done.stderr[-3000:]
         assert out.read_bytes()[:8] == PNG
+
+
+def test_without_matplotlib_the_hint_installs_it_from_where_it_is(runs, tmp_path, capsys, monkeypatch):
+    """mpistrat is installed from a clone, not a package index: the hint names matplotlib itself."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    assert plot.main([*runs, "-o", str(tmp_path / "x.png"), "--kind", "bandwidth"]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib: pip install matplotlib (or pip install '.[plot]' in the clone)" in err, err
+    assert "mpistrat[" not in err and not (tmp_path / "x.png").exists()
