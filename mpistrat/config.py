@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -239,8 +240,6 @@ _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCI
 
 def _rank() -> int:
     """This process's ``COMM_WORLD`` rank (from the launcher's variables before MPI is up; 0 alone)."""
-    import sys
-
     mpi = sys.modules.get("mpi4py.MPI")
     try:
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
@@ -254,12 +253,25 @@ def _rank() -> int:
     return 0
 
 
-def _warn(message: str, stacklevel: int = 3) -> None:
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # mpistrat/
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by :func:`_warn` at the caller's program: the
+    innermost frame outside mpistrat (the program's ``MPIStrategy()``, not the line that reads)."""
+    frame: Any = sys._getframe(2)  # _warn's caller
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn(message: str) -> None:
     """A ``RuntimeWarning`` labelled with the rank, from rank 0 (every rank with MPISTRAT_LOG_ALL_RANKS)."""
     rank = _rank()
     every = os.environ.get("MPISTRAT_LOG_ALL_RANKS", "").strip().lower() in _TRUE
     if rank == 0 or every:
-        warnings.warn(f"[mpistrat rank {rank}] {message}", RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(f"[mpistrat rank {rank}] {message}", RuntimeWarning, stacklevel=_user_stacklevel())
 
 
 def unknown_names(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
@@ -285,7 +297,7 @@ def _check_names() -> None:
     _names_checked = True
     for name, close in unknown_names().items():
         hint = f"; did you mean {close}?" if close else "; the settings are in docs/configuration.md"
-        _warn(f"{name} is not an mpistrat setting and is ignored{hint}", stacklevel=5)
+        _warn(f"{name} is not an mpistrat setting and is ignored{hint}")
 
 
 def read(name: str, env: Mapping[str, str] | None = None) -> Any:

@@ -111,6 +111,20 @@ def test_the_default_timeout_is_watched_but_not_polled(world, monkeypatch):
     strategy.experimental_finalize()
 
 
+def test_a_bad_setting_read_inside_mpistrat_is_reported_at_the_programs_line(monkeypatch):
+    """The line to change is the program's, not the library line that happened to read the setting."""
+    from mpistrat.diagnostics import abort
+
+    name, raw = "MPISTRAT_ABORT_ON_EXCEPTION", "perhaps"
+    config._warned.discard((name, raw))
+    monkeypatch.setattr(config, "_rank", lambda: 0)
+    monkeypatch.setattr(abort, "_enabled", None)
+    monkeypatch.setenv(name, raw)
+    with pytest.warns(RuntimeWarning, match=f"{name}='{raw}'") as caught:
+        abort.enabled()  # reads the setting inside mpistrat/diagnostics/abort.py
+    assert [w.filename for w in caught] == [__file__], [(w.filename, w.lineno) for w in caught]
+
+
 def test_the_docs_table_lists_every_setting_with_its_default():
     page = (ROOT / "docs" / "configuration.md").read_text()
     rows = {m[0]: m[1] for m in re.findall(r"^\| `(MPISTRAT_\w+)` \| ([^|]+) \|", page, re.M)}

@@ -61,7 +61,9 @@ FREED = "this strategy was finalized (experimental_finalize); create a new MPISt
 class Collectives:
     """Collectives on nests of arrays over ``comm`` (which the caller owns and has duplicated)."""
 
-    def __init__(self, comm: MPI.Intracomm, options: CommunicationOptions | None = None):
+    def __init__(
+        self, comm: MPI.Intracomm, options: CommunicationOptions | None = None, owner: str = "Collectives"
+    ):
         self.comm = comm
         self.freed = False  # set by free(): its owner freed the communicator (see require_open)
         self.rank = comm.Get_rank()
@@ -100,7 +102,7 @@ class Collectives:
             config.read("MPISTRAT_STRAGGLER_SUMMARY"),
             stragglers.world_ranks(comm),
         )
-        self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"))
+        self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"), owner, self.size)
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         # Every rank must check alike (a rank that skips the handshake would strand the others).
         self.agree(

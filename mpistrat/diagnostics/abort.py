@@ -4,7 +4,9 @@ An uncaught exception on one rank would otherwise end that process only, and the
 other ranks would wait in their next collective until the wall-clock limit. The
 hook installed by :func:`install` (when an ``MPIStrategy`` is created) prints the
 traceback with every line prefixed by the rank, then calls ``MPI_Abort``, so
-``mpiexec``/``srun`` exit non-zero at once. It covers ``threading`` too. Turn it off
+``mpiexec``/``srun`` exit non-zero at once. It covers ``threading`` too. A ``KeyboardInterrupt``
+(Ctrl-C, which the launcher passes to every rank) prints one line per rank, where it stopped,
+and ends the job with status 130, as a shell reports SIGINT. Turn it off
 with ``MPISTRAT_ABORT_ON_EXCEPTION=0`` or :func:`set_abort_on_exception`.
 
 >>> set_abort_on_exception(True)
@@ -25,12 +27,14 @@ from typing import Any, NoReturn
 from mpi4py import MPI
 
 from mpistrat import config
+from mpistrat.diagnostics import callsite
 from mpistrat.errors import CollectiveTimeoutError
 from mpistrat.log import world_rank
 
 __all__ = ["abort_job", "abort_later", "add_last_words", "enabled", "install", "set_abort_on_exception"]
 
 _enabled: bool | None = None  # None: the environment decides
+INTERRUPTED = 130  # a shell's status for a program ended by SIGINT (128 + 2)
 # mpiexec/srun forward output through their own processes; MPI_Abort can kill those before
 # the traceback printed just before it arrives, so it waits this long first.
 _FORWARD_SECONDS = 0.5
@@ -109,6 +113,10 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
     if not (enabled() and _in_parallel_job()):
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
+    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C reaches every rank: no traceback, a shell's status
+        where = callsite.traceback_site(tb)
+        _write(f"[rank {world_rank()}] mpistrat: interrupted at {where}; calling MPI_Abort to end the job\n")
+        _end(INTERRUPTED)
     if _previous_hook in (None, sys.__excepthook__):
         _print_with_rank(exc_type, exc, tb)
     else:
@@ -134,6 +142,11 @@ def abort_job(message: str, code: int = 1) -> NoReturn:
     """Print ``message`` with the rank, then end every process of the job (``MPI_Abort``)."""
     prefix = f"[rank {world_rank()}] mpistrat:"
     _write(f"{prefix} {message}\n{prefix} calling MPI_Abort to end the job\n")
+    _end(code)
+
+
+def _end(code: int) -> NoReturn:
+    """``MPI_Abort(code)``: every process of the job ends, and the launcher with ``code``."""
     time.sleep(_FORWARD_SECONDS)  # let the launcher forward what was just printed before it is killed
     try:
         if MPI.Is_initialized() and not MPI.Is_finalized():

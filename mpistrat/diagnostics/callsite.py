@@ -1,4 +1,5 @@
-"""Where the program is: the innermost frame outside mpistrat, for messages and traces."""
+"""Where the program is: the innermost frame outside mpistrat, for messages and traces (and, in a
+traceback, where an exception passed)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["cached_call_site", "call_site"]
+__all__ = ["cached_call_site", "call_site", "traceback_site"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpistrat/
 
@@ -22,13 +23,35 @@ def call_site(frame: Any = None) -> str:
         f = f.f_back
     if f is None:
         return "<inside mpistrat>"
-    path = f.f_code.co_filename
+    return _place(f.f_code, f.f_lineno)
+
+
+def traceback_site(tb: Any) -> str:
+    """The innermost place outside mpistrat in a traceback, where the exception passed.
+
+    >>> try:
+    ...     raise KeyboardInterrupt
+    ... except KeyboardInterrupt as exc:
+    ...     traceback_site(exc.__traceback__).endswith(":2 in <module>")
+    True
+    """
+    site = "<inside mpistrat>"
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(_PACKAGE):
+            site = _place(code, tb.tb_lineno)
+        tb = tb.tb_next
+    return site
+
+
+def _place(code: Any, line: int | None) -> str:
+    path = code.co_filename
     try:
         relative = os.path.relpath(path)
         path = relative if not relative.startswith("..") else path
     except ValueError:
         pass
-    return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
+    return f"{path}:{line} in {code.co_name}"
 
 
 _inside: set[int] = set()  # ids of mpistrat's code objects (they live as long as the process)

@@ -20,6 +20,7 @@ it costs about 1 µs); the site of the collective in progress is always in the d
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 import weakref
 from typing import Any
@@ -38,13 +39,19 @@ def entry(seq: int, kind: str, fingerprint: int, began: float) -> list[Any]:
 
 
 class Flight(collections.deque[list[Any]]):
-    """A ring of the last ``n`` handshake entries of one communicator (a deque: C-speed appends)."""
+    """A ring of the last ``n`` handshake entries of one communicator (a deque: C-speed appends).
+
+    ``owner`` names what communicates on it (``"MPIStrategy #2"``): a rank's records then read
+    ``MPIStrategy #2 (3 ranks): ...``, in the order the rings were made.
+    """
 
     __eq__ = object.__eq__  # one ring per communicator: identity, not contents (kept in a WeakSet)
     __hash__ = object.__hash__  # type: ignore[assignment]  # deque sets it to None
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, owner: str = "a strategy", size: int = 0):
         super().__init__(maxlen=n)
+        self.number = next(_numbers)
+        self.label = f"{owner} ({size} rank{'s' if size != 1 else ''})" if size else owner
         if n:
             _live.add(self)
 
@@ -74,17 +81,19 @@ class Flight(collections.deque[list[Any]]):
 
 
 _live: weakref.WeakSet[Flight] = weakref.WeakSet()
+_numbers = itertools.count(1)
 
 
 def last_words() -> str:
-    """This rank's flight records, printed when an uncaught exception aborts the job."""
+    """This rank's flight records, one line per strategy in creation order (printed when an uncaught
+    exception aborts the job)."""
     now = time.monotonic()
-    records = [f.describe(now, busy=False, agreed=False) for f in list(_live) if len(f)]
-    if not records:
+    rings = sorted((f for f in list(_live) if len(f)), key=lambda f: f.number)
+    if not rings:
         return ""
-    kept = max(f.maxlen or 0 for f in _live)
+    kept = max(f.maxlen or 0 for f in rings)
     return f"{MARK[1:]} (this rank's last {kept} handshakes per strategy, oldest first):\n" + "\n".join(
-        f"  {r}" for r in records
+        f"  {f.label}: {f.describe(now, busy=False, agreed=False)}" for f in rings
     )
 
 

@@ -66,7 +66,7 @@ class DefaultExtended(StrategyExtended):
     """The default strategy's :class:`StrategyExtended`: one replica, plain variables, nothing sent."""
 
     def __init__(self, container_strategy: Strategy):
-        self._setup(container_strategy, MPI.COMM_SELF, CommunicationOptions(), "root")
+        self._setup(container_strategy, MPI.COMM_SELF, CommunicationOptions(), "root", "the default strategy")
         self.placement = devices.cpu_placement()
         self._in_place = InPlace(1, self._options, _as_is)  # every context's reductions
         self._scope_owner = None  # variables created outside any scope belong to no strategy

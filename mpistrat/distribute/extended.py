@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StrategyExtended"]
 
+_numbers = itertools.count(1)  # strategies made in this process, for their names in flight records
+
 
 class StrategyExtended:
     """Additional APIs for algorithms that need to be distribution-aware.
@@ -61,7 +63,8 @@ class StrategyExtended:
         *,
         merge_call: str = "root",
     ):
-        self._setup(container_strategy, comm, options, merge_call)
+        name = f"{type(container_strategy).__name__} #{next(_numbers)}"  # as its flight records say
+        self._setup(container_strategy, comm, options, merge_call, name)
         # The private communicator is freed when the Collectives using it are collected, so a
         # program may drop strategies without experimental_finalize() and not run out of them.
         c = self._collectives
@@ -80,12 +83,14 @@ class StrategyExtended:
         comm: MPI.Intracomm,
         options: CommunicationOptions,
         merge_call: str,
+        name: str,
     ) -> None:
-        """What every strategy's extended holds (the default strategy's too)."""
+        """What every strategy's extended holds (the default strategy's too); ``name`` labels its
+        flight records."""
         self._container_strategy = container_strategy
         self._comm: MPI.Intracomm | None = comm
         self._options = options
-        self._collectives = Collectives(comm, options)
+        self._collectives = Collectives(comm, options, name)
         self._release = None
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()

@@ -121,14 +121,19 @@ def _grid(plt: Any, n: int) -> tuple[Any, list[Any]]:
     return fig, flat[:n]
 
 
-def _legend(fig: Any, runs: list[dict[str, Any]], sides: list[str], colours: list[Any]) -> None:
+# What each line style stands for: a side's own figure, or on the ratio figure mpistrat over that side.
+_SIDES = {"mpistrat": "mpistrat", "raw": "raw mpi4py", "raw2": "raw, second form (fused call; flat step)"}
+_RATIOS = {"raw": "mpistrat / raw mpi4py", "raw2": "mpistrat / raw, second form (fused call; flat step)"}
+
+
+def _legend(fig: Any, runs: list[dict[str, Any]], sides: list[str], colours: list[Any], kind: str) -> None:
     from matplotlib.lines import Line2D
 
     handles = [
         Line2D([], [], color=c, lw=2, label=run["meta"]["label"])
         for run, c in zip(runs, colours, strict=True)
     ]
-    names = {"mpistrat": "mpistrat", "raw": "raw mpi4py", "raw2": "raw, second form (fused call; flat step)"}
+    names = _RATIOS if kind == "ratio" else _SIDES
     handles += [Line2D([], [], color="0.3", ls=_STYLES[s], label=names[s]) for s in sides]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), frameon=False)
 
@@ -176,7 +181,7 @@ def _per_size(plt: Any, runs: list[dict[str, Any]], ops: list[str], kind: str, m
     sides = [s for s in _STYLES if s in sides_used]
     if kind == "ratio":
         sides = [s for s in sides if s != "mpistrat"]
-    _legend(fig, runs, sides, colours)
+    _legend(fig, runs, sides, colours, kind)
     return fig
 
 
@@ -274,7 +279,9 @@ def _check_output(path: str) -> None:
     if extension not in FORMATS:
         raise InvalidArgumentError(
             f"-o {path}: cannot draw a {'.' + extension if extension else 'file without an extension'}; "
-            f"name an image: .png, .svg or .pdf (or {', '.join('.' + f for f in FORMATS[3:])})"
+            "name an image: .png, .svg or .pdf (or "
+            + ", ".join("." + f for f in FORMATS if f not in ("png", "svg", "pdf"))
+            + ")"
         )
 
 

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import sys
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 import mpistrat
 from mpistrat import CommunicationOptions
-from mpistrat.diagnostics import abort, diagnosis, watchdog
+from mpistrat.diagnostics import abort, diagnosis, flight, watchdog
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.log import RankFilter, logger
 from tests.conftest import all_ranks_agree
@@ -226,6 +227,49 @@ def test_disabled_hook_hands_over_to_the_previous_one(monkeypatch):
     monkeypatch.setattr(abort, "_enabled", False)
     abort._excepthook(KeyError, KeyError("x"), None)
     assert calls == [KeyError]
+
+
+class Ended(Exception):
+    """What the patched MPI_Abort raises instead of ending the test run."""
+
+
+def test_ctrl_c_on_a_rank_is_one_line_where_it_stopped_and_status_130(monkeypatch, capsys):
+    """The launcher passes Ctrl-C to every rank: a traceback and flight records from each would bury
+    the one thing to say; a shell reports SIGINT as 130."""
+
+    def end(*args, code=1):
+        raise Ended(args[-1] if args and isinstance(args[-1], int) else code)
+
+    monkeypatch.setattr(abort, "_enabled", True)
+    monkeypatch.setattr(abort, "_in_parallel_job", lambda: True)
+    monkeypatch.setattr(abort, "_end", end)
+    monkeypatch.setattr(abort, "abort_job", end)
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        line = sys._getframe().f_lineno - 2
+        with pytest.raises(Ended) as ended:
+            abort._excepthook(KeyboardInterrupt, exc, exc.__traceback__)
+    assert ended.value.args == (130,)
+    err = capsys.readouterr().err
+    where = f"{call_site().split(':')[0]}:{line} in {sys._getframe().f_code.co_name}"
+    rank = mpistrat.MPI.COMM_WORLD.Get_rank()
+    assert err == f"[rank {rank}] mpistrat: interrupted at {where}; calling MPI_Abort to end the job\n", err
+
+
+def test_an_aborting_ranks_flight_records_name_their_strategy_in_creation_order(world):
+    first, second = mpistrat.MPIStrategy(world.comm), mpistrat.MPIStrategy(world.comm)
+    for strategy in (second, first):
+        strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(2)))
+    text = flight.last_words()
+    ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
+    labels = [s.extended.collectives.flight.label for s in (first, second)]
+    numbers = [re.fullmatch(rf"MPIStrategy #(\d+) \({ranks}\)", label) for label in labels]
+    at = [text.find(f"\n  {label}: #1 strategy creation") for label in labels]
+    ok = all(numbers) and int(numbers[0][1]) < int(numbers[1][1]) and 0 < at[0] < at[1]
+    for strategy in (first, second):
+        strategy.experimental_finalize()
+    all_ranks_agree(world.comm, ok, f"{labels}\n{text}")
 
 
 # -- logging ----------------------------------------------------------------------

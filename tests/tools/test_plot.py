@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -107,6 +108,8 @@ def test_an_output_that_is_not_an_image_is_refused_before_drawing(runs, tmp_path
         assert plot.main([*runs, "-o", str(tmp_path / name), "--kind", "bandwidth"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mpistrat plot: -o ") and ".png, .svg or .pdf" in err and "Traceback" not in err
+        named = re.findall(r"\.(\w+)", err.split("name an image:")[1])
+        assert sorted(named) == sorted(plot.FORMATS), named  # each format once
         assert not (tmp_path / name).exists()
     assert plot.main([*runs, "-o", str(tmp_path / "missing-dir" / "x.png"), "--kind", "bandwidth"]) == 2
     assert "cannot write" in capsys.readouterr().err
@@ -144,3 +147,17 @@ def test_without_matplotlib_the_hint_installs_it_from_where_it_is(runs, tmp_path
     err = capsys.readouterr().err
     assert "needs matplotlib: pip install matplotlib (or pip install '.[plot]' in the clone)" in err, err
     assert "mpistrat[" not in err and not (tmp_path / "x.png").exists()
+
+
+def test_the_ratio_legend_says_each_line_is_mpistrat_over_a_raw_side(runs):
+    """On the ratio figure no line is raw mpi4py's time: each is mpistrat's time over it."""
+    import matplotlib.pyplot as plt
+
+    loaded = [bench_report.load(path) for path in runs[:2]]
+    for kind, names in (("ratio", plot._RATIOS), ("bandwidth", plot._SIDES)):
+        fig = plot._per_size(plt, loaded, ["all_reduce_nest"], kind, "busbw")
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+        plt.close(fig)
+        sides = ["raw", "raw2"] if kind == "ratio" else ["mpistrat", "raw", "raw2"]
+        assert labels == [run["meta"]["label"] for run in loaded] + [names[s] for s in sides], labels
+    assert plot._RATIOS["raw"] == "mpistrat / raw mpi4py"
