@@ -4,7 +4,9 @@ Records get a ``rank`` attribute (the ``COMM_WORLD`` rank). Below ERROR, only ra
 records pass, so a warning every rank hits is printed once; a record logged with
 ``extra=ANY_RANK`` (a stall seen by whichever rank is waiting), and every ERROR, passes
 on any rank. ``MPISTRAT_LOG_ALL_RANKS=1`` or ``configure(all_ranks=True)`` lets every
-rank's warnings through.
+rank's warnings through. The level is INFO: what a batch log should say of normal events (a
+checkpoint restored, a background save written) comes as INFO, what interrupts a job as
+WARNING; ``configure(level="WARNING")`` keeps only the latter.
 
 >>> import logging
 >>> logger.name
@@ -85,6 +87,8 @@ def configure(*, all_ranks: bool | None = None, level: int | str | None = None) 
 
 logger = logging.getLogger("mpistrat")
 logger.addFilter(RankFilter())
+if logger.level == logging.NOTSET:  # a level the program set before importing mpistrat stays
+    logger.setLevel(logging.INFO)
 if not logger.handlers:
     _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter(FORMAT))

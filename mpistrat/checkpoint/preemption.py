@@ -163,18 +163,27 @@ class PreemptionCheckpointHandler:
 
         path = manager.latest_checkpoint
         if path is not None:
+            self._run_calls.assign(np.int64(-1))  # stays -1 if the file holds no run count
             checkpoint.restore(path)
-        self._total_run_calls = int(self._run_calls.numpy())
-        if path is not None:
-            logger.warning(
+        counted = int(self._run_calls.numpy())
+        self._total_run_calls = max(counted, 0)
+        self._run_calls.assign(np.int64(self._total_run_calls))
+        if path is not None and counted >= 0:
+            logger.info(
                 "PreemptionCheckpointHandler: restored %s; continuing after run call %d",
                 path,
                 self._total_run_calls,
             )
+        elif path is not None:
+            logger.info(
+                "PreemptionCheckpointHandler: restored %s, saved without a run count (not by this "
+                "handler): run calls count from 0",
+                path,
+            )
         self._deadline = self._allocation_deadline(config.grace_period)
 
         _watch_signals(self)
-        logger.warning(
+        logger.info(
             "PreemptionCheckpointHandler: watching for SIGTERM and SIGUSR1%s; saves go to %s",
             " and termination_watcher_fn" if config.termination_watcher_fn is not None else "",
             manager.directory,
@@ -303,7 +312,7 @@ class PreemptionCheckpointHandler:
         end = self._collectives.on_root(_slurm_end_time, kind="preemption (job end time)")
         if end is None:
             return None
-        logger.warning(
+        logger.info(
             "PreemptionCheckpointHandler: the allocation ends at %s; stopping %g s before",
             datetime.datetime.fromtimestamp(end).isoformat(timespec="seconds"),
             grace_period,

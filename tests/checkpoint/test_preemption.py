@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 import mpistrat
 from mpistrat import InvalidArgumentError
 from mpistrat.checkpoint.preemption import RESTART_EXIT_CODE, RUN_CALLS
-from tests.checkpoint.test_checkpoint import shared_dir
+from tests.checkpoint.test_checkpoint import mpistrat_log, shared_dir  # noqa: F401 (a fixture)
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
@@ -273,3 +273,35 @@ def test_the_run_counter_is_an_entry_of_the_checkpoint(world, tmp_path):
         handler.save_checkpoint_if_preempted()
     data = world.comm.bcast(load_file(os.path.join(directory, "ckpt-1")) if world.rank == 0 else None)
     all_ranks_agree(world.comm, int(data[RUN_CALLS]) == 4 and float(data["w"]) == 5.0, str(data))
+
+
+def test_normal_events_are_info_and_a_checkpoint_without_a_run_count_says_so(world, tmp_path, mpistrat_log):
+    """Watching and restoring are INFO; a checkpoint a manager saved outside any handler (mid-pass,
+    by the program's own loop) holds no run count: the handler says so instead of "run call 0"."""
+    directory = shared_dir(world, tmp_path)
+    w, ckpt = model(world, 3.0)
+    mpistrat.CheckpointManager(ckpt, directory, max_to_keep=1).save()
+    handler = mpistrat.PreemptionCheckpointHandler(ckpt, directory, mpistrat.TerminationConfig(exit_fn=stop))
+    assert handler.total_run_calls == 0
+    for _ in range(2):
+        handler.run(step, world, w)
+    handler._collectives.stop.request()
+    step(world, w)
+    with pytest.raises(Stopped):
+        handler.save_checkpoint_if_preempted()
+    again = mpistrat.PreemptionCheckpointHandler(ckpt, directory, mpistrat.TerminationConfig(exit_fn=stop))
+    if world.rank == 0:  # the rank whose records the logger lets through
+        said = [(level, m) for level, m in mpistrat_log if "PreemptionCheckpointHandler" in m]
+        assert (
+            "INFO",
+            f"PreemptionCheckpointHandler: restored {directory}/ckpt-1, saved without a run "
+            "count (not by this handler): run calls count from 0",
+        ) in said, said
+        assert (
+            "INFO",
+            f"PreemptionCheckpointHandler: restored {directory}/ckpt-2; continuing after run call 2",
+        ) in said, said
+        assert {level for level, m in said if "watching" in m} == {"INFO"}
+        stopping = [level for level, m in said if "stops after" in m or "Handler: saved " in m]
+        assert stopping == ["WARNING", "WARNING"], said
+    assert again.total_run_calls == 2
