@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,6 +100,27 @@ def world() -> Group:
     if "world" not in _GROUPS:
         _GROUPS["world"] = _make("world")
     return _GROUPS["world"]
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append((record.levelname, record.getMessage()))
+
+
+@pytest.fixture
+def mpistrat_log() -> Iterator[list[tuple[str, str]]]:
+    """(level, message) of every record the ``mpistrat`` logger lets through during the test."""
+    logger, handler = logging.getLogger("mpistrat"), Records()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def all_ranks_agree(comm: MPI.Intracomm, ok: bool, detail: str = "") -> None:

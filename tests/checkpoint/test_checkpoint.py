@@ -1,7 +1,6 @@
 """Checkpoints: round trips at every size, clear errors, atomic saves, and restoring at another size."""
 
 import json
-import logging
 import os
 import re
 import signal
@@ -251,26 +250,6 @@ def test_restore_of_a_missing_file_is_still_file_not_found(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
     raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "none")))
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append((record.levelname, record.getMessage()))
-
-
-@pytest.fixture
-def mpistrat_log():
-    logger, handler = logging.getLogger("mpistrat"), Records()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler.messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "names a deleted file"])

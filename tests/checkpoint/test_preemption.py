@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 import mpistrat
 from mpistrat import InvalidArgumentError
 from mpistrat.checkpoint.preemption import RESTART_EXIT_CODE, RUN_CALLS
-from tests.checkpoint.test_checkpoint import mpistrat_log, shared_dir  # noqa: F401 (a fixture)
+from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
