@@ -299,7 +299,7 @@ def write_file(
     if options.enable_async:
         saving.start_in_background(save, collectives, on_success or (lambda: None))
         return
-    saving.write(save)
+    saving.write(save, collectives)
     saving.finish(save, collectives)
     if on_success is not None:
         on_success()

@@ -68,6 +68,7 @@ class Save:
     after: Callable[[], None] | None  # on rank 0 once the file is in place
     keep: list[Any]  # arrays the pieces view (device copies, aggregated values)
     file: Any = None  # the open MPI file, between begin and write
+    final: bool = False  # the header holds the checksums and everything is flushed (a synchronous save)
     error: OSError | None = None
     crcs: list[tuple[str, int, int, int]] = dataclasses.field(
         default_factory=list
@@ -209,57 +210,80 @@ def _close(save: Save) -> None:
             save.error = save.error or mpiio.os_error(exc, "closing the checkpoint file", save.tmp)
 
 
-def write(save: Save) -> None:
-    """Write this rank's pieces now, with collective MPI-IO (every rank calls it), and flush them."""
-    save.crcs = _checksums(save.calls)
+def write(save: Save, collectives: Collectives) -> None:
+    """Write this rank's pieces now, with collective MPI-IO (every rank calls it), and flush them.
+
+    The checksums are known before the data moves, so rank 0 writes the final header with them
+    and one flush makes everything durable."""
+    crcs = _checksums(save.calls)
+    gathered = collectives.gather_to_root(crcs, kind=f"checkpoint.{save.method} (checksums)")
     fh = save.file
-    save.error = mpiio.write_rounds(fh, save.calls, save.rounds, save.tmp)
+    if gathered is not None:  # rank 0
+        try:
+            save.header = _final_header(save, gathered)
+            fh.Write_at(0, np.frombuffer(save.header, np.uint8))
+        except MpistratError as exc:  # kept for finish() to raise everywhere
+            save.error = OSError(0, str(exc))
+        except MPI.Exception as exc:
+            save.error = mpiio.os_error(exc, "writing the checkpoint's header", save.tmp)
+    error = mpiio.write_rounds(fh, save.calls, save.rounds, save.tmp)
+    save.error = save.error or error
     try:
         fh.Sync()
     except MPI.Exception as exc:
         save.error = save.error or mpiio.os_error(exc, "flushing the checkpoint file", save.tmp)
     _close(save)
+    save.final = True
 
 
 def _checksums(work: list[list[Piece]]) -> list[tuple[str, int, int, int]]:
     return [(p.entry, p.start, zlib.crc32(p.memory.data), p.nbytes) for call in work for p in call]
 
 
+def _final_header(save: Save, records: list[list[tuple[str, int, int, int]]]) -> bytes:
+    """The header with each entry's CRC-32, joined from every rank's ``(entry, start, crc, length)``."""
+    parts: dict[str, list[tuple[int, int, int]]] = {name: [] for name in save.table.entries}
+    for mine in records:
+        for name, start, part, length in mine:
+            parts[name].append((start, part, length))
+    crcs = {}
+    for name, entry in save.table.entries.items():
+        joined = crc.joined(parts[name], entry.nbytes)
+        if joined is None:  # a bug, not damage: the ranks' pieces must tile every entry
+            raise MpistratError(f"Checkpoint.{save.method}: the ranks' pieces of {name} do not tile it")
+        crcs[name] = joined
+    return encode_header(header_rows(save.table), save.metadata, crcs)
+
+
 def finish(save: Save, collectives: Collectives) -> None:
-    """Every rank's errors and checksums to rank 0, which completes the file and renames it into
-    place (or removes it); raises the first error on every rank (collective)."""
+    """Every rank's errors (and a background save's checksums) to rank 0, which completes the file
+    and renames it into place (or removes it); raises the first error on every rank (collective)."""
     if save.thread is not None:
         save.thread.join()
     error = None if save.error is None else (save.error.errno, str(save.error))
-    reports = collectives.gather_to_root((error, save.crcs), kind=f"checkpoint.{save.method} (checksums)")
+    reports = collectives.gather_to_root((error, save.crcs), kind=f"checkpoint.{save.method} (errors)")
     collectives.on_root(lambda: _complete(save, reports or []), kind=f"checkpoint.{save.method} (rename)")
 
 
 def _complete(save: Save, reports: list[Any]) -> None:
-    """On rank 0: the header with the checksums, fsync, rename, ``after``; or the first error."""
+    """On rank 0: the header with the checksums unless written already, fsync, rename, ``after``;
+    or the first error."""
     try:
         failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
         if failed:
             rank, (code, text) = failed[0]
             others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-            raise OSError(code, f"Checkpoint.{save.method} failed on rank {rank}{others}: {text}")
-        parts: dict[str, list[tuple[int, int, int]]] = {name: [] for name in save.table.entries}
-        for _, records in reports:
-            for name, start, part, length in records:
-                parts[name].append((start, part, length))
-        crcs = {}
-        for name, entry in save.table.entries.items():
-            joined = crc.joined(parts[name], entry.nbytes)
-            if joined is None:  # a bug, not damage: the ranks' pieces must tile every entry
-                raise MpistratError(f"Checkpoint.{save.method}: the ranks' pieces of {name} do not tile it")
-            crcs[name] = joined
-        header = encode_header(header_rows(save.table), save.metadata, crcs)
-        fd = os.open(save.tmp, os.O_WRONLY)
-        try:
-            os.pwrite(fd, header, 0)
-        finally:
-            os.close(fd)
-        files.replace_durably(save.tmp, save.path)
+            raise OSError(code or None, f"Checkpoint.{save.method} failed on rank {rank}{others}: {text}")
+        if save.final:  # written with the data and flushed with it
+            files.replace_durably(save.tmp, save.path, flushed=True)
+        else:
+            header = _final_header(save, [records for _, records in reports])
+            fd = os.open(save.tmp, os.O_WRONLY)
+            try:
+                os.pwrite(fd, header, 0)
+            finally:
+                os.close(fd)
+            files.replace_durably(save.tmp, save.path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(save.tmp)
