@@ -4,6 +4,7 @@
 #   jobs/scaling.sh weak 1 2 4 8 16          # one bench job per task count
 #   UNIT=nodes TASKS_PER_NODE=4 jobs/scaling.sh strong 1 2 4 8
 #   WORKLOAD=train jobs/scaling.sh strong 2 4 8
+#   WORKLOAD=checkpoint jobs/scaling.sh strong 1 2 4 8   # save and restore time versus ranks
 #
 # Arguments: MODE (strong | weak, default weak) then the counts (default: 1 2 4). Every
 # job of the series writes results/<jobid>/; the collect job writes results/<its jobid>/
@@ -11,12 +12,16 @@
 # ratio.png and all.csv (every run's rows). Environment:
 #   UNIT            tasks | nodes: what the counts count                  (default: tasks)
 #   TASKS_PER_NODE  tasks per node when UNIT=nodes                        (default: 1)
-#   WORKLOAD        bench | train                                         (default: bench)
+#   WORKLOAD        bench | train | checkpoint                            (default: bench)
 #   BENCH_ARGS      `mpistrat bench` arguments; the default times a data-parallel
 #                   training step (train_step: gradients of a 4 MiB linear model on
 #                   BATCH samples, fused all-reduce) and all_reduce at 4 MiB; --scaling
 #                   MODE is added: strong keeps BATCH as the global batch, weak gives
-#                   every rank BATCH samples
+#                   every rank BATCH samples. WORKLOAD=checkpoint's default saves and
+#                   restores 64 MiB of parameters with Adam (a 192 MiB file) beside raw
+#                   MPI-IO, in CHECKPOINT_DIR
+#   CHECKPOINT_DIR  where WORKLOAD=checkpoint writes its files: the parallel file system
+#                   a job checkpoints to                 (default: RESULTS_DIR/checkpoint-files)
 #   BATCH           batch size of the default BENCH_ARGS                  (default: 1024)
 #   TRAIN_ARGS      arguments of the training example (WORKLOAD=train)
 #   SBATCH_ARGS     options for every sbatch, e.g. "--partition=p --time=0:20:00 --account=a"
@@ -39,6 +44,11 @@ case "$MODE" in strong | weak) ;; *)
 esac
 UNIT=${UNIT:-tasks}
 WORKLOAD=${WORKLOAD:-bench}
+case "$WORKLOAD" in bench | train | checkpoint) ;; *)
+    echo "scaling.sh: WORKLOAD must be bench, train or checkpoint; got '$WORKLOAD'" >&2
+    exit 2
+    ;;
+esac
 BATCH=${BATCH:-1024}
 read -r -a given_args <<< "${SBATCH_ARGS:-}"
 # How sbatch hands the environment over: the site's or yours; the settings file is added to it.
@@ -51,7 +61,12 @@ RESULTS_DIR=${RESULTS_DIR:-$PWD/results}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$RESULTS_DIR"
 RESULTS_DIR=$(cd "$RESULTS_DIR" && pwd)
-BENCH_ARGS=${BENCH_ARGS:-"--ops train_step,all_reduce --min 4MiB --max 4MiB --iters 20 --min-iters 10 --batch $BATCH"}
+case "$WORKLOAD" in
+    checkpoint) default="--ops checkpoint --min 64MiB --max 64MiB --leaves 16 --iters 5 --min-iters 5 \
+--checkpoint-dir ${CHECKPOINT_DIR:-$RESULTS_DIR/checkpoint-files}" ;;
+    *) default="--ops train_step,all_reduce --min 4MiB --max 4MiB --iters 20 --min-iters 10 --batch $BATCH" ;;
+esac
+BENCH_ARGS=${BENCH_ARGS:-$default}
 BENCH_ARGS="$BENCH_ARGS --scaling $MODE"
 stamp="$(date +%Y%m%d-%H%M%S)-$$"
 if [ -n "${JOB_SETUP:-}" ]; then  # the jobs source it from their own directory: make it absolute

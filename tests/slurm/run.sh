@@ -184,6 +184,10 @@ if [ -n "$MPIEXEC" ]; then
         sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
     say "submitted jobs/bench.sbatch with MPI_LAUNCH=$MPIEXEC: job $viampiexec"
 fi
+# The checkpoint ops as WORKLOAD=checkpoint runs them: every rank writes its share in the job's file system.
+checkpoints=$(PLOT=0 BENCH_ARGS="--ops checkpoint --min 256KiB --max 256KiB --leaves 4 --iters 3 --min-iters 3 \
+--checkpoint-dir $WORK/checkpoint-files" sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
+say "submitted jobs/bench.sbatch --ops checkpoint: job $checkpoints"
 # A series as a site with --export=NONE runs it: no PYTHON, nothing passed on but the setup file.
 series=$(env -u PYTHON -u PYTHONPATH SBATCH_EXPORT=NONE JOB_SETUP="$WORK/setup.sh" \
     BENCH_ARGS="--ops train_step,all_reduce --min 256KiB --max 256KiB --iters 5 --min-iters 5 --batch 64" \
@@ -191,7 +195,7 @@ series=$(env -u PYTHON -u PYTHONPATH SBATCH_EXPORT=NONE JOB_SETUP="$WORK/setup.s
 echo "$series"
 collect=$(echo "$series" | sed -n 's/^submitted collect: job \([0-9]*\).*/\1/p')
 mapfile -t members < <(echo "$series" | sed -n 's/^submitted bench on .*: job \([0-9]*\)$/\1/p')
-ids=("$bench" "${members[@]}" "$collect" ${viampiexec:+"$viampiexec"})
+ids=("$bench" "$checkpoints" "${members[@]}" "$collect" ${viampiexec:+"$viampiexec"})
 # One sweep with --export=NONE, 2 CPUs per task, and no matplotlib: the sweep's results, no plots.
 bare=$(sbatch --parsable --ntasks=2 --cpus-per-task=2 --output="$WORK/results/slurm-%j.out" \
     --export="NONE,JOB_SETUP=$WORK/setup-no-matplotlib.sh,BENCH_ARGS=--max 4KiB --iters 5 --min-iters 5" \
@@ -333,6 +337,21 @@ if viampiexec:
     assert other["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] for r in other["results"]), other["meta"]
 print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}, "
       f"efficiency.csv {len(eff)} rows; plots are PNGs)")
+PY
+"$PYTHON" - "$WORK/results" "$checkpoints" "$WORK/checkpoint-files" << 'PY'
+import os, sys
+
+results, job, files = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+from mpistrat.tools.bench_report import load
+
+run = load(f"{results}/{job}/bench.json")
+rows = run["results"]
+assert {r["op"] for r in rows} == {"checkpoint_save", "checkpoint_restore"}, rows
+assert all(r["mpistrat"]["ok"] and r["raw"]["ok"] for r in rows), rows
+assert all(r["bytes"] > 3 * (256 << 10) for r in rows), [r["bytes"] for r in rows]  # parameters, Adam's slots
+assert os.listdir(files) == [], os.listdir(files)  # the ops remove what they wrote
+print(f"test-slurm: the checkpoint ops saved and restored at 2 ranks under srun ({rows[0]['bytes']} bytes)")
 PY
 "$PYTHON" - "$WORK/results" "$bare" "$singleton" << 'PY'
 import os, sys
