@@ -38,7 +38,9 @@ from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.position import InputPosition
 from mpistrat.options import CommunicationOptions
+from mpistrat.training.optimizer_state import storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
+from mpistrat.training.variables import Variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -113,7 +115,9 @@ def begin(
             sharded[name] = value
         else:
             whole[name] = value.value()
-    order = sorted(whole) + sorted(sharded, key=lambda n: sharded[n].section)
+    order = sorted(whole, key=lambda n: _memory_order(n, entries[n])) + sorted(
+        sharded, key=lambda n: sharded[n].section
+    )
     metadata = {
         "num_replicas": str(collectives.size),
         "save_counter": str(counter),
@@ -132,6 +136,13 @@ def begin(
     save = Save(method, target, tmp, table, header, metadata, mine, rounds, after, keep)
     _create(save, collectives, io_hints)
     return save
+
+
+def _memory_order(name: str, value: Any) -> tuple[int, int, int, str]:
+    """Values in an optimizer's flat storage first, in the storage's order (a rank's share is then
+    one run of memory, and a restore into the same model gathers straight into it), then by name."""
+    place = storage_place(value) if isinstance(value, Variable) else None
+    return (0, place[1], place[2], "") if place is not None else (1, 0, 0, name)
 
 
 def _my_pieces(

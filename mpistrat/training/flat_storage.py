@@ -131,6 +131,10 @@ class FlatBuffer:
             self.views[i][...] = value
         return self.array
 
+    def start_of(self, member: Variable) -> int:
+        """The element at which ``member``'s slice begins."""
+        return self.spans[self._index[id(member)]][0]
+
     def private(self, member: Variable) -> bool:
         """Whether ``member``'s slice may be written in place (nothing outside holds it)."""
         i = self._index[id(member)]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from mpistrat.options import CommunicationOptions
     from mpistrat.training.variables import Variable
 
-__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy"]
+__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy", "storage_place"]
 
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
 # parameters, gradients and slots stay in cache across the update's passes. Measured
@@ -403,6 +403,20 @@ _SAME_VARIABLES = (
     "A gradient that is None on one rank only, or a variable that exists on one rank only, leaves the "
     "copies different: give every rank's gradient (zeros where a rank has none)."
 )
+
+
+def storage_place(var: Variable) -> tuple[FlatBuffer, int, int] | None:
+    """Where ``var``'s copy lies in an optimizer's flat storage: the storage, its first variable's
+    :func:`creation_order` (the same on every rank) and the element it starts at; None outside
+    flat storage. A checkpoint lays values out in this order, so that a rank's share of them is
+    one run of memory, and restores adjacent ones straight into it."""
+    local = own_copy(var)
+    storage = local._storage
+    if storage is None:
+        return None
+    first = storage.members[0]
+    owner = first if first._owner is None else first._owner  # the distributed variable it belongs to
+    return storage, creation_order(owner), storage.start_of(local)
 
 
 def creation_order(var: Variable) -> int:
