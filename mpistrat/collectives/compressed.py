@@ -32,7 +32,15 @@ from mpi4py import MPI
 from mpistrat.comm import mpi
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["BF16_MAX", "FP16_MAX", "compressed_reduce_scatter", "compressed_sum", "decode", "encode", "unit_roundoff"]
+__all__ = [
+    "BF16_MAX",
+    "FP16_MAX",
+    "compressed_reduce_scatter",
+    "compressed_sum",
+    "decode",
+    "encode",
+    "unit_roundoff",
+]
 
 FP16_MAX = 65504.0
 BF16_MAX = 2.0**128 - 2.0**120  # (2 - 2**-7) * 2**127
