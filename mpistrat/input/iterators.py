@@ -223,7 +223,7 @@ class SplitIterator(DistributedIterator):
                 "the short last batch when batching), or uneven='pad' (those replicas get empty batches) or "
                 "'drop' (the epoch ends there)"
             )
-        self._source.took(self._serial)
+        self._source.took(self._serial, batch.size)
         return split_batch(batch, size, rank)
 
 
