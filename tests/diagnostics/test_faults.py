@@ -262,6 +262,22 @@ def test_a_rank_that_leaves_ends_the_job_at_once_naming_it(how):
     assert named and set(named) <= {"0", "2"}, out
 
 
+@pytest.mark.parametrize("how", ["exit", "slurm"])
+def test_a_rank_that_fails_while_the_others_create_a_strategy_with_a_resolver_ends_the_job(how):
+    """The resolver's check used to run a blocking Dup and allgather before the bounded creation:
+    the others waited there for good. Now the creation comes first, bounded as without a resolver."""
+    env = {"MPISTRAT_TIMEOUT": "3"} if how == "slurm" else {}
+    code, out = run_job("resolver_rank_fails.py", how, limit=30, env=env)
+    assert code != 0 and "created its strategy" not in out, out
+    why = "world rank 1 exited" if how == "exit" else "did not complete within its timeout of 3 s"
+    pattern = (
+        rf"\[rank [02]\] mpistrat: MultiWorkerMirroredStrategy\(\) cannot create its communicator .*{why}"
+    )
+    assert re.search(pattern, out), out
+    if how == "slurm":
+        assert "Invalid tasks-per-node list format" in out, out  # rank 1's own error, with its traceback
+
+
 @pytest.mark.parametrize("how", ["every", "early", "before_import"])
 def test_collectives_in_exit_handlers_work_or_end_the_job_naming_what_is_missing(how):
     """A program's atexit handler reduces. Every rank doing so works; rank 1 returning early used
