@@ -322,7 +322,10 @@ def _heatmap(args: argparse.Namespace) -> int:
     if len(args.results) != 1:
         raise InvalidArgumentError(f"a heat map is of one timeline; got {len(args.results)} files")
     plt = _pyplot()
-    fig = heatmap.draw(plt, heatmap.read_trace(args.results[0]), bins=args.bins and max(args.bins, 1))
+    trace = heatmap.read_trace(args.results[0])
+    for note in trace.get("otherData", {}).get("notes", []):
+        print(f"mpistrat plot: {note}", file=sys.stderr)
+    fig = heatmap.draw(plt, trace, bins=args.bins and max(args.bins, 1))
     if args.title:
         fig.axes[0].set_title(args.title)
     fig.tight_layout()
