@@ -150,13 +150,12 @@ class Watchdog(SideChannel):
             return
         if now - start < mon.stall_after and (side is None or event not in side.results):
             return  # not stalled here yet, and no diagnosis came from another rank
-        if mon.noticed is None or mon.noticed[0] != start:
-            mon.noticed = (start, now)
         result = self.result(mon, event, now)
         if result is not None:
             mon.warned = start
-            # A result sent before this rank's own timer came: some rank has waited stall_after.
-            _warn(mon, start, max(mon.noticed[1] - start, mon.stall_after), result)
+            # How long it has waited now, when the warning prints (the diagnosis may have taken the
+            # listening time); a result sent before this rank's own timer came: at least stall_after.
+            _warn(mon, start, max(now - start, mon.stall_after), result)
 
     def reap(self, block: bool) -> None:
         """Free the communicators ``release`` was given, if this thread may now."""

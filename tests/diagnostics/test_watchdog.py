@@ -335,3 +335,32 @@ def test_a_forked_child_does_not_announce_that_its_rank_left(world, monkeypatch)
     watched = [m for m in watchdog.WATCHDOG.registry if m.side and m.watched]
     assert len(sent) == len(watched) and all(what == "left" for what, _ in sent)
     assert (len(watched) > 0) == (world.size > 1)
+
+
+def test_a_stall_warning_says_how_long_it_has_waited_when_it_is_printed(monkeypatch):
+    """The stall is noticed at 1 s, and its diagnosis comes 4 s later (a rank that does not answer
+    holds the listening for LISTEN): the warning printed then says 5 s, the wait so far. On a clock
+    of this thread's own, so nothing here depends on timing."""
+    import threading
+    import types
+
+    from mpistrat.diagnostics import watchdog
+
+    me, real = threading.current_thread(), watchdog.time.monotonic
+    clock = iter([101.0, 105.0])
+    fake = types.SimpleNamespace(
+        monotonic=lambda: next(clock) if threading.current_thread() is me else real(), sleep=time.sleep
+    )
+    monkeypatch.setattr(watchdog, "time", fake)
+    dog = watchdog.Watchdog()
+    answers = iter([None, ("rank 1 did not answer within 4 s", -1)])
+    monkeypatch.setattr(dog, "result", lambda mon, event, now: next(answers))
+    said = []
+    monkeypatch.setattr(watchdog, "_warn", lambda mon, start, waited, result: said.append(waited))
+    mon = types.SimpleNamespace(
+        start=100.0, seq=3, kind="all_reduce", side=None, deadline=None, handled=None,
+        stall_after=1.0, warned=None,
+    )  # fmt: skip
+    dog.tend(mon)  # 1 s: noticed, the diagnosis asked for
+    dog.tend(mon)  # 5 s: the diagnosis is here
+    assert said == [5.0], said
