@@ -143,6 +143,14 @@ def test_merge_fn_error_reaches_every_rank_and_the_strategy_goes_on():
     assert on_every_rank(out, "after: ok"), out
 
 
+def test_sys_exit_in_an_every_rank_merge_fn_ends_every_rank_with_its_status():
+    """It used to end the job with "ranks are in different collectives" and MPI_Abort's status 1."""
+    code, out = run_job("merge_fn_raises.py", "exit", limit=30)
+    assert code == 3 and "went on" not in out and "different collectives" not in out, out
+    said = re.findall(r"failed on rank 1, which left reduce .* waited: sys.exit\(3\)", out)
+    assert len(said) == 1, out
+
+
 def test_a_late_rank_gets_a_stall_warning_naming_it():
     code, out = run_job("stall_warning.py", limit=30, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"})
     assert code == 0, out
