@@ -93,18 +93,24 @@ def decode(bits: np.ndarray, codec: str) -> np.ndarray:
 
 
 _EXPONENT = {"fp16": np.uint16(0x7C00), "bf16": np.uint16(0x7F80)}  # all ones: an infinity or a NaN
+_MAGNITUDE = np.uint16(0x7FFF)  # all bits but the sign's
 
 
 def _not_finite(encoded: np.ndarray, codec: str) -> np.ndarray:
     """Where 16-bit ``codec`` values are infinities or NaNs (from their bits: no decoding)."""
-    mask = _EXPONENT[codec]
-    return (encoded & mask) == mask
+    return np.bitwise_and(encoded, _MAGNITUDE) >= _EXPONENT[codec]
+
+
+def _any_not_finite(encoded: np.ndarray, codec: str) -> bool:
+    """Whether any is (one pass and one reduction, no mask: the common answer is no)."""
+    return encoded.size > 0 and int(np.bitwise_and(encoded, _MAGNITUDE).max()) >= _EXPONENT[codec]
 
 
 def _became_infinite(values: np.ndarray, encoded: np.ndarray, codec: str) -> bool:
     """Whether a finite value's 16-bit encoding is not finite (it overflowed)."""
-    bad = _not_finite(encoded, codec)
-    return bool(bad.any() and np.isfinite(values[bad]).any())
+    if not _any_not_finite(encoded, codec):
+        return False
+    return bool(np.isfinite(values[_not_finite(encoded, codec)]).any())
 
 
 def _blocks(comm: MPI.Intracomm, x: np.ndarray, codec: str) -> tuple[np.ndarray, bool, np.ndarray]:
@@ -128,8 +134,9 @@ def _blocks(comm: MPI.Intracomm, x: np.ndarray, codec: str) -> tuple[np.ndarray,
 def _sum_overflows(encoded: np.ndarray, parts: np.ndarray, codec: str) -> bool:
     """Whether a block sum of finite values is not finite once summed in float32 and rounded to 16
     bits (only where the result is not finite are the parts looked at: rarely)."""
-    bad = _not_finite(encoded, codec)
-    return bool(bad.any() and np.isfinite(parts[:, bad]).all(axis=0).any())
+    if not _any_not_finite(encoded, codec):
+        return False
+    return bool(np.isfinite(parts[:, _not_finite(encoded, codec)]).all(axis=0).any())
 
 
 def _raise_overflow(flags: np.ndarray, codec: str, where: str) -> None:
