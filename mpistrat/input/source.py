@@ -52,7 +52,8 @@ class Source:
 
     @property
     def position(self) -> tuple[int, int]:
-        """``(epoch, step)``: the pass in progress (or the next) and the batches taken in it."""
+        """``(epoch, step)``: the pass in progress (or the next) and the batches taken in it (a restored
+        pass: counted in the batches it has now)."""
         return self._position.epoch, self._position.step
 
     def open(self) -> tuple[Iterator[Any], int]:
