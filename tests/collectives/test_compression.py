@@ -109,6 +109,14 @@ def test_fp16_overflow_is_an_error_on_every_rank(where):
 
 
 BF16_MAX = 2.0**128 - 2.0**120  # bf16's largest finite value: (2 - 2**-7) * 2**127
+_WORLD: list[mpistrat.MPIStrategy] = []
+
+
+def world_strategy() -> mpistrat.MPIStrategy:
+    """One strategy over the world for the overflow tests (creating one is collective)."""
+    if not _WORLD:
+        _WORLD.append(mpistrat.MPIStrategy(WORLD))
+    return _WORLD[0]
 
 
 def beyond_bf16(where: str, dtype: str) -> np.ndarray:
@@ -131,7 +139,7 @@ def beyond_bf16(where: str, dtype: str) -> np.ndarray:
 def test_bf16_overflow_is_an_error_on_every_rank(where, dtype):
     """A finite value or block sum beyond bf16's range is raised on every rank, as fp16's overflow
     is, instead of coming back as an infinity; an infinity in the input is carried."""
-    c = mpistrat.MPIStrategy(WORLD).extended.collectives
+    c = world_strategy().extended.collectives
     opts = CommunicationOptions(compression="bf16")
     x = beyond_bf16(where, dtype)
     raises_on_every_rank(
@@ -147,7 +155,7 @@ def test_bf16_overflow_is_an_error_on_every_rank(where, dtype):
 @pytest.mark.parametrize("shard", [False, True])
 @pytest.mark.parametrize("where", ["input", "rounded sum"])
 def test_bf16_overflow_in_an_optimizer_step_is_an_error_on_every_rank(shard, where):
-    strategy = mpistrat.MPIStrategy(WORLD)
+    strategy = world_strategy()
     with strategy.scope():
         w = mpistrat.Variable(np.zeros(10, "f4"))
         opt = mpistrat.optimizers.SGD(

@@ -15,9 +15,15 @@ from tests.conftest import all_ranks_agree, raises_on_every_rank
 SHAPES = [(6,), (2, 3), (5,)]  # 16 elements: 4 packs of 16 bytes in float32
 
 
+_STRATEGIES: dict[tuple[str, str], mpistrat.MPIStrategy] = {}
+
+
 def strategy_for(group, codec):
-    options = CommunicationOptions(bytes_per_pack=16, compression=codec)
-    return mpistrat.MPIStrategy(group.comm, communication_options=options)
+    """``group``'s ranks in packs of 16 bytes, compressed (one strategy per group and codec)."""
+    if (group.name, codec) not in _STRATEGIES:
+        options = CommunicationOptions(bytes_per_pack=16, compression=codec)
+        _STRATEGIES[group.name, codec] = mpistrat.MPIStrategy(group.comm, communication_options=options)
+    return _STRATEGIES[group.name, codec]
 
 
 def momentum_sgd(weights, grads, velocity, lr=0.5, momentum=0.9):
