@@ -64,7 +64,7 @@ class Checkpoint:
     :mod:`~mpistrat.checkpoint.tracking`). An optimizer contributes ``<name>/iterations``
     and one entry per slot, ``<name>/slots/<variable's entry>/<slot>``, so its variables
     must be tracked by the same checkpoint. A distributed dataset or iterator contributes
-    its position (the pass and the batches taken in it), which ``restore`` sets back, so
+    its position (the pass and the examples taken in it), which ``restore`` sets back, so
     the next pass resumes there. Every file also holds ``save_counter``.
 
     Args:

@@ -99,6 +99,11 @@ def load(
     collectives.on_root(
         lambda: _verify(table, wanted, reports or [], method), kind=f"checkpoint.{method} (check)"
     )
+    positions = {  # checked before anything is assigned: a dataset that changed is refused first
+        name: target.check(np.asarray(table.positions[name], np.int64))
+        for name, target in targets.items()
+        if isinstance(target, InputPosition) and name in table.positions
+    }
     with writes_in_sync():
         temporaries: dict[str, np.ndarray] = {}
         for window in windows:
@@ -108,9 +113,8 @@ def load(
             host = staging[at : at + int(part.nbytes)].view(entry.dtype)
             part[...] = host if packing.array_module(part) is np else packing.array_module(part).asarray(host)
             at += int(part.nbytes)
-        for name, target in targets.items():
-            if isinstance(target, InputPosition) and name in table.positions:
-                target.assign(np.asarray(table.positions[name], np.int64))
+        for name, saved in positions.items():
+            targets[name].apply(saved)
 
 
 def _adjacent(targets: dict[str, Any]) -> Callable[[Entry, Entry], bool]:

@@ -180,6 +180,13 @@ class InputPosition:
 
     def assign(self, value: Any) -> InputPosition:
         """Restore a saved position (collective: an error on any rank is raised on every rank)."""
+        self.apply(self.check(value))
+        return self
+
+    def check(self, value: Any) -> Any:
+        """A saved position checked against this dataset (collective: an error on any rank is raised
+        on every rank), for :meth:`apply`: a checkpoint checks every position before it assigns
+        anything."""
         collectives = self.collectives
         row = np.asarray(value)[collectives.rank] if self.per_rank else np.asarray(value)
         saved, error = saved_row.decode(row), None
@@ -188,10 +195,13 @@ class InputPosition:
         except InvalidArgumentError as exc:
             error = exc
         collectives.agree(f"checkpoint.restore ({self.what})", error=error, options=_ALWAYS)
-        self.source.reposition(saved)  # reached only when every rank's position was valid
+        return saved
+
+    def apply(self, saved: Any) -> None:
+        """Move to a position :meth:`check` accepted (on this rank; nothing is sent)."""
+        self.source.reposition(saved)
         if self.restart is not None:
             self.restart()
-        return self
 
 
 def _describe(row: Any) -> str:
