@@ -57,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scaling",
         choices=("strong", "weak"),
-        default="weak",
-        help="train_step: batch is global (strong) or per rank (weak)",
+        default=None,
+        help="a scaling study's mode, recorded for report and plot; train_step's batch is global "
+        "(strong) or per rank (weak, and when unset)",
     )
     p.add_argument("--batch", type=int, default=256, help="train_step batch size (default 256)")
     p.add_argument(

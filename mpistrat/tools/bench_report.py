@@ -109,6 +109,22 @@ def _us(value: float | None, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
 
 
+def scaling_mode(meta: dict[str, Any]) -> str:
+    """How a run's times compare across rank counts: ``strong``, ``weak``, or ``sweep`` for a run
+    without ``--scaling`` (computed as weak: each rank's message size was fixed). Files of earlier
+    versions recorded ``weak`` for every run.
+
+    >>> scaling_mode({"scaling": None}), scaling_mode({"scaling": "strong"})
+    ('sweep', 'strong')
+    """
+    return meta.get("scaling") or "sweep"
+
+
+def mode_title(mode: str) -> str:
+    """A scaling mode in words: ``strong scaling``, ``weak scaling``, or a sweep's."""
+    return "sweeps (no --scaling; computed as weak scaling)" if mode == "sweep" else f"{mode} scaling"
+
+
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The results as text: one block per operation."""
     from mpistrat.tools.bench_ops import OPS

@@ -36,7 +36,7 @@ from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.tools import report_gate
-from mpistrat.tools.bench_report import human, load
+from mpistrat.tools.bench_report import human, load, mode_title, scaling_mode
 from mpistrat.tools.plot import speedup_efficiency
 from mpistrat.tools.sizes import parse_size
 
@@ -157,12 +157,12 @@ def scaling_table(
     """One record per scaling mode and rank count: mpistrat's and raw's time, speed-up, efficiency."""
     op, size = _common_choice(runs, op, size)
     out = []
-    modes = dict.fromkeys(run["meta"].get("scaling", "weak") for run in runs)
+    modes = dict.fromkeys(scaling_mode(run["meta"]) for run in runs)
     for mode in sorted(modes):
         sides: dict[str, dict[int, list[float]]] = {"mpistrat": {}, "raw": {}}
         crowded: set[int] = set()  # rank counts with an oversubscribed run
         for run in runs:
-            if run["meta"].get("scaling", "weak") != mode:
+            if scaling_mode(run["meta"]) != mode:
                 continue
             row = next(r for r in run["results"] if r["op"] == op and r["bytes"] == size)
             for side, times in sides.items():
@@ -275,7 +275,7 @@ def _scaling_title(rows: list[dict[str, Any]], mode: str) -> str:
         else "efficiency T0/Tn, speed-up efficiency*n/n0"
     )
     ranks = f"{n0} rank{'s' if n0 != 1 else ''}"
-    return f"{mode} scaling of {first['op']} at {first['size']}, relative to {ranks} ({formula})"
+    return f"{mode_title(mode)} of {first['op']} at {first['size']}, relative to {ranks} ({formula})"
 
 
 _CROWDED = "* oversubscribed, so the times measure the ranks taking turns on the cores, not mpistrat: "
@@ -298,9 +298,7 @@ def render(
     for path, run in runs:
         meta = run["meta"]
         n = meta["ranks"]
-        about = (
-            f"{n} rank{'s' if n != 1 else ''}, {meta.get('scaling', 'weak')} scaling, {meta.get('date', '?')}"
-        )
+        about = f"{n} rank{'s' if n != 1 else ''}, {mode_title(scaling_mode(meta))}, {meta.get('date', '?')}"
         label = f" {meta['label']!r}" if meta.get("label") else ""
         lines += [h + f"{path}{label}: {about}", ""]
         if crowded := oversubscription(meta):

@@ -343,3 +343,17 @@ def test_report_of_real_runs_at_one_and_two_ranks(tmp_path):
     assert "strong scaling of train_step" in done.stdout and "row(s) only in" not in done.stdout
     assert "row(s) not in the reference" in done.stdout
     assert [r["ranks"] for r in csv.DictReader(out.open())] == ["1", "2"]
+
+
+def test_a_sweep_without_a_scaling_mode_is_not_called_weak_scaling(here, capsys):
+    """bench records no mode unless --scaling is given; report says a sweep, and tabulates it as weak
+    (each rank's message size was fixed)."""
+    files = [
+        bench_file(here / f"sweep-{n}.json", n, None, {("all_reduce", 1024): (10.0 * n, 9.0 * n)})
+        for n in (1, 2)
+    ]
+    assert report.main([*files]) == 0
+    out = capsys.readouterr().out
+    assert "weak scaling of" not in out and "sweeps (no --scaling; computed as weak scaling)" in out, out
+    rows = report.scaling_table([bench_report.load(f) for f in files])
+    assert [(r["mode"], r["ranks"], r["efficiency"]) for r in rows] == [("sweep", 1, 1.0), ("sweep", 2, 0.5)]
