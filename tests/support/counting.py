@@ -205,6 +205,10 @@ class CountingComm(MPI.Intracomm):
         _note("isend", _pickled(obj), 0)
         return super().isend(obj, dest, tag)
 
+    def issend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        _note("issend", _pickled(obj), 0)
+        return super().issend(obj, dest, tag)
+
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         _note("send", _pickled(obj), 0)
         return super().send(obj, dest, tag)
