@@ -118,6 +118,12 @@ class Collectives:
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
+    def locate(self, hosts: tuple[str, ...]) -> None:
+        """Every rank's host name (in rank order), named in stall warnings, timeouts and the straggler
+        table where the ranks span several hosts (on one host it would say nothing new)."""
+        several = tuple(hosts) if len(set(hosts)) > 1 else ()
+        self.monitor.hosts = self.stragglers.hosts = several
+
     def finish_pending(self) -> None:
         """Finish the work in :attr:`pending` (collective: before the communicator is freed)."""
         while self.pending:

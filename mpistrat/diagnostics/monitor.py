@@ -51,7 +51,7 @@ class Monitor:
     Fields by who writes them (the watchdog thread reads all of them):
 
     * set once, when the strategy is created (``watchdog.watch``): ``owner``, ``comm``,
-      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``;
+      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``, ``hosts``;
       ``watched`` is cleared when the strategy is finalized or collected;
     * the collective's thread, on every call (:func:`collective`, the handshake):
       ``kind``, ``start``, ``deadline``, ``polled``, ``thread``, ``last_thread``, ``last``,
@@ -71,6 +71,7 @@ class Monitor:
         self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
         self.stall_after: float | None = None
         self.side: Channel | None = None  # this strategy's side-channel state; None: no side channel
+        self.hosts: tuple[str, ...] = ()  # every rank's host, where they are several (named in diagnoses)
         # -- written by the collective's thread, read by the watchdog thread
         self.kind = ""
         self.start: float | None = None  # monotonic time the current collective began; None: idle

@@ -210,7 +210,7 @@ class SideChannel:
                 answers[mon.rank] = mon.state()
                 silent = {r for r in job.reporters if r not in answers}  # reported it, then stopped answering
                 explanation, waiting = diagnosis.explain(
-                    event[0], event[1], answers, mon.size, silent, now - job.began
+                    event[0], event[1], answers, mon.size, silent, now - job.began, mon.hosts
                 )
                 if mon.rank > 0:  # reports reach rank r only after ranks 0 to r-1 did not reply
                     explanation += diagnosis.stood_in(mon.rank)
@@ -269,5 +269,5 @@ class SideChannel:
         with self.lock:
             answers = side.answers.pop(qid)
         answers[mon.rank] = mon.state()
-        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace)
+        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace, mon.hosts)
         return explanation + diagnosis.records(mon, answers), waiting
