@@ -1,0 +1,172 @@
+"""Virtual nodes on one machine: real multi-node MPI jobs for what depends on hosts.
+
+Hydra, the ``mpiexec`` of MPICH and of Intel MPI, starts one proxy per host through a
+launcher command (``-launcher ssh -launcher-exec CMD``). ``fake_ssh.sh`` is that command: it
+runs the proxy here, inside a new UTS namespace named after the host. The job then has real
+nodes as MPI sees them: ``COMM_TYPE_SHARED`` splits by host, ``MPI_Get_processor_name`` names
+it, and messages between nodes take the library's network path (UCX in the MPICH wheel, OFI
+in Intel MPI's), not shared memory. A node can be made slow: its proxy and ranks run in a
+cgroup with a CPU quota.
+
+It needs root (``unshare --uts`` needs CAP_SYS_ADMIN), ``unshare`` (util-linux) and a Hydra
+launcher: :func:`unavailable` says which is missing, and the tests skip with that reason.
+
+>>> import pathlib, tempfile
+>>> machinefile({"nodea": 2, "nodeb": 1}, pathlib.Path(tempfile.mkdtemp())).read_text().split()
+['nodea:2', 'nodeb:1']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import MPIEXEC, ROOT, is_open_mpi, job_environment
+
+FAKE_SSH = Path(__file__).with_name("fake_ssh.sh")
+TWO_NODES = {"nodea": 2, "nodeb": 2}  # the layout the node tests use: 2 nodes x 2 ranks
+MARKER = "VNODE_JOB"  # set in every process of a job, to find any it leaves behind
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why virtual nodes cannot be made here, or None when they can."""
+    if not MPIEXEC.exists():
+        return f"no mpiexec next to {sys.executable}"
+    if is_open_mpi():
+        return "Open MPI's launcher (PRRTE) takes no launcher command the way Hydra does"
+    if shutil.which("unshare") is None:
+        return "no unshare command (util-linux)"
+    if os.geteuid() != 0:
+        return "not root: unshare --uts needs CAP_SYS_ADMIN"
+    probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"unshare --uts fails here: {probe.stderr.strip()}"
+    return None
+
+
+needs_nodes = pytest.mark.skipif(unavailable() is not None, reason=f"virtual nodes: {unavailable()}")
+
+
+def hydra_options(machinefile: Path) -> list[str]:
+    """Hydra's options for the hosts of ``machinefile`` (``HOST:N`` lines, see :func:`machinefile`).
+
+    A machine file, not ``-hosts a:2,b:2``: Intel MPI's Hydra reads counts there only.
+    """
+    return ["-machinefile", str(machinefile), "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH)]
+
+
+def machinefile(layout: dict[str, int], directory: Path) -> Path:
+    """A Hydra machine file for ``layout`` (host name -> ranks on it; ranks fill host by host)."""
+    path = directory / "machinefile"
+    path.write_text("".join(f"{host}:{n}\n" for host, n in layout.items()))
+    return path
+
+
+def run_job(
+    command: list[str],
+    *,
+    limit: float,
+    layout: dict[str, int] | None = None,
+    env: dict[str, str] | None = None,
+    slow: dict[str, Path] | None = None,
+) -> tuple[int, str]:
+    """Run ``command`` (a script and its arguments, or ``-m module ...``) with ``sys.executable``
+    under ``mpiexec`` on the virtual nodes of ``layout`` (default :data:`TWO_NODES`); return
+    (exit code, stdout + stderr). ``slow`` puts a node's ranks in a cgroup (:func:`cpu_quota`).
+
+    A job still running after ``limit`` seconds is killed with all its processes, and the test
+    fails; so does a job that leaves a process behind (named in the failure).
+    """
+    layout = layout or TWO_NODES
+    marker = uuid.uuid4().hex
+    child = job_environment({**(env or {}), MARKER: marker})
+    if slow:
+        child["VNODE_CGROUPS"] = " ".join(f"{host}={path}" for host, path in slow.items())
+    with tempfile.TemporaryDirectory() as directory:
+        hosts = machinefile(layout, Path(directory))
+        cmd = [str(MPIEXEC), *hydra_options(hosts), "-n", str(sum(layout.values())), sys.executable, *command]
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=child, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        return _finish(proc, marker, f"{command} on {layout}", limit)
+
+
+def _finish(proc: subprocess.Popen[str], marker: str, what: str, limit: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        _kill(left_behind(marker))
+        pytest.fail(f"{what} still running after {limit} s (hung); output:\n{out}")
+    stray = left_behind(marker, wait=5.0)
+    if stray:
+        _kill(stray)
+        pytest.fail(f"{what} left processes behind: {stray}; output:\n{out}")
+    return proc.returncode, out
+
+
+def left_behind(marker: str, wait: float = 0.0) -> dict[int, str]:
+    """PID -> command line of every process that carries ``marker`` (after up to ``wait`` seconds)."""
+    ends = time.monotonic() + wait
+    while True:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        if not found or time.monotonic() >= ends:
+            return found
+        time.sleep(0.1)
+
+
+def _kill(pids: dict[int, str]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def cpu_quota(share: float) -> Iterator[Path]:
+    """A cgroup whose processes together get ``share`` of one CPU (cgroup v2, or v1's cpu controller);
+    skips the test where none can be made. Removed afterwards."""
+    name = f"mpistrat-vnode-{uuid.uuid4().hex[:8]}"
+    period = 100_000
+    quota = max(1000, int(share * period))
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+    if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text():
+        path, settings = v2 / name, {"cpu.max": f"{quota} {period}"}
+    elif (v1 / "cpu.cfs_quota_us").exists():
+        path, settings = v1 / name, {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)}
+    else:
+        pytest.skip("no cgroup CPU controller to slow a node with")
+    try:
+        path.mkdir()
+        for key, value in settings.items():
+            (path / key).write_text(value)
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup to slow a node with: {exc}")
+    try:
+        yield path
+    finally:
+        for _ in range(50):  # the job's processes leave the cgroup as they exit
+            with contextlib.suppress(OSError):
+                path.rmdir()
+                break
+            time.sleep(0.1)
