@@ -51,10 +51,12 @@ test: install test-serial $(addprefix test-,$(SIZES))
 # The fault-injection jobs mostly wait (for a timeout, a stall warning, a killed rank): several run
 # at once (pytest-xdist), each its own job, after the rest of the serial pass.
 FAULTS := tests/diagnostics/test_faults.py
+# The node tests run in make test-nodes, at two virtual nodes.
+NODE_TESTS := tests/nodes
 FAULT_WORKERS ?= 4
 
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS)
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS) --ignore=$(NODE_TESTS)
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
 
 # The jobs/ scripts on a single-node Slurm it installs and starts (root only; skips otherwise).
@@ -102,7 +104,6 @@ $(addprefix test-impi-,$(IMPI_SIZES)): test-impi-%: install-impi
 # Two virtual nodes x 2 ranks (tests/support/nodes.py; root and unshare, else they skip saying why):
 # the node-aware tests and fault jobs, on MPICH and then on Intel MPI. The jobs mostly wait, so
 # several run at once.
-NODE_TESTS := tests/nodes
 NODE_WORKERS ?= 3
 test-nodes: install install-impi
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs -n $(NODE_WORKERS) $(NODE_TESTS)
