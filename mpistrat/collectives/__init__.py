@@ -9,6 +9,7 @@
 ``all_reduce.py``   sum or mean, one ``Allreduce`` per dtype pack
 ``exact_sum.py``    exact sums in integer limbs (``deterministic=True``)
 ``compressed.py``   16-bit values on the wire (``compression="bf16"|"fp16"``)
+``hierarchical.py`` 16-bit values between nodes only (``HIERARCHICAL`` with compression)
 ``reduce_axis.py``  sum or mean along an axis and across ranks (a ``reduce`` with an ``axis``)
 ``all_gather.py``   concatenate along an axis, uneven sizes, ``Allgatherv``
 ``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
@@ -41,6 +42,7 @@ from mpistrat.collectives import (
     broadcast,
     caches,
     handshake,
+    hierarchical,
     in_place,
     objects,
     reduce_axis,
@@ -105,12 +107,17 @@ class Collectives:
         self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"), owner, self.size)
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         # Every rank must check alike (a rank that skips the handshake would strand the others).
+        route = self.options.implementation.value
         self.agree(
             "strategy creation",
-            fingerprint=handshake.check_level(self),
+            fingerprint=handshake.check_level(self) ^ hierarchical.route_code(self.options.implementation),
             describe=lambda: {
-                "leaves": [("the check", f"level {handshake.check_level(self)}", None)],
-                "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check.",
+                "leaves": [
+                    ("the check", f"level {handshake.check_level(self)}", None),
+                    ("CommunicationOptions.implementation", route, None),
+                ],
+                "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check, "
+                "and the same CommunicationOptions.implementation.",
             },
             error=error,
             extras=[],

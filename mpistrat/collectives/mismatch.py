@@ -127,9 +127,11 @@ def first_difference(descriptions: list[Any]) -> str:
             return f"the arguments differ at leaf {path}: {what}. {advice}"
     implementations = [str(d.get("implementation")) for d in descriptions]
     if len(set(implementations)) > 1:
+        # The implementation is described where it decides the route: device arrays, or HIERARCHICAL.
         return (
-            "ranks passed device arrays with different CommunicationOptions.implementation: "
-            f"{by_rank(implementations)}. Every rank must use the same implementation."
+            "ranks asked for different CommunicationOptions.implementation: "
+            f"{by_rank(implementations)}. Every rank must use the same implementation"
+            + (" (None: plain MPI)." if "None" in implementations else ".")
         )
     structures = [d.get("structure", "") for d in descriptions]
     if len(set(structures)) > 1:
