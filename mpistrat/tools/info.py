@@ -2,6 +2,7 @@
 
     mpiexec -n 2 mpistrat info          # or: mpiexec -n 2 python -m mpistrat info
     mpistrat info --json
+    mpiexec -n 8 mpistrat info --health # a preflight: which nodes are slow (tools/health.py)
 
 It is collective over ``COMM_WORLD`` (every rank must run it); rank 0 prints the
 MPI library, mpi4py, whether MPI is CUDA-aware and how that was decided, CuPy,
@@ -193,7 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         description="What MPI, CUDA and transports this job sees (run under mpiexec with every rank).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--health",
+        action="store_true",
+        help="time every node (start-up, import, compute, memory, links between nodes), flag the slow "
+        "ones and print a Slurm --exclude= line; exits 1 when one is flagged",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.health:
+        from mpistrat.tools import health
+
+        return health.main(["--json"] if args.json else [])
     try:
         info = collect()
     except MpistratError as exc:  # raised on every rank alike (e.g. a bad MPISTRAT_DEVICE)

@@ -81,11 +81,11 @@ def run_job(
     limit: float,
     layout: dict[str, int] | None = None,
     env: dict[str, str] | None = None,
-    slow: dict[str, Path] | None = None,
+    cgroups: dict[str, Path] | None = None,
 ) -> tuple[int, str]:
     """Run ``command`` (a script and its arguments, or ``-m module ...``) with ``sys.executable``
     under ``mpiexec`` on the virtual nodes of ``layout`` (default :data:`TWO_NODES`); return
-    (exit code, stdout + stderr). ``slow`` puts a node's ranks in a cgroup (:func:`cpu_quota`).
+    (exit code, stdout + stderr). ``cgroups`` puts a node's ranks in a cgroup (:func:`cpu_group`).
 
     A job still running after ``limit`` seconds is killed with all its processes, and the test
     fails; so does a job that leaves a process behind (named in the failure).
@@ -93,8 +93,8 @@ def run_job(
     layout = layout or TWO_NODES
     marker = uuid.uuid4().hex
     child = job_environment({**(env or {}), MARKER: marker})
-    if slow:
-        child["VNODE_CGROUPS"] = " ".join(f"{host}={path}" for host, path in slow.items())
+    if cgroups:
+        child["VNODE_CGROUPS"] = " ".join(f"{host}={path}" for host, path in cgroups.items())
     with tempfile.TemporaryDirectory() as directory:
         hosts = machinefile(layout, Path(directory))
         cmd = [str(MPIEXEC), *hydra_options(hosts), "-n", str(sum(layout.values())), sys.executable, *command]
@@ -143,25 +143,39 @@ def _kill(pids: dict[int, str]) -> None:
 
 
 @contextlib.contextmanager
-def cpu_quota(share: float) -> Iterator[Path]:
-    """A cgroup whose processes together get ``share`` of one CPU (cgroup v2, or v1's cpu controller);
-    skips the test where none can be made. Removed afterwards."""
+def cpu_group(quota: float | None = None, favoured: bool = False) -> Iterator[Path]:
+    """A cgroup for a node's processes (cgroup v2, or v1's cpu controller); removed afterwards.
+
+    ``quota``: together they get that share of one CPU (a slow node). ``favoured``: eight times the
+    default CPU weight, so that other load on a shared machine does not slow a node meant to be
+    healthy (not more: its ranks spinning in MPI would then starve the other node's). Skips the
+    test where no cgroup can be made.
+    """
     name = f"mpistrat-vnode-{uuid.uuid4().hex[:8]}"
     period = 100_000
-    quota = max(1000, int(share * period))
     v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+    settings: dict[str, str] = {}
     if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text():
-        path, settings = v2 / name, {"cpu.max": f"{quota} {period}"}
+        path = v2 / name
+        if quota is not None:
+            settings["cpu.max"] = f"{max(1000, int(quota * period))} {period}"
+        if favoured:
+            settings["cpu.weight"] = "800"
     elif (v1 / "cpu.cfs_quota_us").exists():
-        path, settings = v1 / name, {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)}
+        path = v1 / name
+        if quota is not None:
+            settings["cpu.cfs_period_us"] = str(period)
+            settings["cpu.cfs_quota_us"] = str(max(1000, int(quota * period)))
+        if favoured:
+            settings["cpu.shares"] = "8192"
     else:
-        pytest.skip("no cgroup CPU controller to slow a node with")
+        pytest.skip("no cgroup CPU controller to set a node's CPU with")
     try:
         path.mkdir()
         for key, value in settings.items():
             (path / key).write_text(value)
     except OSError as exc:
-        pytest.skip(f"cannot make a cgroup to slow a node with: {exc}")
+        pytest.skip(f"cannot make a cgroup to set a node's CPU with: {exc}")
     try:
         yield path
     finally:
