@@ -46,7 +46,9 @@ def unavailable() -> str | None:
     if not MPIEXEC.exists():
         return f"no mpiexec next to {sys.executable}"
     if is_open_mpi():
-        return "Open MPI's launcher (PRRTE) takes no launcher command the way Hydra does"
+        # Tried: --prtemca plm_ssh_agent fake_ssh.sh starts a daemon per host, but PRRTE placed
+        # all 4 ranks of --host nodea:2,nodeb:2 on nodea (both hosts have the same address).
+        return "Open MPI's launcher (PRRTE) puts every rank on the first virtual node"
     if shutil.which("unshare") is None:
         return "no unshare command (util-linux)"
     if os.geteuid() != 0:
