@@ -62,7 +62,7 @@ def leave(channel: SideChannel) -> None:
     why, world = diagnosis.exit_reason(), MPI.COMM_WORLD.Get_rank()
     ends = time.monotonic() + FAREWELL
     said, done = False, set[int]()  # ids of the monitors whose handshake is over
-    byes: list[MPI.Request] = []
+    sent: list[MPI.Request] = []  # kept until the end: a request holds its pickled message
     while len(done) < len(mons) and time.monotonic() < ends:
         with channel.lock:
             channel.sends[:] = [r for r in channel.sends if not r.Test()]
@@ -73,15 +73,20 @@ def leave(channel: SideChannel) -> None:
                 said = True
                 for mon in mons:
                     coordinator = 1 if mon.rank == 0 else 0
-                    mon.comm.isend(("left", mon.rank, mon.completed, why, world), dest=coordinator, tag=TAG)
+                    left = ("left", mon.rank, mon.completed, why, world)
+                    sent.append(mon.comm.isend(left, dest=coordinator, tag=TAG))
             if said:
                 for mon in mons:
                     if mon.rank == 0 and id(mon) not in done and _everyone_left(mon):
-                        byes += [mon.comm.isend(("bye", 0), dest=r, tag=TAG) for r in range(1, mon.size)]
+                        sent += [mon.comm.isend(("bye", 0), dest=r, tag=TAG) for r in range(1, mon.size)]
                         done.add(id(mon))
         if len(done) < len(mons):
             time.sleep(_NAP)
-    MPI.Request.Testall(byes)  # small messages: already sent; the requests are only released
+    ends = time.monotonic() + _NAP * 100
+    while not MPI.Request.Testall(sent) and time.monotonic() < ends:  # small: sent at once, as a rule
+        time.sleep(_NAP)
+    with channel.lock:
+        channel.sends += sent  # a request still under way stays alive until MPI_Finalize
 
 
 def _everyone_left(mon: Monitor) -> bool:
