@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import sys
 import threading
 import time
@@ -93,6 +94,8 @@ class Watchdog(SideChannel):
         self.stop.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=2 * POLL + GRACE)
+        if os.getpid() != self.pid:
+            return  # a forked child inherits this hook, not the rank: no MPI call from it
         with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
             gc.collect()  # strategies the program dropped go now, on every rank alike
             self.reap(block=True)
