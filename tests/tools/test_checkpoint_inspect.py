@@ -10,6 +10,8 @@ import pytest
 import mpistrat
 from mpistrat.tools import checkpoint_inspect
 
+pytestmark = pytest.mark.serial("reads files with one process: nothing here depends on the number of ranks")
+
 
 @pytest.fixture
 def saved(tmp_path):

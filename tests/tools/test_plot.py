@@ -13,6 +13,8 @@ from mpi4py import MPI
 from mpistrat.tools import bench_report, plot
 from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env
 
+pytestmark = pytest.mark.serial("files in, a picture out: nothing here depends on the number of ranks")
+
 PNG = b"\x89PNG\r\n\x1a\n"
 pytest.importorskip("matplotlib")
 

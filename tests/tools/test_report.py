@@ -20,6 +20,10 @@ from mpi4py import MPI
 from mpistrat.tools import bench_report, report, report_gate
 from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env
 
+pytestmark = pytest.mark.serial(
+    "JSON files in, tables and a gate out: nothing here depends on the number of ranks"
+)
+
 RANK = MPI.COMM_WORLD.Get_rank()
 
 

@@ -9,6 +9,8 @@ import pytest
 from mpistrat.tools import bench, bench_args, bench_gpu, plot
 from mpistrat.tools.sizes import parse_size
 
+pytestmark = pytest.mark.serial("parsing sizes: nothing here depends on the number of ranks")
+
 SPELLINGS = {
     "4": 4,
     "4B": 4,
