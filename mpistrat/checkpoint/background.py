@@ -40,6 +40,11 @@ WRITER_NICENESS = 10
 
 _pending: list[tuple[Save, Collectives, Callable[[], None]]] = []
 _exit_hook = False
+# The last staging buffer, kept for the next background save: a fresh one page-faults on every
+# byte it is copied into (0.23 s for 100 MiB here, longer than writing it to the page cache).
+# The peak is unchanged (a background save holds a staged share anyway); between saves the rank
+# keeps one share more.
+_staging: np.ndarray | None = None
 
 
 def start(save: Save, collectives: Collectives, on_success: Callable[[], None]) -> None:
@@ -48,7 +53,7 @@ def start(save: Save, collectives: Collectives, on_success: Callable[[], None]) 
     global _exit_hook
     close(save)  # collective; the thread writes with POSIX calls
     total = sum(p.nbytes for call in save.calls for p in call)
-    staged = np.empty(total, np.uint8)  # the share at this moment: training may change the arrays
+    staged = _staging_buffer(total)  # the share at this moment: training may change the arrays
     at, copied = 0, []
     for call in save.calls:
         pieces = []
@@ -68,6 +73,14 @@ def start(save: Save, collectives: Collectives, on_success: Callable[[], None]) 
     if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
         atexit.register(_finish_at_exit)
         _exit_hook = True
+
+
+def _staging_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes to stage a share in: the last save's buffer when no writer still reads it."""
+    global _staging
+    if _staging is None or _staging.nbytes < nbytes or writing():
+        _staging = np.empty(nbytes, np.uint8)
+    return _staging[:nbytes]
 
 
 def _drain(save: Save, header: bytes) -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpistrat.optimizers import SGD
 
 import mpistrat
 import mpistrat.checkpoint.mpiio as mpiio
 from mpistrat import CheckpointOptions, InvalidArgumentError
+from mpistrat.optimizers import SGD
 from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import run_job
@@ -63,6 +63,39 @@ def test_the_next_checkpoint_call_finishes_a_background_save_first(group, tmp_pa
     with group.strategy.scope():
         ok = ok and np.array_equal(w.numpy(), want)
     all_ranks_agree(group.comm, ok, f"{first} {second} {latest}")
+
+
+def test_consecutive_background_saves_each_hold_their_own_values(group, tmp_path):
+    """The staging buffer is reused from one background save to the next (and cut for a smaller
+    one): each file still holds the values of its own call, read back with safetensors alone."""
+    from safetensors.numpy import load_file
+
+    directory = shared_dir(group, tmp_path)
+    w, opt, ckpt = model(group)
+    with group.strategy.scope():
+        small = mpistrat.Variable(np.arange(7, dtype=np.float32), name="small")
+    small_ckpt = mpistrat.Checkpoint(small=small)
+    paths, want = [], []
+    for step in range(3):
+        with group.strategy.scope():
+            want.append(w.numpy())
+        paths.append(ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC))
+        g = np.full((64, 33), step + 1, np.float32)
+        group.strategy.run(lambda g=g: opt.apply_gradients([(g, w)]))
+    small_path = small_ckpt.save(os.path.join(directory, "small"), options=ASYNC)  # a smaller share
+    group.strategy.run(lambda: opt.apply_gradients([(np.ones((64, 33), np.float32), w)]))
+    small_ckpt.sync()
+    ckpt.sync()
+    files = [load_file(p) for p in paths]
+    got = [f["w"] for f in files]
+    small_got = next(iter(load_file(small_path).values()))
+    ok = all(np.array_equal(g, x) for g, x in zip(got, want, strict=True))
+    ok = (
+        ok
+        and len({g.tobytes() for g in got}) == 3
+        and np.array_equal(small_got, np.arange(7, dtype=np.float32))
+    )
+    all_ranks_agree(group.comm, ok, f"{[g[0, :2] for g in got]} {[x[0, :2] for x in want]} {small_got}")
 
 
 def test_a_manager_records_and_deletes_once_the_file_is_in_place(group, tmp_path):
