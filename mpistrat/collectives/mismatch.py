@@ -18,7 +18,13 @@ from mpi4py import MPI
 from mpistrat import nest
 from mpistrat.comm import packing
 from mpistrat.diagnostics.callsite import call_site
-from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError, portable
+from mpistrat.errors import (
+    CollectiveMismatchError,
+    MergeCallError,
+    MpistratError,
+    StructureMismatchError,
+    portable,
+)
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import local_copy
 
@@ -178,5 +184,12 @@ def raise_disagreement(
         raise _same_type(first, f"{name} failed on {rank_list([r for r, _ in failed])}: {text}") from error
     sites = [site for *_, site in reports]
     where = sites[0] if len(set(sites)) == 1 else by_rank(sites)
-    detail = first_difference([d for _, _, d, _, _ in reports])
-    raise CollectiveMismatchError(f"{name}, called at {where}: {detail}")
+    descriptions = [d for _, _, d, _, _ in reports]
+    error_type = StructureMismatchError if _structures_differ(descriptions) else CollectiveMismatchError
+    raise error_type(f"{name}, called at {where}: {first_difference(descriptions)}")
+
+
+def _structures_differ(descriptions: list[Any]) -> bool:
+    """Whether the ranks' nests differ in structure (tf's regroup asserts there), not only in leaves."""
+    structures = {d.get("structure") for d in descriptions if isinstance(d, dict)}
+    return len(structures) > 1 and None not in structures

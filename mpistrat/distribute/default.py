@@ -53,7 +53,8 @@ class _DefaultStrategy(Strategy):
         """In its own merge_fn the one replica runs as ``run`` runs it anywhere else."""
         if mode.strategy is not self:
             raise ContextError(  # a RuntimeError, as tf's
-                "Mixing different Strategy objects: a scope of another strategy is already active"
+                "Mixing different tf.distribute.Strategy objects: a scope of another strategy is already "
+                "active"
             )
         self._extended.collectives  # noqa: B018 (raises if finalized)
         args = self._unwrap(args, 0) if args else ()

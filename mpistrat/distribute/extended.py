@@ -209,7 +209,8 @@ class StrategyExtended:
                 f'{method}: Need to be inside "with strategy.scope()" for {self._container_strategy}'
             )
         raise ContextError(
-            f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self._container_strategy}"
+            f"{method}: Mixing different tf.distribute.Strategy objects: {mode.strategy} is not "
+            f"{self._container_strategy}"
         )
 
     def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
@@ -383,8 +384,9 @@ class StrategyExtended:
         devices = isinstance(target, tuple) and target == self.parameter_devices  # never an array's ==
         if not owned and not devices:
             raise InvalidArgumentError(
-                "colocate_vars_with must only be passed a variable created in this strategy's scope() "
-                f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
+                "`colocate_vars_with` must only be passed a variable created in this "
+                f"tf.distribute.Strategy.scope(), not: {colocate_with_variable!r} (a variable created in "
+                "this strategy's scope(), or the value of non_slot_devices())"
             )
         return context.colocation(self._container_strategy, colocate_with_variable)
 

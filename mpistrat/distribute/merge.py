@@ -38,7 +38,13 @@ from mpistrat.collectives import Unsendable, check_level
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.reduce_axis import mean_of
 from mpistrat.comm import packing
-from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
+from mpistrat.errors import (
+    ContextError,
+    InvalidArgumentError,
+    MpistratError,
+    StructureMismatchError,
+    UnsupportedTypeError,
+)
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, local_copy
 
@@ -127,7 +133,7 @@ def _regroup(local: Any, gathered: list[Any]) -> Any:
             raise UnsupportedTypeError(f"rank {r}: {other.message}")
         other_leaves, other_spec = nest.tree_flatten(other)
         if other_spec != spec:
-            raise UnsupportedTypeError(
+            raise StructureMismatchError(
                 f"merge_call: rank {r} passed arguments of a different structure than rank 0 "
                 f"({other_spec} vs {spec}); every replica must pass the same structure"
             )

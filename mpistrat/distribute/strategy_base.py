@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy"]
 
-_MIXING = "Mixing different Strategy objects: a scope of another strategy is already active"
+_MIXING = "Mixing different tf.distribute.Strategy objects: a scope of another strategy is already active"
 
 
 class _Scope:
@@ -85,7 +85,9 @@ class Strategy:
         """Raise, as tf does, when another strategy's scope is active (the default context is fine)."""
         mode = context.current_mode()
         if mode.kind is not context.DEFAULT and mode.strategy is not self:
-            raise ContextError(f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self}")
+            raise ContextError(
+                f"{method}: Mixing different tf.distribute.Strategy objects: {mode.strategy} is not {self}"
+            )
 
     def scope(self) -> _Scope:
         """Select this strategy and enter its cross-replica context.

@@ -58,8 +58,9 @@ class DistributedVariable(Variable, DistributedValues):
         super().__init__(initial_value, **kwargs)
         if self._synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
-                f"synchronization=NONE is not supported for a variable created in a strategy's scope "
-                f"(variable {self._name!r}); use AUTO, ON_WRITE or ON_READ"
+                "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please "
+                f"change the `synchronization` for variable: {self._name} (AUTO, ON_WRITE or ON_READ; a "
+                "variable created in a strategy's scope has a copy on every rank)"
             )
         mode = context.current_mode()
         strategy = mode.strategy
@@ -70,9 +71,9 @@ class DistributedVariable(Variable, DistributedValues):
         if self._aggregation is VariableAggregation.MEAN and self._value.dtype.kind not in "fc":
             # as tf: a mean of integer copies would truncate (0.5 becomes 0)
             error = InvalidArgumentError(
-                f"Variable {self._name!r}: creating a distributed variable with aggregation=MEAN and a "
-                f"non-floating dtype ({self._value.dtype}) is not supported; use a float dtype or another "
-                "aggregation"
+                f"Variable {self._name!r}: creating distributed tf.Variable with aggregation=MEAN and a "
+                "non-floating dtype is not supported, please use a different aggregation or dtype (a mean "
+                f"of {self._value.dtype} copies would truncate)"
             )
         value = extended.collectives.broadcast(self._value, kind=kind, error=error)
         del self._value
@@ -255,7 +256,8 @@ class SyncOnReadVariable(DistributedVariable):
         agg = self._aggregation
         if agg is VariableAggregation.NONE:
             raise InvalidArgumentError(
-                f"{self._name}: a sync-on-read variable with aggregation NONE cannot be read in "
+                f"{self._name}: Could not convert from `tf.VariableAggregation` NONE to "
+                "`tf.distribute.ReduceOp`: a sync-on-read variable with aggregation NONE cannot be read in "
                 "cross-replica context (there is no way to combine the replicas' copies); create it with "
                 "aggregation SUM, MEAN or ONLY_FIRST_REPLICA, or read it in replica context"
             )
@@ -277,9 +279,9 @@ class SyncOnReadVariable(DistributedVariable):
         sums = self._aggregation is VariableAggregation.SUM
         if how != "assign" and sums:
             raise InvalidArgumentError(  # as tf: each copy would add the delta, the sum n times it
-                f"{self._name}.{how}: a sync-on-read variable with SUM aggregation does not support {how} in "
-                "cross-replica context; update each replica's copy inside strategy.run, or set the summed "
-                "value with assign"
+                f"{self._name}.{how}: SyncOnReadVariable does not support `{how}` in cross-replica context "
+                "when aggregation is set to `tf.VariableAggregation.SUM`. Update each replica's copy inside "
+                "strategy.run, or set the summed value with assign"
             )
         new = self._agreed(how, value, mode)
         if sums:  # the copies must sum to the value
@@ -328,15 +330,19 @@ def _class_to_create(synchronization: Any) -> type[Variable]:
         return Variable
     if mode.inside_default:
         raise ContextError(  # a RuntimeError, as tf's
-            f"Mixing different Strategy objects: creating a variable in {mode.strategy}'s scope, which "
-            "is inside the default strategy's scope(); leave the default strategy's scope first"
+            "Mixing different tf.distribute.Strategy objects: creating a variable in "
+            f"{mode.strategy}'s scope, which is inside the default strategy's scope(); leave the default "
+            "strategy's scope first"
         )
     if mode.kind is context.MERGE:
         raise ContextError(
             "cannot create a distributed variable inside merge_fn: it runs on rank 0 alone and creation is "
             "collective; create variables in strategy.scope() or in replica context before merge_call"
         )
-    sync = enum_member(VariableSynchronization, synchronization, "synchronization")
+    try:
+        sync = enum_member(VariableSynchronization, synchronization, "synchronization")
+    except InvalidArgumentError:
+        return MirroredVariable  # whose __init__ names the variable and its bad synchronization
     return SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable
 
 

@@ -213,35 +213,44 @@ def test_only_first_replica_updates_variables(group):
 
 def test_none_synchronization_with_variable(group):
     # testNoneSynchronizationWithVariable: ValueError "`NONE` variable synchronization mode is not
-    # supported with `Mirrored` distribution strategy ... for variable: v"
+    # supported with tf.distribute strategy. Please change the `synchronization` for variable: v"
+    # (tf 2.21's words)
     s = group.strategy
     with s.scope():
         raises_on_every_rank(
             group.comm,
             ValueError,
             lambda: Variable(1.0, name="v", synchronization=Synchronization.NONE),
-            "'v'",
+            "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please "
+            "change the `synchronization` for variable: v",
         )
 
 
 def test_invalid_synchronization_with_variable(group):
-    # testInvalidSynchronizationWithVariable: ValueError "Invalid variable synchronization mode"
+    # testInvalidSynchronizationWithVariable: ValueError "Invalid variable synchronization mode:
+    # Invalid for variable: v"
     s = group.strategy
     with s.scope():
         raises_on_every_rank(
-            group.comm, ValueError, lambda: Variable(1.0, name="v", synchronization="Invalid"), "Invalid"
+            group.comm,
+            ValueError,
+            lambda: Variable(1.0, name="v", synchronization="Invalid"),
+            "Invalid variable synchronization mode: Invalid for variable: v",
         )
 
 
 def test_invalid_aggregation_with_variable(group):
-    # testInvalidAggregationWithVariable: ValueError "Invalid variable aggregation mode: invalid"
+    # testInvalidAggregationWithVariable: ValueError "Invalid variable aggregation mode: invalid for
+    # variable: v"
     s = group.strategy
 
     def create():
         return Variable(1.0, name="v", synchronization=Synchronization.ON_WRITE, aggregation="invalid")
 
     with s.scope():
-        raises_on_every_rank(group.comm, ValueError, create, "invalid")
+        raises_on_every_rank(
+            group.comm, ValueError, create, "Invalid variable aggregation mode: invalid for variable: v"
+        )
 
 
 def test_non_matching_variable_creation(group):
