@@ -115,13 +115,7 @@ class Variable(HasLocalCopy):
             VariableAggregation, none_means_none, tf_words.format("aggregation", aggregation, "It")
         )
         on_read = self._synchronization is VariableSynchronization.ON_READ
-        if on_read and trainable:
-            raise InvalidArgumentError(
-                "synchronization=ON_READ is only for non-trainable variables; you passed trainable=True. "
-                "Pass trainable=False (the default for ON_READ)"
-            )
-        self._trainable = (not on_read) if trainable is None else bool(trainable)
-        self._name = "Variable" if name is None else str(name)
+        self._trainable = (not on_read) if trainable is None else bool(trainable)  # ON_READ may train, as tf
         self._value = _initial(initial_value, dtype, self._name)
         colocation = context.current_colocation()
         self.colocated_with = None if colocation is None else colocation[1]

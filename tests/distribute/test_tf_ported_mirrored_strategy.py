@@ -228,32 +228,21 @@ def _mirrored(s, initial, aggregation=Aggregation.NONE):
 
 
 def test_assign_mirrored_var_replica_context_without_aggregation_type(group):
-    # testAssignMirroredVarReplicaContextWithoutAggregationType: ValueError "You must specify an
-    # aggregation method to update a MirroredVariable in Replica Context"
+    # testAssignMirroredVarReplicaContextWithoutAggregationType (tf 2.21): assign(5.0) in replica
+    # context to a variable without aggregation assigns it: 5.0 (every replica passed the same value)
     s = group.strategy
     with s.scope():
         v = _mirrored(s, 1.0)
-        raises_on_every_rank(
-            group.comm,
-            ValueError,
-            lambda: s.extended.call_for_each_replica(lambda: v.assign(5.0)),
-            "aggregation",
-        )
+        s.extended.call_for_each_replica(lambda: v.assign(5.0))
+        got = float(v.read_value())
+    all_ranks_agree(group.comm, got == 5.0, f"{got}")
 
 
-def test_assign_mirrored_var_replica_context_with_sum(group, request):
+def test_assign_mirrored_var_replica_context_with_sum(group):
     # testAssignMirroredVarReplicaContextWithSum: assign(5.0) to a SUM variable in replica context:
     # ValueError "A non-DistributedValues value 5.0 cannot be reduced with the given reduce op
     # ReduceOp.SUM." at 2 replicas; at 1 replica TF assigns it (5.0)
     s, n = group.strategy, group.size
-    if n > 1:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="docs/migrating.md differences table: a replica-context assign of a constant "
-                "to a SUM mirrored variable gives N x the value",
-            )
-        )
     with s.scope():
         v = _mirrored(s, 1.0, Aggregation.SUM)
         if n == 1:
@@ -264,8 +253,10 @@ def test_assign_mirrored_var_replica_context_with_sum(group, request):
             group.comm,
             ValueError,
             lambda: s.extended.call_for_each_replica(lambda: v.assign(5.0)),
-            "cannot be reduced",
+            "A non-DistributedValues value 5.0 cannot be reduced with the given reduce op ReduceOp.SUM",
         )
+        got = float(v.read_value())  # nothing was written
+    all_ranks_agree(group.comm, got == 1.0, f"{got}")
 
 
 def test_assign_mirrored_var_cross_device_context(group):
