@@ -116,6 +116,19 @@ class ReplicaContext:
         self._require_current("merge_call")
         return self._strategy.extended.call_merge_fn(merge_fn, args, dict(kwargs or {}))
 
+    def _update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """``fn(v, *args, **kwargs)`` on this replica's copy ``v`` of ``var``, without merge_call: tf's
+        ``ReplicaContext._update`` (``strategy.extended.update`` called in replica context)."""
+        self._require_current("_update")
+        return self._strategy.extended.update(var, fn, args, kwargs, group)
+
     def _require_current(self, method: str) -> None:
         mode = context.require_replica(f"ReplicaContext.{method}")  # nor strategy.run inside a merge_fn
         if mode.replica_context is not self:
