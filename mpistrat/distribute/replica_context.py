@@ -27,6 +27,10 @@ class ReplicaContext:
     {'a': np.float64(1.0)}
     """
 
+    # A replica that strategy.run inside a root-mode merge_fn runs in turn on rank 0: what its
+    # merge_call waits in (see mpistrat.distribute.in_turn).
+    _in_turn: Any = None
+
     def __init__(self, strategy: Strategy, replica_id_in_sync_group: int):
         self._strategy = strategy
         self._replica_id = int(replica_id_in_sync_group)
@@ -113,6 +117,9 @@ class ReplicaContext:
         >>> ctx.merge_call(lambda strategy, x: x + 1, args=(41,))
         42
         """
+        in_turn = self._in_turn
+        if in_turn is not None and context.current_mode().replica_context is self:
+            return in_turn.merge_call(merge_fn, args, dict(kwargs or {}))  # strategy.run inside a merge_fn
         self._require_current("merge_call")
         return self._strategy.extended.call_merge_fn(merge_fn, args, dict(kwargs or {}))
 

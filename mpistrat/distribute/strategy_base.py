@@ -16,7 +16,7 @@ import optree
 
 from mpistrat import context, nest, values
 from mpistrat.comm import packing
-from mpistrat.distribute import merge
+from mpistrat.distribute import in_turn, merge
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, MpistratError, UnsupportedTypeError
@@ -159,15 +159,12 @@ class Strategy:
         ``fn`` once per replica, in turn, as tf's MirroredStrategy does; a ``PerReplica`` of the results.
 
         Each call is in that replica's context, but on rank 0 alone: communicating, or touching a
-        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``).
+        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``); a
+        ``merge_call`` inside waits for every replica's (see :mod:`mpistrat.distribute.in_turn`).
         """
         size = self.num_replicas_in_sync
-        results = []
-        for replica in range(size):
-            a = self._unwrap(args, replica)
-            kw = self._unwrap(kwargs, replica)
-            with context.push(context.Mode(self, ReplicaContext(self, replica), context.MERGE)):
-                results.append(fn(*a, **kw))
+        calls = [(self._unwrap(args, r), self._unwrap(kwargs, r)) for r in range(size)]
+        results = in_turn.run_in_turn(self, fn, calls)
         if size == 1:
             return results[0]
         try:  # PerReplica leaves in the results' common structure, as tf's regroup gives

@@ -97,18 +97,11 @@ def _every_rank(group):
 @pytest.mark.parametrize(
     "fn", [_raise_exception_fn, _merge_raises_fn, _merge_call_raises_fn, _merge_call_merge_raises_fn]
 )
-def test_call_and_merge_exceptions(group, fn, merge_call, request):
+def test_call_and_merge_exceptions(group, fn, merge_call):
     # testCallAndMergeExceptions (_test_call_and_merge_exceptions): _TestException from the
     # replica function, from merge_fn, from a call_for_each_replica inside merge_fn, and from a
-    # merge_fn inside that. In root mode a merge_call inside a merge_fn's call_for_each_replica is a
-    # ContextError (merge_fn runs on rank 0 alone), a row of the differences table
-    if merge_call == "root" and fn is _merge_call_merge_raises_fn:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="docs/migrating.md differences table: strategy.run inside a merge_fn (root mode)",
-            )
-        )
+    # merge_fn inside that (in root mode rank 0 runs each replica in turn and their merge_call waits
+    # for the others', as tf's replica threads do)
     s = group.strategy if merge_call == "root" else _every_rank(group)
     with s.scope():
         raises_on_every_rank(group.comm, _TestException, lambda: s.extended.call_for_each_replica(fn))
