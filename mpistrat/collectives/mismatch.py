@@ -156,8 +156,8 @@ def raise_disagreement(
 ) -> NoReturn:
     """Every rank is here after a failed handshake: exchange descriptions, raise the same error everywhere.
 
-    Order of blame: ranks in different collectives, then a rank's own bad input, then
-    the first differing argument.
+    Order of blame: a rank's own failure (bad input, an exception it shares), then ranks in
+    different collectives, then the first differing argument.
     """
     try:
         mine = describe() if error is None else None
@@ -165,8 +165,18 @@ def raise_disagreement(
         mine = f"<undescribable: {exc}>"
     reports = comm.allgather((kind, seq, mine, None if error is None else portable(error), call_site()))
     name = f"{kind} (collective #{seq})"
+    failed = [(r, e) for r, (_, _, _, e, _) in enumerate(reports) if e is not None]
     if len({(k, s) for k, s, *_ in reports}) > 1:
         calls = by_rank([f"{k} (collective #{s}) at {site}" for k, s, _, _, site in reports])
+        if failed:  # a rank failed (an exception in strategy.run) while the others went on: that is the news
+            r, first = failed[0]
+            at = f"{reports[r][0]} (collective #{reports[r][1]})"
+            text = str(first).removeprefix(f"{reports[r][0]}: ")
+            raise _same_type(
+                first,
+                f"{at} failed on {rank_list([q for q, _ in failed])}: {text} (the ranks were in different "
+                f"collectives then: {calls})",
+            ) from error
         skipped = len({s for _, s, *_ in reports}) > 1
         raise CollectiveMismatchError(
             f"ranks are in different collectives: {calls}. "
@@ -177,7 +187,6 @@ def raise_disagreement(
             )
             + "Every rank must call the same collectives in the same order."
         )
-    failed = [(r, e) for r, (_, _, _, e, _) in enumerate(reports) if e is not None]
     if failed:
         first = failed[0][1]
         text = str(first).removeprefix(f"{kind}: ")

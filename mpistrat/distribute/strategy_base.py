@@ -16,7 +16,7 @@ import optree
 
 from mpistrat import context, nest, values
 from mpistrat.comm import packing
-from mpistrat.distribute import in_turn, merge
+from mpistrat.distribute import in_turn, merge, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, MpistratError, UnsupportedTypeError
@@ -143,12 +143,26 @@ class Strategy:
             return self._run_in_merge_fn(mode, fn, tuple(args), dict(kwargs or {}))
         if mode.kind is not context.DEFAULT and mode.strategy is not self:
             raise ContextError(_MIXING)  # a RuntimeError, as tf's
-        self._extended.collectives  # noqa: B018 (raises if finalized)
+        collectives = self._extended.collectives  # raises if finalized
         rank = self._extended.rank
         args = self._unwrap(tuple(args), rank) if args else ()
         kwargs = self._unwrap(dict(kwargs), rank) if kwargs else {}
-        with ReplicaContext(self, rank):  # its replica mode is the current mode; nothing reads below it
-            return fn(*args, **kwargs)
+        if collectives.size == 1:  # one replica: nothing to regroup, no one to tell
+            with ReplicaContext(self, rank):
+                return fn(*args, **kwargs)
+        failures = collectives.failures
+        try:
+            with ReplicaContext(self, rank):  # its replica mode is the current mode; nothing reads below it
+                result = fn(*args, **kwargs)
+        except Exception as exc:
+            # An error out of a collective inside fn is not shared: one that failed on every rank told
+            # everyone already (a rank that raised early met the others there), and after a timeout or a
+            # failed transfer the others may be anywhere. A closing handshake would wait for nobody.
+            if collectives.failures == failures:
+                results.agree_on_result(collectives, None, exc)
+            raise
+        results.agree_on_result(collectives, result, None)
+        return result
 
     experimental_run_v2 = run
 
