@@ -88,7 +88,7 @@ class DistributedDataset:
         """
         if self._spec is UNKNOWN:
             first = self._source.peek()
-            self._spec = None if first is END else examine(first, SplitIterator.where).spec
+            self._spec = None if first is END else examine(first, SplitIterator.where, unbatched=True).spec
         return self._spec
 
     def __repr__(self) -> str:
