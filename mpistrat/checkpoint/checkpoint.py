@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import context
-from mpistrat.checkpoint import restoring, saving
+from mpistrat.checkpoint import background, restoring, saving
 from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
 from mpistrat.checkpoint.format import Table
 from mpistrat.checkpoint.tracking import tracked
@@ -64,7 +64,7 @@ class Checkpoint:
     :mod:`~mpistrat.checkpoint.tracking`). An optimizer contributes ``<name>/iterations``
     and one entry per slot, ``<name>/slots/<variable's entry>/<slot>``, so its variables
     must be tracked by the same checkpoint. A distributed dataset or iterator contributes
-    its position (the pass and the batches taken in it), which ``restore`` sets back, so
+    its position (the pass and the examples taken in it), which ``restore`` sets back, so
     the next pass resumes there. Every file also holds ``save_counter``.
 
     Args:
@@ -155,7 +155,7 @@ class Checkpoint:
         several).
         """
         collectives = collectives_of(self, "save")
-        saving.wait_for_saves(collectives)  # a background save first: it may take a number
+        background.wait_for_saves(collectives)  # a background save first: it may take a number
         number = int(self._save_counter.numpy()) + 1
         path = f"{os.fspath(file_prefix)}-{number}"
         directory = os.path.dirname(path) or "."
@@ -188,7 +188,7 @@ class Checkpoint:
     def sync(self) -> None:
         """Wait until every background save (``CheckpointOptions(enable_async=True)``) is written
         and in place (collective); a failed one raises here, on every rank."""
-        saving.wait_for_saves(collectives_of(self, "sync"))
+        background.wait_for_saves(collectives_of(self, "sync"))
 
     def restore(
         self, save_path: str | os.PathLike[str] | None, options: CheckpointOptions | None = None
@@ -204,7 +204,7 @@ class Checkpoint:
         """
         strategy = self._strategy("restore")
         collectives = strategy.extended.collectives
-        saving.wait_for_saves(collectives)
+        background.wait_for_saves(collectives)
         # Collective even for None, so a rank that found no checkpoint fails every rank instead of hanging.
         collectives.agree(
             "checkpoint.restore",
@@ -226,7 +226,7 @@ class Checkpoint:
             raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
         strategy = self._strategy("read")
         collectives = strategy.extended.collectives
-        saving.wait_for_saves(collectives)
+        background.wait_for_saves(collectives)
         collectives.agree("checkpoint.restore", options=saving.ALWAYS)
         return self._load(
             os.fspath(save_path), "read", collectives, strategy.extended.writes_in_sync, options
@@ -294,10 +294,10 @@ def write_file(
     save still being written is finished first.
     """
     options = _checked_options(options, f"Checkpoint.{method}")
-    saving.wait_for_saves(collectives)
+    background.wait_for_saves(collectives)
     save = saving.begin(checkpoint._entries(), collectives, path, method, counter, options.io_hints, after)
     if options.enable_async:
-        saving.start_in_background(save, collectives, on_success or (lambda: None))
+        background.start(save, collectives, on_success or (lambda: None))
         return
     saving.write(save, collectives)
     saving.finish(save, collectives)
@@ -397,7 +397,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
             "(outside strategy.run and merge_fn)"
         )
     collectives = mode.strategy.extended.collectives
-    saving.wait_for_saves(collectives)
+    background.wait_for_saves(collectives)
     collectives.agree("checkpoint.latest")
     return collectives.on_root(
         lambda: checkpoint_state(os.fspath(directory))[0], kind="checkpoint.latest (read)"

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat.checkpoint import saving
+from mpistrat.checkpoint import background
 from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of, write_file
 from mpistrat.checkpoint.files import checkpoint_state, write_index
 from mpistrat.errors import InvalidArgumentError
@@ -70,7 +70,7 @@ class CheckpointManager:
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep
         collectives = collectives_of(checkpoint, "CheckpointManager")
-        saving.wait_for_saves(collectives)
+        background.wait_for_saves(collectives)
         collectives.agree("checkpoint.manager")
         prefix = os.path.join(self._directory, checkpoint_name)
 
@@ -110,7 +110,7 @@ class CheckpointManager:
         the end of the job). ``check_interval`` is tf's and has no effect (no interval is set).
         """
         collectives = collectives_of(self._checkpoint, "save")
-        saving.wait_for_saves(collectives)
+        background.wait_for_saves(collectives)
         counter = int(self._checkpoint.save_counter.numpy()) + 1
         number = counter if checkpoint_number is None else _integer(checkpoint_number)
         path = f"{self._prefix}-{number}"

@@ -1,10 +1,13 @@
-"""The file I/O of checkpoints: MPI-IO in collective rounds, and POSIX writes for the background.
+"""The file I/O of checkpoints: MPI-IO writes in collective rounds, reads by each rank alone, and
+POSIX writes for the background.
 
 Every rank opens the file together (``MPI.File.Open``, with the MPI-IO hints of
-:func:`hints`), then in each round every rank makes one collective call for its next run of
-bytes (``Write_at_all``/``Read_at_all``; a rank with none left passes nothing). A run in
-several arrays is one call with a memory datatype over their addresses, no copy. An error on
-one rank never leaves the others waiting: it is kept, the rank takes part in the remaining
+:func:`hints`). To write, in each round every rank makes one collective call for its next run
+of bytes (``Write_at_all``; a rank with none left passes nothing), so the MPI library may
+aggregate where its hints say so. A run in several arrays is one call with a memory datatype
+over their addresses, no copy. To read, each rank reads its runs with ``Read_at`` on its own:
+a restore reads many small runs (1/R of every window), and reads need no coordination. An error
+on one rank never leaves the others waiting: it is kept, the rank takes part in the remaining
 rounds with nothing to move, and the caller reports it on every rank afterwards.
 
 A background save writes with ``os.pwritev`` instead: an MPI-IO call holds the MPI library's
@@ -18,13 +21,12 @@ import errno
 import os
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.checkpoint.pieces import Piece
+from mpistrat.checkpoint.pieces import Piece, joined
 
-__all__ = ["DEFAULT_HINTS", "hints", "open_file", "os_error", "posix_write", "read_rounds", "write_rounds"]
+__all__ = ["DEFAULT_HINTS", "hints", "open_file", "os_error", "posix_write", "read", "write_rounds"]
 
 # MPI error classes and the errno they mean, for an OSError a user can catch like any other.
 _ERRNO = {
@@ -89,21 +91,23 @@ def write_rounds(fh: Any, calls: list[list[Piece]], rounds: int, path: str) -> O
     return _rounds(fh.Write_at_all, calls, rounds, path, "writing")
 
 
-def read_rounds(fh: Any, calls: list[list[Piece]], rounds: int, path: str) -> OSError | None:
-    """``rounds`` collective reads into the pieces' memory; the first error, if any."""
-    return _rounds(fh.Read_at_all, calls, rounds, path, "reading")
+def read(fh: Any, calls: list[list[Piece]], path: str) -> OSError | None:
+    """This rank's reads into the pieces' memory, independent of the other ranks; the first error."""
+    return _rounds(fh.Read_at, calls, len(calls), path, "reading")
 
 
 def _rounds(transfer: Any, calls: list[list[Piece]], rounds: int, path: str, doing: str) -> OSError | None:
     error = None
     for k in range(rounds):
         call = calls[k] if k < len(calls) and error is None else []
+        if not call and transfer.__name__ == "Read_at":
+            continue
         datatype = None
         try:
             if not call:
                 transfer(0, [None, 0, MPI.BYTE])
                 continue
-            buffer: Any = _joined(call)
+            buffer: Any = joined([p.memory for p in call])
             if (
                 buffer is None
             ):  # one call over several arrays: their addresses in one datatype, nothing copied
@@ -123,28 +127,6 @@ def _rounds(transfer: Any, calls: list[list[Piece]], rounds: int, path: str, doi
             if datatype is not None:
                 datatype.Free()
     return error
-
-
-def _joined(call: list[Piece]) -> np.ndarray | None:
-    """The call's memory as one array when its pieces lie end to end in one C-contiguous array
-    (a sharded slot's parts, a read's staging buffer), else None."""
-    first = call[0].memory
-    if len(call) == 1:
-        return first
-    base = first.base
-    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
-        return None
-    start = _address(first) - _address(base)
-    at = start
-    for p in call:
-        if p.memory.base is not base or _address(p.memory) != _address(base) + at:
-            return None
-        at += p.nbytes
-    return base.reshape(-1).view(np.uint8)[start:at]
-
-
-def _address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
 
 
 def posix_write(path: str, header: bytes, calls: list[list[Piece]]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CALL_LIMIT", "Piece", "bytes_of", "calls", "share", "spans_of_share"]
+__all__ = ["CALL_LIMIT", "Piece", "bytes_of", "calls", "joined", "share", "spans_of_share"]
 
 CALL_LIMIT = 1 << 30  # bytes per MPI-IO call: below MPI's 2**31 count limit on every MPI family
 
@@ -73,6 +73,33 @@ def bytes_of(array: Any) -> np.ndarray:
     array = np.asarray(array)
     flat = array.reshape(-1) if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(-1)
     return flat.view(np.uint8)
+
+
+def joined(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """1-D uint8 ``arrays`` that lie end to end in one C-contiguous array, as one view of it; None
+    when they do not (a sharded slot's parts, a flat buffer's variables in order, are joined).
+
+    >>> base = np.arange(8, dtype=np.uint8)
+    >>> joined([base[:3], base[3:5]]).tolist(), joined([base[:3], base[4:5]])
+    ([0, 1, 2, 3, 4], None)
+    """
+    first = arrays[0]
+    if len(arrays) == 1:
+        return first
+    base = first.base
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
+        return None
+    start = _address(first) - _address(base)
+    at = start
+    for array in arrays:
+        if array.base is not base or _address(array) != _address(base) + at:
+            return None
+        at += array.size
+    return base.reshape(-1).view(np.uint8)[start:at]
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 def calls(pieces: list[Piece], limit: int | None = None) -> list[list[Piece]]:

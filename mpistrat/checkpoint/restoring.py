@@ -1,10 +1,11 @@
 """A restore: each rank reads what it will hold, the checksums are checked, then values are assigned.
 
-Values every rank holds whole (mirrored variables, unsharded slots) are cut into windows: each
-large entry (in slices of at most ``WINDOW`` bytes) and each batch of small ones. Every rank
-reads 1/R of every window, then one ``Allgatherv`` per window, every rank sending as much,
-puts it together: straight into the variable's own memory for a large entry, through a
-temporary for a batch. A sharded slot's parts are read by the ranks that hold them, whatever
+Values every rank holds whole (mirrored variables, unsharded slots) are cut into windows: runs
+of consecutive large entries in slices of at most ``WINDOW`` bytes, and batches of small ones.
+Every rank reads 1/R of every window, then one ``Allgather`` per window, every rank sending as
+much, puts it together: straight into the variables' own memory when the window lies end to
+end there (a save lays an optimizer's flat buffers out in their order), else through a
+temporary. A sharded slot's parts are read by the ranks that hold them, whatever
 the rank count or sharding of the save. No rank reads the whole file, and nothing travels
 from rank 0 but the table of contents.
 
@@ -26,11 +27,10 @@ from mpi4py import MPI
 
 from mpistrat.checkpoint import crc, mpiio
 from mpistrat.checkpoint.format import Entry, Table, corrupt
-from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, share, spans_of_share
-from mpistrat.checkpoint.saving import ALWAYS
+from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, joined, share, spans_of_share
 from mpistrat.comm import packing
 from mpistrat.input.position import InputPosition
-from mpistrat.training.optimizer_state import own_copy
+from mpistrat.training.optimizer_state import own_copy, storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableSynchronization, Writable
 
@@ -41,7 +41,7 @@ __all__ = ["load"]
 
 SMALL = 1 << 20  # entries below this many bytes are gathered in batches, then copied into place
 BATCH = 1 << 24  # bytes per batch of small entries: the temporary memory a restore needs
-WINDOW = 1 << 28  # bytes per Allgatherv straight into a large entry
+WINDOW = 1 << 26  # bytes per Allgather of large entries (into their memory, else a temporary)
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ def load(
     position, shapes already checked) restore, check them, and assign them (collective)."""
     wanted = [table.entries[n] for n in table.entries if n in targets]  # file order
     parted = [e for e in wanted if isinstance(targets[e.name], ShardedSlot) and not e.fortran]
-    windows = _windows([e for e in wanted if e not in parted], collectives.size)
+    windows = _windows([e for e in wanted if e not in parted], collectives.size, _adjacent(targets))
     rank, size = collectives.rank, collectives.size
     parts = [(e, element, part) for e in parted for element, part in targets[e.name].local_parts()]
     sizes = [share(w.nbytes, size, rank) for w in windows]
@@ -86,10 +86,9 @@ def load(
         pieces.append(Piece(entry.name, start, entry.offset + start, staging[at : at + int(part.nbytes)]))
         at += int(part.nbytes)
     mine = calls(pieces)
-    rounds = collectives.agree(f"checkpoint.{method} (plan)", maximum=len(mine), options=ALWAYS)
     fh, error = mpiio.open_file(collectives.comm, table.path, MPI.MODE_RDONLY, mpiio.hints(io_hints))
     if fh is not None:
-        error = mpiio.read_rounds(fh, mine, rounds, table.path)
+        error = mpiio.read(fh, mine, table.path)
         with contextlib.suppress(MPI.Exception):
             fh.Close()
     report = (
@@ -100,6 +99,11 @@ def load(
     collectives.on_root(
         lambda: _verify(table, wanted, reports or [], method), kind=f"checkpoint.{method} (check)"
     )
+    positions = {  # checked before anything is assigned: a dataset that changed is refused first
+        name: target.check(np.asarray(table.positions[name], np.int64))
+        for name, target in targets.items()
+        if isinstance(target, InputPosition) and name in table.positions
+    }
     with writes_in_sync():
         temporaries: dict[str, np.ndarray] = {}
         for window in windows:
@@ -109,30 +113,74 @@ def load(
             host = staging[at : at + int(part.nbytes)].view(entry.dtype)
             part[...] = host if packing.array_module(part) is np else packing.array_module(part).asarray(host)
             at += int(part.nbytes)
-        for name, target in targets.items():
-            if isinstance(target, InputPosition) and name in table.positions:
-                target.assign(np.asarray(table.positions[name], np.int64))
+        for name, saved in positions.items():
+            targets[name].apply(saved)
 
 
-def _windows(entries: list[Entry], size: int) -> list[_Window]:
-    """Large entries in slices of at most ``WINDOW`` bytes, each a multiple of ``size`` (every rank
-    then sends as much); small entries, and what is left of large ones, in batches of at most ``BATCH``."""
+def _adjacent(targets: dict[str, Any]) -> Callable[[Entry, Entry], bool]:
+    """Whether two entries' variables follow each other in one flat buffer (their bytes then go
+    straight into it together)."""
+
+    def place(entry: Entry) -> tuple[Any, int, int] | None:
+        target = targets[entry.name]
+        return storage_place(target) if isinstance(target, Variable) else None
+
+    def adjacent(first: Entry, second: Entry) -> bool:
+        a, b = place(first), place(second)
+        elements = first.nbytes // max(first.dtype.itemsize, 1)
+        return a is not None and b is not None and a[0] is b[0] and b[2] == a[2] + elements
+
+    return adjacent
+
+
+def _windows(entries: list[Entry], size: int, adjacent: Callable[[Entry, Entry], bool]) -> list[_Window]:
+    """Runs of consecutive large entries whose variables lie end to end cut into windows of at most
+    ``WINDOW`` bytes, each a multiple of ``size`` (every rank then sends as much); small entries,
+    and what is left at the end of a run, in batches of at most ``BATCH`` bytes."""
     out: list[_Window] = []
     batch = _Window([])
-    step = WINDOW - WINDOW % size
-    for entry in entries:
-        start = 0
-        if entry.nbytes >= SMALL:
-            start = entry.nbytes - entry.nbytes % size
-            out.extend(_Window([(entry, a, min(a + step, start))]) for a in range(0, start, step))
-        if start < entry.nbytes:
-            if batch.ranges and batch.nbytes + entry.nbytes - start > BATCH:
-                out.append(batch)
-                batch = _Window([])
-            batch.ranges.append((entry, start, entry.nbytes))
+
+    def batched(entry: Entry, a: int, b: int) -> None:
+        nonlocal batch
+        if batch.ranges and batch.nbytes + b - a > BATCH:
+            out.append(batch)
+            batch = _Window([])
+        batch.ranges.append((entry, a, b))
+
+    run: list[Entry] = []
+    for entry in [*entries, None]:
+        if entry is not None and entry.nbytes >= SMALL:
+            if run and not adjacent(run[-1], entry):
+                _cut(run, size, out, batched)
+                run = []
+            run.append(entry)
+            continue
+        _cut(run, size, out, batched)
+        run = []
+        if entry is not None:
+            batched(entry, 0, entry.nbytes)
     if batch.ranges:
         out.append(batch)
     return out
+
+
+def _cut(run: list[Entry], size: int, out: list[_Window], batched: Callable[[Entry, int, int], None]) -> None:
+    """Consecutive large entries as one stream of bytes: windows of ``WINDOW - WINDOW % size`` bytes,
+    the last one a multiple of ``size``; the remaining fewer than ``size`` bytes to the batches."""
+    step = WINDOW - WINDOW % size
+    total = sum(e.nbytes for e in run)
+    main, at, window = total - total % size, 0, _Window([])
+    for entry in run:
+        a = 0
+        while a < entry.nbytes and at < main:
+            take = min(entry.nbytes - a, step - window.nbytes, main - at)
+            window.ranges.append((entry, a, a + take))
+            a, at = a + take, at + take
+            if window.nbytes == step or at == main:
+                out.append(window)
+                window = _Window([])
+        if a < entry.nbytes:
+            batched(entry, a, entry.nbytes)
 
 
 def _verify(table: Table, wanted: list[Entry], reports: list[Any], method: str) -> None:
@@ -161,23 +209,53 @@ def _verify(table: Table, wanted: list[Entry], reports: list[Any], method: str) 
 def _gather(
     window: _Window, targets: dict[str, Any], collectives: Collectives, kind: str, temporaries: dict[str, Any]
 ) -> None:
-    """Every rank's 1/R of ``window`` put together and into place: one ``Allgather(v)``. An entry that
-    cannot take bytes in place collects them in ``temporaries`` until it has all, then is assigned."""
+    """Every rank's 1/R of ``window`` put together and into place: one ``Allgather(v)``, straight into
+    the variables' memory when the window's ranges lie end to end there (a flat buffer's variables
+    in the order they were saved), else into a temporary, then copied. An entry that cannot take
+    bytes in place collects them in ``temporaries`` until it has all, then is assigned."""
     size = collectives.size
     counts = [b - a for a, b in (share(window.nbytes, size, r) for r in range(size))]
     assert window.mine is not None
-    if len(window.ranges) == 1:  # a slice of a large entry, straight into place
-        entry, a, b = window.ranges[0]
-        with _into(entry, targets[entry.name], temporaries, a, b) as dest:
-            collectives.all_gather_bytes(window.mine, dest, counts, kind=kind)
+    region = _flat_region(window, targets)
+    if region is not None:
+        collectives.all_gather_bytes(window.mine, region, counts, kind=kind)
         return
-    out = np.empty(window.nbytes, np.uint8)
-    collectives.all_gather_bytes(window.mine, out, counts, kind=kind)
-    at = 0
-    for entry, a, b in window.ranges:
-        with _into(entry, targets[entry.name], temporaries, a, b) as dest:
-            dest[...] = out[at : at + b - a]
-        at += b - a
+    with contextlib.ExitStack() as stack:
+        dests = [
+            stack.enter_context(_into(e, targets[e.name], temporaries, a, b)) for e, a, b in window.ranges
+        ]
+        together = joined(dests)
+        if together is not None:
+            collectives.all_gather_bytes(window.mine, together, counts, kind=kind)
+            return
+        out = np.empty(window.nbytes, np.uint8)
+        collectives.all_gather_bytes(window.mine, out, counts, kind=kind)
+        at = 0
+        for dest in dests:
+            dest[...] = out[at : at + dest.size]
+            at += dest.size
+
+
+def _flat_region(window: _Window, targets: dict[str, Any]) -> np.ndarray | None:
+    """The bytes of one optimizer's flat buffer that ``window`` fills, claimed for an in-place write
+    (copied first if something holds a view of it), when its ranges are that buffer's variables in
+    order; else None."""
+    places: list[tuple[Any, int, int]] = []
+    for entry, _, _ in window.ranges:
+        target = targets[entry.name]
+        place = storage_place(target) if isinstance(target, Variable) else None
+        if place is None or entry.fortran or place[0] is not (places[0][0] if places else place[0]):
+            return None
+        places.append(place)
+    storage = places[0][0]
+    if storage.dtype != window.ranges[0][0].dtype:
+        return None
+    array = storage.claim()
+    if type(array) is not np.ndarray:  # a device buffer: through the host, entry by entry
+        return None
+    first, a, _ = window.ranges[0]
+    start = places[0][2] * first.dtype.itemsize + a
+    return bytes_of(array)[start : start + window.nbytes]
 
 
 @contextlib.contextmanager

@@ -3,25 +3,24 @@
 :func:`begin` agrees on what is saved, lays the file out (:mod:`~mpistrat.checkpoint.format`)
 and picks this rank's pieces (:mod:`~mpistrat.checkpoint.pieces`); rank 0 names the temporary
 file and every rank creates it together. Then either :func:`write` writes the pieces with
-MPI-IO at once, or :func:`start_in_background` copies them aside and a thread writes them
-while training goes on. :func:`finish` (every rank, after either) gathers the errors and the
-pieces' checksums; rank 0 fills the checksums into the header, renames the file into place
-and runs ``after`` (the index's update). Any rank's error, at any step, is raised on every
-rank there, and the temporary file is removed: the previous checkpoint stays as it was.
+MPI-IO at once (the checksums first, so rank 0 writes the final header with the data and one
+flush covers both), or :mod:`~mpistrat.checkpoint.background` copies them aside and a thread
+writes them while training goes on. :func:`finish` (every rank, after either) gathers the
+errors (and a background save's checksums); rank 0 completes the header if it must, renames
+the file into place and runs ``after`` (the index's update). Any rank's error, at any step, is
+raised on every rank there, and the temporary file is removed: the previous checkpoint stays
+as it was.
 
 Memory: a save copies nothing of a NumPy array (MPI-IO writes from it), a device array's
-share through the host; a background save holds a copy of this rank's share until it ends.
+share through the host.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import functools
 import json
 import os
-import sys
 import threading
 import time
 import zlib
@@ -38,19 +37,18 @@ from mpistrat.collectives.fingerprint import hash64
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.position import InputPosition
-from mpistrat.log import logger
 from mpistrat.options import CommunicationOptions
+from mpistrat.training.optimizer_state import storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
+from mpistrat.training.variables import Variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["ALWAYS", "Save", "begin", "finish", "start_in_background", "wait_for_saves", "write", "writing"]
+__all__ = ["ALWAYS", "Save", "begin", "checksums", "close", "finish", "write"]
 
 # Checkpoint agreements run even with the check off: a rank that failed must not be waited for.
 ALWAYS = CommunicationOptions(check=True)
-# A background writer's niceness (Linux, this thread only): the training step keeps its CPU.
-WRITER_NICENESS = 10
 
 
 @dataclasses.dataclass
@@ -61,7 +59,7 @@ class Save:
     path: str  # rank 0's: where the file goes
     tmp: str  # rank 0's temporary name, written by every rank
     table: Table
-    header: bytes  # rank 0 writes it first, with every checksum 0
+    header: bytes  # rank 0 writes it first, with every checksum 0 (the file is then recognisably ours)
     metadata: dict[str, str]
     calls: list[list[Piece]]
     rounds: int  # collective write calls: the most any rank makes
@@ -70,9 +68,8 @@ class Save:
     file: Any = None  # the open MPI file, between begin and write
     final: bool = False  # the header holds the checksums and everything is flushed (a synchronous save)
     error: OSError | None = None
-    crcs: list[tuple[str, int, int, int]] = dataclasses.field(
-        default_factory=list
-    )  # entry, start, crc, length
+    # (entry, start, crc, length) of each piece, once written in the background
+    crcs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     thread: threading.Thread | None = None
     began: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -118,7 +115,9 @@ def begin(
             sharded[name] = value
         else:
             whole[name] = value.value()
-    order = sorted(whole) + sorted(sharded, key=lambda n: sharded[n].section)
+    order = sorted(whole, key=lambda n: _memory_order(n, entries[n])) + sorted(
+        sharded, key=lambda n: sharded[n].section
+    )
     metadata = {
         "num_replicas": str(collectives.size),
         "save_counter": str(counter),
@@ -137,6 +136,13 @@ def begin(
     save = Save(method, target, tmp, table, header, metadata, mine, rounds, after, keep)
     _create(save, collectives, io_hints)
     return save
+
+
+def _memory_order(name: str, value: Any) -> tuple[int, int, int, str]:
+    """Values in an optimizer's flat storage first, in the storage's order (a rank's share is then
+    one run of memory, and a restore into the same model gathers straight into it), then by name."""
+    place = storage_place(value) if isinstance(value, Variable) else None
+    return (0, place[1], place[2], "") if place is not None else (1, 0, 0, name)
 
 
 def _my_pieces(
@@ -194,14 +200,14 @@ def _create(save: Save, collectives: Collectives, io_hints: dict[str, str] | Non
     try:
         collectives.agree(f"checkpoint.{save.method} (create)", error=error, options=ALWAYS)
     except BaseException:
-        _close(save)
+        close(save)
         if collectives.rank == 0:
             with contextlib.suppress(OSError):
                 os.remove(save.tmp)
         raise
 
 
-def _close(save: Save) -> None:
+def close(save: Save) -> None:
     fh, save.file = save.file, None
     if fh is not None:
         try:
@@ -215,7 +221,7 @@ def write(save: Save, collectives: Collectives) -> None:
 
     The checksums are known before the data moves, so rank 0 writes the final header with them
     and one flush makes everything durable."""
-    crcs = _checksums(save.calls)
+    crcs = checksums(save.calls)
     gathered = collectives.gather_to_root(crcs, kind=f"checkpoint.{save.method} (checksums)")
     fh = save.file
     if gathered is not None:  # rank 0
@@ -232,11 +238,12 @@ def write(save: Save, collectives: Collectives) -> None:
         fh.Sync()
     except MPI.Exception as exc:
         save.error = save.error or mpiio.os_error(exc, "flushing the checkpoint file", save.tmp)
-    _close(save)
+    close(save)
     save.final = True
 
 
-def _checksums(work: list[list[Piece]]) -> list[tuple[str, int, int, int]]:
+def checksums(work: list[list[Piece]]) -> list[tuple[str, int, int, int]]:
+    """``(entry, start, CRC-32, length)`` of every piece of these calls."""
     return [(p.entry, p.start, zlib.crc32(p.memory.data), p.nbytes) for call in work for p in call]
 
 
@@ -290,92 +297,3 @@ def _complete(save: Save, reports: list[Any]) -> None:
         raise
     if save.after is not None:
         save.after()
-
-
-# -- saves that finish in the background ---------------------------------------------------------
-
-_pending: list[tuple[Save, Collectives, Callable[[], None]]] = []
-_exit_hook = False
-
-
-def start_in_background(save: Save, collectives: Collectives, on_success: Callable[[], None]) -> None:
-    """Copy this rank's pieces aside and write them in a thread; :func:`wait_for_saves` (or the
-    end of the job) finishes the save, then runs ``on_success`` on every rank."""
-    global _exit_hook
-    _close(save)  # collective; the thread writes with POSIX calls
-    total = sum(p.nbytes for call in save.calls for p in call)
-    staged = np.empty(total, np.uint8)  # the share at this moment: training may change the arrays
-    at, copied = 0, []
-    for call in save.calls:
-        pieces = []
-        for p in call:
-            staged[at : at + p.nbytes] = p.memory
-            pieces.append(dataclasses.replace(p, memory=staged[at : at + p.nbytes]))
-            at += p.nbytes
-        copied.append(pieces)
-    save.calls, save.keep = copied, [staged]
-    header = save.header if collectives.rank == 0 else b""
-    save.thread = threading.Thread(
-        target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True
-    )
-    save.thread.start()
-    _pending.append((save, collectives, on_success))
-    collectives.pending["checkpoint saves"] = functools.partial(wait_for_saves, collectives)
-    if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
-        atexit.register(_finish_at_exit)
-        _exit_hook = True
-
-
-def _drain(save: Save, header: bytes) -> None:
-    """The background writer: POSIX writes of this rank's pieces, their checksums, fsync."""
-    if sys.platform.startswith("linux"):  # a thread's own niceness: Linux only (elsewhere the process's)
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
-    try:
-        mpiio.posix_write(save.tmp, header, save.calls)
-        save.crcs = _checksums(save.calls)
-    except OSError as exc:
-        save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
-    except BaseException as exc:  # whatever it is, every rank must hear of it at the wait
-        save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
-
-
-def writing() -> bool:
-    """Whether a background save is still writing on this rank (its thread has not finished)."""
-    return any(save.thread is not None and save.thread.is_alive() for save, _, _ in _pending)
-
-
-def wait_for_saves(collectives: Collectives) -> None:
-    """Finish every background save over ``collectives`` (collective); raise the first failure."""
-    mine = [p for p in _pending if p[1] is collectives]
-    failure: BaseException | None = None
-    for item in mine:
-        _pending.remove(item)
-        save, _, on_success = item
-        try:
-            finish(save, collectives)
-        except BaseException as exc:
-            failure = failure or exc
-            continue
-        logger.info(
-            "Checkpoint.%s: %s written in the background (%.1f MiB, %.2f s)",
-            save.method,
-            save.path,
-            save.nbytes / 2**20,
-            time.monotonic() - save.began,
-        )
-        on_success()
-    if failure is not None:
-        raise failure
-
-
-def _finish_at_exit() -> None:
-    """At the end of the job: finish what is still being written (every rank is here)."""
-    for collectives in list({id(c): c for _, c, _ in _pending}.values()):
-        if MPI.Is_finalized() or collectives.freed:
-            logger.error("Checkpoint: a background save could not finish: MPI is finalized")
-            continue
-        try:
-            wait_for_saves(collectives)
-        except BaseException as exc:
-            logger.error("Checkpoint: a background save failed at exit: %s", exc)

@@ -9,6 +9,7 @@
 ``all_reduce.py``   sum or mean, one ``Allreduce`` per dtype pack
 ``exact_sum.py``    exact sums in integer limbs (``deterministic=True``)
 ``compressed.py``   16-bit values on the wire (``compression="bf16"|"fp16"``)
+``hierarchical.py`` 16-bit values between nodes only (``HIERARCHICAL`` with compression)
 ``reduce_axis.py``  sum or mean along an axis and across ranks (a ``reduce`` with an ``axis``)
 ``all_gather.py``   concatenate along an axis, uneven sizes, ``Allgatherv``
 ``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
@@ -41,6 +42,7 @@ from mpistrat.collectives import (
     broadcast,
     caches,
     handshake,
+    hierarchical,
     in_place,
     objects,
     reduce_axis,
@@ -106,18 +108,29 @@ class Collectives:
         self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"), owner, self.size)
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         # Every rank must check alike (a rank that skips the handshake would strand the others).
+        route = self.options.implementation.value
         self.agree(
             "strategy creation",
-            fingerprint=handshake.check_level(self),
+            fingerprint=handshake.check_level(self) ^ hierarchical.route_code(self.options.implementation),
             describe=lambda: {
-                "leaves": [("the check", f"level {handshake.check_level(self)}", None)],
-                "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check.",
+                "leaves": [
+                    ("the check", f"level {handshake.check_level(self)}", None),
+                    ("CommunicationOptions.implementation", route, None),
+                ],
+                "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check, "
+                "and the same CommunicationOptions.implementation.",
             },
             error=error,
             extras=[],
         )
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
+
+    def locate(self, hosts: tuple[str, ...]) -> None:
+        """Every rank's host name (in rank order), named in stall warnings, timeouts and the straggler
+        table where the ranks span several hosts (on one host it would say nothing new)."""
+        several = tuple(hosts) if len(set(hosts)) > 1 else ()
+        self.monitor.hosts = self.stragglers.hosts = several
 
     def finish_pending(self) -> None:
         """Finish the work in :attr:`pending` (collective: before the communicator is freed)."""

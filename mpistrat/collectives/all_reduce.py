@@ -14,7 +14,7 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat.collectives import compressed, exact_sum, mismatch
+from mpistrat.collectives import compressed, exact_sum, hierarchical, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.fingerprint import arrays_code, code_of
 from mpistrat.comm import mpi, packing
@@ -76,10 +76,12 @@ def all_reduce(
             self.caches.codes, op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack
         )
     mode = opts.reduction
+    hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
+    route = "HIERARCHICAL" if hierarchical_route else None  # named where ranks differ in it
     self.agree(
         kind,
-        fingerprint=fingerprint ^ reduction_code(mode),
-        describe=lambda: describe(value, op, impl, opts),
+        fingerprint=fingerprint ^ reduction_code(mode) ^ hierarchical.route_code(opts.implementation),
+        describe=lambda: describe(value, op, impl or route, opts),
         error=error,
         options=opts,
     )
@@ -106,9 +108,11 @@ def allreduce_arrays(
     if packs is None:
         packs = packing.plan_packs(arrays, bytes_per_pack, None, self.caches.packs)
     out: list[Any] = [None] * len(arrays)
+    flat = implementation is not CommunicationImplementation.HIERARCHICAL
     for p in packs:
-        # Host arrays go straight to MPI (it reads their type); device arrays pick a transport.
-        host = p.module is np
+        # Host arrays go straight to MPI (it reads their type) unless summed node by node; device
+        # arrays pick a transport.
+        host = p.module is np and flat
         transport: Any = None if host else self.transports.get(p.module, implementation, p.dtype, "allreduce")
         if len(p.indices) == 1 and packing.is_contiguous(arrays[p.indices[0]]):
             i = p.indices[0]
@@ -119,7 +123,8 @@ def allreduce_arrays(
                 else:
                     mpi.allreduce(self.comm, arrays[i], recv)
             else:
-                mpi.check_count(recv.size, "all_reduce")
+                if p.module is not np:
+                    mpi.check_count(recv.size, "all_reduce")
                 transport.allreduce(arrays[i], recv)
             out[i] = recv if divisor is None else lv.divide(recv, divisor)
         else:
@@ -127,7 +132,8 @@ def allreduce_arrays(
             if host:
                 mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
             else:
-                mpi.check_count(buf.size, "all_reduce")
+                if p.module is not np:
+                    mpi.check_count(buf.size, "all_reduce")
                 transport.allreduce(buf, buf)
             packing.unpack(buf if divisor is None else lv.divide(buf, divisor), arrays, p, out)
     return out
@@ -137,7 +143,8 @@ def reduce_special(
     self: Collectives, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
 ) -> list[Any]:
     """Sum (MEAN: average) with ``opts.reduction`` set: per pack, exact sums or 16-bit values on
-    the wire for the floating-point packs that mode takes; the other packs go the plain way.
+    the wire for the floating-point packs that mode takes (with ``HIERARCHICAL``, between nodes
+    only); the other packs go the plain way.
 
     Device arrays are reduced through host copies, and their results copied back.
     """
@@ -162,6 +169,8 @@ def reduce_special(
             real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
             summed, _ = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [], self.size if mean else None)
             result = summed.view(host.dtype)
+        elif opts.implementation is CommunicationImplementation.HIERARCHICAL:
+            result = hierarchical.compressed_sum(self, host, mode, mean, kind)
         else:
             result = compressed.compressed_sum(self.comm, host, mode, mean, kind)
         packing.unpack(result if p.module is np else p.module.asarray(result), arrays, p, out)

@@ -11,10 +11,11 @@ No custom MPI op and no half-precision MPI datatype: the values travel as ``uint
    input's dtype.
 
 Each rank sends and receives about ``2 * 2n (R-1)/R`` bytes for ``n`` values: half of what
-a ring ``Allreduce`` of float32 moves, a quarter of float64's. fp16 overflow (a finite
-value, or a block's sum, beyond 65504) is an error on every rank: each rank's flag rides in
-its ``Allgather`` block, so every rank sees every flag and raises the same
-``InvalidArgumentError``. Infinities and NaNs in the input are carried as such.
+a ring ``Allreduce`` of float32 moves, a quarter of float64's. Overflow (a finite value, or a
+block's sum of finite values, beyond the codec's largest finite value: 65504 for fp16, about
+3.39e38 for bf16) is an error on every rank: each rank's flag rides in its ``Allgather`` block,
+so every rank sees every flag and raises the same ``InvalidArgumentError``. Infinities and NaNs
+in the input are carried as such.
 
 >>> import numpy as np
 >>> from mpi4py import MPI
@@ -31,9 +32,19 @@ from mpi4py import MPI
 from mpistrat.comm import mpi
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["FP16_MAX", "compressed_reduce_scatter", "compressed_sum", "decode", "encode", "unit_roundoff"]
+__all__ = [
+    "BF16_MAX",
+    "FP16_MAX",
+    "compressed_reduce_scatter",
+    "compressed_sum",
+    "decode",
+    "encode",
+    "unit_roundoff",
+]
 
 FP16_MAX = 65504.0
+BF16_MAX = 2.0**128 - 2.0**120  # (2 - 2**-7) * 2**127
+_LARGEST = {"fp16": FP16_MAX, "bf16": BF16_MAX}
 
 
 def unit_roundoff(codec: str) -> float:
@@ -81,18 +92,35 @@ def decode(bits: np.ndarray, codec: str) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def _overflows(values: np.ndarray, encoded: np.ndarray) -> bool:
-    """fp16: a finite value that became infinite."""
-    return bool((np.isfinite(values) & np.isinf(encoded.view(np.float16))).any())
+_EXPONENT = {"fp16": np.uint16(0x7C00), "bf16": np.uint16(0x7F80)}  # all ones: an infinity or a NaN
+_MAGNITUDE = np.uint16(0x7FFF)  # all bits but the sign's
 
 
-def _blocks(comm: MPI.Intracomm, x: np.ndarray, codec: str) -> tuple[np.ndarray, bool]:
-    """Steps 1 and 2: this rank's block of the sum in float32 (``R`` blocks of ``ceil(n/R)``)."""
+def _not_finite(encoded: np.ndarray, codec: str) -> np.ndarray:
+    """Where 16-bit ``codec`` values are infinities or NaNs (from their bits: no decoding)."""
+    return np.bitwise_and(encoded, _MAGNITUDE) >= _EXPONENT[codec]
+
+
+def _any_not_finite(encoded: np.ndarray, codec: str) -> bool:
+    """Whether any is (one pass and one reduction, no mask: the common answer is no)."""
+    return encoded.size > 0 and int(np.bitwise_and(encoded, _MAGNITUDE).max()) >= _EXPONENT[codec]
+
+
+def _became_infinite(values: np.ndarray, encoded: np.ndarray, codec: str) -> bool:
+    """Whether a finite value's 16-bit encoding is not finite (it overflowed)."""
+    if not _any_not_finite(encoded, codec):
+        return False
+    return bool(np.isfinite(values[_not_finite(encoded, codec)]).any())
+
+
+def _blocks(comm: MPI.Intracomm, x: np.ndarray, codec: str) -> tuple[np.ndarray, bool, np.ndarray]:
+    """Steps 1 and 2: this rank's block of the sum in float32 (``R`` blocks of ``ceil(n/R)``),
+    whether one of this rank's values overflowed, and where the block's inputs were all finite."""
     size = comm.Get_size()
     block = -(-x.size // size)
     send = np.zeros(size * block, dtype=np.uint16)
     send[: x.size] = encode(x.reshape(-1), codec)
-    overflow = codec == "fp16" and _overflows(x.reshape(-1), send[: x.size])
+    overflow = _became_infinite(x.reshape(-1), send[: x.size], codec)
     recv = np.empty_like(send)
     mpi.alltoall(comm, send, recv)
     parts = decode(recv, codec).reshape(size, block)
@@ -100,15 +128,29 @@ def _blocks(comm: MPI.Intracomm, x: np.ndarray, codec: str) -> tuple[np.ndarray,
     with np.errstate(over="ignore", invalid="ignore"):
         for r in range(1, size):  # rank order, float32: the same bits wherever MPI puts the blocks
             total += parts[r]
-    return total, overflow
+    return total, overflow, parts
 
 
-def _raise_overflow(flags: np.ndarray, where: str) -> None:
+def _sum_overflows(encoded: np.ndarray, parts: np.ndarray, codec: str) -> bool:
+    """Whether a block sum of finite values is not finite once summed in float32 and rounded to 16
+    bits (only where the result is not finite are the parts looked at: rarely)."""
+    if not _any_not_finite(encoded, codec):
+        return False
+    return bool(np.isfinite(parts[:, _not_finite(encoded, codec)]).all(axis=0).any())
+
+
+def _raise_overflow(flags: np.ndarray, codec: str, where: str) -> None:
     ranks = np.flatnonzero(flags).tolist()
+    advice = (
+        "Use compression='bf16' (float32's range), scale the values down (a loss scale), or turn "
+        "compression off"
+        if codec == "fp16"
+        else "Scale the values down, or turn compression off"
+    )
     raise InvalidArgumentError(
-        f"{where}: compression='fp16' overflowed on rank(s) {ranks}: a value or a partial sum beyond "
-        f"+-{FP16_MAX:g}, fp16's largest finite value. Use compression='bf16' (float32's range), "
-        "scale the values down (a loss scale), or turn compression off"
+        f"{where}: compression={codec!r} overflowed on rank(s) {ranks}: a finite value or a partial sum "
+        f"beyond +-{_LARGEST[codec]:g}, {codec}'s largest finite value, which would come back as an "
+        f"infinity. {advice}"
     )
 
 
@@ -120,20 +162,17 @@ def compressed_sum(
     Collective: one ``Alltoall`` and one ``Allgather``. Returns a new array of ``x``'s dtype.
     """
     size = comm.Get_size()
-    total, overflow = _blocks(comm, x, codec)
+    total, overflow, parts = _blocks(comm, x, codec)
     if mean:
         total /= np.float32(size)
-    flag = 1 if codec == "fp16" else 0
     block = total.size
-    mine = np.empty(block + flag, dtype=np.uint16)
+    mine = np.empty(block + 1, dtype=np.uint16)  # the block, then this rank's overflow flag
     mine[:block] = encode(total, codec)
-    if flag:
-        overflow = overflow or _overflows(total, mine[:block])
-        mine[block] = overflow
-    gathered = np.empty((size, block + flag), dtype=np.uint16)
+    mine[block] = overflow or _sum_overflows(mine[:block], parts, codec)
+    gathered = np.empty((size, block + 1), dtype=np.uint16)
     mpi.allgather(comm, mine, gathered.reshape(-1))
-    if flag and gathered[:, block].any():
-        _raise_overflow(gathered[:, block], where)
+    if gathered[:, block].any():
+        _raise_overflow(gathered[:, block], codec, where)
     return decode(np.ascontiguousarray(gathered[:, :block]).reshape(-1)[: x.size], codec).astype(x.dtype)
 
 
@@ -141,13 +180,12 @@ def compressed_reduce_scatter(comm: MPI.Intracomm, x: np.ndarray, codec: str, wh
     """Rank ``r``'s block (of ``R`` equal blocks) of the sum over ranks of ``x``, in float32.
 
     One ``Alltoall`` of 16-bit values (each rounded to 16 bits once), then a tiny ``Allreduce``
-    of the fp16 overflow flags (fp16 only). Returns a float32 array of ``x.size // R``.
+    of the overflow flags. Returns a float32 array of ``x.size // R``.
     """
-    total, overflow = _blocks(comm, x, codec)
-    if codec == "fp16":
-        flags = np.zeros(comm.Get_size(), dtype=np.uint8)
-        flags[comm.Get_rank()] = overflow or _overflows(total, encode(total, codec))
-        mpi.allreduce(comm, MPI.IN_PLACE, flags, MPI.MAX)
-        if flags.any():
-            _raise_overflow(flags, where)
+    total, overflow, parts = _blocks(comm, x, codec)
+    flags = np.zeros(comm.Get_size(), dtype=np.uint8)
+    flags[comm.Get_rank()] = overflow or _sum_overflows(encode(total, codec), parts, codec)
+    mpi.allreduce(comm, MPI.IN_PLACE, flags, MPI.MAX)
+    if flags.any():
+        _raise_overflow(flags, codec, where)
     return total

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives import compressed, exact_sum
+from mpistrat.collectives import compressed, exact_sum, hierarchical
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import UnsupportedTypeError
-from mpistrat.options import CommunicationOptions
+from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -43,18 +43,20 @@ def all_reduce_in_place(
     ``options``: the call's (the default: the collectives' own); their ``deterministic`` or
     ``compression`` make the sum exact or carry 16-bit values (floating-point buffers).
     """
+    implementation = (self.options if options is None else self.options.merge(options)).implementation
     if (options is not None or self.reduction) and (mode := _mode(self, buf, options)):
-        buf[...] = _special(self, buf.reshape(-1), mode, kind).reshape(buf.shape)
+        buf[...] = _special(self, buf.reshape(-1), mode, kind, implementation).reshape(buf.shape)
         return
-    if type(buf) is np.ndarray:
+    if type(buf) is np.ndarray and implementation is not CommunicationImplementation.HIERARCHICAL:
         if mpi.COUNT_LIMIT is None:
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         else:
             mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
         return
-    mpi.check_count(buf.size, kind)
     module = packing.array_module(buf)
-    transport = self.transports.get(module, self.options.implementation, buf.dtype, "allreduce")
+    if module is not np:
+        mpi.check_count(buf.size, kind)
+    transport = self.transports.get(module, implementation, buf.dtype, "allreduce")
     transport.allreduce(buf, buf)
 
 
@@ -75,7 +77,7 @@ def reduce_scatter_in_place(
     if mode in ("bf16", "fp16"):
         buf[:per] = compressed.compressed_reduce_scatter(self.comm, buf, mode, kind)
     elif mode or (mpi.COUNT_LIMIT is not None and per > mpi.COUNT_LIMIT):
-        total = _special(self, buf, mode, kind) if mode else buf
+        total = _special(self, buf, mode, kind, CommunicationImplementation.RING) if mode else buf
         if not mode:
             mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
         buf[:per] = total[self.rank * per : (self.rank + 1) * per]
@@ -115,12 +117,17 @@ def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> 
     return mode if buf.dtype in (np.float32, np.float64) else ""
 
 
-def _special(self: Collectives, buf: Any, mode: str, kind: str) -> Any:
-    """The sum over ranks of the 1-D ``buf``, exact or compressed, as a new array where ``buf`` lives."""
+def _special(
+    self: Collectives, buf: Any, mode: str, kind: str, implementation: CommunicationImplementation
+) -> Any:
+    """The sum over ranks of the 1-D ``buf``, exact or compressed (with ``HIERARCHICAL``: between nodes
+    only), as a new array where ``buf`` lives."""
     host = buf if type(buf) is np.ndarray else buf.get()
     if mode == "deterministic":
         real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
         result = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [])[0].view(host.dtype)
+    elif implementation is CommunicationImplementation.HIERARCHICAL:
+        result = hierarchical.compressed_sum(self, host, mode, False, kind)
     else:
         result = compressed.compressed_sum(self.comm, host, mode, False, kind)
     return result if type(buf) is np.ndarray else packing.array_module(buf).asarray(result)

@@ -25,6 +25,7 @@ from mpistrat.errors import (
     StructureMismatchError,
     portable,
 )
+from mpistrat.log import ANY_RANK, logger
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import local_copy
 
@@ -132,14 +133,48 @@ def first_difference(descriptions: list[Any]) -> str:
             return f"the arguments differ at leaf {path}: {what}. {advice}"
     implementations = [str(d.get("implementation")) for d in descriptions]
     if len(set(implementations)) > 1:
+        # The implementation is described where it decides the route: device arrays, or HIERARCHICAL.
         return (
-            "ranks passed device arrays with different CommunicationOptions.implementation: "
-            f"{by_rank(implementations)}. Every rank must use the same implementation."
+            "ranks asked for different CommunicationOptions.implementation: "
+            f"{by_rank(implementations)}. Every rank must use the same implementation"
+            + (" (None: plain MPI)." if "None" in implementations else ".")
         )
     structures = [d.get("structure", "") for d in descriptions]
     if len(set(structures)) > 1:
         return f"the nest structures differ: {by_rank(structures)}. Every rank must pass the same structure."
     return "ranks passed different arguments: " + by_rank([repr(d) for d in descriptions])
+
+
+def _raise_if_one_failed_and_left(
+    comm: MPI.Intracomm,
+    reports: list[Any],
+    failed: list[tuple[int, BaseException]],
+    error: BaseException | None,
+) -> None:
+    """The failing ranks' error on every rank, when exactly they are in another collective than the
+    rest: they failed, and left (the rest never learns of it otherwise, and would read the
+    consequence, "different collectives", as the cause). A ``sys.exit`` ends every rank with its status."""
+    erred = dict(failed)
+    mine = {(k, s) for r, (k, s, *_) in enumerate(reports) if r in erred}
+    others = {(k, s) for r, (k, s, *_) in enumerate(reports) if r not in erred}
+    if not failed or len(mine) != 1 or len(others) != 1:
+        return
+    (kind, seq), (where, at) = mine.pop(), others.pop()
+    if (kind, seq) == (where, at):
+        return
+    first, rest = failed[0][1], [r for r in range(len(reports)) if r not in erred]
+    code = first.code if isinstance(first, SystemExit) else None
+    exiting = isinstance(first, SystemExit)
+    cause = f"sys.exit({code!r})" if exiting else str(first).removeprefix(f"{kind}: ")
+    text = (
+        f"{kind} (collective #{seq}) failed on {rank_list(list(erred))}, which left {where} (collective "
+        f"#{at}, called at {reports[rest[0]][4]}) where {rank_list(rest)} waited: {cause}"
+    )
+    if exiting:  # that rank ends its program: so does every rank, with its status
+        if comm.Get_rank() == rest[0]:
+            logger.error(f"{text}; every rank exits with its status", extra=ANY_RANK)
+        raise SystemExit(code)
+    raise _same_type(first, text) from error
 
 
 def _same_type(error: BaseException, message: str) -> BaseException:
@@ -156,8 +191,11 @@ def raise_disagreement(
 ) -> NoReturn:
     """Every rank is here after a failed handshake: exchange descriptions, raise the same error everywhere.
 
-    Order of blame: a rank's own failure (bad input, an exception it shares), then ranks in
-    different collectives, then the first differing argument.
+    Order of blame: a rank that failed and so left the others' collective (an every-rank
+    ``merge_fn`` that raised on it, or called ``sys.exit``: it went on to merge_call's closing
+    handshake while the others are in a collective inside ``merge_fn``), then any other rank's
+    failure while the ranks were in different collectives (an exception in ``strategy.run``), then
+    ranks in different collectives, then a rank's own bad input, then the first differing argument.
     """
     try:
         mine = describe() if error is None else None
@@ -166,6 +204,7 @@ def raise_disagreement(
     reports = comm.allgather((kind, seq, mine, None if error is None else portable(error), call_site()))
     name = f"{kind} (collective #{seq})"
     failed = [(r, e) for r, (_, _, _, e, _) in enumerate(reports) if e is not None]
+    _raise_if_one_failed_and_left(comm, reports, failed, error)
     if len({(k, s) for k, s, *_ in reports}) > 1:
         calls = by_rank([f"{k} (collective #{s}) at {site}" for k, s, _, _, site in reports])
         if failed:  # a rank failed (an exception in strategy.run) while the others went on: that is the news

@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from mpistrat.comm import cuda
 from mpistrat.comm.base import Transport
+from mpistrat.comm.hierarchy import HierarchicalMPI
 from mpistrat.comm.mpi import buffer_spec, mpi_datatype
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
@@ -264,6 +265,7 @@ def choose_device_transport(
 
     AUTO: NCCL when every rank has it and its own GPU, else CUDA-aware MPI, else staging.
     RING: CUDA-aware MPI when the library is known to be, else staging. NCCL: NCCL or an error.
+    HIERARCHICAL is for host buffers: device buffers go as with RING.
     """
     implementation = CommunicationImplementation(getattr(implementation, "value", implementation))
     ring = (
@@ -274,7 +276,7 @@ def choose_device_transport(
             "the MPI library is not known to be CUDA-aware, so device buffers are staged through host memory",
         )
     )
-    if implementation is CommunicationImplementation.RING:
+    if implementation in (CommunicationImplementation.RING, CommunicationImplementation.HIERARCHICAL):
         return ring
     usable = caps.nccl and caps.own_gpu
     if implementation is CommunicationImplementation.NCCL:
@@ -305,19 +307,27 @@ class Transports:
         self._ring: Transport | None = None
         self._nccl: Transport | None = None
         self._caps: DeviceCapabilities | None = None
+        self._hierarchical: HierarchicalMPI | None = None
 
     def get(
         self, module: Any, implementation: CommunicationImplementation, dtype: np.dtype, op: str
     ) -> Transport:
         """The transport for one pack of arrays from ``module`` (``numpy`` or ``cupy``)."""
         if module is np:
-            return self.host
+            hierarchical = implementation is CommunicationImplementation.HIERARCHICAL and op == "allreduce"
+            return self.hierarchical() if hierarchical else self.host
         if implementation not in self._chosen:
             self._chosen[implementation] = self._choose(module, implementation)
         chosen = self._chosen[implementation]
         if op == "allreduce" and not chosen.supports_reduce(dtype):
             return self.ring(module)  # NCCL cannot reduce this dtype; every rank decides the same
         return chosen
+
+    def hierarchical(self) -> HierarchicalMPI:
+        """Host sums within each node, between the nodes' leaders, then in the node (comm/hierarchy.py)."""
+        if self._hierarchical is None:
+            self._hierarchical = HierarchicalMPI(self.comm)
+        return self._hierarchical
 
     def ring(self, cupy: Any) -> Transport:
         if self._ring is None:
@@ -331,7 +341,7 @@ class Transports:
         return self._caps
 
     def _choose(self, cupy: Any, implementation: CommunicationImplementation) -> Transport:
-        if implementation is CommunicationImplementation.RING:
+        if implementation in (CommunicationImplementation.RING, CommunicationImplementation.HIERARCHICAL):
             return self.ring(cupy)
         kind, _ = choose_device_transport(
             implementation, self.capabilities(cupy), cuda.cuda_awareness().aware
@@ -350,8 +360,8 @@ class Transports:
         return {"host": self.host.name, **chosen}
 
     def close(self) -> None:
-        for transport in (self._nccl, self._ring):
+        for transport in (self._nccl, self._ring, self._hierarchical):
             if transport is not None:
                 transport.close()
         self._chosen.clear()
-        self._nccl = self._ring = None
+        self._nccl = self._ring = self._hierarchical = None

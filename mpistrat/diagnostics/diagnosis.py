@@ -29,6 +29,7 @@ __all__ = [
     "exit_reason",
     "explain",
     "headline",
+    "on_hosts",
     "pointer",
     "ranks",
     "records",
@@ -60,8 +61,26 @@ def ranks(numbers: list[int]) -> str:
     return ("rank " if len(ordered) == 1 else "ranks ") + text
 
 
-def _where(rank: int, answer: dict[str, Any]) -> str:
+SHOWN_HOSTS = 4  # host names listed before "and N more"
+
+
+def on_hosts(numbers: list[int], hosts: tuple[str, ...]) -> str:
+    """`` on nodeb``: where ranks ``numbers`` run, when the strategy spans several hosts (``hosts``,
+    every rank's host name; empty on one host, where it would say nothing new).
+
+    >>> on_hosts([2, 3], ("a", "a", "b", "b")), on_hosts([0, 3], ("a", "a", "b", "b")), on_hosts([1], ())
+    (' on b', ' on a, b', '')
+    """
+    names = sorted({hosts[r] for r in numbers if r < len(hosts)})
+    if not names:
+        return ""
+    more = f" and {len(names) - SHOWN_HOSTS} more" if len(names) > SHOWN_HOSTS else ""
+    return f" on {', '.join(names[:SHOWN_HOSTS])}{more}"
+
+
+def _where(rank: int, answer: dict[str, Any], hosts: tuple[str, ...]) -> str:
     name = f"rank {rank}" if answer["world"] == rank else f"rank {rank} (world {answer['world']})"
+    name += on_hosts([rank], hosts)
     if answer["waited"] is not None:
         return f"{name} is in {answer['kind']} (collective #{answer['seq']}) at {answer['site']}"
     last = answer["last"]
@@ -69,16 +88,23 @@ def _where(rank: int, answer: dict[str, Any]) -> str:
     return f"{name} is not in a collective ({done}); it is at {answer['site']}"
 
 
-def _silent(numbers: list[int], listened: float) -> str:
+def _silent(numbers: list[int], listened: float, hosts: tuple[str, ...]) -> str:
     """The ranks that did not answer: slow (oversubscribed, in a long MPI call) is not gone."""
     why = "slow to answer, or killed, or blocked outside Python"
-    return f"{ranks(numbers)} did not answer within {listened:.0f} s ({why})"
+    return f"{ranks(numbers)}{on_hosts(numbers, hosts)} did not answer within {listened:.0f} s ({why})"
 
 
 def explain(
-    seq: int, kind: str, answers: dict[int, dict[str, Any]], size: int, known: set[int], listened: float
+    seq: int,
+    kind: str,
+    answers: dict[int, dict[str, Any]],
+    size: int,
+    known: set[int],
+    listened: float,
+    hosts: tuple[str, ...] = (),
 ) -> tuple[str, list[int]]:
     """Who is missing from collective ``seq`` (``kind``), by the answers; ``known`` ranks wait in it too.
+    ``hosts`` (every rank's host, see :func:`on_hosts`) says where the missing ranks run.
 
     Returns the explanation and the ranks waiting in the collective. A rank that did not answer
     within ``listened`` seconds is named once, with the others, not reported as gone.
@@ -102,12 +128,15 @@ def explain(
             "every rank has entered it (its opening handshake completed): a long transfer, not a missing rank"
         )
         if silent:
-            text += f"; {ranks(silent)} did not answer within {listened:.0f} s (busy inside it)"
+            who = ranks(silent) + on_hosts(silent, hosts)
+            text += f"; {who} did not answer within {listened:.0f} s (busy inside it)"
         if done:
-            text += f"; {'; '.join(_where(r, answers[r]) for r in done)} (finished it)"
+            text += f"; {'; '.join(_where(r, answers[r], hosts) for r in done)} (finished it)"
         return text, waiting
     absent, silent = [r for r in missing if r in answers], [r for r in missing if r not in answers]
-    lines = [_where(r, answers[r]) for r in absent] + ([_silent(silent, listened)] if silent else [])
+    lines = [_where(r, answers[r], hosts) for r in absent] + (
+        [_silent(silent, listened, hosts)] if silent else []
+    )
     return (
         f"waiting for {ranks(absent or silent)}: {'; '.join(lines)}. Waiting in it: {ranks(waiting)}",
         waiting,
@@ -155,7 +184,8 @@ def warning(mon: Monitor, waited: float, result: str) -> str:
 
 def departed(mon: Monitor, rank: int, last: int, why: str) -> str:
     """Why the collective ``mon`` is in cannot complete: ``rank`` exited after collective ``last``."""
-    return f"{headline(mon)} cannot complete: rank {rank} exited after collective #{last} ({why})"
+    where = on_hosts([rank], mon.hosts)
+    return f"{headline(mon)} cannot complete: rank {rank}{where} exited after collective #{last} ({why})"
 
 
 def undiagnosed(patience: float) -> str:

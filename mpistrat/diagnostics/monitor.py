@@ -3,8 +3,8 @@
 A :class:`Monitor` is a few attributes the collective's own thread writes as it enters
 and leaves a collective (:func:`collective`) and the handshake writes once every rank has
 entered (``agreed``); the watchdog thread (``watchdog.py``) reads them a few times a second
-and writes back only what it decided (``expired``, and its own ``warned``, ``handled``,
-``noticed``). Its one dependency is the ``Collectives`` object it watches (held weakly), for
+and writes back only what it decided (``expired``, and its own ``warned`` and ``handled``).
+Its one dependency is the ``Collectives`` object it watches (held weakly), for
 the sequence number and the flight record. It sends no messages: asking other ranks is the
 side channel's (``side_channel.py``), saying what was found is ``diagnosis.py``'s.
 
@@ -51,14 +51,14 @@ class Monitor:
     Fields by who writes them (the watchdog thread reads all of them):
 
     * set once, when the strategy is created (``watchdog.watch``): ``owner``, ``comm``,
-      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``;
+      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``, ``hosts``;
       ``watched`` is cleared when the strategy is finalized or collected;
     * the collective's thread, on every call (:func:`collective`, the handshake):
       ``kind``, ``start``, ``deadline``, ``polled``, ``thread``, ``last_thread``, ``last``,
       ``agreed``, ``completed``; ``polling`` while it waits in ``watchdog.wait``;
     * the watchdog thread, for the collective's thread to raise: ``expired``;
     * the watchdog thread, for itself (one stall or timeout acted on once): ``warned``,
-      ``handled``, ``noticed``.
+      ``handled``.
     """
 
     def __init__(self, collectives: Any):
@@ -71,6 +71,7 @@ class Monitor:
         self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
         self.stall_after: float | None = None
         self.side: Channel | None = None  # this strategy's side-channel state; None: no side channel
+        self.hosts: tuple[str, ...] = ()  # every rank's host, where they are several (named in diagnoses)
         # -- written by the collective's thread, read by the watchdog thread
         self.kind = ""
         self.start: float | None = None  # monotonic time the current collective began; None: idle
@@ -88,7 +89,6 @@ class Monitor:
         # -- the watchdog thread's own
         self.warned: float | None = None  # start of the collective whose stall was warned of
         self.handled: float | None = None  # start of the collective whose timeout or loss was handled
-        self.noticed: tuple[float, float] | None = None  # (start, time) this rank saw the stall
 
     @property
     def seq(self) -> int:

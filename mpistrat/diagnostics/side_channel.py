@@ -31,7 +31,8 @@ bytes in all. A reporter that has no result ``WAIT`` seconds after reporting rep
 next rank (1, then 2, ...), and diagnoses the event itself when its own rank comes up, so a
 stopped or finished rank 0 costs ``WAIT`` seconds and R-1 reports per rank passed over,
 and the explanation says who stood in. A rank that exits says so (``left``) to its
-coordinator, which tells the others of the first: a collective it will never join ends at once.
+coordinator, which tells the others of the first: a collective it will never join ends at once
+(``farewell.py``: the exit handshake, which also reads every message still on its way).
 """
 
 from __future__ import annotations
@@ -110,14 +111,15 @@ class SideChannel:
         self.registry: weakref.WeakSet[Monitor] = weakref.WeakSet()
         self.lock = threading.Lock()  # guards the registry and every side-channel MPI call
         self.queries = itertools.count(1)
-        self.sends: list[MPI.Request] = []  # side-channel sends in flight (kept alive until complete)
+        self.sends: list[MPI.Request] = []  # side-channel sends not yet received (kept until they are)
         self.pid = os.getpid()  # a forked child inherits this object and the exit hook, not the rank
         self.departed: dict[int, str] = {}  # world rank -> why, of every rank any strategy heard leave
 
     # -- called with ``lock`` held
 
     def send(self, mon: Monitor, message: tuple[Any, ...], dest: int) -> None:
-        self.sends.append(mon.comm.isend(message, dest=dest, tag=TAG))
+        # Synchronous: complete once received, so the exit handshake (farewell.py) knows it was read.
+        self.sends.append(mon.comm.issend(message, dest=dest, tag=TAG))
 
     def query(self, mon: Monitor, side: Channel) -> int:
         """Ask every other rank where it is; their answers are filed under the returned id."""
@@ -208,7 +210,7 @@ class SideChannel:
                 answers[mon.rank] = mon.state()
                 silent = {r for r in job.reporters if r not in answers}  # reported it, then stopped answering
                 explanation, waiting = diagnosis.explain(
-                    event[0], event[1], answers, mon.size, silent, now - job.began
+                    event[0], event[1], answers, mon.size, silent, now - job.began, mon.hosts
                 )
                 if mon.rank > 0:  # reports reach rank r only after ranks 0 to r-1 did not reply
                     explanation += diagnosis.stood_in(mon.rank)
@@ -267,25 +269,5 @@ class SideChannel:
         with self.lock:
             answers = side.answers.pop(qid)
         answers[mon.rank] = mon.state()
-        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace)
+        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace, mon.hosts)
         return explanation + diagnosis.records(mon, answers), waiting
-
-    def announce_exit(self) -> None:
-        """This process is exiting: tell each live strategy's coordinator (which tells the others).
-
-        Ranks waiting in a collective this rank will never join then end at once, naming it,
-        instead of waiting for a timeout. One message per strategy from each exiting rank and
-        at most R-1 from the coordinator, so a job's normal end costs O(R) messages.
-        """
-        if not MPI.Is_initialized() or MPI.Is_finalized() or os.getpid() != self.pid:
-            return  # (a forked child inherits the exit hook, not the rank: its parent goes on)
-        why, world = diagnosis.exit_reason(), MPI.COMM_WORLD.Get_rank()
-        with self.lock:
-            for mon in list(self.registry):
-                if mon.side is not None and mon.watched:
-                    self.send(mon, ("left", mon.rank, mon.completed, why, world), _coordinator(mon))
-        ends = time.monotonic() + GRACE
-        while self.sends and time.monotonic() < ends:  # small messages: sent at once unless a peer is gone
-            with self.lock:
-                self.sends[:] = [r for r in self.sends if not r.Test()]
-            time.sleep(POLL / 20)

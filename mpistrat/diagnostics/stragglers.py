@@ -69,11 +69,14 @@ class StragglerRow:
     worst_ms: float
     flagged: bool
     world: int  # its rank in MPI.COMM_WORLD
+    host: str = ""  # its host, where the ranks span several
 
     @property
     def name(self) -> str:
-        """``rank 1``, or ``rank 1 (world 3)`` on a communicator that is not the world in order."""
-        return f"rank {self.rank}" if self.world == self.rank else f"rank {self.rank} (world {self.world})"
+        """``rank 1``, or ``rank 1 (world 3)`` on a communicator that is not the world in order, and
+        `` on nodeb`` where the ranks span several hosts."""
+        name = f"rank {self.rank}" if self.world == self.rank else f"rank {self.rank} (world {self.world})"
+        return f"{name} on {self.host}" if self.host else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +97,12 @@ class Stragglers:
     def __str__(self) -> str:
         renamed = any(r.world != r.rank for r in self.rows)
         world = f" {'world':>5}" if renamed else ""
+        width = max((max(len(r.host), 4) for r in self.rows if r.host), default=0)  # 4: "host"
+        host = f" {'host':<{width}}" if width else ""
+        columns = f"{'last':>7} {'share':>6} {'mean ms':>8} {'worst ms':>9} {'total s':>8}"
         lines = [
             f"last arrivals over {self.collectives:,} collectives",
-            f"{'rank':>5}{world} {'last':>7} {'share':>6} {'mean ms':>8} {'worst ms':>9} {'total s':>8}",
+            f"{'rank':>5}{world}{host} {columns}",
         ]
         shown = sorted(self.rows, key=lambda r: (not r.flagged, -r.times_last, r.rank))
         flagged = sum(r.flagged for r in self.rows)
@@ -104,7 +110,8 @@ class Stragglers:
         for r in sorted(shown[: flagged + SHOWN], key=lambda r: r.rank):
             mark = "  <- straggler" if r.flagged else ""
             lines.append(
-                f"{r.rank:5d}{f' {r.world:5d}' if renamed else ''} {r.times_last:7d} {r.share:6.0%} "
+                f"{r.rank:5d}{f' {r.world:5d}' if renamed else ''}{f' {r.host:<{width}}' if width else ''} "
+                f"{r.times_last:7d} {r.share:6.0%} "
                 f"{r.mean_ms:8.2f} {r.worst_ms:9.2f} {r.total_ms / 1e3:8.3f}{mark}"
             )
         if rest:
@@ -176,6 +183,7 @@ class Tally:
     ):
         self.rank, self.size, self.min_mean_ms, self.summary = rank, size, min_mean_ms, summary
         self.world = world  # each rank's rank in MPI.COMM_WORLD (None: the same numbers)
+        self.hosts: tuple[str, ...] = ()  # each rank's host, where they are several (see Collectives.locate)
         self.enabled = size > 1 and size <= _MASK + 1
         self._collectives = 0
         self.times_last = np.zeros(size, dtype=np.int64)
@@ -237,6 +245,7 @@ class Tally:
                     worst_ms=int(self.worst_us[r]) / 1e3,
                     flagged=significant(last, n, self.size, mean, self.min_mean_ms),
                     world=r if self.world is None else self.world[r],
+                    host=self.hosts[r] if r < len(self.hosts) else "",
                 )
             )
         return Stragglers(n, rows)

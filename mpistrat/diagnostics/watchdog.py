@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import os
 import sys
 import threading
 import time
@@ -39,7 +41,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.diagnostics import abort, diagnosis, monitor
+from mpistrat.diagnostics import abort, diagnosis, farewell, monitor
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.diagnostics.monitor import Monitor, collective
 from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, Channel, SideChannel
@@ -81,19 +83,23 @@ class Watchdog(SideChannel):
         self.thread.start()
 
     def shutdown(self) -> None:
-        """Say this rank leaves, then stop the thread before MPI is finalized (atexit runs before
-        mpi4py finalizes MPI).
+        """Stop the thread, then say this rank leaves and read what is still sent to it
+        (``farewell.leave``), before MPI is finalized (atexit runs before mpi4py finalizes MPI).
 
         Registered when this module is imported, so it runs after the ``atexit`` handlers a
         program registers after ``import mpistrat``: their collectives are still watched, and a
         rank that skips one is named. A collective after this hook is bounded by its timeout alone.
         """
-        with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
-            self.announce_exit()
         monitor.exited = True
         self.stop.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=2 * POLL + GRACE)
+        if os.getpid() != self.pid:
+            return  # a forked child inherits this hook, not the rank: no MPI call from it
+        with contextlib.suppress(Exception):  # a peer that is gone already: nothing to tell it
+            gc.collect()  # strategies the program dropped go now, on every rank alike
+            self.reap(block=True)
+            farewell.leave(self)
 
     def run(self) -> None:
         failed: weakref.WeakSet[Monitor] = weakref.WeakSet()
@@ -150,13 +156,12 @@ class Watchdog(SideChannel):
             return
         if now - start < mon.stall_after and (side is None or event not in side.results):
             return  # not stalled here yet, and no diagnosis came from another rank
-        if mon.noticed is None or mon.noticed[0] != start:
-            mon.noticed = (start, now)
         result = self.result(mon, event, now)
         if result is not None:
             mon.warned = start
-            # A result sent before this rank's own timer came: some rank has waited stall_after.
-            _warn(mon, start, max(mon.noticed[1] - start, mon.stall_after), result)
+            # How long it has waited now, when the warning prints (the diagnosis may have taken the
+            # listening time); a result sent before this rank's own timer came: at least stall_after.
+            _warn(mon, start, max(now - start, mon.stall_after), result)
 
     def reap(self, block: bool) -> None:
         """Free the communicators ``release`` was given, if this thread may now."""
@@ -285,7 +290,7 @@ def duplicate(comm: MPI.Intracomm, timeout: float | None, what: str = "MPIStrate
     ``what``, when a rank of ``comm`` is heard to have exited, or after ``timeout`` seconds.
 
     Who exited is known from the strategies this process already watches (see
-    ``SideChannel.announce_exit``); the wait costs nothing until the first poll finds the copy unfinished.
+    ``farewell.leave``); the wait costs nothing until the first poll finds the copy unfinished.
     """
     new, request = comm.Idup()
     ends = None if timeout is None else time.monotonic() + timeout

@@ -73,6 +73,7 @@ class StrategyExtended:
         self._release: weakref.finalize | None = release
         # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
         self.placement = devices.place(comm)
+        c.locate(self.placement.hosts)  # diagnoses name the hosts of missing ranks
         # The two cross-replica contexts' reductions (see _reductions).
         self._spmd = Collective(self)
         self._in_place = InPlace(self.size, options, reductions.mirrored(self.size))

@@ -11,6 +11,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import config
+from mpistrat.collectives import mismatch
 from mpistrat.diagnostics import abort, launch, watchdog
 from mpistrat.distribute import cluster_resolver as _resolvers
 from mpistrat.distribute import merge
@@ -21,6 +22,8 @@ from mpistrat.errors import InvalidArgumentError, MpistratError, UnsupportedType
 from mpistrat.options import CommunicationOptions
 
 __all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy", "default_strategy"]
+
+_ALWAYS = CommunicationOptions(check=True)  # the check holds whatever MPISTRAT_CHECK says
 
 
 class MPIStrategy(Strategy):
@@ -64,7 +67,8 @@ class MPIStrategy(Strategy):
         options = CommunicationOptions().merge(communication_options)
         abort.install()  # an uncaught exception on one rank now ends the job, not just that rank
         timeout = options.timeout_seconds or config.read("MPISTRAT_TIMEOUT")
-        private = watchdog.duplicate(comm, timeout) if comm.Get_size() > 1 else comm.Dup()
+        what = f"{type(self).__name__}()"
+        private = watchdog.duplicate(comm, timeout, what) if comm.Get_size() > 1 else comm.Dup()
         super().__init__(StrategyExtended(self, private, options, merge_call=merge_call))
         self._cluster_resolver: _resolvers.ClusterResolver | None = None
 
@@ -117,16 +121,20 @@ class MultiWorkerMirroredStrategy(MPIStrategy):
         cluster_resolver: _resolvers.ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
     ):
-        if cluster_resolver is not None:
-            _check_resolver(cluster_resolver)
+        problem = None if cluster_resolver is None else _resolver_problem(cluster_resolver)
+        # Created first, bounded in time (a rank that failed before it ends the job): then the check
         super().__init__(MPI.COMM_WORLD, communication_options=communication_options, merge_call="every_rank")
-        if cluster_resolver is not None:
+        if problem is not None:
+            try:
+                _agree_on_resolver(self, problem)
+            except MpistratError:
+                self.experimental_finalize()
+                raise
             self._cluster_resolver = cluster_resolver
 
 
-def _check_resolver(resolver: Any) -> None:
-    """Every rank raises unless ``resolver`` describes COMM_WORLD (collective, on a private duplicate)."""
-    problem = ""
+def _resolver_problem(resolver: Any) -> str:
+    """What keeps ``resolver`` from describing COMM_WORLD at this rank ("" if nothing); no communication."""
     try:
         if not isinstance(resolver, _resolvers.ClusterResolver):
             raise UnsupportedTypeError(
@@ -135,32 +143,38 @@ def _check_resolver(resolver: Any) -> None:
             )
         index, count, problem = _resolvers.worker_index(resolver)
     except (MpistratError, ValueError, TypeError, RuntimeError, KeyError) as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    comm = MPI.COMM_WORLD.Dup()
-    try:
-        rank, size = comm.Get_rank(), comm.Get_size()
-        if not problem and count != size:
-            problem = f"it describes {count} chief and worker tasks, but MPI started {size} ranks"
-        elif not problem and index != rank:
-            problem = (
-                f"its task ({resolver.task_type!r}, {resolver.task_id}) is task {index} of the cluster, but "
-                f"this is MPI rank {rank}"
-            )
-        problems = comm.allgather(problem)
-    finally:
-        comm.Free()
+        return f"{type(exc).__name__}: {exc}"
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if not problem and count != size:
+        problem = f"it describes {count} chief and worker tasks, but MPI started {size} ranks"
+    elif not problem and index != rank:
+        problem = (
+            f"its task ({resolver.task_type!r}, {resolver.task_id}) is task {index} of the cluster, but "
+            f"this is MPI rank {rank}"
+        )
+    return problem
+
+
+def _agree_on_resolver(strategy: MPIStrategy, problem: str) -> None:
+    """Every rank raises unless every rank's resolver describes COMM_WORLD (collective, on the strategy's
+    watched communicator: one handshake when all agree, the problems gathered when one does not)."""
+    collectives = strategy.extended.collectives
+    kind = "MultiWorkerMirroredStrategy(cluster_resolver)"
+    bad = collectives.agree(kind, maximum=int(bool(problem)), options=_ALWAYS)
+    if not bad:
+        return
+    problems = collectives.gather_to_root(problem, kind=kind)
+    collectives.on_root(lambda: _raise_problems(problems or []), kind=kind)
+
+
+def _raise_problems(problems: list[str]) -> None:
     bad: dict[str, list[int]] = {}
     for r, p in enumerate(problems):
         if p:
             bad.setdefault(p, []).append(r)
-    if bad:
-        where = "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in bad.items()
-        )
-        raise InvalidArgumentError(
-            "MultiWorkerMirroredStrategy: the cluster_resolver does not describe this MPI job ("
-            + where
-            + "). "
-            "MPI decides the workers: launch as many ranks as the resolver has tasks (srun gives each its "
-            "SLURM_PROCID as its rank), or pass no cluster_resolver"
-        )
+    where = "; ".join(f"{mismatch.rank_list(rs)}: {p}" for p, rs in bad.items())
+    raise InvalidArgumentError(
+        f"MultiWorkerMirroredStrategy: the cluster_resolver does not describe this MPI job ({where}). MPI "
+        "decides the workers: launch as many ranks as the resolver has tasks (srun gives each its "
+        "SLURM_PROCID as its rank), or pass no cluster_resolver"
+    )

@@ -9,7 +9,8 @@ collectives are all it uses):
 ``iterators.py``   ``DistributedIterator``, ``Optional``, and the split global batch's steps
 ``pipelines.py``   the steps of one pipeline per rank (lengths may differ)
 ``source.py``      the user's iterable, read from a saved position
-``position.py``    where a dataset stands (epoch, step), as a checkpoint entry
+``position.py``    where a dataset stands (epoch, batches, examples), as a checkpoint entry
+``saved_row.py``   that position as a checkpoint row: the examples taken, which dataset it was
 ``batches.py``     checking and splitting batches; their fingerprints
 ``arrays.py``      ``ArrayDataset``: arrays batched, shuffled and sharded by index
 =================  ===========================================================

@@ -18,6 +18,7 @@ import numpy as np
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.input.batches import Batch, Rows, examine
 from mpistrat.input.position import Position, check_position
+from mpistrat.input.saved_row import Identity, digest
 
 __all__ = ["ArrayDataset"]
 
@@ -113,13 +114,24 @@ class ArrayDataset:
         >>> [b.tolist() for b in ds] == [order[2:4].tolist(), order[4:].tolist()], ds.epoch
         (True, 4)
         """
-        self._position.set(*check_position("ArrayDataset.set_epoch", epoch, step, len(self)))
+        epoch, step = check_position("ArrayDataset.set_epoch", epoch, step, len(self))
+        self._position.set(epoch, step, min(step * self.batch_size, self.num_examples))
 
     @property
     def num_examples(self) -> int:
         """Examples per pass, after sharding."""
         n = self._data.size
         return max(0, -(-(n - self.shard_index) // self.num_shards))
+
+    @property
+    def identity(self) -> Identity:
+        """Digests of the order a pass visits the examples in and of their number (a checkpoint
+        saves them with the position, and a restore into another dataset is refused)."""
+        if self.shuffle:
+            order = digest("shuffled", self.seed, self.num_shards, self.shard_index)
+        else:
+            order = digest("in order", self.num_shards, self.shard_index)
+        return Identity(order=order, length=digest(self.num_examples))
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_examples, self.batch_size)
@@ -150,22 +162,32 @@ class ArrayDataset:
         (4, Rows((4,), int64), (2,))
         """
         serial = self._position.open()  # the order is fixed now, not at the first next()
-        return self._counted(self._pass(self._position.epoch, self._position.step), serial)
+        return self._counted(self._opened_pass(), serial)
 
     def _counted(self, batches: Iterator[Batch], serial: int) -> Iterator[Batch]:
         for batch in batches:
-            self._position.take(serial)
+            self._position.take(serial, batch.size)
             yield batch
         self._position.end(serial)
 
-    def _pass(self, epoch: int, start: int) -> Iterator[Batch]:
-        """Pass ``epoch`` from its batch ``start`` on (uncounted: the caller keeps the position)."""
-        return self._batches(self._order(self._data.size, epoch), start)
+    def _opened_pass(self) -> Iterator[Batch]:
+        """The pass just opened, from where its position says (uncounted: the caller counts)."""
+        position = self._position
+        first = position.examples
+        if not position.by_examples or first is None:  # after ``step`` batches
+            first = min(position.step * self.batch_size, self.num_examples)
+        position.skipped(-(-first // self.batch_size), first)
+        return self._batches(self._order(self._data.size, position.epoch), first)
 
-    def _batches(self, order: np.ndarray | None, start: int) -> Iterator[Batch]:
+    def _batches(self, order: np.ndarray | None, first: int) -> Iterator[Batch]:
+        """Batches of the pass in ``order`` from its example ``first`` on (any example: a pass resumed
+        after a save made with another batch size starts where the save stood)."""
         leaves, treespec = self._data.leaves, self._data.treespec
-        for b in range(start, len(self)):
-            lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.num_examples)
+        end = self.num_examples
+        for lo in range(first, end, self.batch_size):
+            hi = min(lo + self.batch_size, end)
+            if hi - lo < self.batch_size and self.drop_remainder:
+                return
             if order is None:
                 yield Batch([a[lo:hi] for a in leaves], treespec, hi - lo)
             else:
@@ -174,5 +196,6 @@ class ArrayDataset:
     def __repr__(self) -> str:
         return (
             f"ArrayDataset({self._data.size} examples, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"seed={self.seed}, "
             f"shard {self.shard_index} of {self.num_shards})"
         )

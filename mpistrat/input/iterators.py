@@ -248,11 +248,11 @@ class SplitIterator(DistributedIterator):
                 "the short last batch when batching), or uneven='pad' (those replicas get empty batches) or "
                 "'drop' (the epoch ends there)"
             )
-        if elements:
+        if elements:  # each element is one item of the user's iterable: the source counts items read
             for _ in range(batch.size):
-                self._source.took(self._serial)
+                self._source.took(self._serial, 1)
             return batch.take(rank, size)
-        self._source.took(self._serial)
+        self._source.took(self._serial, batch.size)
         return split_batch(batch, size, rank)
 
 

@@ -182,7 +182,7 @@ class PipelineIterator(DistributedIterator):
             return empty_batch(spec)
         self._batches += 1
         self._examples += batch.size
-        self._source.took(self._serial)
+        self._source.took(self._serial, batch.size)
         return batch.value
 
     def _uneven_message(self, table: np.ndarray) -> str:

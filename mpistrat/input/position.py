@@ -1,17 +1,20 @@
-"""Where a dataset stands: the pass (epoch) and the batches taken in it, saved by ``Checkpoint``.
+"""Where a dataset stands: the pass (epoch) and what was taken of it, saved by ``Checkpoint``.
 
 A :class:`Position` is shared by a dataset and the iterators over it. A pass that
 ends moves it to the next pass; a pass left early (a ``break``) counts as in
-progress until the next pass opens, which then starts at the following epoch.
+progress until the next pass opens, which then starts at the following epoch. It counts
+batches and examples: a restore resumes at the example where the save stood (the batches
+may be of another size now), and the checkpoint row says which dataset it was
+(:mod:`mpistrat.input.saved_row`).
 
 >>> p = Position()
 >>> serial = p.open()
->>> p.take(serial); p.take(serial); (p.epoch, p.step)
-(0, 2)
->>> p.end(serial); (p.epoch, p.step)
-(1, 0)
->>> p.set(4, 3); _ = p.open(); (p.epoch, p.step)
-(4, 3)
+>>> p.take(serial, 8); p.take(serial, 8); (p.epoch, p.step, p.examples)
+(0, 2, 16)
+>>> p.end(serial); (p.epoch, p.step, p.examples)
+(1, 0, 0)
+>>> p.set(4, 3); _ = p.open(); (p.epoch, p.step, p.examples)
+(4, 3, None)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
+from mpistrat.input import saved_row
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -35,40 +39,58 @@ _ALWAYS = CommunicationOptions(check=True)
 
 
 class Position:
-    """Pass ``epoch`` and the ``step`` batches taken in it; ``running`` once that pass has opened.
+    """Pass ``epoch``, the ``step`` batches and ``examples`` examples taken in it; ``running`` once
+    that pass has opened.
 
-    Every :meth:`open` and :meth:`set` starts a new serial; :meth:`take` and :meth:`end`
-    count only for the current one, so an iterator of an abandoned pass moves nothing.
+    ``examples`` is None while not known: a pass set to resume after ``step`` batches of an
+    iterable whose batches were not read yet. ``by_examples``: the next pass resumes after
+    ``examples`` examples (a restore), else after ``step`` batches. Every :meth:`open` and
+    :meth:`set` starts a new serial; :meth:`take` and :meth:`end` count only for the current
+    one, so an iterator of an abandoned pass moves nothing.
     """
 
     def __init__(self) -> None:
         self.epoch = 0
         self.step = 0
+        self.examples: int | None = 0
+        self.by_examples = False
         self.running = False
         self.serial = 0
 
     def open(self) -> int:
         """Open a pass: the pending one, or the next if the current one already opened. Its serial."""
         if self.running:
-            self.epoch, self.step = self.epoch + 1, 0
+            self._start(self.epoch + 1)
         self.running = True
         self.serial += 1
         return self.serial
 
-    def take(self, serial: int) -> None:
-        """One more batch of pass ``serial`` was handed out."""
+    def _start(self, epoch: int) -> None:
+        self.epoch, self.step, self.examples, self.by_examples = epoch, 0, 0, False
+
+    def take(self, serial: int, examples: int) -> None:
+        """One more batch of pass ``serial``, of ``examples`` examples, was handed out."""
         if serial == self.serial:
             self.step += 1
+            if self.examples is not None:
+                self.examples += examples
 
     def end(self, serial: int) -> None:
         """Pass ``serial`` ended: the next pass is the following epoch, from its start."""
         if serial == self.serial and self.running:
-            self.epoch, self.step, self.running = self.epoch + 1, 0, False
+            self._start(self.epoch + 1)
+            self.running = False
 
-    def set(self, epoch: int, step: int) -> None:
-        """The next pass to open is ``epoch``, after its first ``step`` batches."""
+    def set(self, epoch: int, step: int, examples: int | None = None) -> None:
+        """The next pass to open is ``epoch``, after its first ``step`` batches, or after its first
+        ``examples`` examples when they are given."""
         self.epoch, self.step, self.running = epoch, step, False
+        self.examples, self.by_examples = examples, examples is not None
         self.serial += 1
+
+    def skipped(self, batches: int, examples: int) -> None:
+        """The pass just opened starts after ``batches`` batches of ``examples`` examples."""
+        self.step, self.examples, self.by_examples = batches, examples, False
 
 
 def check_position(where: str, epoch: Any, step: Any, length: int | None) -> tuple[int, int]:
@@ -93,10 +115,11 @@ def check_position(where: str, epoch: Any, step: Any, length: int | None) -> tup
 class InputPosition:
     """A distributed dataset's or iterator's position as a :class:`~mpistrat.Checkpoint` entry.
 
-    ``experimental_distribute_dataset``: ``[epoch, step]`` in global batches, the same
-    on every rank, so it restores at any number of ranks. ``distribute_datasets_from_function``:
-    one ``[epoch, step]`` row per rank (each pipeline counts its own batches), restored
-    only at the same number of ranks. ``restart`` (an iterator's) makes the next read
+    ``experimental_distribute_dataset``: one row (:mod:`~mpistrat.input.saved_row`: the pass,
+    the examples of the global batches taken, which dataset), the same on every rank, so it
+    restores at any number of ranks and any global batch size. ``distribute_datasets_from_function``:
+    one row per rank (each pipeline counts its own examples), restored only at the same number
+    of ranks. ``restart`` (an iterator's) makes the next read
     open the restored pass. ``owner`` is whoever made the dataset (a checkpoint asks it
     whose ranks take part); nothing here uses it.
     """
@@ -125,10 +148,8 @@ class InputPosition:
 
     def _expected(self) -> str:
         if self.per_rank:
-            return (
-                f"int64{list(self.shape)} (the [epoch, step] of each of the {self.shape[0]} ranks' pipelines)"
-            )
-        return "int64[2] ([epoch, step] in global batches)"
+            return f"int64{list(self.shape)} (the position of each of the {self.shape[0]} ranks' pipelines)"
+        return "int64[2] (the pass, and the examples taken in it)"
 
     def mismatch(self, dtype: np.dtype, shape: tuple[int, ...]) -> str | None:
         """What is wrong with a checkpoint entry of ``dtype`` and ``shape`` for this position, if anything."""
@@ -146,28 +167,47 @@ class InputPosition:
 
     def value(self) -> np.ndarray:
         """The position to save (collective: every rank's, gathered; for split input they must agree)."""
-        table = self.collectives.agree(f"checkpoint.save ({self.what})", extras=list(self.source.position))
+        table = self.collectives.agree(f"checkpoint.save ({self.what})", extras=self.source.checkpoint_row())
         if self.per_rank:
             return table
         if (table != table[0]).any():
-            found = ", ".join(f"rank {r}: {row.tolist()}" for r, row in enumerate(table))
+            found = ", ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table))
             raise CollectiveMismatchError(
-                f"Checkpoint.save: the ranks are at different positions of {self.what} ([epoch, step]: "
-                f"{found}); every rank must iterate it the same way"
+                f"Checkpoint.save: the ranks are at different positions of {self.what} ({found}); every "
+                "rank must iterate it the same way"
             )
         return table[0].copy()
 
     def assign(self, value: Any) -> InputPosition:
         """Restore a saved position (collective: an error on any rank is raised on every rank)."""
+        self.apply(self.check(value))
+        return self
+
+    def check(self, value: Any) -> Any:
+        """A saved position checked against this dataset (collective: an error on any rank is raised
+        on every rank), for :meth:`apply`: a checkpoint checks every position before it assigns
+        anything."""
         collectives = self.collectives
         row = np.asarray(value)[collectives.rank] if self.per_rank else np.asarray(value)
-        epoch, step, error = 0, 0, None
+        saved, error = saved_row.decode(row), None
         try:
-            epoch, step = self.source.check(f"Checkpoint.restore ({self.what})", row[0].item(), row[1].item())
+            saved = self.source.check_saved(f"Checkpoint.restore ({self.what})", saved)
         except InvalidArgumentError as exc:
             error = exc
         collectives.agree(f"checkpoint.restore ({self.what})", error=error, options=_ALWAYS)
-        self.source.reposition(epoch, step)  # reached only when every rank's position was valid
+        return saved
+
+    def apply(self, saved: Any) -> None:
+        """Move to a position :meth:`check` accepted (on this rank; nothing is sent)."""
+        self.source.reposition(saved)
         if self.restart is not None:
             self.restart()
-        return self
+
+
+def _describe(row: Any) -> str:
+    saved = saved_row.decode(row)
+    if saved.examples is None:
+        return f"pass {saved.epoch} after {saved.batches} batches"
+    identity = saved.identity or saved_row.Identity()
+    digests = f"dataset digests {identity.order}, {identity.length}"
+    return f"pass {saved.epoch} after {saved.examples} examples ({digests})"

@@ -15,7 +15,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.input import saved_row
 from mpistrat.input.arrays import ArrayDataset
+from mpistrat.input.batches import examine
 from mpistrat.input.position import Position, check_position
 
 __all__ = ["END", "UNKNOWN", "Source", "wrap_user_error"]
@@ -50,7 +52,8 @@ class Source:
 
     @property
     def position(self) -> tuple[int, int]:
-        """``(epoch, step)``: the pass in progress (or the next) and the batches taken in it."""
+        """``(epoch, step)``: the pass in progress (or the next) and the batches taken in it (a restored
+        pass: counted in the batches it has now)."""
         return self._position.epoch, self._position.step
 
     def open(self) -> tuple[Iterator[Any], int]:
@@ -60,17 +63,38 @@ class Source:
             self._stash = None
             return (it if first is END else itertools.chain((first,), it)), serial
         serial = self._position.open()
-        epoch, step = self.position
         if self._arrays is not None:
-            return self._arrays._pass(epoch, step), serial
+            return self._arrays._opened_pass(), serial
         it, self._rest = (iter(self.iterable) if self._rest is None else self._rest), None
-        for skipped in range(step):
-            if next(it, END) is END:
-                raise InvalidArgumentError(
-                    f"{self.where}: cannot resume pass {epoch} after {step} batches: it ended after "
-                    f"{skipped}; the dataset yields fewer batches than when the position was saved"
-                )
+        self._skip(it)
         return it, serial
+
+    def _skip(self, it: Iterator[Any]) -> None:
+        """Read and drop what the opened pass resumes after: ``step`` batches, or (a restore) the
+        batches holding ``examples`` examples, which must end on a batch boundary."""
+        position = self._position
+        epoch, by_examples = position.epoch, position.by_examples
+        wanted = (position.examples or 0) if by_examples else position.step
+        said = f"{wanted} examples" if by_examples else f"{wanted} batches"
+        batches = examples = 0
+        while (examples if by_examples else batches) < wanted:
+            raw = next(it, END)
+            if raw is END:
+                raise InvalidArgumentError(
+                    f"{self.where}: cannot resume pass {epoch} after {said}: it ended after {batches} "
+                    f"batches ({examples} examples); the dataset yields fewer than when the position was "
+                    "saved"
+                )
+            size = examine(raw, self.where, unbatched=True).size
+            if by_examples and examples + size > wanted:
+                raise InvalidArgumentError(
+                    f"{self.where}: cannot resume pass {epoch} after {said}: that falls inside a batch "
+                    f"(examples {examples} to {examples + size}); the dataset is batched differently from "
+                    "when the position was saved. Resume with the batch size it was saved with, or use an "
+                    "ArrayDataset, which resumes at any example"
+                )
+            batches, examples = batches + 1, examples + size
+        position.skipped(batches, examples)
 
     def peek(self) -> Any:
         """The first batch the next :meth:`open` will yield (``END`` if none)."""
@@ -79,29 +103,72 @@ class Source:
         self._stash = (first, it, serial)
         return first
 
-    def took(self, serial: int) -> None:
-        self._position.take(serial)
+    def took(self, serial: int, examples: int) -> None:
+        self._position.take(serial, examples)
 
     def ended(self, serial: int) -> None:
         self._position.end(serial)
 
-    def check(self, where: str, epoch: Any, step: Any) -> tuple[int, int]:
-        """A valid position for this dataset (a step past a pass's known length is an error)."""
-        try:
-            length = len(self.iterable)  # type: ignore[arg-type]
-        except TypeError:
-            length = None
-        return check_position(where, epoch, step, length)
+    @property
+    def identity(self) -> saved_row.Identity:
+        """What a checkpoint records of the dataset: an ArrayDataset's order and length; nothing of
+        another iterable (its order is its own, its examples are counted only as they are read)."""
+        return saved_row.Identity() if self._arrays is None else self._arrays.identity
 
-    def reposition(self, epoch: int, step: int) -> None:
-        """The next pass opens at ``epoch``, after ``step`` batches (a peeked pass is dropped; a one-shot
-        iterator keeps what it has left, the peeked batch too, and skips ``step`` batches of it)."""
+    def checkpoint_row(self) -> list[int]:
+        """This position as a checkpoint row; in the earlier layout while the examples taken are not
+        known (a pass set by batches and not opened since)."""
+        position = self._position
+        if position.examples is None:
+            return [position.epoch, position.step]
+        return saved_row.encode(position.epoch, position.examples, self.identity)
+
+    def check_saved(self, where: str, saved: saved_row.Saved) -> saved_row.Saved:
+        """``saved``, checked against this dataset: a valid position, of this dataset (its order and
+        number of examples as when it was saved), within a pass."""
+        if saved.examples is None:  # the earlier layout: batches
+            epoch, step = check_position(where, saved.epoch, saved.batches, self._length())
+            return saved_row.Saved(epoch, step, None, None)
+        epoch, examples = check_position(where, saved.epoch, saved.examples, None)
+        now = self.identity
+        changed = now.differences(saved.identity or saved_row.Identity())
+        if changed:
+            raise InvalidArgumentError(
+                f"{where}: the dataset is not the one whose position was saved: {' and '.join(changed)} "
+                f"{'differ' if len(changed) > 1 else 'differs'} (now: {self.iterable!r}). Resuming pass "
+                f"{epoch} after {examples} examples would visit some examples twice and others never. Make "
+                "the dataset as it was when saved, or "
+                "restore without it (leave it out of the Checkpoint) to start its passes afresh"
+            )
+        if self._arrays is not None and examples > self._arrays.num_examples:
+            raise InvalidArgumentError(
+                f"{where}: pass {epoch} after {examples} examples is past the end of a pass of "
+                f"{self._arrays.num_examples} examples"
+            )
+        return saved_row.Saved(epoch, None, examples, now)
+
+    def _length(self) -> int | None:
+        try:
+            return len(self.iterable)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def reposition(self, saved: saved_row.Saved) -> None:
+        """The next pass opens at ``saved``'s epoch, after its batches or examples (a peeked pass is
+        dropped; a one-shot iterator keeps what it has left, the peeked batch too, and skips from it)."""
         if self._stash is not None:
             first, it, _ = self._stash
             self._stash = None
             if isinstance(self.iterable, Iterator):
                 self._rest = it if first is END else itertools.chain((first,), it)
-        self._position.set(epoch, step)
+        if saved.examples is None:
+            step = saved.batches or 0
+            examples = None
+            if self._arrays is not None:  # an ArrayDataset knows the examples of its batches
+                examples = min(step * self._arrays.batch_size, self._arrays.num_examples)
+            self._position.set(saved.epoch, step, examples)
+        else:
+            self._position.set(saved.epoch, 0, saved.examples)
 
 
 def wrap_user_error(exc: Exception, where: str) -> MpistratError:

@@ -22,7 +22,7 @@ Sizes are spelled as ``mpistrat.tools.sizes.parse_size`` reads them: ``4``, ``64
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -35,10 +35,8 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat.collectives import Collectives, check_enabled
-from mpistrat.comm.mpi import mpi_datatype
-from mpistrat.errors import MpistratError
-from mpistrat.tools import bench_meta, bench_report
-from mpistrat.tools.bench_ops import DEFAULT_OPS, GROUPS, OPS, OPT_IN, Case, Setup
+from mpistrat.tools import bench_args, bench_meta, bench_report, host
+from mpistrat.tools.bench_ops import OPS, Case, Setup
 from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "parse_size", "iterations", "sizes_between"]
@@ -73,84 +71,6 @@ def iterations(nbytes: int, iters: int, min_iters: int, warmup: int | None = Non
     n = iters if nbytes <= LARGE else max(min_iters, iters * LARGE // nbytes)
     n = max(1, min(n, iters))
     return n, max(1, n // 5) if warmup is None else warmup
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mpistrat bench",
-        description="Time mpistrat collectives against raw mpi4py on the same buffers (under mpiexec/srun).",
-    )
-    p.add_argument(
-        "--ops",
-        default=",".join(DEFAULT_OPS),
-        help=f"comma-separated, from {', '.join(OPS)}; 'checkpoint' is both checkpoint ops "
-        f"(default: all but {', '.join(OPT_IN)})",
-    )
-    p.add_argument("--min", type=parse_size, default=4, help="smallest message size (default 4)")
-    p.add_argument("--max", type=parse_size, default=64 << 20, help="largest message size (default 64MiB)")
-    p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument(
-        "--leaves",
-        type=int,
-        default=64,
-        help="leaves of the nest ops, variables of the optimizer ops (default 64)",
-    )
-    p.add_argument("--iters", type=int, default=1000, help="timed iterations up to 8KiB (default 1000)")
-    p.add_argument("--min-iters", type=int, default=20, help="fewest timed iterations for large sizes")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: iterations / 5)")
-    p.add_argument("--no-check", action="store_true", help="turn off mpistrat's consistency handshake")
-    p.add_argument(
-        "--bytes-per-pack",
-        type=parse_size,
-        default=0,
-        help="CommunicationOptions.bytes_per_pack (default 0: one pack)",
-    )
-    p.add_argument(
-        "--scaling",
-        choices=("strong", "weak"),
-        default="weak",
-        help="train_step: batch is global (strong) or per rank (weak)",
-    )
-    p.add_argument("--batch", type=int, default=256, help="train_step batch size (default 256)")
-    p.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        default=None,
-        help="checkpoint ops: where their files go, removed afterwards (default: the current "
-        "directory; on a cluster, the parallel file system a job writes to)",
-    )
-    p.add_argument(
-        "--shard",
-        action="store_true",
-        help="apply_gradients ops: the mpistrat optimizer shards its state (shard_state=True)",
-    )
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="CommunicationOptions(deterministic=True): exact floating-point sums (docs/concepts.md)",
-    )
-    p.add_argument(
-        "--compression",
-        choices=("bf16", "fp16"),
-        default=None,
-        help="CommunicationOptions.compression: 16-bit values on the wire for float sums (not the "
-        "apply_gradients ops, whose checks are exact to rounding)",
-    )
-    p.add_argument("--label", default=None, help="name of this run in tables and plots")
-    p.add_argument("--json", metavar="PATH", help="write results and metadata as JSON")
-    p.add_argument(
-        "--csv",
-        metavar="PATH",
-        help="write results as CSV, one row per operation and size (main metadata repeated in columns)",
-    )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on rank 0 (default: when the job was started from a terminal)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no table")
-    return p
 
 
 def _measure(comm: MPI.Intracomm, case: Case, iters: int, warmup: int) -> dict[str, tuple[np.ndarray, bool]]:
@@ -243,7 +163,9 @@ def _record(comm: MPI.Intracomm, op_name: str, case: Case, timed: dict, args: An
     return row
 
 
-def _metadata(comm: MPI.Intracomm, collectives: Collectives, args: Any, argv: list[str]) -> dict[str, Any]:
+def _metadata(
+    comm: MPI.Intracomm, collectives: Collectives, args: Any, argv: list[str], loads: list[host.HostLoad]
+) -> dict[str, Any]:
     import mpi4py
 
     hosts = comm.allgather(MPI.Get_processor_name() or socket.gethostname())
@@ -273,70 +195,38 @@ def _metadata(comm: MPI.Intracomm, collectives: Collectives, args: Any, argv: li
         "cpu": bench_meta.cpu(),
         "affinity": comm.allgather(bench_meta.affinity()),  # index: rank
         "git_commit": bench_meta.git_commit() if comm.Get_rank() == 0 else None,
+        "host_load": [dataclasses.asdict(h) for h in loads],  # ranks and the cores they may use, per host
+        "oversubscribed": [str(h) for h in loads if h.oversubscribed],
+        "threads": host.threads(),
     }
 
 
-def _validate(args: Any, parser: argparse.ArgumentParser) -> list[str]:
-    named = [o.strip() for o in args.ops.split(",") if o.strip()]
-    ops = list(dict.fromkeys(op for o in named for op in GROUPS.get(o, (o,))))
-    unknown = [o for o in ops if o not in OPS]
-    if unknown or not ops:
-        parser.error(f"--ops: unknown {unknown or 'empty list'}; choose from {', '.join(OPS)}")
-    try:
-        args.dtype = np.dtype(args.dtype).name
-        mpi_datatype(np.dtype(args.dtype))
-        if np.dtype(args.dtype).kind not in "iufc":
-            raise TypeError(args.dtype)
-    except (TypeError, MpistratError):
-        parser.error(
-            f"--dtype: expected a numeric dtype MPI can reduce (float32, int64, ...); got {args.dtype!r}"
-        )
-    for name in ("leaves", "iters", "min_iters", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(
-                f"--{name.replace('_', '-')}: expected a positive integer; got {getattr(args, name)}"
-            )
-    if args.min > args.max:
-        parser.error(f"--min ({args.min}) is larger than --max ({args.max})")
-    if args.compression and args.deterministic:
-        parser.error("--compression and --deterministic: choose one (exact sums are not compressed)")
-    optimizers = [o for o in ops if o.startswith("apply_gradients")]
-    if args.compression and optimizers:
-        parser.error(
-            f"--compression: not with {', '.join(optimizers)} (their check is exact to rounding); "
-            "time them without it"
-        )
-    return ops
+def _before_the_sweep(
+    world: MPI.Intracomm, args: Any, ops: list[str], sizes: list[int], loads: list[host.HostLoad]
+) -> list[str]:
+    """What keeps the sweep from starting, the same on every rank (collective): an output file rank 0
+    cannot write, a largest size whose buffers would not fit in a host's memory."""
+    mine = []
+    if world.Get_rank() == 0:  # rank 0 writes the files, so rank 0 alone tries them
+        mine = [
+            f"--{flag} {path}: cannot write it ({why})"
+            for flag, path in (("json", args.json), ("csv", args.csv))
+            if (why := bench_args.unwritable(path))
+        ]
+    if sizes:
+        here = next(h for h in loads if h.host == host.name())
+        available = host.memory_available()
+        if problem := bench_args.memory_problem(ops, sizes[-1], world.Get_size(), here, available):
+            mine.append(problem)
+    return list(dict.fromkeys(p for found in world.allgather(mine) for p in found))
 
 
-def _tolerance(args: Any, size: int) -> float:
-    """How far a compressed sum may be from the exact one, relative to it (all terms positive):
-    (2u + (R+1) 2^-24)(1 + u), u the 16-bit format's unit roundoff (docs/concepts.md)."""
-    if not args.compression:
-        return 0.0
-    u = 2.0**-8 if args.compression == "bf16" else 2.0**-11
-    return (2 * u + (size + 1) * 2.0**-24) * (1 + u)
-
-
-def _unwritable(path: str | None) -> str | None:
-    """Why ``path`` cannot be written, or None: tried before the sweep, not found out after it.
-
-    Creates the missing folders (the writer would) and opens the file for appending; a file
-    that was not there before is removed again.
-    """
-    if not path:
-        return None
-    target = os.path.abspath(path)
-    existed = os.path.exists(target)
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "a"):
-            pass
-        if not existed:
-            os.remove(target)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
+def _oversubscribed(meta: dict[str, Any]) -> list[str]:
+    return [
+        f"WARNING: {load}: oversubscribed. The ranks take turns on the cores, so the times measure that "
+        "sharing, not mpistrat (the rows are marked oversubscribed). Start at most one rank per core"
+        for load in meta["oversubscribed"]
+    ]
 
 
 def _from_terminal() -> bool:
@@ -352,33 +242,16 @@ def _from_terminal() -> bool:
     return True
 
 
-def _notes(args: Any, sizes: list[int]) -> list[str]:
-    notes = []
-    if sizes and sizes[-1] != args.max:
-        notes.append(
-            f"--max {args.max} is not a power of two: the largest size is {bench_report.human(sizes[-1])}"
-        )
-    if sizes and sizes[0] != args.min:
-        notes.append(f"--min {args.min} is not a power of two: the smallest size is {sizes[0]} B")
-    return notes
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _parser()
+    parser = bench_args.parser()
     args = parser.parse_args(argv)
-    ops = _validate(args, parser)
+    ops = bench_args.validate(args, parser)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    # Refuse an output file that cannot be written before the sweep, on every rank alike.
-    problems = None
-    if rank == 0:  # rank 0 writes the files, so rank 0 alone tries them
-        problems = [
-            f"--{flag} {path}: cannot write it ({why})"
-            for flag, path in (("json", args.json), ("csv", args.csv))
-            if (why := _unwritable(path))
-        ]
-    problems = world.bcast(problems, root=0)
+    sizes = sizes_between(args.min, args.max)
+    loads = host.gather(world)
+    problems = _before_the_sweep(world, args, ops, sizes, loads)
     if problems:
         if rank == 0:
             print("mpistrat bench: " + "; ".join(problems), file=sys.stderr, flush=True)
@@ -390,13 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=True if args.deterministic else None,
         compression=args.compression,
     )
-    rtol = _tolerance(args, world.Get_size())
+    rtol = bench_args.tolerance(args, world.Get_size())
     strategy = mpistrat.MPIStrategy(world, communication_options=options)
     collectives = strategy.extended.collectives  # taken once: the metadata reads its check level
-    meta = _metadata(comm, collectives, args, argv)
-    sizes = sizes_between(args.min, args.max)
+    meta = _metadata(comm, collectives, args, argv, loads)
     if rank == 0:
-        for note in _notes(args, sizes):
+        for note in bench_args.notes(args, sizes) + _oversubscribed(meta):
             print(f"mpistrat bench: {note}", file=sys.stderr, flush=True)
     tasks = [(o, s) for o in ops for s in sizes]
     show = args.progress if args.progress is not None else rank == 0 and _from_terminal()
@@ -429,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             if timed is None:
                 continue
             seen.add((op_name, case.nbytes))
-            rows.append(_record(comm, op_name, case, timed, args))
+            rows.append(
+                {**_record(comm, op_name, case, timed, args), "oversubscribed": bool(meta["oversubscribed"])}
+            )
     finally:
         bar.close()
     failed = [

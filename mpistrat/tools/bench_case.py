@@ -87,6 +87,14 @@ class Op:
     context: str  # "replica" (inside one strategy.run), "cross_replica" (in scope) or "none"
     busbw: Callable[[int], float]
     build: Callable[[Setup], Case]
+    # Bytes a rank holds while a case is timed, in multiples of its size: a constant, and as much
+    # again per rank (merge_call's root gathers every rank's). Measured at 16 MiB, 1 and 2 ranks
+    # (benchmarks/bench_footprint.py), rounded up; bench refuses sizes whose footprint does not fit.
+    footprint: tuple[int, int] = (8, 0)
+
+    def bytes_needed(self, nbytes: int, ranks: int) -> int:
+        constant, per_rank = self.footprint
+        return (constant + per_rank * ranks) * nbytes
 
 
 def pattern(count: int, dtype: np.dtype) -> np.ndarray:

@@ -112,7 +112,8 @@ class Bench:
 
         comm = self.comm
         steps: dict[str, Callable[[], Any]] = {}
-        for implementation in mpistrat.CommunicationImplementation:
+        device_routes = ("AUTO", "RING", "NCCL")  # HIERARCHICAL carries device buffers as RING does
+        for implementation in map(mpistrat.CommunicationImplementation, device_routes):
             if implementation is mpistrat.CommunicationImplementation.NCCL and not self.nccl_ok:
                 continue
             options = mpistrat.CommunicationOptions(implementation=implementation)

@@ -290,6 +290,7 @@ OPS: dict[str, Op] = {
             "replica",
             allreduce_factor,
             _all_reduce,
+            (6, 0),
         ),
         Op(
             "all_reduce_nest",
@@ -299,6 +300,7 @@ OPS: dict[str, Op] = {
             "replica",
             allreduce_factor,
             _all_reduce_nest,
+            (7, 0),
         ),
         Op(
             "all_gather",
@@ -308,6 +310,7 @@ OPS: dict[str, Op] = {
             "replica",
             allgather_factor,
             lambda s: _all_gather(s, uneven=False),
+            (5, 0),
         ),
         Op(
             "all_gather_uneven",
@@ -317,6 +320,7 @@ OPS: dict[str, Op] = {
             "replica",
             allgather_factor,
             lambda s: _all_gather(s, uneven=True),
+            (4, 0),
         ),
         Op(
             "merge_call",
@@ -326,6 +330,7 @@ OPS: dict[str, Op] = {
             "replica",
             lambda n: 1.0,
             _merge_call,
+            (6, 1),
         ),
         Op(
             "reduce",
@@ -335,6 +340,7 @@ OPS: dict[str, Op] = {
             "cross_replica",
             allreduce_factor,
             _reduce,
+            (4, 0),
         ),
         Op(
             "run_step",
@@ -344,6 +350,7 @@ OPS: dict[str, Op] = {
             "none",
             allreduce_factor,
             _run_step,
+            (5, 0),
         ),
         Op(
             "train_step",
@@ -353,6 +360,7 @@ OPS: dict[str, Op] = {
             "none",
             allreduce_factor,
             _train_step,
+            (12, 0),
         ),
         Op(
             "apply_gradients_sgd",
@@ -362,6 +370,7 @@ OPS: dict[str, Op] = {
             "none",
             allreduce_factor,
             apply_gradients_sgd,
+            (21, 0),
         ),
         Op(
             "apply_gradients_adam",
@@ -371,6 +380,7 @@ OPS: dict[str, Op] = {
             "none",
             allreduce_factor,
             apply_gradients_adam,
+            (24, 0),
         ),
         Op(
             "checkpoint_save",
@@ -380,6 +390,7 @@ OPS: dict[str, Op] = {
             "none",
             io_factor,
             checkpoint_save,
+            (8, 0),
         ),
         Op(
             "checkpoint_restore",
@@ -389,6 +400,7 @@ OPS: dict[str, Op] = {
             "none",
             io_factor,
             checkpoint_restore,
+            (16, 0),
         ),
     )
 }

@@ -5,7 +5,9 @@ row holds one operation at one size, each side (``mpistrat``, ``raw`` and for so
 ops ``raw2``) with ``time_us`` min/avg/max over ranks, ``algbw_GBps``,
 ``busbw_GBps`` and ``ok``, and ``ratio`` = mpistrat avg / raw avg. ``time_us`` also
 holds ``p50`` and ``p99``: percentiles over iterations of the slowest rank's time per
-iteration (``p99`` is ``None`` below :data:`P99_MIN_ITERS` timed iterations).
+iteration (``p99`` is ``None`` below :data:`P99_MIN_ITERS` timed iterations). A row's
+``oversubscribed`` is true when a host ran more ranks than the cores they may use (``meta``'s
+``oversubscribed`` says which: :mod:`mpistrat.tools.host`).
 
 >>> human(4), human(65536), human(3 << 20)
 ('4 B', '64 KiB', '3 MiB')
@@ -107,6 +109,22 @@ def _us(value: float | None, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
 
 
+def scaling_mode(meta: dict[str, Any]) -> str:
+    """How a run's times compare across rank counts: ``strong``, ``weak``, or ``sweep`` for a run
+    without ``--scaling`` (computed as weak: each rank's message size was fixed). Files of earlier
+    versions recorded ``weak`` for every run.
+
+    >>> scaling_mode({"scaling": None}), scaling_mode({"scaling": "strong"})
+    ('sweep', 'strong')
+    """
+    return meta.get("scaling") or "sweep"
+
+
+def mode_title(mode: str) -> str:
+    """A scaling mode in words: ``strong scaling``, ``weak scaling``, or a sweep's."""
+    return "sweeps (no --scaling; computed as weak scaling)" if mode == "sweep" else f"{mode} scaling"
+
+
 def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The results as text: one block per operation."""
     from mpistrat.tools.bench_ops import OPS
@@ -121,6 +139,11 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "p50/p99: percentiles of the slowest rank's time per iteration; "
         "algbw/busbw in GB/s (nccl-tests); ratio = mpistrat / raw",
     ]
+    for load in meta.get("oversubscribed", ()):
+        lines.append(
+            f"# OVERSUBSCRIBED: {load}: the ranks take turns on the cores; the times (rows marked "
+            "'oversubscribed') measure that sharing, not mpistrat"
+        )
     if any(r["mpistrat"]["time_us"].get("p99", 0) is None for r in rows):
         lines.append(
             f"# p99 '-': fewer than {P99_MIN_ITERS} timed iterations at that size, too few for a "
@@ -152,7 +175,7 @@ def table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                 if all(r[s]["ok"] for s in sides)
                 else "NO: " + ",".join(s for s in sides if not r[s]["ok"])
             )
-            lines.append(line)
+            lines.append(line + ("  oversubscribed" if r.get("oversubscribed") else ""))
     return "\n".join(lines)
 
 
@@ -181,6 +204,7 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
         out[f"{prefix}ok"] = values["ok"]
     out["ratio"] = row["ratio"]
     out["ratio2"] = "" if row["ratio2"] is None else row["ratio2"]
+    out["oversubscribed"] = bool(row.get("oversubscribed"))
     return out
 
 
@@ -205,4 +229,6 @@ def load(path: str) -> dict[str, Any]:
             f"{path}: not a results file of mpistrat bench (expected format {FORMAT!r}); "
             "write one with `mpistrat bench --json PATH`"
         )
+    if not isinstance(data.get("meta"), dict) or not isinstance(data.get("results"), list):
+        raise InvalidArgumentError(f"{path}: a results file needs a 'meta' object and a 'results' list")
     return data

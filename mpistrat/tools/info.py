@@ -2,12 +2,16 @@
 
     mpiexec -n 2 mpistrat info          # or: mpiexec -n 2 python -m mpistrat info
     mpistrat info --json
+    mpiexec -n 8 mpistrat info --health # a preflight: which nodes are slow (tools/health.py)
 
 It is collective over ``COMM_WORLD`` (every rank must run it); rank 0 prints the
 MPI library, mpi4py, whether MPI is CUDA-aware and how that was decided, CuPy,
 CUDA and NCCL versions, ranks per node, what the launcher started beside what MPI
-joined (a task MPI started alone makes it exit 1, saying why), the rank -> host -> device
-map, and the transport ``CommunicationImplementation.AUTO`` picks for host and device buffers.
+joined (a task MPI started alone makes it exit 1, saying why), each host's logical cores
+against its ranks (more ranks than the cores they may use is oversubscribed: they take turns,
+and collectives wait for them), the thread settings of OpenMP and the BLAS, the rank -> host ->
+CPUs -> device map, and the transport ``CommunicationImplementation.AUTO`` picks for host and
+device buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from mpi4py import MPI
 from mpistrat.comm import cuda, devices, transport
 from mpistrat.diagnostics import launch
 from mpistrat.errors import MpistratError
+from mpistrat.tools import host
+from mpistrat.tools.bench_meta import cpu_list
 
 __all__ = ["collect", "main", "render"]
 
@@ -43,9 +49,12 @@ def _local_report(comm: MPI.Intracomm) -> dict[str, Any]:
         cupy_text = (
             cupy.__version__ if cupy is not None else why.replace("CuPy is not installed", "not installed")
         )
+    cpus = host.cpus()
     report: dict[str, Any] = {
         "rank": comm.Get_rank(),
         "host": placement.host,
+        "cpus": cpus,
+        "logical_cores": os.cpu_count() or 1,
         "local_rank": placement.local_rank,
         "local_size": placement.local_size,
         "device": placement.device(comm.Get_rank()),
@@ -96,6 +105,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
     if ranks is None:
         return None
     first = ranks[0]
+    loads = host.loads([(r["host"], r["cpus"], r["logical_cores"]) for r in ranks])
     nodes: dict[str, int] = {}
     for r in ranks:
         nodes[r["host"]] = nodes.get(r["host"], 0) + 1
@@ -114,6 +124,10 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
         "launch": str(launch.launched() or "no launcher (this process alone)"),
         "launch_problem": launch.problem(len(ranks)),
         "ranks_per_node": nodes,
+        "cores": [str(h) for h in loads],
+        "oversubscribed": [str(h) for h in loads if h.oversubscribed],
+        "threads": host.threads(),
+        "blas_threads": host.blas_threads(),
         "host_transport": transport.HostMPI.name,
         "device_transport": first["device_transport"],
         "ranks": ranks,
@@ -133,6 +147,10 @@ def render(info: dict[str, Any]) -> str:
     if info["cuda_runtime"]:
         cuda_line = f"runtime {info['cuda_runtime']}, driver {info['cuda_driver'] or '?'}"
     plan = info["device_transport"]
+    set_ = [f"{k}={v}" for k, v in info["threads"].items()] or [
+        "no thread variable set (OMP_NUM_THREADS, ...)"
+    ]
+    threads = ", ".join(set_) + (f"; BLAS {info['blas_threads']}" if info["blas_threads"] else "")
     lines = [
         f"MPI library       {info['mpi_library']} (MPI {info['mpi_standard']})",
         f"mpi4py            {info['mpi4py']}",
@@ -142,18 +160,22 @@ def render(info: dict[str, Any]) -> str:
         f"NCCL              {info['nccl']}",
         f"ranks             {info['size']} on {len(info['ranks_per_node'])} node(s) ({per_node})",
         f"launch            {info['launch']}; MPI: {info['size']} rank{'s' if info['size'] != 1 else ''}",
+        f"cores             {'; '.join(info['cores'])}"
+        + (" (OVERSUBSCRIBED: the ranks take turns on the cores)" if info["oversubscribed"] else ""),
+        f"threads           {threads}",
         f"AUTO transport    host buffers: {info['host_transport']}",
         f"                  device buffers: {plan['AUTO']}",
         f"RING transport    device buffers: {plan['RING']}",
         f"NCCL transport    device buffers: {plan['NCCL']}",
         "",
     ]
-    header = ("rank", "host", "local", "device", "CUDA_VISIBLE_DEVICES", "CUDA-aware")
+    header = ("rank", "host", "local", "CPUs", "device", "CUDA_VISIBLE_DEVICES", "CUDA-aware")
     rows = [
         (
             str(r["rank"]),
             r["host"],
             f"{r['local_rank']}/{r['local_size']}",
+            "?" if r["cpus"] is None else cpu_list(r["cpus"]),
             r["device"] + (f" [{r['gpu']}]" if r["gpu"] else ""),
             "(unset)" if r["cuda_visible_devices"] is None else repr(r["cuda_visible_devices"]),
             "yes" if r["cuda_aware"] else "no",
@@ -172,7 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         description="What MPI, CUDA and transports this job sees (run under mpiexec with every rank).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--health",
+        action="store_true",
+        help="time every node (start-up, import, compute, memory, links between nodes), flag the slow "
+        "ones and print a Slurm --exclude= line; exits 1 when one is flagged",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.health:
+        from mpistrat.tools import health
+
+        return health.main(["--json"] if args.json else [])
     try:
         info = collect()
     except MpistratError as exc:  # raised on every rank alike (e.g. a bad MPISTRAT_DEVICE)

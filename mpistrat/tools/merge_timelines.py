@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import statistics
+import sys
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
@@ -38,20 +39,45 @@ def _hs(seq: int, ts: float, dur: float, comm: str = "0+2#0") -> dict[str, Any]:
     return {"cat": "handshake", "name": "handshake", "ts": ts, "dur": dur, "tid": 0, "args": args}
 
 
-def load(directory: str) -> tuple[dict[int, dict[str, Any]], dict[int, list[dict[str, Any]]]]:
-    """Every rank's header and events from ``directory``."""
+def load(
+    directory: str, notes: list[str] | None = None
+) -> tuple[dict[int, dict[str, Any]], dict[int, list[dict[str, Any]]]]:
+    """Every rank's header and events from ``directory``.
+
+    A line that is not JSON is left out and said in ``notes``: the last one is what a write that
+    failed part-way leaves ("the timeline stopped"), and every complete line before it still counts.
+    """
     paths = sorted(glob.glob(os.path.join(directory, "rank-*.jsonl")))
     if not paths:
         raise InvalidArgumentError(f"no rank-*.jsonl files in {directory!r} (MPISTRAT_TIMELINE's directory)")
     headers, events = {}, {}
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            lines = [json.loads(line) for line in f if line.strip()]
-        if not lines or lines[0].get("format") != "mpistrat-timeline-1":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = [line for line in f if line.strip()]
+        lines, bad = [], []
+        for number, line in enumerate(text, 1):
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad.append(number)
+        if not lines or bad[:1] == [1] or lines[0].get("format") != "mpistrat-timeline-1":
             raise InvalidArgumentError(f"{path} is not an mpistrat timeline (no header line)")
+        if notes is not None and bad:
+            notes.append(_cut(path, bad, len(text)))
         rank = int(lines[0]["rank"])
         headers[rank], events[rank] = lines[0], lines[1:]
     return headers, events
+
+
+def _cut(path: str, bad: list[int], total: int) -> str:
+    name = os.path.basename(path)
+    if bad == [total]:
+        return (
+            f"{name}: its last line was cut (a write that failed part-way: the timeline stopped); "
+            f"merged the {total - 1} complete lines"
+        )
+    shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+    return f"{name}: left out {len(bad)} line(s) that are not JSON (lines {shown})"
 
 
 def _handshake_ends(events: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -139,12 +165,14 @@ def merge_ranks(
 
 
 def merge(directory: str) -> dict[str, Any]:
-    """The Chrome trace (a JSON object) of the timelines in ``directory``."""
-    headers, events = load(directory)
+    """The Chrome trace (a JSON object) of the timelines in ``directory``; what was left out of it
+    (a line cut short) is in ``otherData["notes"]``."""
+    notes: list[str] = []
+    headers, events = load(directory, notes)
     return {
         "traceEvents": merge_ranks(events, headers),
         "displayTimeUnit": "ms",
-        "otherData": {"ranks": len(events), "source": os.path.abspath(directory)},
+        "otherData": {"ranks": len(events), "source": os.path.abspath(directory), "notes": notes},
     }
 
 
@@ -159,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         trace = merge(args.directory)
     except InvalidArgumentError as exc:
         p.error(str(exc))
+    for note in trace["otherData"]["notes"]:
+        print(f"mpistrat timeline: {note}", file=sys.stderr)
     with open(args.output, "w", encoding="utf-8") as f:
         json.dump(trace, f)
     n = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")

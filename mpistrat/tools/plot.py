@@ -31,7 +31,7 @@ from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.tools import heatmap
-from mpistrat.tools.bench_report import human, load
+from mpistrat.tools.bench_report import human, load, mode_title, scaling_mode
 from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "speedup_efficiency"]
@@ -205,12 +205,12 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
         if not common:
             raise InvalidArgumentError(f"{op}: no message size is in every results file; pass --size")
         size = common[-1]
-    modes = sorted({run["meta"].get("scaling", "weak") for run in runs})
+    modes = sorted({scaling_mode(run["meta"]) for run in runs})
     fig, axes = plt.subplots(len(modes), 3, figsize=(15, 4.0 * len(modes) + 0.8), squeeze=False)
     for row_axes, mode in zip(axes, modes, strict=True):
         by_ranks: dict[int, dict[str, list[float]]] = {}
         for run in runs:
-            if run["meta"].get("scaling", "weak") != mode:
+            if scaling_mode(run["meta"]) != mode:
                 continue
             rows = [r for r in run["results"] if r["op"] == op and r["bytes"] == size]
             if not rows:
@@ -247,7 +247,7 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
             ax.set_xscale("log", base=2)
             ax.set_xticks(ranks, [str(n) for n in ranks])
             ax.set_xlabel("ranks")
-            ax.set_title(f"{mode} scaling: {title}", fontsize=10)
+            ax.set_title(f"{mode_title(mode)}: {title}", fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
         row_axes[2].set_ylim(0, max(1.1, row_axes[2].get_ylim()[1]))
@@ -322,7 +322,10 @@ def _heatmap(args: argparse.Namespace) -> int:
     if len(args.results) != 1:
         raise InvalidArgumentError(f"a heat map is of one timeline; got {len(args.results)} files")
     plt = _pyplot()
-    fig = heatmap.draw(plt, heatmap.read_trace(args.results[0]), bins=args.bins and max(args.bins, 1))
+    trace = heatmap.read_trace(args.results[0])
+    for note in trace.get("otherData", {}).get("notes", []):
+        print(f"mpistrat plot: {note}", file=sys.stderr)
+    fig = heatmap.draw(plt, trace, bins=args.bins and max(args.bins, 1))
     if args.title:
         fig.axes[0].set_title(args.title)
     fig.tight_layout()

@@ -13,37 +13,34 @@ weak as the files' ``meta.scaling`` says (strong: speed-up ``T0/Tn``, efficiency
 ``T0·n0/(n·Tn)``; weak: efficiency ``T0/Tn``, speed-up ``efficiency·n/n0``), next to the same
 for raw mpi4py.
 
-``--reference REF.json`` compares rows that match on (op, size, ranks, dtype): a row whose
-time (``--metric``, the mean by default) exceeds the reference's by more than ``--tolerance``
-is a regression, named with both numbers, and the exit status is 1; so it is when no row
-matched at all (nothing was checked). Otherwise it is 0. Either way it says how many rows were
-compared and which were missing on either side.
+``--reference REF.json`` runs the regression gate (:mod:`mpistrat.tools.report_gate`): exit 1
+when a row matching on (op, size, ranks, dtype) got slower than ``--tolerance`` allows, or when
+no row matched; exit 2 when a time or the tolerance cannot be compared.
+
+A run with more ranks on a host than the cores they may use (``meta.oversubscribed``, or for
+an older file: one node, more ranks than rank 0's logical cores) is flagged: its rank count is
+marked ``*`` in both tables, with a note saying so, because its times measure the sharing of
+the cores rather than the library (:mod:`mpistrat.tools.host`).
 
 >>> scaling_rows("strong", {1: [8.0], 2: [5.0], 4: [2.5]})
 [(1, 1, 8.0, 1.0, 1.0), (2, 1, 5.0, 1.6, 0.8), (4, 1, 2.5, 3.2, 0.8)]
->>> gate({("a", 4, 2, "float32"): 20.0}, {("a", 4, 2, "float32"): 10.0}, 0.10).slower
-[(('a', 4, 2, 'float32'), 20.0, 10.0)]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import os
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.tools.bench_report import human, load
+from mpistrat.tools import report_gate
+from mpistrat.tools.bench_report import human, load, mode_title, scaling_mode
 from mpistrat.tools.plot import speedup_efficiency
 from mpistrat.tools.sizes import parse_size
 
-__all__ = ["Gate", "gate", "main", "result_rows", "scaling_rows", "scaling_table"]
-
-Key = tuple[str, int, int, str]  # op, bytes, ranks, dtype
-METRICS = {"mean": "avg", "p50": "p50", "p99": "p99"}
+__all__ = ["main", "oversubscription", "result_rows", "scaling_rows", "scaling_table"]
 ROW_COLUMNS = (
     "file",
     "op",
@@ -56,6 +53,7 @@ ROW_COLUMNS = (
     "p99_us",
     "ratio",
     "busbw_GBps",
+    "oversubscribed",
 )
 SCALING_COLUMNS = (
     "mode",
@@ -70,22 +68,30 @@ SCALING_COLUMNS = (
     "raw_time_us",
     "raw_speedup",
     "raw_efficiency",
+    "oversubscribed",
 )
 
 
-def _key(row: dict[str, Any]) -> Key:
-    return (row["op"], int(row["bytes"]), int(row["ranks"]), str(row["dtype"]))
+def oversubscription(meta: dict[str, Any]) -> list[str]:
+    """The hosts of a run where more ranks ran than the cores they may use, as bench says them.
 
-
-def _name(key: Key) -> str:
-    op, nbytes, ranks, dtype = key
-    return f"{op} {human(nbytes)} {dtype} at {ranks} rank{'s' if ranks != 1 else ''}"
+    Files written before bench recorded it: one node and more ranks than rank 0's logical cores.
+    """
+    if "oversubscribed" in meta:
+        return list(meta["oversubscribed"])
+    cores = (meta.get("cpu") or {}).get("logical_cores")
+    ranks, nodes = meta.get("ranks", 0), meta.get("nodes", 1)
+    if nodes == 1 and cores and ranks > cores:
+        host = (meta.get("hosts") or ["its host"])[0]
+        return [f"{ranks} ranks on {cores} logical cores of {host}"]
+    return []
 
 
 def result_rows(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One flat record per row of every file: what the rows table shows."""
     out = []
     for path, run in runs:
+        crowded = bool(oversubscription(run["meta"]))
         for r in run["results"]:
             t = r["mpistrat"]["time_us"]
             out.append(
@@ -101,6 +107,7 @@ def result_rows(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                     "p99_us": t.get("p99"),
                     "ratio": r["ratio"],
                     "busbw_GBps": r["mpistrat"]["busbw_GBps"],
+                    "oversubscribed": crowded,
                 }
             )
     return out
@@ -150,15 +157,18 @@ def scaling_table(
     """One record per scaling mode and rank count: mpistrat's and raw's time, speed-up, efficiency."""
     op, size = _common_choice(runs, op, size)
     out = []
-    modes = dict.fromkeys(run["meta"].get("scaling", "weak") for run in runs)
+    modes = dict.fromkeys(scaling_mode(run["meta"]) for run in runs)
     for mode in sorted(modes):
         sides: dict[str, dict[int, list[float]]] = {"mpistrat": {}, "raw": {}}
+        crowded: set[int] = set()  # rank counts with an oversubscribed run
         for run in runs:
-            if run["meta"].get("scaling", "weak") != mode:
+            if scaling_mode(run["meta"]) != mode:
                 continue
             row = next(r for r in run["results"] if r["op"] == op and r["bytes"] == size)
             for side, times in sides.items():
                 times.setdefault(int(row["ranks"]), []).append(row[side]["time_us"]["avg"])
+            if oversubscription(run["meta"]):
+                crowded.add(int(row["ranks"]))
         ours, raw = scaling_rows(mode, sides["mpistrat"]), scaling_rows(mode, sides["raw"])
         for (n, count, t, s, e), (_, _, rt, rs, re) in zip(ours, raw, strict=True):
             out.append(
@@ -175,52 +185,10 @@ def scaling_table(
                     "raw_time_us": rt,
                     "raw_speedup": rs,
                     "raw_efficiency": re,
+                    "oversubscribed": n in crowded,
                 }
             )
     return out
-
-
-@dataclasses.dataclass
-class Gate:
-    """The regression gate's findings: rows compared, slower ones (key, now, reference), missing ones."""
-
-    compared: int
-    slower: list[tuple[Key, float, float]]
-    only_here: list[Key]
-    only_in_reference: list[Key]
-
-    @property
-    def passed(self) -> bool:
-        """No row slower, and at least one compared: a gate that matched nothing has checked nothing."""
-        return self.compared > 0 and not self.slower
-
-
-def gate(now: dict[Key, float], reference: dict[Key, float], tolerance: float) -> Gate:
-    """Rows of ``now`` slower than ``reference``'s by more than ``tolerance`` (0.10: 10 %)."""
-    common = [k for k in now if k in reference]
-    slower = [(k, now[k], reference[k]) for k in common if now[k] > reference[k] * (1 + tolerance)]
-    return Gate(
-        compared=len(common),
-        slower=slower,
-        only_here=[k for k in now if k not in reference],
-        only_in_reference=[k for k in reference if k not in now],
-    )
-
-
-def _times(runs: Iterable[tuple[str, dict[str, Any]]], metric: str) -> dict[Key, float]:
-    """Each (op, size, ranks, dtype)'s time in ``metric``; a row in several files counts as their mean."""
-    stat = METRICS[metric]
-    found: dict[Key, list[float]] = {}
-    for path, run in runs:
-        for r in run["results"]:
-            value = r["mpistrat"]["time_us"].get(stat)
-            if value is None:
-                raise InvalidArgumentError(
-                    f"{path}: {_name(_key(r))} has no {metric} (too few iterations, or an older file); "
-                    "choose another --metric"
-                )
-            found.setdefault(_key(r), []).append(float(value))
-    return {k: sum(v) / len(v) for k, v in found.items()}
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
@@ -244,11 +212,15 @@ _SCALING_HEAD = (
 )
 
 
+def _ranks(r: dict[str, Any]) -> str:
+    return f"{r['ranks']}*" if r["oversubscribed"] else str(r["ranks"])
+
+
 def _row_cells(r: dict[str, Any]) -> list[str]:
     return [
         r["op"],
         r["size"],
-        str(r["ranks"]),
+        _ranks(r),
         r["dtype"],
         _fmt(r["mean_us"]),
         _fmt(r["p50_us"]),
@@ -260,7 +232,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
 
 def _scaling_cells(r: dict[str, Any]) -> list[str]:
     return [
-        str(r["ranks"]),
+        _ranks(r),
         str(r["runs"]),
         _fmt(r["time_us"]),
         _fmt(r["speedup"]),
@@ -279,7 +251,7 @@ def _text(head: tuple[str, ...], rows: list[list[str]], markdown: bool) -> list[
             "| " + " | ".join("---:" if n else "---" for n in numeric) + " |",
             *("| " + " | ".join(row) + " |" for row in rows),
         ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(  # noqa: E731
         c.ljust(w) if i < 1 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
     )
@@ -303,7 +275,10 @@ def _scaling_title(rows: list[dict[str, Any]], mode: str) -> str:
         else "efficiency T0/Tn, speed-up efficiency*n/n0"
     )
     ranks = f"{n0} rank{'s' if n0 != 1 else ''}"
-    return f"{mode} scaling of {first['op']} at {first['size']}, relative to {ranks} ({formula})"
+    return f"{mode_title(mode)} of {first['op']} at {first['size']}, relative to {ranks} ({formula})"
+
+
+_CROWDED = "* oversubscribed, so the times measure the ranks taking turns on the cores, not mpistrat: "
 
 
 def render(
@@ -317,15 +292,21 @@ def render(
             lines += [h + _scaling_title(scaling, mode), ""]
             lines += _text(_SCALING_HEAD, [_scaling_cells(r) for r in scaling if r["mode"] == mode], markdown)
             lines.append("")
+        crowded = [load for _, run in runs for load in oversubscription(run["meta"])]
+        if crowded:
+            lines += [_CROWDED + "; ".join(dict.fromkeys(crowded)), ""]
     for path, run in runs:
         meta = run["meta"]
         n = meta["ranks"]
-        about = (
-            f"{n} rank{'s' if n != 1 else ''}, {meta.get('scaling', 'weak')} scaling, {meta.get('date', '?')}"
-        )
+        about = f"{n} rank{'s' if n != 1 else ''}, {mode_title(scaling_mode(meta))}, {meta.get('date', '?')}"
         label = f" {meta['label']!r}" if meta.get("label") else ""
         lines += [h + f"{path}{label}: {about}", ""]
+        if crowded := oversubscription(meta):
+            lines += [_CROWDED + "; ".join(crowded), ""]
         rows = result_rows([(path, run)])
+        if not rows:
+            lines += ["(no rows: the file's results list is empty)", ""]
+            continue
         lines += _text(_ROW_HEAD, [_row_cells(r) for r in rows], markdown)
         if any(r["p99_us"] is None for r in rows):
             lines += [
@@ -384,7 +365,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metric",
-        choices=tuple(METRICS),
+        choices=tuple(report_gate.METRICS),
         default="mean",
         help="the time the gate compares (default mean; p50 is steadier on a shared machine)",
     )
@@ -395,10 +376,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if args.tolerance < 0:
-            raise InvalidArgumentError(
-                f"--tolerance: expected a fraction >= 0 (0.10 is 10%); got {args.tolerance}"
-            )
+        report_gate.checked_tolerance(args.tolerance)
         runs = [(path, load(path)) for path in args.results]
         many = len({run["meta"]["ranks"] for _, run in runs}) > 1
         want_scaling = args.table == "scaling" or (args.table == "auto" and many)
@@ -420,42 +398,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.reference:
             return 0
         references = [(path, load(path)) for path in args.reference]
-        verdict = gate(_times(runs, args.metric), _times(references, args.metric), args.tolerance)
+        now, then = report_gate.times(runs, args.metric), report_gate.times(references, args.metric)
+        verdict = report_gate.gate(now, then, args.tolerance)
     except InvalidArgumentError as exc:
         print(f"mpistrat report: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"mpistrat report: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(_verdict(verdict, args))
+    print(report_gate.verdict(verdict, args.reference, args.metric, args.tolerance))
     return 0 if verdict.passed else 1
-
-
-def _verdict(verdict: Gate, args: argparse.Namespace) -> str:
-    ref = ", ".join(args.reference)
-    lines = []
-    for key, now, was in verdict.slower:
-        lines.append(
-            f"SLOWER: {_name(key)}: {now:.2f} us against {was:.2f} us in the reference "
-            f"({now / was:.2f}x, more than {1 + args.tolerance:.2f}x)"
-        )
-    for label, keys in (
-        ("not in the reference", verdict.only_here),
-        ("only in the reference", verdict.only_in_reference),
-    ):
-        if keys:
-            shown = "; ".join(_name(k) for k in keys[:20]) + (
-                f"; and {len(keys) - 20} more" if len(keys) > 20 else ""
-            )
-            lines.append(f"missing: {len(keys)} row(s) {label}: {shown}")
-    state = "FAILED" if verdict.slower else "passed"
-    lines.append(
-        f"gate {state}: {verdict.compared} row(s) compared on {args.metric} time against {ref} "
-        f"(tolerance {args.tolerance:.0%}); {len(verdict.slower)} slower"
-    )
-    if verdict.compared == 0:
-        lines.append("gate FAILED: no row matched on (op, size, ranks, dtype), so nothing was compared")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

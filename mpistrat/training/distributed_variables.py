@@ -34,6 +34,7 @@ from mpistrat.training.variables import (
     VariableSynchronization,
     combine,
     plain_variable,
+    read_only,
     set_class_chooser,
 )
 from mpistrat.values import DistributedValues
@@ -236,7 +237,7 @@ class MirroredVariable(DistributedVariable):
 
     def value(self) -> Any:
         self._mode("value")
-        return self._component._value
+        return read_only(self._component._value)
 
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)
@@ -280,7 +281,7 @@ class SyncOnReadVariable(DistributedVariable):
         mode = self._mode("value")
         local = self._component._value
         if mode.kind is context.REPLICA:
-            return local
+            return read_only(local)
         agg = self._aggregation
         if agg is VariableAggregation.NONE:
             raise InvalidArgumentError(
@@ -291,13 +292,13 @@ class SyncOnReadVariable(DistributedVariable):
             )
         if mode.kind is context.MERGE:
             if agg is VariableAggregation.ONLY_FIRST_REPLICA:
-                return local  # merge_fn runs on rank 0, which holds replica 0's copy
+                return read_only(local)  # merge_fn runs on rank 0, which holds replica 0's copy
             raise ContextError(
                 f"{self._name}: a {agg.name} sync-on-read variable cannot be read inside merge_fn, which "
                 "runs on rank 0 alone; read it in strategy.scope() on every rank, or pass its local value "
                 "to merge_call"
             )
-        return self._aggregate(agg, local, "sync_on_read")
+        return read_only(self._aggregate(agg, local, "sync_on_read"))
 
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)

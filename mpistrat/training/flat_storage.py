@@ -127,9 +127,14 @@ class FlatBuffer:
         held = self._held(attached)
         if held or detached:
             self._bind(self.array.copy() if held else self.array)
-        for i, value in moved.items():
-            self.views[i][...] = value
+        for i, value in moved.items():  # through the array: a view may have been read (read-only)
+            a, b = self.spans[i]
+            self.array[a:b] = value.reshape(-1)
         return self.array
+
+    def start_of(self, member: Variable) -> int:
+        """The element at which ``member``'s slice begins."""
+        return self.spans[self._index[id(member)]][0]
 
     def private(self, member: Variable) -> bool:
         """Whether ``member``'s slice may be written in place (nothing outside holds it)."""

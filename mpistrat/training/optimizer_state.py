@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,24 +30,16 @@ from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.training import pack_step
 from mpistrat.training.flat_storage import FlatBuffer
+from mpistrat.training.pack_step import BLOCK, WHOLE, Update
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
     from mpistrat.training.variables import Variable
 
-__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy"]
-
-# A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
-# parameters, gradients and slots stay in cache across the update's passes. Measured
-# (docs/performance.md): at 16M float32 parameters Adam's update takes 0.6x the time in 256K
-# blocks; at 1M, whole passes are as fast or faster.
-BLOCK = 1 << 18
-WHOLE = 1 << 20
-
-# update(w, g, slots, lr, step): one step on matching 1-D blocks, in place; g is theirs to overwrite.
-Update = Callable[[Any, Any, list[Any], float, int], None]
+__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy", "storage_place"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +343,7 @@ class FlatState:
             params = [s.group.params.claim() for s in plan.steps]
         except MpistratError as exc:
             error = exc
+        mode = ""
         if collectives is not None:
             described = plan.described if plan is not None else []
             mode = collectives.reduction if options is None else collectives.options.merge(options).reduction
@@ -368,10 +360,18 @@ class FlatState:
         elif error is not None:
             raise error
         assert plan is not None
-        for s, w in zip(plan.steps, params, strict=True):
-            _step_group(collectives, s, [grads[p] for p in s.positions], w, update, lr, step, kind, options)
+        work = [(s, [grads[p] for p in s.positions], w) for s, w in zip(plan.steps, params, strict=True)]
+        # an overflow found once data has moved must raise before the first pack is written
+        run = pack_step.run_reduced_first if _fails_late(mode, plan) else pack_step.run
+        run(collectives, work, update, lr, step, kind, options)
         if collectives is not None and check_level(collectives) > 1:
             _compare_copies(collectives, plan, kind)
+
+
+def _fails_late(mode: str, plan: _Plan) -> bool:
+    """Whether a pack's reduction may raise after others were reduced (16-bit compression's
+    overflow) in a step of more than one pack."""
+    return mode in ("bf16", "fp16") and sum(s.group.layout.packs for s in plan.steps) > 1
 
 
 def _compare_copies(collectives: Collectives, plan: _Plan, kind: str) -> None:
@@ -405,6 +405,20 @@ _SAME_VARIABLES = (
 )
 
 
+def storage_place(var: Variable) -> tuple[FlatBuffer, int, int] | None:
+    """Where ``var``'s copy lies in an optimizer's flat storage: the storage, its first variable's
+    :func:`creation_order` (the same on every rank) and the element it starts at; None outside
+    flat storage. A checkpoint lays values out in this order, so that a rank's share of them is
+    one run of memory, and restores adjacent ones straight into it."""
+    local = own_copy(var)
+    storage = local._storage
+    if storage is None:
+        return None
+    first = storage.members[0]
+    owner = first if first._owner is None else first._owner  # the distributed variable it belongs to
+    return storage, creation_order(owner), storage.start_of(local)
+
+
 def creation_order(var: Variable) -> int:
     """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
     return int(getattr(var, "_synced_key", 0))
@@ -434,51 +448,3 @@ def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]
             )
         out.append(grad)
     return out
-
-
-def _step_group(
-    collectives: Collectives | None,
-    s: _GroupStep,
-    grads: list[Any],
-    params: Any,
-    update: Update,
-    lr: float,
-    step: int,
-    kind: str,
-    options: CommunicationOptions | None = None,
-) -> None:
-    """Per pack: gradients into staging, reduced in place, this rank's part updated (and gathered)."""
-    group, lay = s.group, s.group.layout
-    xp, staging, slots = group.xp, group.staging, group.claim_slots()
-    for k in range(lay.packs):
-        lo, hi = lay.bounds(k)
-        for run_lo, run_hi, parts, whole in s.runs[k]:
-            if whole:  # one C call, whatever the gradients' shapes
-                xp.concatenate([grads[j] for j, _, _ in parts], axis=None, out=staging[run_lo:run_hi])
-            else:
-                pieces = [grads[j].reshape(-1)[a:b] for j, a, b in parts]
-                xp.concatenate(pieces, out=staging[run_lo:run_hi])
-        for a, b in s.gaps[k]:
-            staging[a:b] = 0
-        if lay.sharded:
-            assert collectives is not None
-            collectives.reduce_scatter_in_place(
-                staging, kind=kind, options=options
-            )  # this rank's part: staging[:per_rank]
-            base = lay.owned(k)[0]  # the parameter whose summed gradient is staging[0]
-            shift = lay.slot_start(k) - base  # slot index - parameter index
-        else:
-            if collectives is not None:
-                collectives.all_reduce_in_place(staging[: hi - lo], kind=kind, options=options)
-            base, shift = lo, 0
-        for a, b in s.updates[k]:
-            block = b - a if b - a <= WHOLE else BLOCK
-            for start in range(a, b, block):
-                stop = min(start + block, b)
-                grad = staging[start - base : stop - base]
-                update(
-                    params[start:stop], grad, [slot[start + shift : stop + shift] for slot in slots], lr, step
-                )
-        if lay.sharded:
-            assert collectives is not None
-            collectives.all_gather_in_place(params[lo:hi], kind=kind)

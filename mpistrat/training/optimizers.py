@@ -24,6 +24,7 @@ summed gradients are those of the global mean loss.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -93,6 +94,22 @@ class Optimizer:
         self._shard_state = bool(shard_state)
         self._state: FlatState | None = None  # set by _flat_state() once the slots are known
         self._flat = flat
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Optimizer:
+        """A new optimizer with these settings (the strategy shared), while this one holds no state."""
+        if self._iterations is not None or self._slots or self._state is not None:
+            raise TypeError(
+                f"{self._name}: an optimizer that holds state (its step counter or slots, made by "
+                "apply_gradients or build) cannot be deep-copied: its slots live in flat buffers over the "
+                "variables it updates and are keyed by them, so a copy could update neither those "
+                "variables nor copies of them. Make a new optimizer with the same arguments (it builds its "
+                "slots at its first step), or keep this one's state with a Checkpoint"
+            )
+        duplicate = object.__new__(type(self))
+        memo[id(self)] = duplicate
+        for key, value in self.__dict__.items():
+            setattr(duplicate, key, copy.deepcopy(value, memo))
+        return duplicate
 
     @property
     def shard_state(self) -> bool:

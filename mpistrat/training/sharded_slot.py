@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mpistrat.collectives.fingerprint import checksum
 from mpistrat.comm import packing
-from mpistrat.errors import InvalidArgumentError
+from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training.optimizer_state import creation_order
 
 if TYPE_CHECKING:
@@ -35,8 +36,8 @@ class ShardedSlot:
 
     ``shape``, ``dtype`` and ``name`` answer locally. :meth:`numpy` and :meth:`value` are
     collective (every rank calls them): one all-gather of this slot's bytes assembles the whole
-    value on every rank. :meth:`assign` takes a whole value (the same on every rank) and keeps
-    this rank's part, sending nothing.
+    value on every rank. :meth:`assign` takes a whole value (the same on every rank: checked in
+    one handshake) and keeps this rank's part.
     """
 
     def __init__(self, group: Group, index: int, slot: str, name: str, collectives: Collectives):
@@ -94,16 +95,49 @@ class ShardedSlot:
         return self.value()
 
     def assign(self, value: Any) -> ShardedSlot:
-        """Set the whole slot from ``value`` (the same on every rank): this rank keeps its part."""
+        """Set the whole slot from ``value``, the same on every rank: this rank keeps its part.
+
+        Collective: the ranks compare a checksum of ``value`` (while the check is on), so a value
+        that differs between ranks, or is of another shape on one, raises on every rank and
+        writes nothing.
+        """
         xp, slot = self._group.xp, self._group.slots[self._slot]
-        flat = xp.asarray(value, dtype=self.dtype).reshape(-1)
-        if flat.size != int(np.prod(self._shape)):
-            raise InvalidArgumentError(
-                f"{self._name}.assign: expected a value of shape {self._shape}; got {tuple(xp.shape(value))}"
+        flat: Any = None
+        error: MpistratError | None = None
+        code = 0
+        try:
+            array = xp.asarray(value, dtype=self.dtype)
+            if tuple(array.shape) != self._shape:
+                raise InvalidArgumentError(
+                    f"{self._name}.assign: expected a value of shape {self._shape}; got {tuple(array.shape)}"
+                )
+            flat = array.reshape(-1)
+            code = checksum(flat)
+        except (TypeError, ValueError) as exc:
+            error = InvalidArgumentError(
+                f"{self._name}.assign: cannot make a {self.dtype} array of it: {exc}"
             )
+        except MpistratError as exc:
+            error = exc
+        self._collectives.agree(
+            f"assign({self._name})",
+            fingerprint=code,
+            describe=lambda: {
+                "leaves": [(repr(self._name), f"value with checksum {code:016x}", self._shape)],
+                "advice": _SAME_VALUE.format(name=self._name),
+            },
+            error=error,
+        )
         for lo, hi, at in self._pieces(self._group.layout.rank):
             slot[at : at + hi - lo] = flat[lo:hi]
         return self
 
     def __repr__(self) -> str:
         return f"<mpistrat.ShardedSlot {self._name!r} shape={self._shape} dtype={self.dtype}>"
+
+
+_SAME_VALUE = (
+    "{name}.assign takes the whole slot, the same value on every rank, and each rank keeps its part: "
+    "different values would leave a slot that no rank's value describes. Assign a value every rank "
+    "computes alike (e.g. one reduced with strategy.reduce)."
+)

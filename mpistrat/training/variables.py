@@ -39,8 +39,10 @@ __all__ = [
     "Writable",
     "combine",
     "plain_variable",
+    "read_only",
     "set_class_chooser",
     "to_numpy",
+    "writable_in_place",
 ]
 
 
@@ -151,8 +153,9 @@ class Variable(HasLocalCopy):
     # -- reads ------------------------------------------------------------------------
 
     def value(self) -> Any:
-        """The current value as an array (a NumPy or CuPy array; do not modify it in place)."""
-        return self._value
+        """The current value as an array, read-only (NumPy; a CuPy array cannot be marked so: leave
+        it as it is). A later write leaves it as it was; :meth:`numpy` gives a copy to change."""
+        return read_only(self._value)
 
     def read_value(self) -> Any:
         """The current value (as :meth:`value`)."""
@@ -194,7 +197,8 @@ class Variable(HasLocalCopy):
         if self._owner is None:  # a plain variable, not a distributed one's copy
             _refuse_replica_write(self, how)
         new = self._coerce(value, how)
-        if not self._private():  # someone holds the current value: leave it as it is
+        # _private() counts references: ask it before this frame holds one of its own
+        if not self._private() or not writable_in_place(self._value):  # held: leave it as it is
             self._set(combine(how, self._value, new.copy() if how == "assign" else new))
             return
         old = self._value
@@ -381,7 +385,7 @@ class Writable:
 
     def __enter__(self) -> Any:
         var = self.var
-        if not var._private():  # held elsewhere: write into a copy
+        if not var._private() or not writable_in_place(var._value):  # held elsewhere: write into a copy
             var._value = var._value.copy()
         return var._value
 
@@ -409,6 +413,26 @@ def combine(how: str, old: Any, value: Any) -> Any:
     new = old + value if how == "assign_add" else old - value
     # an array, never a NumPy scalar (what 0-d arithmetic gives): values are updated in place
     return packing.array_module(old).asarray(new, dtype=old.dtype)
+
+
+def read_only(arr: Any) -> Any:
+    """``arr``, marked read-only if it is a NumPy array: what a read returns, so that changing it in
+    place raises instead of changing one rank's copy of a variable (tf's tensors are immutable)."""
+    if type(arr) is np.ndarray:
+        arr.flags.writeable = False
+    return arr
+
+
+def writable_in_place(arr: Any) -> bool:
+    """Make a variable's own array writable again after :func:`read_only` (nothing holds it now);
+    False if it cannot be (its memory is read-only): then the write goes to a copy."""
+    if type(arr) is not np.ndarray or arr.flags.writeable:
+        return True
+    try:
+        arr.flags.writeable = True
+    except ValueError:
+        return False
+    return True
 
 
 def to_numpy(arr: Any) -> np.ndarray:

@@ -626,3 +626,28 @@ def test_objects_without_attributes_use_their_variables_and_others_are_refused()
         InvalidArgumentError, match=r"model \(str\) holds nothing to track; expected a Variable"
     ):
         mpistrat.Checkpoint(model="weights.npz")
+
+
+def test_a_dataset_that_changed_refuses_the_restore_before_any_variable_is_assigned(group, tmp_path):
+    """The datasets' positions are checked with every other entry, before anything is assigned."""
+    directory = shared_dir(group, tmp_path)
+    data = np.arange(64, dtype=np.float32)
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.arange(3.0))
+    dist = group.strategy.experimental_distribute_dataset(
+        mpistrat.ArrayDataset(data, 8, shuffle=True, seed=1)
+    )
+    it = iter(dist)
+    next(it)
+    path = mpistrat.Checkpoint(w=w, data=dist).write(os.path.join(directory, "with-data"))
+    other = group.strategy.experimental_distribute_dataset(
+        mpistrat.ArrayDataset(data, 8, shuffle=True, seed=2)
+    )
+    with group.strategy.scope():
+        w.assign(np.zeros(3))
+    ckpt = mpistrat.Checkpoint(w=w, data=other)
+    raises_on_every_rank(
+        group.comm, InvalidArgumentError, lambda: ckpt.restore(path), "the order of its examples"
+    )
+    with group.strategy.scope():
+        all_ranks_agree(group.comm, not w.numpy().any(), f"assigned before the dataset was refused: {w!r}")

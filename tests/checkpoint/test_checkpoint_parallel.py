@@ -208,3 +208,21 @@ def test_a_large_entry_in_many_calls_and_windows_restores_bitwise(group, tmp_pat
         ok = np.array_equal(big.numpy(), value) and np.array_equal(on_read.numpy(), np.arange(2000.0))
         ok = ok and np.array_equal(small.numpy(), values(4, (9,), np.float16))
     all_ranks_agree(group.comm, ok, f"{big.numpy()[:3]} {sys.byteorder}")
+
+
+def test_a_restore_into_flat_storage_leaves_values_read_before_it_as_they_were(group, tmp_path):
+    """A restore gathers straight into an optimizer's flat buffer; a value read before it (a view of
+    that buffer) keeps what it held, as after any write (copy-on-write)."""
+    directory = shared_dir(group, tmp_path)
+    ckpt, _, _ = make_state(group.strategy, shard=False, shapes=LARGE)
+    path = ckpt.write(os.path.join(directory, "flat"))
+    fresh, fresh_ws, _ = make_state(group.strategy, shard=False, zero=True, shapes=LARGE)
+    with group.strategy.scope():
+        kept = fresh_ws[0].value()
+        before = np.array(kept)
+    fresh.read(path).assert_consumed()
+    with group.strategy.scope():
+        ok = np.array_equal(kept, before) and not before.any()
+        restored = [w.numpy() for w in fresh_ws]
+        ok = ok and all(np.array_equal(w, values(k, w.shape)) for k, w in enumerate(restored))
+    all_ranks_agree(group.comm, ok, f"{kept[:3]} {fresh_ws[0].numpy()[:3]}")

@@ -108,6 +108,70 @@ def test_fp16_overflow_is_an_error_on_every_rank(where):
     assert c.all_reduce("sum", inf, CommunicationOptions(compression="fp16"))[0] == np.inf
 
 
+BF16_MAX = 2.0**128 - 2.0**120  # bf16's largest finite value: (2 - 2**-7) * 2**127
+_WORLD: list[mpistrat.MPIStrategy] = []
+
+
+def world_strategy() -> mpistrat.MPIStrategy:
+    """One strategy over the world for the overflow tests (creating one is collective)."""
+    if not _WORLD:
+        _WORLD.append(mpistrat.MPIStrategy(WORLD))
+    return _WORLD[0]
+
+
+def beyond_bf16(where: str, dtype: str) -> np.ndarray:
+    """Each rank's values, finite and within float32's range, whose bf16 sum is not finite."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x = np.ones(10, dtype)
+    if where == "input" and rank == size - 1:
+        x[7] = 1e300 if dtype == "f8" else 3.4e38  # 3.4e38 < FLT_MAX
+    elif where == "float32 sum" and rank < 2:  # two bf16 values whose float32 sum is infinite
+        x[3] = BF16_MAX if size > 1 else np.finfo(np.float32).max
+    elif where == "rounded sum" and rank < 2:  # a finite float32 sum, halfway past BF16_MAX: rounds up
+        x[3] = (BF16_MAX, 2.0**119)[rank] if size > 1 else BF16_MAX + 2.0**119
+    return x
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize(
+    "where,dtype", [("input", "f8"), ("input", "f4"), ("float32 sum", "f4"), ("rounded sum", "f4")]
+)
+def test_bf16_overflow_is_an_error_on_every_rank(where, dtype):
+    """A finite value or block sum beyond bf16's range is raised on every rank, as fp16's overflow
+    is, instead of coming back as an infinity; an infinity in the input is carried."""
+    c = world_strategy().extended.collectives
+    opts = CommunicationOptions(compression="bf16")
+    x = beyond_bf16(where, dtype)
+    raises_on_every_rank(
+        WORLD, mpistrat.InvalidArgumentError, lambda: c.all_reduce("sum", x, opts), match="bf16"
+    )
+    carried = np.array([np.inf, -np.inf, np.nan, 1.0], dtype)
+    got = c.all_reduce("sum", carried, opts)
+    ok = got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]) and got[3] == WORLD.Get_size()
+    all_ranks_agree(WORLD, ok, f"{got}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("where", ["input", "rounded sum"])
+def test_bf16_overflow_in_an_optimizer_step_is_an_error_on_every_rank(shard, where):
+    strategy = world_strategy()
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(10, "f4"))
+        opt = mpistrat.optimizers.SGD(
+            1.0, shard_state=shard, communication_options=CommunicationOptions(compression="bf16")
+        )
+    grad = beyond_bf16(where, "f4")
+    raises_on_every_rank(
+        WORLD,
+        mpistrat.InvalidArgumentError,
+        lambda: strategy.run(lambda: opt.apply_gradients([(grad, w)])),
+        match="bf16",
+    )
+    with strategy.scope():
+        all_ranks_agree(WORLD, not w.numpy().any(), f"{w.numpy()}")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
 def test_bytes_per_rank_are_at_most_055_of_the_plain_path(codec):

@@ -59,7 +59,10 @@ def test_abort_on_exception_can_be_turned_off():
     code, out = run_job("raise_in_run.py", limit=15, env={"MPISTRAT_ABORT_ON_EXCEPTION": "0"})
     assert code != 0, out
     assert "[rank 1] Traceback" not in out and "RuntimeError: boom on rank 1" in out, out
-    assert "RuntimeError: strategy.run (result) (collective #1) failed on rank 1: boom on rank 1" in out, out
+    assert (
+        "RuntimeError: strategy.run (result) (collective #1) failed on rank 1, which left all_reduce "
+        "(collective #1, called at tests/faults/raise_in_run.py:13 in step) where ranks 0, 2 waited: boom on rank 1"
+    ) in out, out
 
 
 def test_mismatched_arguments_raise_on_every_rank_with_the_key_path():
@@ -149,12 +152,21 @@ def test_merge_fn_error_reaches_every_rank_and_the_strategy_goes_on():
     assert on_every_rank(out, "after: ok"), out
 
 
+def test_sys_exit_in_an_every_rank_merge_fn_ends_every_rank_with_its_status():
+    """It used to end the job with "ranks are in different collectives" and MPI_Abort's status 1."""
+    code, out = run_job("merge_fn_raises.py", "exit", limit=30)
+    assert code == 3 and "went on" not in out and "different collectives" not in out, out
+    said = re.findall(r"failed on rank 1, which left reduce .* waited: sys.exit\(3\)", out)
+    assert len(said) == 1, out
+
+
 def test_a_late_rank_gets_a_stall_warning_naming_it():
     code, out = run_job("stall_warning.py", limit=30, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"})
     assert code == 0, out
     assert out.count("WARNING: all_reduce (collective #3") == 1, out  # from the lowest waiting rank only
     assert "[mpistrat rank 0] WARNING" in out, out
-    assert "has waited 1 s: waiting for rank 2: rank 2 is not in a collective" in out, out
+    # how long it has waited when the warning prints: the 1 s, and the diagnosis's round trip
+    assert re.search(r"has waited [12] s: waiting for rank 2: rank 2 is not in a collective", out), out
     assert on_every_rank(out, "finished"), out
 
 
@@ -268,6 +280,22 @@ def test_a_rank_that_leaves_ends_the_job_at_once_naming_it(how):
         )
     named = re.findall(pattern, out)
     assert named and set(named) <= {"0", "2"}, out
+
+
+@pytest.mark.parametrize("how", ["exit", "slurm"])
+def test_a_rank_that_fails_while_the_others_create_a_strategy_with_a_resolver_ends_the_job(how):
+    """The resolver's check used to run a blocking Dup and allgather before the bounded creation:
+    the others waited there for good. Now the creation comes first, bounded as without a resolver."""
+    env = {"MPISTRAT_TIMEOUT": "3"} if how == "slurm" else {}
+    code, out = run_job("resolver_rank_fails.py", how, limit=30, env=env)
+    assert code != 0 and "created its strategy" not in out, out
+    why = "world rank 1 exited" if how == "exit" else "did not complete within its timeout of 3 s"
+    pattern = (
+        rf"\[rank [02]\] mpistrat: MultiWorkerMirroredStrategy\(\) cannot create its communicator .*{why}"
+    )
+    assert re.search(pattern, out), out
+    if how == "slurm":
+        assert "Invalid tasks-per-node list format" in out, out  # rank 1's own error, with its traceback
 
 
 @pytest.mark.parametrize("how", ["every", "early", "before_import"])

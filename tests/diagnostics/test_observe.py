@@ -124,6 +124,50 @@ def test_the_merged_trace_is_a_valid_chrome_trace_with_every_rank(world):
     all_ranks_agree(comm, comm.bcast(ok), comm.bcast(why))
 
 
+def test_a_timeline_cut_part_way_merges_its_complete_lines_and_says_so(world, tmp_path, capsys):
+    """What "the timeline stopped" leaves: a write that failed part-way cuts the file's last line.
+    ``mpistrat timeline`` and ``mpistrat plot`` merge every complete line and say one was cut."""
+    from mpistrat.tools import plot
+
+    comm = world.comm
+    directory = comm.bcast(tempfile.mkdtemp(prefix="mpistrat-timeline-") if comm.Get_rank() == 0 else None)
+    try:
+        mpistrat.start_timeline(directory)
+        strategy = mpistrat.MPIStrategy(comm)
+        for _ in range(6):
+            strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(8, np.float32)))
+        strategy.experimental_finalize()
+    finally:
+        mpistrat.stop_timeline()
+    comm.Barrier()
+    ok, why = True, ""
+    if comm.Get_rank() == 0:
+        last = Path(directory) / f"rank-{comm.Get_size() - 1:05d}.jsonl"
+        whole = last.read_bytes()
+        last.write_bytes(whole[: whole.rstrip(b"\n").rfind(b"\n") + 20])  # 19 bytes of the last line
+        complete = sum(1 for line in last.read_text().splitlines()[1:] if _is_json(line))
+        out = tmp_path / "trace.json"
+        code = merge_tool.main([directory, "-o", str(out)])
+        said = capsys.readouterr()
+        events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+        mine = [e for e in events if e["pid"] == comm.Get_size() - 1]
+        if code != 0 or len(mine) != complete or "its last line was cut" not in said.err + said.out:
+            ok, why = False, f"exit {code}, {len(mine)} of {complete} events, said {said.err + said.out!r}"
+        code = plot.main([directory, "-o", str(tmp_path / "wait.png")])
+        said = capsys.readouterr()
+        if code != 0 or "its last line was cut" not in said.err + said.out:
+            ok, why = False, f"plot: exit {code}, said {said.err + said.out!r}"
+    all_ranks_agree(comm, comm.bcast(ok), comm.bcast(why))
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def test_a_span_is_nothing_while_the_timeline_is_off():
     assert mpistrat.trace("a") is mpistrat.trace("b")  # one shared do-nothing context
 

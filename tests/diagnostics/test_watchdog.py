@@ -11,7 +11,7 @@ import pytest
 
 import mpistrat
 from mpistrat import CommunicationOptions
-from mpistrat.diagnostics import abort, diagnosis, flight, watchdog
+from mpistrat.diagnostics import abort, diagnosis, farewell, flight, watchdog
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.log import RankFilter, logger
 from tests.conftest import all_ranks_agree
@@ -190,7 +190,7 @@ def test_one_stall_costs_side_channel_messages_linear_in_the_ranks(world, monkey
     finally:
         logger.removeHandler(kept)
         strategy.experimental_finalize()
-    messages = world.comm.allreduce(ledger.only("isend").calls)
+    messages = world.comm.allreduce(ledger.only("issend").calls)
     warnings = [m for ms in world.comm.allgather([m for m in kept.messages if "has waited" in m]) for m in ms]
     ok = (
         0 < messages <= 4 * (world.size - 1)
@@ -324,15 +324,50 @@ def test_dropped_strategies_free_their_communicators(world):
     all_ranks_agree(world.comm, got == world.size and live == 0, f"{got}, {live} monitors still watched")
 
 
-def test_a_forked_child_does_not_announce_that_its_rank_left(world, monkeypatch):
+class Untouchable:
+    """A lock that fails the test when taken."""
+
+    def __enter__(self):
+        raise AssertionError("the side channel was touched")
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_forked_child_does_not_announce_that_its_rank_left(monkeypatch):
     """A child made by os.fork() inherits the exit hook; only the rank's own process may say it left."""
-    sent = []
-    monkeypatch.setattr(watchdog.WATCHDOG, "send", lambda mon, message, dest: sent.append((message[0], dest)))
+    monkeypatch.setattr(watchdog.WATCHDOG, "lock", Untouchable())
     monkeypatch.setattr(watchdog.WATCHDOG, "pid", -1)  # as in a child: another process
-    watchdog.WATCHDOG.announce_exit()
-    assert sent == []
-    monkeypatch.setattr(watchdog.WATCHDOG, "pid", os.getpid())
-    watchdog.WATCHDOG.announce_exit()
-    watched = [m for m in watchdog.WATCHDOG.registry if m.side and m.watched]
-    assert len(sent) == len(watched) and all(what == "left" for what, _ in sent)
-    assert (len(watched) > 0) == (world.size > 1)
+    farewell.leave(watchdog.WATCHDOG)  # returns before the side channel
+    monkeypatch.setattr(watchdog.WATCHDOG, "pid", os.getpid())  # the rank itself goes on to it
+    with pytest.raises(AssertionError, match="the side channel was touched"):
+        farewell.leave(watchdog.WATCHDOG)
+
+
+def test_a_stall_warning_says_how_long_it_has_waited_when_it_is_printed(monkeypatch):
+    """The stall is noticed at 1 s, and its diagnosis comes 4 s later (a rank that does not answer
+    holds the listening for LISTEN): the warning printed then says 5 s, the wait so far. On a clock
+    of this thread's own, so nothing here depends on timing."""
+    import threading
+    import types
+
+    from mpistrat.diagnostics import watchdog
+
+    me, real = threading.current_thread(), watchdog.time.monotonic
+    clock = iter([101.0, 105.0])
+    fake = types.SimpleNamespace(
+        monotonic=lambda: next(clock) if threading.current_thread() is me else real(), sleep=time.sleep
+    )
+    monkeypatch.setattr(watchdog, "time", fake)
+    dog = watchdog.Watchdog()
+    answers = iter([None, ("rank 1 did not answer within 4 s", -1)])
+    monkeypatch.setattr(dog, "result", lambda mon, event, now: next(answers))
+    said = []
+    monkeypatch.setattr(watchdog, "_warn", lambda mon, start, waited, result: said.append(waited))
+    mon = types.SimpleNamespace(
+        start=100.0, seq=3, kind="all_reduce", side=None, deadline=None, handled=None,
+        stall_after=1.0, warned=None,
+    )  # fmt: skip
+    dog.tend(mon)  # 1 s: noticed, the diagnosis asked for
+    dog.tend(mon)  # 5 s: the diagnosis is here
+    assert said == [5.0], said

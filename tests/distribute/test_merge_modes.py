@@ -230,7 +230,8 @@ def test_strict_check_passes_deterministic_optimizer_steps():
 @pytest.mark.mpi(min_size=2)
 def test_every_rank_merge_fn_failing_before_a_collective_the_others_enter_does_not_hang():
     """The failing rank's closing handshake meets the others' reduce: every rank raises there, and
-    nobody waits in a closing handshake that the failing rank has left."""
+    nobody waits in a closing handshake that the failing rank has left. The others raise its
+    ValueError, naming it and where they waited, not "ranks are in different collectives"."""
     strategy = strategy_for("every_rank")
     rank = strategy.extended.rank
 
@@ -239,9 +240,14 @@ def test_every_rank_merge_fn_failing_before_a_collective_the_others_enter_does_n
             raise ValueError("boom on rank 1")
         return strategy.reduce("sum", np.ones(2), axis=None)
 
-    raises_on_every_rank(
-        WORLD, Exception, lambda: strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn))
+    message = raises_on_every_rank(
+        WORLD,
+        ValueError,
+        lambda: strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn)),
+        "boom on rank 1",
     )
+    if rank != 1:
+        assert "failed on rank 1, which left reduce" in message, message
     total = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1))
     all_ranks_agree(WORLD, int(total) == WORLD.Get_size(), f"{total}")
 

@@ -7,13 +7,17 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import mpistrat
 
 mib = float(sys.argv[1]) if len(sys.argv) > 1 else 100.0
-strategy = mpistrat.MPIStrategy()
-rank, size = strategy.extended.rank, strategy.extended.size
+rank = MPI.COMM_WORLD.Get_rank()
+# Filled before the strategy: a rank still filling 300 MiB when another reaches the opening
+# all_reduce would rightly be named as missing from it (seen on a loaded machine).
 local = np.full(int(mib * 2**20) // 8, float(rank))
+strategy = mpistrat.MPIStrategy()
+size = strategy.extended.size
 strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", 1.0))  # everyone has started
 began = time.monotonic()
 gathered = strategy.run(lambda: mpistrat.get_replica_context().all_gather(local, axis=0))

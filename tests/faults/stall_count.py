@@ -5,7 +5,7 @@ or with ``--freeze`` stops itself (SIGSTOP: no watchdog answers either) until an
 continues it once a stand-in has diagnosed the stall. With ``--slow K``, K waiting ranks are
 alive but slow to answer: their watchdog thread gets round to the side channel 2 s late, as on
 an oversubscribed node. The warning must still name only the late rank. Every rank records its
-side-channel sends (``isend``: nothing but the watchdog uses it) while the late collective
+side-channel sends (``issend``: nothing but the watchdog uses it) while the late collective
 runs, and keeps the stall warnings it logs; rank 0 prints the totals over all ranks (messages,
 bytes) and checks that exactly one warning was logged, naming the late rank and no other.
 """
@@ -76,7 +76,7 @@ with Ledger.recording() as ledger:
     total = strategy.run(step)
     time.sleep(0.5)  # anything the watchdog still sends about this stall is counted too
 assert total.tolist() == [float(size)] * 4, total
-sent = ledger.only("isend")
+sent = ledger.only("issend")
 messages, nbytes = world.allreduce(sent.calls), world.allreduce(sent.sent)
 warnings = [m for ms in world.allgather([m for m in kept.messages if "has waited" in m]) for m in ms]
 if rank == 0:

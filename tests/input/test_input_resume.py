@@ -1,4 +1,4 @@
-"""A dataset's position (pass, and batches taken in it) saved by Checkpoint: a resumed run equals an
+"""A dataset's position (pass, and examples taken in it) saved by Checkpoint: a resumed run equals an
 uninterrupted one.
 
 The references are plain NumPy: pass ``e`` of ``ArrayDataset(shuffle=True, seed=s)`` visits the
@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import mpistrat
 from mpistrat import ArrayDataset, CollectiveMismatchError, InvalidArgumentError
+from mpistrat.input import saved_row
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 from tests.support import launch
 
@@ -90,14 +91,16 @@ def test_a_resumed_run_reads_what_an_uninterrupted_one_reads(group, tmp_path, st
     agree(group, (restored, got), (passes, want))
 
 
-def test_the_position_is_saved_as_epoch_and_global_step(group, tmp_path):
-    _, dist = distributed(group)
+def test_the_position_is_saved_as_epoch_and_examples(group, tmp_path):
+    """Pass 1 after two global batches of 4: 8 examples, with the dataset's digests."""
+    dataset, dist = distributed(group)
     ckpt = mpistrat.Checkpoint(data=dist)
     list(dist)
     it = iter(dist)
     next(it), next(it)
     path = ckpt.write(os.path.join(shared_dir(group, tmp_path), "ckpt"))
-    agree(group, saved_position(path, "data"), [1, 2])
+    saved = saved_row.decode(saved_position(path, "data"))
+    agree(group, (saved.epoch, saved.examples, saved.identity), (1, 2 * BATCH, dataset.identity))
 
 
 def saved_position(path, name):
@@ -169,11 +172,11 @@ def test_a_generator_resumes_by_skipping_what_is_left_of_it(group, tmp_path):
     it = iter(dist)
     next(it), next(it), next(it)
     path = mpistrat.Checkpoint(data=dist).write(os.path.join(shared_dir(group, tmp_path), "ckpt"))
-    dist = group.strategy.experimental_distribute_dataset(np.full((2,), i) for i in range(6))
+    dist = group.strategy.experimental_distribute_dataset(np.full((2,), i) for i in range(9))
     _ = dist.element_spec  # the peeked batch still counts among those skipped
-    mpistrat.Checkpoint(data=dist).read(path)
+    mpistrat.Checkpoint(data=dist).read(path)  # 3 batches of 4 taken: 12 examples, 6 batches of 2 here
     agree(
-        group, [x.tolist() for x in dist], [part(np.full((2,), i), group.size, group.rank) for i in (3, 4, 5)]
+        group, [x.tolist() for x in dist], [part(np.full((2,), i), group.size, group.rank) for i in (6, 7, 8)]
     )
 
 
@@ -259,7 +262,11 @@ def test_pipelines_resume_at_the_same_number_of_ranks(group, tmp_path):
     mine = [shard_reference(e, group.size, group.rank) for e in (1, 2)]
     longest = math.ceil(math.ceil(N / group.size) / 2)  # steps a pass takes: the longest pipeline's
     padded = [mine[0][3:] + [[]] * (longest - len(mine[0])), mine[1] + [[]] * (longest - len(mine[1]))]
-    agree(group, (value, got, made[0].epoch), ([[1, 3]] * group.size, padded, 3))
+    rows = [(r.epoch, r.examples) for r in map(saved_row.decode, value)]
+    taken = [
+        sum(map(len, shard_reference(1, group.size, r)[:3])) for r in range(group.size)
+    ]  # 5 on the short shard at 4 ranks
+    agree(group, (rows, got, made[0].epoch), ([(1, t) for t in taken], padded, 3))
 
 
 def test_pipelines_refuse_a_position_saved_at_another_number_of_ranks(group, tmp_path):
@@ -301,7 +308,9 @@ def test_a_position_entry_of_the_wrong_shape_or_dtype_raises(group, tmp_path, va
         group.comm, InvalidArgumentError, lambda: mpistrat.Checkpoint(data=dist).read(path)
     )
     held = f"{value.dtype}{list(value.shape)}"
-    assert f"expected int64[2] ([epoch, step] in global batches), the checkpoint holds {held}" in message
+    assert (
+        f"expected int64[2] (the pass, and the examples taken in it), the checkpoint holds {held}" in message
+    )
 
 
 def test_an_array_dataset_itself_is_not_a_checkpoint_entry():

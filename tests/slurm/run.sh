@@ -203,7 +203,7 @@ bare=$(sbatch --parsable --ntasks=2 --cpus-per-task=2 --output="$WORK/results/sl
 say "submitted jobs/bench.sbatch with --export=NONE, --cpus-per-task=2 and no matplotlib: job $bare"
 ids+=("$bare")
 # The training job with --export=NONE too.
-none="NONE,JOB_SETUP=$WORK/setup.sh,TIMELINE=1"
+none="NONE,JOB_SETUP=$WORK/setup.sh,TIMELINE=1,PREFLIGHT=1"
 if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
     train=$(sbatch --parsable --ntasks=2 --export="$none" --output="$WORK/results/slurm-%j.out" jobs/train.sbatch)
     say "submitted jobs/train.sbatch with --export=NONE and TIMELINE=1: job $train"
@@ -383,6 +383,9 @@ assert info["ranks"] == 2 and info["seconds"] > 0, info
 # TIMELINE=1: both ranks' timelines merged into one trace
 trace = json.load(open(sys.argv[1].replace("train.json", "trace.json")))
 assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}, trace["otherData"]
+# PREFLIGHT=1: mpistrat info --health ran on both tasks first (one node: nothing to compare)
+health = open(sys.argv[1].replace("train.json", "health.txt")).read()
+assert "health of 1 node(s), 2 rank(s)" in health and "nothing to compare" in health, health
 PY
 if [ -n "$multi_worker" ]; then
     "$PYTHON" - "$WORK/results/slurm-$multi_worker.out" "$WORK/mw" << 'PY'

@@ -2,9 +2,11 @@
 
 mpi4py's ``Intracomm`` can be subclassed and ``Dup`` returns the subclass, so a strategy
 built on ``CountingComm(comm)`` records everything it sends on its private duplicate.
-Each call is logged as (name, bytes this rank sent, bytes this rank received): the
-payload a rank hands to MPI or gets back, which is what grows (or must not grow) with
-the number of ranks. Pickled (lower-case) calls count their pickles' sizes.
+Each call is logged as (name, bytes this rank sent, bytes this rank received, the
+communicator's name): the payload a rank hands to MPI or gets back, which is what grows
+(or must not grow) with the number of ranks. Pickled (lower-case) calls count their
+pickles' sizes. ``Split`` and ``Split_type`` give counting communicators too, so the node
+and leader communicators of a hierarchical sum are counted, each under its own name.
 
 >>> from mpi4py import MPI
 >>> import numpy as np
@@ -46,6 +48,7 @@ class Call:
     name: str
     sent: int
     received: int
+    comm: str = ""  # the communicator's name (MPI_Comm_get_name)
 
 
 @dataclasses.dataclass
@@ -82,6 +85,10 @@ class Ledger:
     def only(self, *names: str) -> Ledger:
         return Ledger([c for c in self.log if c.name in names])
 
+    def on(self, comm: str) -> Ledger:
+        """The calls made on the communicator named ``comm``."""
+        return Ledger([c for c in self.log if c.comm == comm])
+
     @classmethod
     @contextlib.contextmanager
     def recording(cls) -> Iterator[Ledger]:
@@ -98,9 +105,9 @@ class Ledger:
 _LEDGERS: list[Ledger] = []
 
 
-def _note(name: str, sent: int, received: int) -> None:
+def _note(name: str, sent: int, received: int, comm: str = "") -> None:
     for ledger in _LEDGERS:
-        ledger.log.append(Call(name, sent, received))
+        ledger.log.append(Call(name, sent, received, comm))
 
 
 class CountingComm(MPI.Intracomm):
@@ -109,66 +116,79 @@ class CountingComm(MPI.Intracomm):
     def _root(self, root: int) -> bool:
         return self.Get_rank() == root
 
+    def Split(self, color: int = 0, key: int = 0) -> MPI.Intracomm:
+        new = super().Split(color, key)
+        return new if new == MPI.COMM_NULL else CountingComm(new)
+
+    def Split_type(self, split_type: int, key: int = 0, info: MPI.Info = MPI.INFO_NULL) -> MPI.Intracomm:
+        new = super().Split_type(split_type, key, info)
+        return new if new == MPI.COMM_NULL else CountingComm(new)
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM, root: int = 0) -> None:
+        n = _nbytes(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
+        _note("Reduce", 0 if self._root(root) else n, n if self._root(root) else 0, self.Get_name())
+        return super().Reduce(sendbuf, recvbuf, op, root)
+
     # -- buffer (upper-case) collectives ---------------------------------------------
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> None:
         n = _nbytes(recvbuf)
-        _note("Allreduce", n, n)
+        _note("Allreduce", n, n, self.Get_name())
         return super().Allreduce(sendbuf, recvbuf, op)
 
     def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> MPI.Request:
         n = _nbytes(recvbuf)
-        _note("Allreduce", n, n)
+        _note("Allreduce", n, n, self.Get_name())
         return super().Iallreduce(sendbuf, recvbuf, op)
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         received = _nbytes(recvbuf)
         # in place, this rank's block of the receive buffer is what it hands to MPI
         sent = received // self.Get_size() if sendbuf is MPI.IN_PLACE else _nbytes(sendbuf)
-        _note("Allgather", sent, received)
+        _note("Allgather", sent, received, self.Get_name())
         return super().Allgather(sendbuf, recvbuf)
 
     def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
-        _note("Alltoall", _nbytes(sendbuf), _nbytes(recvbuf))
+        _note("Alltoall", _nbytes(sendbuf), _nbytes(recvbuf), self.Get_name())
         return super().Alltoall(sendbuf, recvbuf)
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> None:
         if sendbuf is MPI.IN_PLACE:  # the input is the whole receive buffer, the result its first block
             n = _nbytes(recvbuf)
-            _note("Reduce_scatter_block", n, n // self.Get_size())
+            _note("Reduce_scatter_block", n, n // self.Get_size(), self.Get_name())
         else:
-            _note("Reduce_scatter_block", _nbytes(sendbuf), _nbytes(recvbuf))
+            _note("Reduce_scatter_block", _nbytes(sendbuf), _nbytes(recvbuf), self.Get_name())
         return super().Reduce_scatter_block(sendbuf, recvbuf, op)
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
-        _note("Allgatherv", _nbytes(sendbuf), _nbytes(recvbuf))
+        _note("Allgatherv", _nbytes(sendbuf), _nbytes(recvbuf), self.Get_name())
         return super().Allgatherv(sendbuf, recvbuf)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         n = _nbytes(buf)
-        _note("Bcast", n if self._root(root) else 0, 0 if self._root(root) else n)
+        _note("Bcast", n if self._root(root) else 0, 0 if self._root(root) else n, self.Get_name())
         return super().Bcast(buf, root)
 
     def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        _note("Gather", _nbytes(sendbuf), _nbytes(recvbuf) if self._root(root) else 0)
+        _note("Gather", _nbytes(sendbuf), _nbytes(recvbuf) if self._root(root) else 0, self.Get_name())
         return super().Gather(sendbuf, recvbuf, root)
 
     def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        _note("Gatherv", _nbytes(sendbuf), _nbytes(recvbuf) if self._root(root) else 0)
+        _note("Gatherv", _nbytes(sendbuf), _nbytes(recvbuf) if self._root(root) else 0, self.Get_name())
         return super().Gatherv(sendbuf, recvbuf, root)
 
     def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        _note("Scatterv", _nbytes(sendbuf) if self._root(root) else 0, _nbytes(recvbuf))
+        _note("Scatterv", _nbytes(sendbuf) if self._root(root) else 0, _nbytes(recvbuf), self.Get_name())
         return super().Scatterv(sendbuf, recvbuf, root)
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        _note("Send", _nbytes(buf), 0)
+        _note("Send", _nbytes(buf), 0, self.Get_name())
         return super().Send(buf, dest, tag)
 
     def Recv(
         self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None
     ) -> None:
-        _note("Recv", 0, _nbytes(buf))
+        _note("Recv", 0, _nbytes(buf), self.Get_name())
         return super().Recv(buf, source, tag, status)
 
     # -- pickled (lower-case) calls ------------------------------------------------------
@@ -176,37 +196,41 @@ class CountingComm(MPI.Intracomm):
     def bcast(self, obj: Any, root: int = 0) -> Any:
         out = super().bcast(obj, root)
         n = _pickled(out)
-        _note("bcast", n if self._root(root) else 0, 0 if self._root(root) else n)
+        _note("bcast", n if self._root(root) else 0, 0 if self._root(root) else n, self.Get_name())
         return out
 
     def gather(self, sendobj: Any, root: int = 0) -> Any:
         out = super().gather(sendobj, root)
         received = sum(map(_pickled, out)) - _pickled(sendobj) if self._root(root) else 0
-        _note("gather", 0 if self._root(root) else _pickled(sendobj), received)
+        _note("gather", 0 if self._root(root) else _pickled(sendobj), received, self.Get_name())
         return out
 
     def scatter(self, sendobj: Any, root: int = 0) -> Any:
         out = super().scatter(sendobj, root)
         sent = sum(map(_pickled, sendobj)) - _pickled(out) if self._root(root) else 0
-        _note("scatter", sent, 0 if self._root(root) else _pickled(out))
+        _note("scatter", sent, 0 if self._root(root) else _pickled(out), self.Get_name())
         return out
 
     def allgather(self, sendobj: Any) -> Any:
         out = super().allgather(sendobj)
-        _note("allgather", _pickled(sendobj), sum(map(_pickled, out)))
+        _note("allgather", _pickled(sendobj), sum(map(_pickled, out)), self.Get_name())
         return out
 
     def allreduce(self, sendobj: Any, op: Any = MPI.SUM) -> Any:
         out = super().allreduce(sendobj, op)
-        _note("allreduce", _pickled(sendobj), _pickled(out))
+        _note("allreduce", _pickled(sendobj), _pickled(out), self.Get_name())
         return out
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
-        _note("isend", _pickled(obj), 0)
+        _note("isend", _pickled(obj), 0, self.Get_name())
         return super().isend(obj, dest, tag)
 
+    def issend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        _note("issend", _pickled(obj), 0, self.Get_name())
+        return super().issend(obj, dest, tag)
+
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
-        _note("send", _pickled(obj), 0)
+        _note("send", _pickled(obj), 0, self.Get_name())
         return super().send(obj, dest, tag)
 
 

@@ -147,6 +147,51 @@ def case_devices_reported(xp: Any, strategy: Any, comm: Any) -> None:
     all_ranks_agree(comm, ok, f"device {device}, placement {placement}")
 
 
+def case_checkpoint_round_trip(xp: Any, strategy: Any, comm: Any) -> None:
+    """Device variables and Adam's slots saved by every rank's share (through host copies of the
+    share) and restored bitwise: into device variables, into host variables, and a host file back
+    onto the device."""
+    import os
+    import tempfile
+
+    folder = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None, root=0)
+    shapes = [(5, 3), (7,), ()]
+
+    def model(module: Any, fill: float | None) -> tuple[list[Any], Any]:
+        with strategy.scope():
+            ws = [
+                mpistrat.Variable(
+                    module.asarray(local(0, s, "float32") if fill is None else np.full(s, fill, np.float32))
+                )
+                for s in shapes
+            ]
+            opt = mpistrat.optimizers.Adam(0.1)
+            opt.build(ws)
+        return ws, opt
+
+    def values(ws: list[Any], opt: Any) -> list[Any]:
+        with strategy.scope():
+            return [w.value() for w in ws] + [opt.get_slot(w, n).value() for w in ws for n in ("m", "v")]
+
+    ws, opt = model(xp, None)
+    grads = [xp.asarray(np.ones(s, np.float32)) for s in shapes]
+    strategy.run(lambda: opt.apply_gradients(zip(grads, ws, strict=True)))
+    want = [host(v) for v in values(ws, opt)]
+    device_file = mpistrat.Checkpoint(w=ws, opt=opt).write(os.path.join(folder, "device"))
+    for module, name in ((xp, "device"), (np, "host")):
+        got_ws, got_opt = model(module, -1.0)
+        mpistrat.Checkpoint(w=got_ws, opt=got_opt).read(device_file).assert_consumed()
+        for got, w in zip(values(got_ws, got_opt), want, strict=True):
+            agree_close(comm, got, w, f"restored into {name} variables", device=module is xp)
+    host_ws, host_opt = model(np, -1.0)
+    mpistrat.Checkpoint(w=host_ws, opt=host_opt).read(device_file)
+    host_file = mpistrat.Checkpoint(w=host_ws, opt=host_opt).write(os.path.join(folder, "host"))
+    back_ws, back_opt = model(xp, -1.0)
+    mpistrat.Checkpoint(w=back_ws, opt=back_opt).read(host_file).assert_consumed()
+    for got, w in zip(values(back_ws, back_opt), want, strict=True):
+        agree_close(comm, got, w, "a host file restored onto the device")
+
+
 CASES = [
     case_all_reduce_sum,
     case_all_reduce_mixed_nest,
@@ -155,4 +200,5 @@ CASES = [
     case_strategy_reduce_and_gather,
     case_mixed_kinds_mismatch,
     case_devices_reported,
+    case_checkpoint_round_trip,
 ]

@@ -180,7 +180,8 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
     return ndarray(np.array(_unwrap(a, strict=False), dtype=dtype))
 
 
-array = asarray
+def array(a: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> ndarray:
+    return ndarray(np.array(_unwrap(a, strict=False), dtype=dtype, copy=copy, order=order))
 
 
 def asnumpy(a: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.tools import bench, bench_meta, bench_optimizer, bench_report
+from mpistrat.tools import bench, bench_args, bench_meta, bench_optimizer, bench_report, host
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 from tests.support.launch import launcher_options
@@ -53,6 +53,8 @@ def test_bad_arguments_are_refused_with_the_reason(capsys):
         (["--leaves", "0"], "--leaves"),
         (["--compression", "bf16", "--deterministic"], "choose one"),
         (["--compression", "fp16", "--ops", "apply_gradients_adam"], "not with apply_gradients_adam"),
+        (["--warmup", "-3"], "--warmup: expected an integer >= 0 (0: no warm-up); got -3"),
+        (["--warmup=-5", "--iters", "2"], "--warmup: expected an integer >= 0"),
     ):
         with pytest.raises(SystemExit) as info:
             bench.main(args)
@@ -145,10 +147,34 @@ def test_a_max_between_powers_of_two_is_said(tmp_path, capsys):
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
-def validate(data: dict, ranks: int, ops: list[str] | None = None, max_bytes: int | None = None) -> list[str]:
-    """Problems with a results file, [] if none."""
+def crowded() -> bool:
+    """Whether this job's ranks outnumber the logical cores they may use on some host, from each
+    rank's host name and binding (raw mpi4py; collective)."""
+    mine = (MPI.Get_processor_name(), sorted(os.sched_getaffinity(0)))
+    hosts: dict[str, tuple[int, set[int]]] = {}
+    for name, cpus in WORLD.allgather(mine):
+        ranks, union = hosts.get(name, (0, set()))
+        hosts[name] = (ranks + 1, union | set(cpus))
+    return any(ranks > len(union) for ranks, union in hosts.values())
+
+
+def validate(
+    data: dict,
+    ranks: int,
+    ops: list[str] | None = None,
+    max_bytes: int | None = None,
+    oversubscribed: bool | None = None,
+) -> list[str]:
+    """Problems with a results file, [] if none. ``oversubscribed``: whether its rows must be marked so
+    (default: a job started on this machine, unbound, is when it has more ranks than our cores)."""
     problems = []
     meta, rows = data["meta"], data["results"]
+    if oversubscribed is None:
+        oversubscribed = ranks > len(os.sched_getaffinity(0))
+    if bool(meta.get("oversubscribed")) != oversubscribed or any(
+        r.get("oversubscribed") is not oversubscribed for r in rows
+    ):
+        problems.append(f"oversubscribed: {meta.get('oversubscribed')}, rows not all {oversubscribed}")
     if data["format"] != bench_report.FORMAT:
         problems.append(f"format {data['format']}")
     for key in ("mpistrat", "mpi4py", "mpi_library", "hosts", "date", "options", "command", "check"):
@@ -206,14 +232,19 @@ def _iters(meta: dict) -> tuple[int, int, int | None]:
 
 
 def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
+    """At 3 or 4 ranks on 2 cores the run is oversubscribed: warned about, and every row marked."""
     n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    over = crowded()
     out = tmp_path / "run.json"
     code = bench.main([*SMALL, "--json", str(out), "--csv", str(tmp_path / "run.csv"), "--no-progress"])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     problems = [f"exit code {code}"] if code else []
     if rank == 0:
         data = json.loads(out.read_text())
-        problems += validate(data, n, DEFAULT_OPS, 1024)
+        problems += validate(data, n, DEFAULT_OPS, 1024, oversubscribed=over)
+        if over != ("oversubscribed. The ranks take turns" in captured.err):
+            problems.append(f"oversubscribed {over}, stderr {captured.err[-300:]!r}")
         problems += [f"table lacks {op}" for op in DEFAULT_OPS if f"## {op}:" not in printed]
         csv_lines = (tmp_path / "run.csv").read_text().splitlines()
         if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
@@ -234,25 +265,27 @@ def test_progress_is_tqdms_bar_and_without_tqdm_the_same_sweep(tmp_path, capsys,
     else:
         pytest.importorskip("tqdm")
     n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    over = crowded()
     out = tmp_path / "run.json"
     code = bench.main([*SMALL, "--json", str(out), "--csv", str(tmp_path / "run.csv"), "--progress"])
     printed = capsys.readouterr()
+    err = "".join(line for line in printed.err.splitlines(True) if "oversubscribed." not in line)
     problems = [f"exit code {code}"] if code else []
     if rank == 0:
         data = json.loads(out.read_text())
-        problems += validate(data, n, DEFAULT_OPS, 1024)
+        problems += validate(data, n, DEFAULT_OPS, 1024, oversubscribed=over)
         problems += [f"table lacks {op}" for op in DEFAULT_OPS if f"## {op}:" not in printed.out]
         csv_lines = (tmp_path / "run.csv").read_text().splitlines()
         if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
             problems.append(f"csv: {csv_lines[:2]}")
         tasks = len(DEFAULT_OPS) * len(bench.sizes_between(4, 1024))
-        if tqdm == "installed" and f"{tasks}/{tasks}" not in printed.err:
-            problems.append(f"no finished bar in stderr {printed.err[-300:]!r}")
+        if tqdm == "installed" and f"{tasks}/{tasks}" not in err:
+            problems.append(f"no finished bar in stderr {err[-300:]!r}")
         said = "mpistrat bench: --progress needs tqdm (pip install tqdm, or the progress extra): no bar\n"
-        if tqdm == "missing" and printed.err != said:
-            problems.append(f"stderr {printed.err[-300:]!r}")
-    elif printed.out or printed.err:
-        problems.append(f"rank {rank} printed {printed.out[:80]!r} {printed.err[:80]!r}")
+        if tqdm == "missing" and err != said:
+            problems.append(f"stderr {err[-300:]!r}")
+    elif printed.out or err:
+        problems.append(f"rank {rank} printed {printed.out[:80]!r} {err[:80]!r}")
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
@@ -440,11 +473,11 @@ def test_bench_times_exact_and_compressed_reductions_and_records_the_mode(tmp_pa
 
 def test_the_compression_tolerance_is_the_documented_bound():
     """(2u + (R+1) 2^-24)(1 + u), with u = 2^-8 for bf16 and 2^-11 for fp16 (docs/concepts.md)."""
-    args = bench._parser().parse_args(["--compression", "bf16"])
-    assert bench._tolerance(args, 4) == (2 * 2**-8 + 5 * 2**-24) * (1 + 2**-8)
-    args = bench._parser().parse_args(["--compression", "fp16"])
-    assert bench._tolerance(args, 2) == (2 * 2**-11 + 3 * 2**-24) * (1 + 2**-11)
-    assert bench._tolerance(bench._parser().parse_args([]), 2) == 0.0
+    args = bench_args.parser().parse_args(["--compression", "bf16"])
+    assert bench_args.tolerance(args, 4) == (2 * 2**-8 + 5 * 2**-24) * (1 + 2**-8)
+    args = bench_args.parser().parse_args(["--compression", "fp16"])
+    assert bench_args.tolerance(args, 2) == (2 * 2**-11 + 3 * 2**-24) * (1 + 2**-11)
+    assert bench_args.tolerance(bench_args.parser().parse_args([]), 2) == 0.0
 
 
 @pytest.mark.parametrize("shard", [[], ["--shard"]], ids=["replicated", "sharded"])
@@ -471,3 +504,49 @@ def test_checkpoint_ops_save_and_restore_a_model_with_adam_beside_raw_mpi_io(tmp
         if os.listdir(folder):
             problems.append(f"left behind: {os.listdir(folder)}")
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_a_largest_size_that_does_not_fit_in_memory_is_refused_before_the_sweep(capsys):
+    """1 TiB per buffer: refused on every rank (exit 2) with the size that fits, nothing allocated."""
+    code = bench.main(["--min", "1024G", "--max", "1024G", "--no-progress"])
+    out = capsys.readouterr()
+    problems = [] if code == 2 else [f"exit code {code}"]
+    if "##" in out.out:
+        problems.append("the sweep ran")
+    if WORLD.Get_rank() == 0 and not (
+        "--max 1024 GiB:" in out.err and "the largest size that fits" in out.err
+    ):
+        problems.append(f"stderr {out.err[-400:]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_the_memory_check_weighs_every_rank_on_the_host():
+    """all_reduce holds 6 times its size per rank (measured: benchmarks/bench_footprint.py): 1 MiB at
+    2 ranks on a host with 10 MiB is 12 MiB, too much; 512 KiB (6 MiB) fits."""
+    two = host.HostLoad("h", ranks=2, cores=8)
+    said = bench_args.memory_problem(["all_reduce"], 1 << 20, 2, two, 10 << 20)
+    assert said and "the largest size that fits is about 512 KiB" in said and "2 rank(s) on h" in said
+    assert bench_args.memory_problem(["all_reduce"], 512 << 10, 2, two, 10 << 20) is None
+    assert bench_args.memory_problem(["all_reduce"], 1 << 40, 2, two, None) is None  # not known: no check
+    # merge_call's root gathers every rank's: 6 + R times the size
+    assert OPS["merge_call"].bytes_needed(1 << 20, 4) == 10 << 20
+
+
+def test_memory_available_reads_meminfo_and_a_smaller_cgroup_limit(tmp_path):
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    assert host.memory_available(tmp_path) == 4000000 * 1024
+    (tmp_path / "proc/self/cgroup").write_text("0::/job_7/step_0\n")
+    group = tmp_path / "sys/fs/cgroup/job_7/step_0"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text("max\n")  # no limit: MemAvailable
+    assert host.memory_available(tmp_path) == 4000000 * 1024
+    (group / "memory.max").write_text(f"{3 << 30}\n")
+    (group / "memory.current").write_text(f"{1 << 30}\n")
+    assert host.memory_available(tmp_path) == 2 << 30
+
+
+def test_a_host_load_counts_ranks_against_the_union_of_their_bindings():
+    assert host.loads([("a", [0], 2), ("a", [0], 2), ("a", [1], 2)]) == [host.HostLoad("a", 3, 2)]
+    unbound = host.loads([("b", None, 4)] * 4 + [("c", None, 4)] * 5)
+    assert [(h.host, h.oversubscribed) for h in unbound] == [("b", False), ("c", True)]

@@ -34,6 +34,30 @@ def test_collect_on_every_rank_count():
     all_ranks_agree(WORLD, ok, json.dumps(got, default=str))
 
 
+def test_cores_bindings_and_threads_are_shown_and_oversubscription_named(monkeypatch):
+    """Each host's ranks against the logical cores they may use, from every rank's binding (raw
+    mpi4py here); at 3 or 4 ranks on a 2-core machine that is oversubscribed, and said so."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    mine = (MPI.Get_processor_name(), sorted(os.sched_getaffinity(0)))
+    everyone = WORLD.allgather(mine)
+    got = info.collect()
+    if WORLD.Get_rank() != 0:
+        all_ranks_agree(WORLD, got is None)
+        return
+    hosts: dict[str, tuple[int, set[int]]] = {}
+    for name, cpus in everyone:
+        ranks, union = hosts.get(name, (0, set()))
+        hosts[name] = (ranks + 1, union | set(cpus))
+    crowded = [n for n, (ranks, union) in hosts.items() if ranks > len(union)]
+    text = info.render(got)
+    ok = [r["cpus"] for r in got["ranks"]] == [cpus for _, cpus in everyone]
+    ok = ok and len(got["oversubscribed"]) == len(crowded) and ("OVERSUBSCRIBED" in text) == bool(crowded)
+    ok = ok and "OMP_NUM_THREADS=3" in text and got["threads"]["OMP_NUM_THREADS"] == "3"
+    ranks, union = hosts[mine[0]]
+    ok = ok and f"{ranks} rank{'s' if ranks > 1 else ''} on {len(union)} logical core" in text
+    all_ranks_agree(WORLD, ok, text)
+
+
 def test_render_names_everything_a_user_checks_first():
     report = info.collect(MPI.COMM_SELF)
     text = info.render(report)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpistrat.tools import bench_report, report
+from mpistrat.tools import bench_report, report, report_gate
 from tests.tools.test_bench import SMALL, mpiexec, mpiexec_env
 
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -25,8 +26,8 @@ RANK = MPI.COMM_WORLD.Get_rank()
 def _side(avg: float, nbytes: int, p50: float | None = None, p99: float | None = None) -> dict:
     return {
         "time_us": {"min": avg, "avg": avg, "max": avg, "p50": avg if p50 is None else p50, "p99": p99},
-        "algbw_GBps": nbytes / (avg * 1e-6) / 1e9,
-        "busbw_GBps": nbytes / (avg * 1e-6) / 1e9,
+        "algbw_GBps": nbytes / (avg * 1e-6) / 1e9 if avg else 0.0,
+        "busbw_GBps": nbytes / (avg * 1e-6) / 1e9 if avg else 0.0,
         "ok": True,
     }
 
@@ -186,14 +187,14 @@ def test_missing_rows_are_listed_on_both_sides(here, capsys):
 
 def test_rows_at_another_rank_count_or_dtype_do_not_match(here, capsys):
     code, out = _gate(here, capsys, ROWS, ROWS, ranks=4)
-    assert code == 1 and "no row matched" in out and "0 row(s) compared" in out
+    assert code == 1 and "no row matched" in out and "nothing was compared" in out
 
 
 def test_the_gate_decision_itself():
     key = ("all_reduce", 4, 2, "float32")
-    assert report.gate({key: 20.0}, {key: 10.0}, 0.10).slower == [(key, 20.0, 10.0)]
-    assert report.gate({key: 11.0}, {key: 10.0}, 0.10).passed
-    assert not report.gate({}, {key: 10.0}, 0.10).passed
+    assert report_gate.gate({key: 20.0}, {key: 10.0}, 0.10).slower == [(key, 20.0, 10.0)]
+    assert report_gate.gate({key: 11.0}, {key: 10.0}, 0.10).passed
+    assert not report_gate.gate({}, {key: 10.0}, 0.10).passed
 
 
 def test_csv_and_markdown_files(here, capsys):
@@ -247,6 +248,73 @@ def test_bad_inputs_are_reported_not_raised(here, capsys):
     assert "not in every results file" in capsys.readouterr().err
 
 
+def test_an_empty_results_list_is_a_file_with_no_rows(here, capsys):
+    empty = bench_file(here / "empty.json", 2, "weak", {})
+    assert report.main([empty]) == 0
+    assert "no rows" in capsys.readouterr().out
+    full = bench_file(here / "full.json", 2, "weak", ROWS)
+    code = report.main([empty, "--reference", full])
+    out = capsys.readouterr().out
+    assert code == 1 and "gate FAILED: no row matched" in out, out
+
+
+def test_a_reference_time_of_zero_is_refused_naming_the_row(here, capsys):
+    zero = bench_file(here / "zero.json", 2, "weak", {**ROWS, ("all_reduce", 1024): (0.0, 10.0)})
+    now = bench_file(here / "now.json", 2, "weak", ROWS)
+    assert report.main([now, "--reference", zero, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "zero.json: all_reduce 1 KiB float32 at 2 ranks has a mean time of 0 us" in err, err
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -5.0])
+def test_a_time_that_is_not_a_time_fails_the_gate(here, capsys, bad):
+    """A NaN (or infinite, or negative) time is a broken measurement: never "gate passed"."""
+    now = bench_file(here / "now.json", 2, "weak", {**ROWS, ("all_reduce", 1024): (bad, 10.0)})
+    ref = bench_file(here / "ref.json", 2, "weak", ROWS)
+    code = report.main([now, "--reference", ref, "--quiet"])
+    out = capsys.readouterr()
+    assert code == 2 and "gate passed" not in out.out, out.out
+    assert f"all_reduce 1 KiB float32 at 2 ranks has a mean time of {bad:g} us" in out.err, out.err
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-0.1"])
+def test_a_tolerance_that_is_not_a_fraction_is_refused(here, capsys, tolerance):
+    slower = bench_file(here / "slower.json", 2, "weak", {k: (v[0] * 10, v[1]) for k, v in ROWS.items()})
+    ref = bench_file(here / "ref.json", 2, "weak", ROWS)
+    assert report.main([slower, "--reference", ref, f"--tolerance={tolerance}", "--quiet"]) == 2
+    assert "--tolerance: expected a finite fraction >= 0" in capsys.readouterr().err
+
+
+def test_no_matching_row_is_one_verdict_failed(here, capsys):
+    code, out = _gate(here, capsys, ROWS, ROWS, ranks=4)
+    assert code == 1 and "gate passed" not in out and out.count("gate FAILED") == 1, out
+
+
+def test_oversubscribed_runs_are_flagged_in_both_tables(here, capsys):
+    """Rows of a run with more ranks than cores on a host carry a mark and a note saying so; a file
+    written before bench recorded it is judged by its ranks against rank 0's cores on one node."""
+    files = [
+        bench_file(here / "r1.json", 1, "strong", {("all_reduce", 4): (10.0, 5.0)}),
+        bench_file(here / "r4.json", 4, "strong", {("all_reduce", 4): (5600.0, 50.0)}),
+    ]
+    data = json.loads(Path(files[1]).read_text())
+    data["meta"]["oversubscribed"] = ["4 ranks on 2 logical cores of h"]
+    Path(files[1]).write_text(json.dumps(data))
+    old = bench_file(here / "old.json", 8, "strong", {("all_reduce", 4): (900.0, 50.0)})
+    data = json.loads(Path(old).read_text())
+    data["meta"]["cpu"] = {"model": "x", "logical_cores": 2}  # no "oversubscribed": an older file
+    Path(old).write_text(json.dumps(data))
+    out_csv = here / "scaling.csv"
+    assert report.main([*files, old, "--csv", str(out_csv)]) == 0
+    out = capsys.readouterr().out
+    assert "4 ranks on 2 logical cores of h" in out and "8 ranks on 2 logical cores of h" in out, out
+    assert "1 rank on" not in out
+    scaling = {r["ranks"]: r["oversubscribed"] for r in csv.DictReader(out_csv.open())}
+    assert scaling == {"1": "False", "4": "True", "8": "True"}, scaling
+    marked = [line for line in out.splitlines() if re.search(r"(^|\s)[48]\*\s", line)]
+    assert len(marked) == 4, out  # the 4- and 8-rank rows of the scaling table and of the rows tables
+
+
 @pytest.mark.serial
 def test_report_of_real_runs_at_one_and_two_ranks(tmp_path):
     paths = []
@@ -275,3 +343,17 @@ def test_report_of_real_runs_at_one_and_two_ranks(tmp_path):
     assert "strong scaling of train_step" in done.stdout and "row(s) only in" not in done.stdout
     assert "row(s) not in the reference" in done.stdout
     assert [r["ranks"] for r in csv.DictReader(out.open())] == ["1", "2"]
+
+
+def test_a_sweep_without_a_scaling_mode_is_not_called_weak_scaling(here, capsys):
+    """bench records no mode unless --scaling is given; report says a sweep, and tabulates it as weak
+    (each rank's message size was fixed)."""
+    files = [
+        bench_file(here / f"sweep-{n}.json", n, None, {("all_reduce", 1024): (10.0 * n, 9.0 * n)})
+        for n in (1, 2)
+    ]
+    assert report.main([*files]) == 0
+    out = capsys.readouterr().out
+    assert "weak scaling of" not in out and "sweeps (no --scaling; computed as weak scaling)" in out, out
+    rows = report.scaling_table([bench_report.load(f) for f in files])
+    assert [(r["mode"], r["ranks"], r["efficiency"]) for r in rows] == [("sweep", 1, 1.0), ("sweep", 2, 0.5)]

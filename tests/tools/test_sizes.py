@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from mpistrat.tools import bench, bench_gpu, plot
+from mpistrat.tools import bench, bench_args, bench_gpu, plot
 from mpistrat.tools.sizes import parse_size
 
 SPELLINGS = {
@@ -43,7 +43,7 @@ def test_a_bad_size_says_what_was_expected_and_what_came(bad):
 
 # Each CLI's parser, the arguments it needs besides a size, and the option that takes the size.
 CLIS = {
-    "mpistrat bench": (bench._parser, [], ["--min", "--max", "--bytes-per-pack"]),
+    "mpistrat bench": (bench_args.parser, [], ["--min", "--max", "--bytes-per-pack"]),
     "bench_gpu": (bench_gpu._parser, [], ["--min", "--max"]),
     "mpistrat plot": (plot._parser, ["results.json", "-o", "out.png"], ["--size"]),
 }

@@ -308,3 +308,26 @@ def test_bytes_per_pack_differing_between_ranks_fails_on_every_rank(world):
 
     raises_on_every_rank(world.comm, mpistrat.CollectiveMismatchError, train, "bytes_per_pack")
     strategy.experimental_finalize()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_fresh_optimizer_deep_copies_and_one_with_state_says_why_not(group, dtype):
+    """The copy of a fresh SGD(momentum) is an optimizer of its own: two steps on another variable
+    give what NumPy gives, and the original's slots are untouched. After a step, deepcopy raises a
+    TypeError saying why on every rank (its slots live over the variables it updates)."""
+    import copy
+
+    with group.strategy.scope():
+        w, u = mpistrat.Variable(np.zeros(3, dtype)), mpistrat.Variable(np.ones(3, dtype))
+        opt = SGD(0.5, momentum=0.9)
+    twin = copy.deepcopy(opt)
+    grad = np.full(3, group.rank + 1, dtype)
+    total = sum(r + 1 for r in range(group.size))
+    for _ in range(2):
+        group.strategy.run(lambda: twin.apply_gradients([(grad, u)]))
+    velocity = -0.5 * total
+    want = 1.0 + velocity + (0.9 * velocity - 0.5 * total)  # two steps of tf's momentum SGD
+    ok = np.allclose(u.numpy(), want, rtol=1e-6) and u.dtype == dtype and not opt._slots
+    all_ranks_agree(group.comm, ok, f"{u.numpy()} vs {want}")
+    group.strategy.run(lambda: opt.apply_gradients([(grad, w)]))
+    raises_on_every_rank(group.comm, TypeError, lambda: copy.deepcopy(opt), "cannot be deep-copied")
