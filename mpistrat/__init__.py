@@ -39,6 +39,7 @@ from mpistrat.errors import (
     InvalidArgumentError,
     MergeCallError,
     MpistratError,
+    StructureMismatchError,
     UnsupportedTypeError,
 )
 from mpistrat.input import (
@@ -106,6 +107,7 @@ __all__ = [
     "StrategyExtended",
     "StragglerRow",
     "Stragglers",
+    "StructureMismatchError",
     "SyncOnReadVariable",
     "TerminationConfig",
     "UnsupportedTypeError",

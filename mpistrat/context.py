@@ -233,7 +233,10 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
     stack = _stack()
     current = getattr(_local, "set_strategy", None)
     if stack and not (current is not None and len(stack) == 1 and stack[0] is current):
-        raise ContextError("experimental_set_strategy: Must not be called inside a Strategy scope.")
+        raise ContextError(
+            "experimental_set_strategy: Must not be called inside a `tf.distribute.Strategy` scope. Leave "
+            "the strategy's scope() first"
+        )
     stack.clear()
     _local.set_strategy = None
     if strategy is not None and strategy is not _default_strategy():

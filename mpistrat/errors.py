@@ -1,7 +1,8 @@
 """The few exception types mpistrat raises.
 
-Each subclasses the built-in that fits, so ``except ValueError`` keeps working
-for code ported from tf.distribute, and :class:`MpistratError` catches them all.
+Each subclasses the built-in that fits, and the one tf.distribute raises in the same place, so
+``except ValueError`` (or tf's ``RuntimeError``, ``AssertionError``) keeps working for code ported
+from tf.distribute; :class:`MpistratError` catches them all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "InvalidArgumentError",
     "UnsupportedTypeError",
     "CollectiveMismatchError",
+    "StructureMismatchError",
     "CollectiveTimeoutError",
     "MergeCallError",
     "portable",
@@ -41,8 +43,17 @@ class UnsupportedTypeError(MpistratError, TypeError):
     """An argument has a type mpistrat cannot communicate or reduce."""
 
 
-class CollectiveMismatchError(MpistratError, ValueError):
-    """Ranks entered a collective with incompatible arguments (raised on every rank)."""
+class CollectiveMismatchError(MpistratError, ValueError, RuntimeError):
+    """Ranks entered a collective with incompatible arguments (raised on every rank).
+
+    A ``ValueError``, and a ``RuntimeError`` as tf's where replicas create different variables.
+    """
+
+
+class StructureMismatchError(CollectiveMismatchError, AssertionError):
+    """The replicas' nests differ in structure (list or tuple lengths, dict keys): in results of
+    ``strategy.run``, arguments of ``merge_call``, or a collective's value. Also an
+    ``AssertionError``, as tf.distribute's regrouping of replicas' values asserts."""
 
 
 class CollectiveTimeoutError(MpistratError, TimeoutError):

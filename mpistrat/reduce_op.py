@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from mpistrat.errors import enum_member
+from mpistrat.errors import InvalidArgumentError, enum_member
 
 __all__ = ["ReduceOp"]
 
@@ -22,4 +22,7 @@ class ReduceOp(enum.Enum):
     @classmethod
     def from_any(cls, op: ReduceOp | str) -> ReduceOp:
         """Accept a ``ReduceOp`` or its name in any case."""
-        return enum_member(cls, op, "reduce_op", "a ReduceOp or one of 'SUM', 'MEAN' (any case)")
+        try:
+            return enum_member(cls, op, "reduce_op", "a ReduceOp or one of 'SUM', 'MEAN' (any case)")
+        except InvalidArgumentError as exc:  # with tf's words first, which ported code may match
+            raise InvalidArgumentError(f"{op!r} is not a valid ReduceOp: {exc}") from None

@@ -75,6 +75,7 @@ class Collectives:
         self.reduction = self.options.reduction
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
+        self.failures = 0  # collectives that raised so far (a failed handshake, a timeout, a transfer)
         self.caches = caches.Caches()  # what its collectives remember between calls
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         # A stop requested here (a preemption signal) that the handshake carries to every rank.

@@ -18,7 +18,13 @@ from mpi4py import MPI
 from mpistrat import nest
 from mpistrat.comm import packing
 from mpistrat.diagnostics.callsite import call_site
-from mpistrat.errors import CollectiveMismatchError, MergeCallError, MpistratError, portable
+from mpistrat.errors import (
+    CollectiveMismatchError,
+    MergeCallError,
+    MpistratError,
+    StructureMismatchError,
+    portable,
+)
 from mpistrat.log import ANY_RANK, logger
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import local_copy
@@ -187,8 +193,9 @@ def raise_disagreement(
 
     Order of blame: a rank that failed and so left the others' collective (an every-rank
     ``merge_fn`` that raised on it, or called ``sys.exit``: it went on to merge_call's closing
-    handshake while the others are in a collective inside ``merge_fn``), then ranks in different
-    collectives, then a rank's own bad input, then the first differing argument.
+    handshake while the others are in a collective inside ``merge_fn``), then any other rank's
+    failure while the ranks were in different collectives (an exception in ``strategy.run``), then
+    ranks in different collectives, then a rank's own bad input, then the first differing argument.
     """
     try:
         mine = describe() if error is None else None
@@ -200,6 +207,15 @@ def raise_disagreement(
     _raise_if_one_failed_and_left(comm, reports, failed, error)
     if len({(k, s) for k, s, *_ in reports}) > 1:
         calls = by_rank([f"{k} (collective #{s}) at {site}" for k, s, _, _, site in reports])
+        if failed:  # a rank failed (an exception in strategy.run) while the others went on: that is the news
+            r, first = failed[0]
+            at = f"{reports[r][0]} (collective #{reports[r][1]})"
+            text = str(first).removeprefix(f"{reports[r][0]}: ")
+            raise _same_type(
+                first,
+                f"{at} failed on {rank_list([q for q, _ in failed])}: {text} (the ranks were in different "
+                f"collectives then: {calls})",
+            ) from error
         skipped = len({s for _, s, *_ in reports}) > 1
         raise CollectiveMismatchError(
             f"ranks are in different collectives: {calls}. "
@@ -216,5 +232,12 @@ def raise_disagreement(
         raise _same_type(first, f"{name} failed on {rank_list([r for r, _ in failed])}: {text}") from error
     sites = [site for *_, site in reports]
     where = sites[0] if len(set(sites)) == 1 else by_rank(sites)
-    detail = first_difference([d for _, _, d, _, _ in reports])
-    raise CollectiveMismatchError(f"{name}, called at {where}: {detail}")
+    descriptions = [d for _, _, d, _, _ in reports]
+    error_type = StructureMismatchError if _structures_differ(descriptions) else CollectiveMismatchError
+    raise error_type(f"{name}, called at {where}: {first_difference(descriptions)}")
+
+
+def _structures_differ(descriptions: list[Any]) -> bool:
+    """Whether the ranks' nests differ in structure (tf's regroup asserts there), not only in leaves."""
+    structures = {d.get("structure") for d in descriptions if isinstance(d, dict)}
+    return len(structures) > 1 and None not in structures

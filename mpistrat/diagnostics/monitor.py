@@ -169,6 +169,9 @@ def collective(default_kind: str) -> Callable[[F], F]:
                     mon.last = (kind, self.seq, time.monotonic())
                     if timeline.writer is not None:
                         timeline.writer.collective(self, kind, now, mon.last[2], args)
+            except BaseException:
+                self.failures += 1  # strategy.run then knows its error came out of a collective
+                raise
             finally:
                 mon.last_thread, mon.thread = me, None
                 mon.busy.release()

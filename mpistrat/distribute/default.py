@@ -23,10 +23,11 @@ from mpi4py import MPI
 
 from mpistrat import context
 from mpistrat.comm import devices
-from mpistrat.distribute.extended import StrategyExtended, ungroup, unwrap_mirrored
+from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.reductions import InPlace
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.strategy_base import Strategy
+from mpistrat.distribute.updates import select_replica, ungroup
 from mpistrat.errors import ContextError
 from mpistrat.options import CommunicationOptions
 
@@ -53,7 +54,8 @@ class _DefaultStrategy(Strategy):
         """In its own merge_fn the one replica runs as ``run`` runs it anywhere else."""
         if mode.strategy is not self:
             raise ContextError(  # a RuntimeError, as tf's
-                "Mixing different Strategy objects: a scope of another strategy is already active"
+                "Mixing different tf.distribute.Strategy objects: a scope of another strategy is already "
+                "active"
             )
         self._extended.collectives  # noqa: B018 (raises if finalized)
         args = self._unwrap(args, 0) if args else ()
@@ -88,7 +90,7 @@ class DefaultExtended(StrategyExtended):
     ) -> Any:
         """Run ``fn(var, *args, **kwargs)``: the default strategy's variables are plain ones."""
         self._require_cross_replica("update")
-        a, kw = unwrap_mirrored((tuple(args), dict(kwargs or {})), "update")
+        (a, kw), _ = select_replica((tuple(args), dict(kwargs or {})), 0, 1, "update")
         result = fn(var, *a, **kw)
         return result if group else ungroup(result)
 

@@ -28,17 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mpistrat import context, nest
+from mpistrat import context
 from mpistrat.collectives import FREED, Collectives
 from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
 from mpistrat.diagnostics.stragglers import Stragglers
-from mpistrat.distribute import merge, reductions
+from mpistrat.distribute import merge, reductions, updates
 from mpistrat.distribute.reductions import Collective, InPlace
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
-from mpistrat.values import HasLocalCopy, Mirrored, PerReplica
+from mpistrat.values import HasLocalCopy
 
 if TYPE_CHECKING:
     from mpistrat.distribute.strategy_base import Strategy
@@ -210,7 +210,8 @@ class StrategyExtended:
                 f'{method}: Need to be inside "with strategy.scope()" for {self._container_strategy}'
             )
         raise ContextError(
-            f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self._container_strategy}"
+            f"{method}: Mixing different tf.distribute.Strategy objects: {mode.strategy} is not "
+            f"{self._container_strategy}"
         )
 
     def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
@@ -291,17 +292,37 @@ class StrategyExtended:
     ) -> Any:
         """Run ``fn(v, *args, **kwargs)`` on this rank's copy ``v`` of ``var``.
 
-        Mirrored arguments (``Mirrored`` values, variables) are unwrapped to this
-        rank's copy; per-replica ones are an error (reduce them first with
-        ``reduce_to``). Inside a ``merge_fn`` the writes reach every rank with the
-        merge_call broadcast. With ``group=False`` each leaf of the result becomes a
-        tuple of the values held here (one per local replica).
+        As tf, each argument is what this replica holds: a ``PerReplica``'s own component
+        (values that differ between replicas written to a mirrored variable are an error
+        on every rank while the check is on), a ``Mirrored``'s value, a variable's copy.
+        Inside a ``merge_fn`` the writes reach every rank with the merge_call broadcast. In
+        replica context (inside ``strategy.run``, as Keras optimizers call it without
+        merge_call) ``fn`` runs on this replica's copy there. With ``group=False`` each leaf
+        of the result becomes a tuple of the values held here (one per local replica).
         """
+        mode = context.current_mode()
+        if mode.kind is context.REPLICA and mode.strategy is self._container_strategy:
+            return self._update_copy(var, fn, args, kwargs, group, mode)
         mode = self._require_cross_replica("update")
         if mode.kind is context.DEFAULT:  # as tf: from the default context, in this strategy's scope
             with self._container_strategy.scope():
                 return self.update(var, fn, args, kwargs, group)
-        a, kw = unwrap_mirrored((tuple(args), dict(kwargs or {})), "update")
+        return self._update_copy(var, fn, args, kwargs, group, mode)
+
+    def _update_copy(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        group: bool,
+        mode: context.Mode,
+    ) -> Any:
+        """``update``'s work in a replica or cross-replica context of this strategy."""
+        merging = mode.kind is context.MERGE
+        (a, kw), taken = updates.select_replica(
+            (tuple(args), dict(kwargs or {})), self.rank, self.size, "update", one_process=merging
+        )
         if (
             not isinstance(var, HasLocalCopy)
             or getattr(var, "distribute_strategy", None) is not self._container_strategy
@@ -310,6 +331,8 @@ class StrategyExtended:
                 f"update: var must be a variable created in this strategy's scope(); got {var!r}. "
                 "Create it inside `with strategy.scope():`"
             )
+        if taken and not merging:
+            updates.check_per_replica_writes(self.collectives, var, taken, "update")
         component = var._local_variable()
         writes = self.writes
         writes.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
@@ -317,7 +340,7 @@ class StrategyExtended:
             result = fn(component, *a, **kw)
         finally:
             writes.in_sync -= 1
-        return result if group else ungroup(result)
+        return result if group else updates.ungroup(result)
 
     @contextlib.contextmanager
     def writes_in_sync(self) -> Iterator[None]:
@@ -338,21 +361,21 @@ class StrategyExtended:
         kwargs: dict[str, Any] | None = None,
         group: bool = True,
     ) -> Any:
-        """Run ``fn(*args, **kwargs)`` where the non-slot variables live.
+        """Run ``fn(*args, **kwargs)`` once on every rank, where the non-slot variables live.
 
-        ``colocate_with`` is what :meth:`non_slot_devices` returned. Writes ``fn``
-        makes to mirrored variables reach every rank, as with :meth:`update`.
+        ``colocate_with`` is normally what :meth:`non_slot_devices` returned; any value is
+        accepted, as tf's default strategy accepts one (every rank holds one replica, so there
+        is no device to choose). Writes ``fn`` makes to mirrored variables reach every rank, as
+        with :meth:`update`.
         """
         mode = self._require_cross_replica("update_non_slot")
-        if not isinstance(colocate_with, tuple) or colocate_with != self.parameter_devices:
-            raise InvalidArgumentError(
-                f"update_non_slot: colocate_with must be the tuple non_slot_devices(var_list) returned "
-                f"({self.parameter_devices}); got {colocate_with!r}"
-            )
         with self._enter(mode), self.writes_in_sync():
-            a, kw = unwrap_mirrored((tuple(args), dict(kwargs or {})), "update_non_slot")
+            (a, kw), _ = updates.select_replica(
+                (tuple(args), dict(kwargs or {})), self.rank, self.size, "update_non_slot",
+                one_process=mode.kind is context.MERGE,
+            )  # fmt: skip
             result = fn(*a, **kw)
-        return result if group else ungroup(result)
+        return result if group else updates.ungroup(result)
 
     def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
         """Devices for non-slot variables (an optimizer's step counter): every parameter device.
@@ -384,8 +407,9 @@ class StrategyExtended:
         devices = isinstance(target, tuple) and target == self.parameter_devices  # never an array's ==
         if not owned and not devices:
             raise InvalidArgumentError(
-                "colocate_vars_with must only be passed a variable created in this strategy's scope() "
-                f"or the value of non_slot_devices(); got {colocate_with_variable!r}"
+                "`colocate_vars_with` must only be passed a variable created in this "
+                f"tf.distribute.Strategy.scope(), not: {colocate_with_variable!r} (a variable created in "
+                "this strategy's scope(), or the value of non_slot_devices())"
             )
         return context.colocation(self._container_strategy, colocate_with_variable)
 
@@ -442,28 +466,3 @@ class StrategyExtended:
 
 
 _NOTHING = contextlib.nullcontext()
-_CONTAINERS = (list, tuple, dict)  # what optree would walk into; anything else is a leaf here
-
-
-def unwrap_mirrored(arguments: tuple[tuple[Any, ...], dict[str, Any]], method: str) -> Any:
-    """``update``'s ``(args, kwargs)`` with mirrored values and variables replaced by this rank's copy."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, PerReplica):
-            raise InvalidArgumentError(
-                f"{method}: args and kwargs may not contain per-replica values; reduce them first with "
-                f"strategy.extended.reduce_to or batch_reduce_to; got {x!r}"
-            )
-        if isinstance(x, Mirrored):
-            return x.values[0]
-        return x._local_variable() if isinstance(x, HasLocalCopy) else x
-
-    args, kwargs = arguments
-    if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):  # flat (an optimizer's update)
-        return tuple(map(one, args)), kwargs
-    return nest.tree_map(one, arguments)
-
-
-def ungroup(result: Any) -> Any:
-    """``update(group=False)``'s result: each leaf a tuple of the values held here (one replica)."""
-    return nest.tree_map(lambda x: (x,), result)

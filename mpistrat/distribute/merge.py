@@ -38,7 +38,13 @@ from mpistrat.collectives import Unsendable, check_level
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.reduce_axis import mean_of
 from mpistrat.comm import packing
-from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, UnsupportedTypeError
+from mpistrat.errors import (
+    ContextError,
+    InvalidArgumentError,
+    MpistratError,
+    StructureMismatchError,
+    UnsupportedTypeError,
+)
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, local_copy
 
@@ -46,7 +52,7 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.distribute.strategy_base import Strategy
 
-__all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "reduce_here"]
+__all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "reduce_here", "regroup", "select"]
 
 MODES = ("root", "every_rank")
 
@@ -86,7 +92,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
         nonlocal components
         if gathered is None:  # gather_to_root returns the list on rank 0, where run() runs
             raise MpistratError("merge_call: rank 0 holds no gathered arguments")
-        m_args, m_kwargs = _regroup(local, gathered)
+        m_args, m_kwargs = regroup(local, gathered)
         record = extended.writes  # the writes merge_fn makes to the strategy's variables
         writes = record.record()
         try:
@@ -118,7 +124,7 @@ def _strip_shared(leaf: Any) -> Any:
     return leaf
 
 
-def _regroup(local: Any, gathered: list[Any]) -> Any:
+def regroup(local: Any, gathered: list[Any]) -> Any:
     """Rank 0's args with each leaf replaced by ``PerReplica`` of every rank's value."""
     leaves, spec = nest.tree_flatten(local)
     per_rank = [leaves]
@@ -127,7 +133,7 @@ def _regroup(local: Any, gathered: list[Any]) -> Any:
             raise UnsupportedTypeError(f"rank {r}: {other.message}")
         other_leaves, other_spec = nest.tree_flatten(other)
         if other_spec != spec:
-            raise UnsupportedTypeError(
+            raise StructureMismatchError(
                 f"merge_call: rank {r} passed arguments of a different structure than rank 0 "
                 f"({other_spec} vs {spec}); every replica must pass the same structure"
             )
@@ -319,7 +325,7 @@ def merge_on_every_rank(
     if error is not None:
         raise error
     rank = collectives.rank
-    return nest.tree_map(lambda leaf: _select(leaf, rank), result)
+    return nest.tree_map(lambda leaf: select(leaf, rank), result)
 
 
 def _own(leaf: Any) -> Any:
@@ -327,7 +333,7 @@ def _own(leaf: Any) -> Any:
     return PerReplica((leaf,)) if _is_data(leaf) else leaf
 
 
-def _select(leaf: Any, rank: int) -> Any:
+def select(leaf: Any, rank: int) -> Any:
     """This replica's component of a result, as tf's select_replica gives it."""
     if isinstance(leaf, PerReplica):
         return leaf.values[rank] if len(leaf.values) > 1 else leaf.values[0]

@@ -27,6 +27,10 @@ class ReplicaContext:
     {'a': np.float64(1.0)}
     """
 
+    # A replica that strategy.run inside a root-mode merge_fn runs in turn on rank 0: what its
+    # merge_call waits in (see mpistrat.distribute.in_turn).
+    _in_turn: Any = None
+
     def __init__(self, strategy: Strategy, replica_id_in_sync_group: int):
         self._strategy = strategy
         self._replica_id = int(replica_id_in_sync_group)
@@ -113,8 +117,24 @@ class ReplicaContext:
         >>> ctx.merge_call(lambda strategy, x: x + 1, args=(41,))
         42
         """
+        in_turn = self._in_turn
+        if in_turn is not None and context.current_mode().replica_context is self:
+            return in_turn.merge_call(merge_fn, args, dict(kwargs or {}))  # strategy.run inside a merge_fn
         self._require_current("merge_call")
         return self._strategy.extended.call_merge_fn(merge_fn, args, dict(kwargs or {}))
+
+    def _update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """``fn(v, *args, **kwargs)`` on this replica's copy ``v`` of ``var``, without merge_call: tf's
+        ``ReplicaContext._update`` (``strategy.extended.update`` called in replica context)."""
+        self._require_current("_update")
+        return self._strategy.extended.update(var, fn, args, kwargs, group)
 
     def _require_current(self, method: str) -> None:
         mode = context.require_replica(f"ReplicaContext.{method}")  # nor strategy.run inside a merge_fn

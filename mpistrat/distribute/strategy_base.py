@@ -16,7 +16,7 @@ import optree
 
 from mpistrat import context, nest, values
 from mpistrat.comm import packing
-from mpistrat.distribute import merge
+from mpistrat.distribute import in_turn, merge, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, MpistratError, UnsupportedTypeError
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy"]
 
-_MIXING = "Mixing different Strategy objects: a scope of another strategy is already active"
+_MIXING = "Mixing different tf.distribute.Strategy objects: a scope of another strategy is already active"
 
 
 class _Scope:
@@ -85,7 +85,9 @@ class Strategy:
         """Raise, as tf does, when another strategy's scope is active (the default context is fine)."""
         mode = context.current_mode()
         if mode.kind is not context.DEFAULT and mode.strategy is not self:
-            raise ContextError(f"{method}: Mixing different Strategy objects: {mode.strategy} is not {self}")
+            raise ContextError(
+                f"{method}: Mixing different tf.distribute.Strategy objects: {mode.strategy} is not {self}"
+            )
 
     def scope(self) -> _Scope:
         """Select this strategy and enter its cross-replica context.
@@ -141,12 +143,26 @@ class Strategy:
             return self._run_in_merge_fn(mode, fn, tuple(args), dict(kwargs or {}))
         if mode.kind is not context.DEFAULT and mode.strategy is not self:
             raise ContextError(_MIXING)  # a RuntimeError, as tf's
-        self._extended.collectives  # noqa: B018 (raises if finalized)
+        collectives = self._extended.collectives  # raises if finalized
         rank = self._extended.rank
         args = self._unwrap(tuple(args), rank) if args else ()
         kwargs = self._unwrap(dict(kwargs), rank) if kwargs else {}
-        with ReplicaContext(self, rank):  # its replica mode is the current mode; nothing reads below it
-            return fn(*args, **kwargs)
+        if collectives.size == 1:  # one replica: nothing to regroup, no one to tell
+            with ReplicaContext(self, rank):
+                return fn(*args, **kwargs)
+        failures = collectives.failures
+        try:
+            with ReplicaContext(self, rank):  # its replica mode is the current mode; nothing reads below it
+                result = fn(*args, **kwargs)
+        except Exception as exc:
+            # An error out of a collective inside fn is not shared: one that failed on every rank told
+            # everyone already (a rank that raised early met the others there), and after a timeout or a
+            # failed transfer the others may be anywhere. A closing handshake would wait for nobody.
+            if collectives.failures == failures:
+                results.agree_on_result(collectives, None, exc)
+            raise
+        results.agree_on_result(collectives, result, None)
+        return result
 
     experimental_run_v2 = run
 
@@ -157,15 +173,12 @@ class Strategy:
         ``fn`` once per replica, in turn, as tf's MirroredStrategy does; a ``PerReplica`` of the results.
 
         Each call is in that replica's context, but on rank 0 alone: communicating, or touching a
-        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``).
+        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``); a
+        ``merge_call`` inside waits for every replica's (see :mod:`mpistrat.distribute.in_turn`).
         """
         size = self.num_replicas_in_sync
-        results = []
-        for replica in range(size):
-            a = self._unwrap(args, replica)
-            kw = self._unwrap(kwargs, replica)
-            with context.push(context.Mode(self, ReplicaContext(self, replica), context.MERGE)):
-                results.append(fn(*a, **kw))
+        calls = [(self._unwrap(args, r), self._unwrap(kwargs, r)) for r in range(size)]
+        results = in_turn.run_in_turn(self, fn, calls)
         if size == 1:
             return results[0]
         try:  # PerReplica leaves in the results' common structure, as tf's regroup gives

@@ -2,18 +2,15 @@
 
 Run it with ``mpiexec -n 2 python -m mpistrat.examples.multi_worker`` (any number of ranks),
 or ``srun -n 2 python -m mpistrat.examples.multi_worker --slurm`` under Slurm, where the
-strategy is given a ``SlurmClusterResolver`` that reads the job step's environment. The loop
-is the tutorial's, line for line: ``MultiWorkerMirroredStrategy``, one input pipeline per
-worker from ``distribute_datasets_from_function``, a ``train_step`` that calls
-``next(iterator)`` and ``strategy.run``, ``compute_average_loss`` without a global batch size,
-the chief chosen from ``strategy.cluster_resolver``, checkpoints written by the chief through
-a ``CheckpointManager`` while the other workers pass temporary directories they delete, and a
-restart that resumes from the latest checkpoint (run it again with more ``--epochs``).
+strategy is given a ``SlurmClusterResolver`` that reads the job step's environment.
 
-Only the model differs: a NumPy MLP (:mod:`mpistrat.examples.mlp`) with hand-written
-gradients where the tutorial has a Keras CNN and a ``GradientTape``, Adam where it has RMSprop
-(mpistrat's optimizers are SGD and Adam), and scikit-learn's bundled 8x8 digits where it
-downloads MNIST, so that it runs anywhere in seconds.
+:func:`main` is the tutorial's ``main.py`` ported line by line (docs/migrating.md shows the lines
+that changed, and ``tests/test_migrating.py`` checks that its port is this code): the command line
+sets the tutorial's constants (batch size, epochs, steps, the checkpoint directory) and a line
+says what a restart restored. The tutorial's ``mnist.py`` (its model and data) is the rest of this
+module: a NumPy MLP (:mod:`mpistrat.examples.mlp`) with hand-written gradients where the tutorial
+has a Keras CNN and a ``GradientTape``, and scikit-learn's bundled 8x8 digits where it downloads
+MNIST, so that it runs anywhere in seconds.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import mpistrat
 from mpistrat.examples import mlp
 from mpistrat.examples.digits import load_digits
 
-__all__ = ["main"]
+__all__ = ["Model", "build_cnn_model", "dataset_fn", "main"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default="./ckpt", help="the chief's checkpoint directory (./ckpt)")
     p.add_argument("--slurm", action="store_true", help="pass a SlurmClusterResolver (under srun)")
     return p.parse_args(argv)
+
+
+# -- the tutorial's mnist.py, for NumPy ------------------------------------------------------------
 
 
 class ShardedBatches:
@@ -73,32 +73,58 @@ def dataset_fn(global_batch_size: int, input_context: mpistrat.InputContext) -> 
     return ShardedBatches(x[i::n], y[i::n], batch_size)
 
 
-def build_model() -> list[mpistrat.Variable]:
-    """The model is its weights: 64 -> 64 (ReLU) -> 10, float32."""
-    return [mpistrat.Variable(p) for p in mlp.init_params([64, 64, 10], np.random.default_rng(0), np.float32)]
+class Model:
+    """What the tutorial's Keras model gives its loop: ``model(x, training=...)`` (the logits) and
+    ``trainable_variables``, and, since NumPy has no autodiff, ``loss_and_gradients(x, y)``: the
+    per-example losses and the gradients of their sum. A 64 -> 64 (ReLU) -> 10 MLP, float32."""
+
+    def __init__(self) -> None:
+        params = mlp.init_params([64, 64, 10], np.random.default_rng(0), np.float32)
+        self.trainable_variables = [mpistrat.Variable(p) for p in params]
+
+    def __call__(self, x: Any, training: bool = False) -> Any:
+        return mlp.logits([v.read_value() for v in self.trainable_variables], x)
+
+    def loss_and_gradients(self, x: Any, y: Any) -> tuple[Any, list[Any]]:
+        return mlp.loss_and_grads([v.read_value() for v in self.trainable_variables], x, y)
+
+
+def build_cnn_model() -> Model:
+    """The tutorial's name for its model builder; the model here is the MLP above."""
+    return Model()
+
+
+# -- the tutorial's main.py ------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    mnist = sys.modules[__name__]  # the tutorial's `import mnist`: the functions above
+
     per_worker_batch_size = args.per_worker_batch_size
+    resolver = mpistrat.cluster_resolver.SlurmClusterResolver() if args.slurm else None
+    strategy = mpistrat.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    num_workers = strategy.num_replicas_in_sync
+    global_batch_size = per_worker_batch_size * num_workers
+
     num_epochs = args.epochs
     num_steps_per_epoch = args.steps_per_epoch
 
     # Checkpoint saving and restoring
-    def _is_chief(task_type: Any, task_id: Any, cluster_spec: Any) -> bool:
+    def _is_chief(task_type, task_id, cluster_spec):  # the tutorial's helpers, as they are
         return (
             task_type is None
             or task_type == "chief"
             or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict())
         )
 
-    def _get_temp_dir(dirpath: str, task_id: int) -> str:
+    def _get_temp_dir(dirpath, task_id):
         base_dirpath = "workertemp_" + str(task_id)
         temp_dir = os.path.join(dirpath, base_dirpath)
-        os.makedirs(temp_dir, exist_ok=True)  # tf.io.gfile.makedirs
+        os.makedirs(temp_dir, exist_ok=True)
         return temp_dir
 
-    def write_filepath(filepath: str, task_type: Any, task_id: Any, cluster_spec: Any) -> str:
+    def write_filepath(filepath, task_type, task_id, cluster_spec):
         dirpath = os.path.dirname(filepath)
         base = os.path.basename(filepath)
         if not _is_chief(task_type, task_id, cluster_spec):
@@ -107,39 +133,29 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint_dir = os.path.abspath(args.checkpoint_dir)
 
-    # Define Strategy
-    if args.slurm:
-        resolver = mpistrat.cluster_resolver.SlurmClusterResolver()
-        strategy = mpistrat.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
-    else:
-        strategy = mpistrat.MultiWorkerMirroredStrategy()
-    num_workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
-    global_batch_size = per_worker_batch_size * num_workers
-
     with strategy.scope():
         # Model building/compiling need to be within `strategy.scope()`.
-        multi_worker_model = build_model()
+        multi_worker_model = mnist.build_cnn_model()
 
         multi_worker_dataset = strategy.distribute_datasets_from_function(
-            lambda input_context: dataset_fn(global_batch_size, input_context)
+            lambda input_context: mnist.dataset_fn(global_batch_size, input_context)
         )
         optimizer = mpistrat.optimizers.Adam(learning_rate=0.001)
         train_accuracy = mpistrat.metrics.SparseCategoricalAccuracy(name="train_accuracy")
 
-    def train_step(iterator: Any) -> Any:
+    def train_step(iterator):
         """Training step function."""
 
-        def step_fn(inputs: Any) -> Any:
+        def step_fn(inputs):
             """Per-Replica step function."""
             x, y = inputs
-            weights = [v.read_value() for v in multi_worker_model]
-            predictions = mlp.logits(weights, x)
-            # The GradientTape's work, by hand: per-example losses and the gradients of their sum.
-            per_example_loss, grads = mlp.loss_and_grads(weights, x, y)
-            loss = mpistrat.compute_average_loss(per_example_loss)
-            grads = [g / global_batch_size for g in grads]  # scaled as compute_average_loss scales the loss
-            optimizer.apply_gradients(zip(grads, multi_worker_model, strict=True))
+            predictions = multi_worker_model(x, training=True)
+            per_batch_loss, grads = multi_worker_model.loss_and_gradients(x, y)
+            loss = mpistrat.compute_average_loss(per_batch_loss, global_batch_size=global_batch_size)
+            grads = [g / global_batch_size for g in grads]
+            optimizer.apply_gradients(zip(grads, multi_worker_model.trainable_variables))  # noqa: B905
             train_accuracy.update_state(y, predictions)
+
             return loss
 
         per_replica_losses = strategy.run(step_fn, args=(next(iterator),))
@@ -147,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
 
     epoch = mpistrat.Variable(initial_value=np.int64(0), name="epoch")
     step_in_epoch = mpistrat.Variable(initial_value=np.int64(0), name="step_in_epoch")
-    task_type, task_id = (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id)
-    cluster_spec = strategy.cluster_resolver.cluster_spec()
+
+    task_type, task_id, cluster_spec = (
+        strategy.cluster_resolver.task_type,
+        strategy.cluster_resolver.task_id,
+        strategy.cluster_resolver.cluster_spec(),
+    )
 
     checkpoint = mpistrat.Checkpoint(model=multi_worker_model, epoch=epoch, step_in_epoch=step_in_epoch)
 
@@ -174,25 +194,20 @@ def main(argv: list[str] | None = None) -> int:
             step_in_epoch.assign_add(1)
 
         train_loss = total_loss / num_batches
-        accuracy = train_accuracy.result()  # every rank: reading the metric is collective
+        accuracy = train_accuracy.result()  # collective: every rank reads it, the chief prints it
         if task_id == 0:
             print(
-                f"Epoch: {int(epoch.numpy())}, accuracy: {accuracy:f}, train_loss: {train_loss:f}.",
-                flush=True,
+                "Epoch: %d, accuracy: %f, train_loss: %f."  # noqa: UP031 (the tutorial's line)
+                % (epoch.numpy(), accuracy, train_loss)
             )
 
-        train_accuracy.reset_state()
+        train_accuracy.reset_states()
 
-        # The tutorial advances these after saving, so a restart would resume into the epoch it
-        # had finished, with no step left (and divide by zero batches): advance them first.
         epoch.assign_add(1)
         step_in_epoch.assign(0)
-
-        # Once the `CheckpointManager` is set up, you're now ready to save, and remove
-        # the checkpoints non-chief workers saved.
         checkpoint_manager.save()
         if not _is_chief(task_type, task_id, cluster_spec):
-            shutil.rmtree(write_checkpoint_dir)  # tf.io.gfile.rmtree
+            shutil.rmtree(write_checkpoint_dir)
     return 0
 
 

@@ -88,7 +88,7 @@ class DistributedDataset:
         """
         if self._spec is UNKNOWN:
             first = self._source.peek()
-            self._spec = None if first is END else examine(first, SplitIterator.where).spec
+            self._spec = None if first is END else examine(first, SplitIterator.where, unbatched=True).spec
         return self._spec
 
     def __repr__(self) -> str:
@@ -214,7 +214,7 @@ def distribute_dataset(
     if opts.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
         raise InvalidArgumentError(
             f"{where}: InputReplicationMode.PER_REPLICA is only supported in "
-            "distribute_datasets_from_function"
+            "`distribute_datasets_from_function`."
         )
     ranks, owner = handed(collectives, owner)
     return DistributedDataset(ranks, dataset, opts, owner)

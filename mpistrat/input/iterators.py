@@ -25,6 +25,7 @@ from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, Mpist
 from mpistrat.input.batches import Batch, Rows, examine, replica_range, split_batch
 from mpistrat.input.batches import fingerprint as batch_fingerprint
 from mpistrat.input.contexts import InputOptions, require_spmd
+from mpistrat.input.elements import Elements
 from mpistrat.input.source import END, UNKNOWN, Source, wrap_user_error
 
 if TYPE_CHECKING:
@@ -154,11 +155,31 @@ class SplitIterator(DistributedIterator):
             self._it, self._serial = self._source.open()
         return next(self._it, END)
 
+    def _read_step(self) -> Batch | Elements | Any:
+        """The next global batch, or the next unbatched elements, one per replica (see ``elements.py``)."""
+        raw = self._read()
+        if raw is END:
+            return END
+        first = examine(raw, self.where, unbatched=True)
+        if first.batched:
+            return first
+        elements = [first]
+        while len(elements) < self._collectives.size and (raw := self._read()) is not END:
+            element = examine(raw, self.where, unbatched=True)
+            if element.batched:
+                raise InvalidArgumentError(
+                    f"{self.where}: the dataset yields unbatched elements (a leaf with no dimension), then a "
+                    "batch; yield all batches or all unbatched elements"
+                )
+            elements.append(element)
+        return Elements(elements)
+
     @property
     def element_spec(self) -> Any:
         if self._spec is UNKNOWN:
             self._pending = self._read()
-            self._spec = None if self._pending is END else examine(self._pending, self.where).spec
+            first = self._pending
+            self._spec = None if first is END else examine(first, self.where, unbatched=True).spec
         return self._spec
 
     def _step(self) -> Any:
@@ -169,8 +190,7 @@ class SplitIterator(DistributedIterator):
         collectives.require_open()
         batch, error, cause = END, None, None
         try:
-            raw = self._read()
-            batch = raw if raw is END else examine(raw, self.where)
+            batch = self._read_step()
         except Exception as exc:
             error, cause = wrap_user_error(exc, self.where), (None if isinstance(exc, MpistratError) else exc)
         if check_enabled(collectives):
@@ -179,6 +199,8 @@ class SplitIterator(DistributedIterator):
                 fingerprint = batch_fingerprint(
                     batch.treespec, batch.leaves, shapes=True, memo=collectives.caches.codes
                 ) ^ _rows_code(batch)
+            elif isinstance(batch, Elements):
+                fingerprint = batch.fingerprint(collectives.caches.codes)
             try:
                 collectives.agree(
                     "dataset_step",
@@ -209,7 +231,10 @@ class SplitIterator(DistributedIterator):
         size, rank = collectives.size, collectives.rank
         if self._spec is UNKNOWN:
             self._spec = batch.spec
+        elements = isinstance(batch, Elements)
         counts = [stop - start for start, stop in (replica_range(batch.size, size, r) for r in range(size))]
+        if elements:
+            counts = [int(r < batch.size) for r in range(size)]
         if batch.size and 0 in counts and self._options.uneven != "pad":
             self._done = True
             if self._options.uneven == "drop":
@@ -223,6 +248,10 @@ class SplitIterator(DistributedIterator):
                 "the short last batch when batching), or uneven='pad' (those replicas get empty batches) or "
                 "'drop' (the epoch ends there)"
             )
+        if elements:  # each element is one item of the user's iterable: the source counts items read
+            for _ in range(batch.size):
+                self._source.took(self._serial, 1)
+            return batch.take(rank, size)
         self._source.took(self._serial, batch.size)
         return split_batch(batch, size, rank)
 
@@ -250,6 +279,8 @@ def _rows_code(batch: Batch) -> int:
 
 def describe_step(batch: Any, spec: Any = None) -> dict[str, Any]:
     """This rank's step, in the form the handshake compares to explain a mismatch."""
+    if isinstance(batch, Elements):
+        return {"leaves": batch.describe()}
     if isinstance(batch, Batch):
         paths = nest.flatten_with_paths(batch.spec)
         leaves = [

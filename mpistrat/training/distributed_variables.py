@@ -19,6 +19,7 @@ every rank. What a write does inside a merge_fn or ``update()`` the strategy say
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 from mpistrat import context
@@ -41,13 +42,29 @@ from mpistrat.values import DistributedValues
 __all__ = ["DistributedVariable", "MirroredVariable", "SyncOnReadVariable"]
 
 _AGGREGATION_HELP = (
-    "You must specify an aggregation method to update a {kind} in replica context: pass e.g. "
+    "The replicas wrote different values to {name!r} (aggregation NONE) in replica context, which would "
+    "leave its copies different. You must specify an aggregation method to update a MirroredVariable in "
+    "Replica Context when the replicas' values differ: pass e.g. "
     "`mpistrat.Variable(..., aggregation=mpistrat.VariableAggregation.SUM)` (SUM, MEAN or "
-    "ONLY_FIRST_REPLICA). Mirrored variables are kept in sync, so a replica-context write must say how "
-    "the replicas' values combine. Alternatively update it in cross-replica context: call "
+    "ONLY_FIRST_REPLICA), or update it in cross-replica context: call "
     "`mpistrat.get_replica_context().merge_call(merge_fn)` and, in merge_fn, "
     "`strategy.extended.update(var, fn)`."
 )
+_PYTHON_NUMBERS = (bool, int, float, complex)
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the numbers that tell replicas' names apart (``_<digits>`` before a ``/`` or at
+    the end), as tf's mirrored variable creator compares names; tf strips one digit, this any number,
+    so that names made from a rank's number match at any number of ranks.
+
+    >>> canonical_name("dense_12/kernel_3"), canonical_name("step")
+    ('dense/kernel', 'step')
+    """
+    return _REPLICA_NUMBER.sub("", name)
+
+
+_REPLICA_NUMBER = re.compile(r"_\d+(?=/|$)")
 
 
 class DistributedVariable(Variable, DistributedValues):
@@ -59,23 +76,28 @@ class DistributedVariable(Variable, DistributedValues):
         super().__init__(initial_value, **kwargs)
         if self._synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
-                f"synchronization=NONE is not supported for a variable created in a strategy's scope "
-                f"(variable {self._name!r}); use AUTO, ON_WRITE or ON_READ"
+                "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please "
+                f"change the `synchronization` for variable: {self._name} (AUTO, ON_WRITE or ON_READ; a "
+                "variable created in a strategy's scope has a copy on every rank)"
             )
         mode = context.current_mode()
         strategy = mode.strategy
         extended = strategy.extended
         # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
-        kind = f"variable_creation({self._name}, {self._synchronization.name}, {self._aggregation.name})"
+        sync, agg = self._synchronization.name, self._aggregation.name
+        kind = f"variable_creation({canonical_name(self._name)}, {sync}, {agg})"
         error = None
         if self._aggregation is VariableAggregation.MEAN and self._value.dtype.kind not in "fc":
             # as tf: a mean of integer copies would truncate (0.5 becomes 0)
             error = InvalidArgumentError(
-                f"Variable {self._name!r}: creating a distributed variable with aggregation=MEAN and a "
-                f"non-floating dtype ({self._value.dtype}) is not supported; use a float dtype or another "
-                "aggregation"
+                f"Variable {self._name!r}: creating distributed tf.Variable with aggregation=MEAN and a "
+                "non-floating dtype is not supported, please use a different aggregation or dtype (a mean "
+                f"of {self._value.dtype} copies would truncate)"
             )
-        value = extended.collectives.broadcast(self._value, kind=kind, error=error)
+        collectives = extended.collectives
+        value = collectives.broadcast(self._value, kind=kind, error=error)
+        if collectives.size > 1:  # names may differ in a replica's number: rank 0's wins, as tf's replica 0's
+            self._name = collectives.broadcast_from_root(self._name, kind="variable_creation (name)")
         del self._value
         self._component = plain_variable(value, self._name, self._trainable)
         self._component._owner = self
@@ -136,7 +158,7 @@ class DistributedVariable(Variable, DistributedValues):
             out = collectives.all_reduce(ReduceOp[op.name], local, kind=kind, error=error)
         return out.astype(self.dtype, copy=False)
 
-    def _agreed(self, how: str, value: Any, mode: context.Mode) -> Any:
+    def _agreed(self, how: str, value: Any, mode: context.Mode, advice: str = "") -> Any:
         """A cross-replica write's value, after checking every rank writes the same bytes.
 
         Every rank executes a cross-replica write, each with its own ``value``: one that
@@ -161,7 +183,7 @@ class DistributedVariable(Variable, DistributedValues):
             fingerprint=code,
             describe=lambda: {
                 "leaves": [(repr(self._name), f"value with checksum {code:016x}", tuple(new.shape))],
-                "advice": _DIFFERENT_WRITES.format(name=self._name, how=how),
+                "advice": (advice or _DIFFERENT_WRITES).format(name=self._name, how=how),
             },
             error=error,
         )
@@ -220,7 +242,7 @@ class MirroredVariable(DistributedVariable):
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)
         if mode.kind is context.REPLICA:
-            self._write_in_replica(how, value)
+            self._write_in_replica(how, value, mode)
             return
         if self._writes.in_sync:  # inside update()/update_non_slot(): this rank's copy, as it is
             self._component._write(how, value)
@@ -228,15 +250,22 @@ class MirroredVariable(DistributedVariable):
         value = self._agreed(how, value, mode)
         self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
 
-    def _write_in_replica(self, how: str, value: Any) -> None:
+    def _write_in_replica(self, how: str, value: Any, mode: context.Mode) -> None:
         agg = self._aggregation
-        if agg is VariableAggregation.NONE:
-            raise InvalidArgumentError(
-                f"{self._name}.{how}: " + _AGGREGATION_HELP.format(kind="MirroredVariable")
-            )
+        if agg is VariableAggregation.NONE:  # as tf: each replica writes its copy; they must write alike
+            self._component._write(how, self._agreed(how, value, mode, _AGGREGATION_HELP))
+            return
         error, local = None, None
         try:
             local = self._coerce(value, how)
+            if agg is VariableAggregation.SUM and type(value) in _PYTHON_NUMBERS and self._extended.size > 1:
+                raise InvalidArgumentError(  # as tf, which sums only values computed in each replica
+                    f"{self._name}.{how}: A non-DistributedValues value {value!r} cannot be reduced with "
+                    "the given reduce op ReduceOp.SUM: a Python number is the same on every replica, as in "
+                    f"tf, and its sum over {self._extended.size} replicas is rarely what was meant. Write an "
+                    "array computed in the replica (np.asarray(x)) to sum the replicas' values, or use "
+                    "aggregation MEAN or ONLY_FIRST_REPLICA for a value that is the same on every replica"
+                )
         except MpistratError as exc:
             error = exc
         if local is None:
@@ -256,7 +285,8 @@ class SyncOnReadVariable(DistributedVariable):
         agg = self._aggregation
         if agg is VariableAggregation.NONE:
             raise InvalidArgumentError(
-                f"{self._name}: a sync-on-read variable with aggregation NONE cannot be read in "
+                f"{self._name}: Could not convert from `tf.VariableAggregation` NONE to "
+                "`tf.distribute.ReduceOp`: a sync-on-read variable with aggregation NONE cannot be read in "
                 "cross-replica context (there is no way to combine the replicas' copies); create it with "
                 "aggregation SUM, MEAN or ONLY_FIRST_REPLICA, or read it in replica context"
             )
@@ -278,9 +308,9 @@ class SyncOnReadVariable(DistributedVariable):
         sums = self._aggregation is VariableAggregation.SUM
         if how != "assign" and sums:
             raise InvalidArgumentError(  # as tf: each copy would add the delta, the sum n times it
-                f"{self._name}.{how}: a sync-on-read variable with SUM aggregation does not support {how} in "
-                "cross-replica context; update each replica's copy inside strategy.run, or set the summed "
-                "value with assign"
+                f"{self._name}.{how}: SyncOnReadVariable does not support `{how}` in cross-replica context "
+                "when aggregation is set to `tf.VariableAggregation.SUM`. Update each replica's copy inside "
+                "strategy.run, or set the summed value with assign"
             )
         new = self._agreed(how, value, mode)
         if sums:  # the copies must sum to the value
@@ -329,15 +359,19 @@ def _class_to_create(synchronization: Any) -> type[Variable]:
         return Variable
     if mode.inside_default:
         raise ContextError(  # a RuntimeError, as tf's
-            f"Mixing different Strategy objects: creating a variable in {mode.strategy}'s scope, which "
-            "is inside the default strategy's scope(); leave the default strategy's scope first"
+            "Mixing different tf.distribute.Strategy objects: creating a variable in "
+            f"{mode.strategy}'s scope, which is inside the default strategy's scope(); leave the default "
+            "strategy's scope first"
         )
     if mode.kind is context.MERGE:
         raise ContextError(
             "cannot create a distributed variable inside merge_fn: it runs on rank 0 alone and creation is "
             "collective; create variables in strategy.scope() or in replica context before merge_call"
         )
-    sync = enum_member(VariableSynchronization, synchronization, "synchronization")
+    try:
+        sync = enum_member(VariableSynchronization, synchronization, "synchronization")
+    except InvalidArgumentError:
+        return MirroredVariable  # whose __init__ names the variable and its bad synchronization
     return SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable
 
 

@@ -85,6 +85,8 @@ class Metric:
         for var in self._variables:
             var.assign(np.zeros((), self._dtype))
 
+    reset_states = reset_state  # tf.keras 2's name, which tf.distribute's tutorials call
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``update_state(*args, **kwargs)``, then ``result()``."""
         self.update_state(*args, **kwargs)

@@ -105,17 +105,19 @@ class Variable(HasLocalCopy):
                 f"The `constraint` argument must be a callable; got {type(constraint).__name__}"
             )
         self._constraint = constraint
-        self._synchronization = enum_member(VariableSynchronization, synchronization, "synchronization")
-        none_means_none = VariableAggregation.NONE if aggregation is None else aggregation  # as tf
-        self._aggregation = enum_member(VariableAggregation, none_means_none, "aggregation")
-        on_read = self._synchronization is VariableSynchronization.ON_READ
-        if on_read and trainable:
-            raise InvalidArgumentError(
-                "synchronization=ON_READ is only for non-trainable variables; you passed trainable=True. "
-                "Pass trainable=False (the default for ON_READ)"
-            )
-        self._trainable = (not on_read) if trainable is None else bool(trainable)
         self._name = "Variable" if name is None else str(name)
+        tf_words = "Invalid variable {} mode: {} for variable: " + self._name + ". {}"  # what ports match
+        self._synchronization = enum_member(
+            VariableSynchronization,
+            synchronization,
+            tf_words.format("synchronization", synchronization, "It"),
+        )
+        none_means_none = VariableAggregation.NONE if aggregation is None else aggregation  # as tf
+        self._aggregation = enum_member(
+            VariableAggregation, none_means_none, tf_words.format("aggregation", aggregation, "It")
+        )
+        on_read = self._synchronization is VariableSynchronization.ON_READ
+        self._trainable = (not on_read) if trainable is None else bool(trainable)  # ON_READ may train, as tf
         self._value = _initial(initial_value, dtype, self._name)
         colocation = context.current_colocation()
         self.colocated_with = None if colocation is None else colocation[1]

@@ -38,6 +38,35 @@ def make_state(group):
     return w, total, mean, step, opt
 
 
+@pytest.mark.parametrize("aggregation", ["SUM", "MEAN", "ONLY_FIRST_REPLICA"])
+def test_trainable_sync_on_read_variable(group, tmp_path, aggregation):
+    # tf 2.21: tf.Variable(1.0, synchronization=ON_READ, aggregation=..., trainable=True) is accepted
+    # and trainable (only Keras's add_weight refuses it). Replica r assigns r + 1; tf.train.Checkpoint
+    # saves the aggregate: SUM n(n+1)/2 (3.0 at 2), MEAN (n+1)/2 (1.5), ONLY_FIRST_REPLICA 1.0. After
+    # assign(100.0) in cross-replica context and a restore, every copy holds SUM: the sum / n (1.5 at
+    # 2), MEAN: the mean (1.5), ONLY_FIRST_REPLICA: 1.0, and reading gives the saved value again
+    directory, n = shared_dir(group, tmp_path), group.size
+    with group.strategy.scope():
+        v = mpistrat.Variable(
+            np.float32(1.0), synchronization="ON_READ", aggregation=aggregation, trainable=True, name="v"
+        )
+    group.strategy.run(
+        lambda: v.assign(np.float32(mpistrat.get_replica_context().replica_id_in_sync_group + 1))
+    )
+    saved = {"SUM": n * (n + 1) / 2, "MEAN": (n + 1) / 2, "ONLY_FIRST_REPLICA": 1.0}[aggregation]
+    copy = {"SUM": saved / n, "MEAN": saved, "ONLY_FIRST_REPLICA": 1.0}[aggregation]
+    ckpt = mpistrat.Checkpoint(v=v)
+    with group.strategy.scope():
+        before = float(v.read_value())
+        path = ckpt.save(os.path.join(directory, "ckpt"))
+        v.assign(np.float32(100.0))
+        ckpt.restore(path)
+        after = float(v.read_value())
+    mine = float(group.strategy.run(v.read_value))
+    got = (v.trainable, v.dtype, before, after, mine)
+    all_ranks_agree(group.comm, got == (True, np.float32, saved, saved, copy), f"{got}")
+
+
 def test_round_trip(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     w, total, mean, step, opt = make_state(group)

@@ -167,4 +167,5 @@ def test_check_off_still_counts_collectives(group):
     before = collectives.seq
     run_all_reduce(group, "sum", 1.0, CommunicationOptions(check=False))
     run_all_reduce(group, "sum", 1.0)
-    assert collectives.seq == before + 2
+    closing = 2 * (group.size > 1)  # each strategy.run's closing handshake (the strategy's check is on)
+    assert collectives.seq == before + 2 + closing

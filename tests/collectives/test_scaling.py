@@ -93,11 +93,12 @@ def test_optimizer_step_is_one_allreduce_of_the_gradients(name, bytes_per_pack):
     strategy.experimental_finalize()
 
     packs = 1 if not bytes_per_pack else -(-GRAD_BYTES // bytes_per_pack)  # the flat buffer cut in packs
+    handshakes = 1 + (size > 1)  # the opening one, and strategy.run's closing one (its results' structure)
     payload = ledger.only("Allreduce")
     ok = (
         ledger.names() == ["Allreduce"] * len(ledger.log)  # nothing but all-reduces: no Bcast, no gather
-        and payload.calls == packs + 1  # the packs and the opening handshake
-        and ledger.sent == GRAD_BYTES + HANDSHAKE
+        and payload.calls == packs + handshakes
+        and ledger.sent == GRAD_BYTES + handshakes * HANDSHAKE
         and ledger.sent <= 1.10 * GRAD_BYTES
     )
     all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
@@ -151,9 +152,9 @@ def test_sharded_step_moves_what_the_all_reduce_moves(name, bytes_per_pack):
         ok = ledger.names() == plain.names() and ledger.sent == plain.sent
     else:
         scatter, gather = ledger.only("Reduce_scatter_block"), ledger.only("Allgather")
-        ok = (
-            ledger.names() == ["Allreduce"] + ["Reduce_scatter_block", "Allgather"] * packs
-            and ledger.only("Allreduce").sent == HANDSHAKE
+        ok = (  # the opening handshake, the packs, strategy.run's closing handshake
+            ledger.names() == ["Allreduce"] + ["Reduce_scatter_block", "Allgather"] * packs + ["Allreduce"]
+            and ledger.only("Allreduce").sent == 2 * HANDSHAKE
             and (scatter.sent, scatter.received) == (padded, padded // size)
             and (gather.sent, gather.received) == (padded // size, padded)
         )
@@ -254,18 +255,18 @@ def test_broadcast_to_and_only_first_replica_are_one_bcast(counted):
             got = counted.extended.broadcast_to(x, destinations=v)
     with Ledger.recording() as written:
         counted.run(lambda: v.assign(np.arange(1000, dtype=np.float32) * (rank + 1)))
-    for what, led in (("broadcast_to", ledger), ("ONLY_FIRST_REPLICA assign", written)):
+    closing = ["Allreduce"] if size > 1 else []  # strategy.run's closing handshake
+    for what, led, after in (("broadcast_to", ledger, []), ("ONLY_FIRST_REPLICA assign", written, closing)):
         bcast = led.only("Bcast")
         ok = (
-            led.names() == ["Allreduce", "Bcast"]  # the handshake, then the data once
-            and led.only("Allreduce").sent == HANDSHAKE
+            led.names() == ["Allreduce", "Bcast", *after]  # the handshake, then the data once
+            and led.only("Allreduce").sent == HANDSHAKE * (1 + len(after))
             and (bcast.sent if rank == 0 else bcast.received) == x.nbytes
         )
         all_ranks_agree(WORLD, ok, f"{what}: {led.log}")
     want = np.arange(1000, dtype=np.float32)
     ok = np.array_equal(got, want) and np.array_equal(v.numpy(), want)
     all_ranks_agree(WORLD, ok, f"rank {rank}: {got[:3]}, {v.numpy()[:3]}")
-    del size
 
 
 @pytest.mark.parametrize("nest", [False, True])  # one array (its short path) and a one-leaf list
@@ -289,3 +290,20 @@ def test_uneven_all_gather_is_handshake_sizes_and_one_allgatherv(counted, nest):
         and (data.sent, data.received) == (x.nbytes, result_bytes)
     )
     all_ranks_agree(WORLD, ok, f"rank {rank} of {size}: {ledger.log}")
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_run_closes_with_one_handshake_of_fixed_size(counted, check):
+    """strategy.run compares its results' structures in one handshake: the same bytes at every R, none
+    at one rank or with the check off; the results themselves never travel."""
+    strategy = counted if check else _strategy(communication_options=CommunicationOptions(check=False))
+    size = strategy.num_replicas_in_sync
+    result = {"loss": np.float32(1.0), "metrics": [np.zeros(1000, np.float32), np.float32(2.0)]}
+    with Ledger.recording() as ledger:
+        for _ in range(3):
+            strategy.run(lambda: result)
+    closing = 3 if check and size > 1 else 0
+    ok = ledger.names() == ["Allreduce"] * closing and ledger.sent == ledger.received == closing * HANDSHAKE
+    all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
+    if not check:
+        strategy.experimental_finalize()

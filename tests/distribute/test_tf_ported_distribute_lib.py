@@ -256,18 +256,21 @@ def test_update(group):
     assert calls == [(True, True)] * 2
 
 
-def test_update_non_slot(group):
-    # testUpdateNonSlot: update_non_slot(colocate_with, fn) calls fn once (MultiWorkerMirroredStrategy
-    # needs non_slot_devices(...) as colocate_with)
+@pytest.mark.parametrize("colocate_with", ["value", "non_slot_devices"])
+def test_update_non_slot(group, colocate_with):
+    # testUpdateNonSlot: update_non_slot(t, fn), t = constant(2.0), calls fn once, in and out of
+    # scope. non_slot_devices(var_list), the tuple MirroredStrategy asserts, works as well
     with group.strategy.scope():
         v = mpistrat.Variable(1.0)
 
     def method(dist):
+        t = np.float32(2.0) if colocate_with == "value" else dist.extended.non_slot_devices([v])
         update_calls = []
-        dist.extended.update_non_slot(dist.extended.non_slot_devices([v]), lambda: update_calls.append(1))
+        dist.extended.update_non_slot(t, lambda: update_calls.append(1))
         assert len(update_calls) == 1
 
     run_in_and_out_of_scope(group, method)
+    method(mpistrat.get_strategy())  # the default strategy (tf's accepts any colocate_with too)
 
 
 def test_cluster_resolver_default_not_implemented():

@@ -15,7 +15,7 @@ import pytest
 
 import mpistrat
 from mpistrat import InvalidArgumentError, ReduceOp
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import all_ranks_agree, raises_on_every_rank, strategy_in_mode
 
 # -- StrategyTest ---------------------------------------------------------------------------------
 
@@ -63,6 +63,87 @@ def test_replica_ctx_all_reduce_basic(group):
 
     got = s.experimental_local_results(s.run(replica_fn))[0]
     all_ranks_agree(group.comm, float(got) == 1.0 * n, f"{got}")
+
+
+# -- ReplicaCtxUpdateTest ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("update_fn", ["assign", "assign_add", "assign_sub"])
+@pytest.mark.parametrize("api", ["replica_context", "extended"])
+def test_replica_ctx_update_dense(group, update_fn, api):
+    # testDenseUpdate: a variable at 5.0; in replica_fn, replica_context._update(v, fn, args=(2.0,)),
+    # then again with the Python literal 1.0: every local result 1.0 (assign), 8.0 (assign_add),
+    # 2.0 (assign_sub). strategy.extended.update called in replica context is the same path (the one
+    # Keras optimizers take without merge_call)
+    s = group.strategy
+    with s.scope():
+        v = mpistrat.Variable(np.float32(5.0))
+
+    def replica_fn():
+        ctx = mpistrat.get_replica_context()
+        update = ctx._update if api == "replica_context" else s.extended.update
+        fn = {
+            "assign": lambda var, value: var.assign(value),
+            "assign_add": lambda var, value: var.assign_add(value),
+            "assign_sub": lambda var, value: var.assign_sub(value),
+        }[update_fn]
+        update(v, fn, args=(np.float32(2.0),))
+        update(v, fn, args=(1.0,))
+
+    s.run(replica_fn)
+    got = [np.asarray(x).item() for x in s.experimental_local_results(v)]
+    want = {"assign": 1.0, "assign_add": 8.0, "assign_sub": 2.0}[update_fn]
+    all_ranks_agree(group.comm, got == [want] and v.dtype == np.float32, f"{got} {v.dtype}")
+
+
+@pytest.mark.parametrize("where", ["replica", "cross_replica", "every_rank_merge_fn"])
+def test_update_takes_each_replicas_own_value(group, where):
+    # tf 2.21 (MirroredStrategy, n replicas): extended.update(v, assign, args=(PerReplica(10 + i),))
+    # writes copy i of a sync-on-read SUM variable its own value, 10 + i, called in replica context
+    # or with a PerReplica built in cross-replica context; a merge_fn that passes its merged
+    # arguments to update (tf's own replica-context update through merge_call) does the same
+    n, r = group.size, group.rank
+    strategy = strategy_in_mode(group, "every_rank" if where == "every_rank_merge_fn" else "root")
+    with strategy.scope():
+        v = mpistrat.Variable(np.float32(5.0), synchronization="ON_READ", aggregation="SUM")
+    values = mpistrat.PerReplica(tuple(np.float32(10 + i) for i in range(n)))
+    assign = lambda var, x: var.assign(x)  # noqa: E731
+    if where == "replica":
+        strategy.run(lambda: strategy.extended.update(v, assign, args=(values,)))
+    elif where == "cross_replica":
+        with strategy.scope():
+            strategy.extended.update(v, assign, args=(values,))
+    else:
+        merge_fn = lambda st, x: st.extended.update(v, assign, args=(x,))  # noqa: E731
+        strategy.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=(np.float32(10 + r),)))
+    mine = strategy.run(lambda: float(v.read_value()))
+    with strategy.scope():
+        total = float(v.read_value())
+    ok = mine == 10.0 + r and total == sum(10.0 + i for i in range(n))
+    all_ranks_agree(group.comm, ok, f"{mine} {total}")
+
+
+def test_update_of_a_mirrored_variable_with_values_that_differ(group):
+    # tf 2.21 writes copy i of a mirrored variable 10 + i as well, and its copies drift apart (its
+    # ReplicaContext._update docstring: "dangerously out of synchronization"). Each rank here reads
+    # its own copy, so they raise instead: CollectiveMismatchError naming the ranks, nothing written.
+    # Equal values are written (10.0 everywhere)
+    s, n = group.strategy, group.size
+    with s.scope():
+        v = mpistrat.Variable(np.float32(5.0))
+    assign = lambda var, x: var.assign(x)  # noqa: E731
+    if n > 1:
+        differ = mpistrat.PerReplica(tuple(np.float32(10 + i) for i in range(n)))
+        raises_on_every_rank(
+            group.comm,
+            mpistrat.CollectiveMismatchError,
+            lambda: s.run(lambda: s.extended.update(v, assign, args=(differ,))),
+            "rank 1",
+        )
+    same = mpistrat.PerReplica(tuple(np.float32(10) for _ in range(n)))
+    s.run(lambda: s.extended.update(v, assign, args=(same,)))
+    got = [np.asarray(x).item() for x in s.experimental_local_results(v)]
+    all_ranks_agree(group.comm, got == [10.0], f"{got}")
 
 
 # -- DistributedCollectiveAllReduceStrategyTest -------------------------------------------------------

@@ -454,3 +454,21 @@ def test_a_preempted_job_resumes_where_it_stopped(tmp_path, uninterrupted, saved
     parts = run_job(resumed, tmp_path, "none", "--preemptible")
     assert parts["start"][1] in (77, 78) and parts["steps"] == 150
     same_as(parts, uninterrupted(resumed), exact=saved == resumed)
+
+
+def test_unbatched_elements_resume_where_they_stopped(group, tmp_path):
+    """A dataset of unbatched scalars, one per replica per step: a position saved after one step
+    holds R examples, and the resumed pass deals every remaining element to exactly one replica."""
+    n, r = group.size, group.rank
+    values = [np.float32(v) for v in range(100, 107)]  # float32 scalars, as a port passes them
+    dist = group.strategy.experimental_distribute_dataset(values)
+    it = iter(dist)
+    first = [float(next(it))] if r < len(values) else []
+    path = mpistrat.Checkpoint(data=dist).write(os.path.join(shared_dir(group, tmp_path), "ckpt"))
+    saved = saved_row.decode(saved_position(path, "data"))
+
+    dist = group.strategy.experimental_distribute_dataset(list(values))
+    mpistrat.Checkpoint(data=dist).read(path).assert_consumed()
+    rest = [float(x) for step, x in enumerate(dist) if (step + 1) * n + r < len(values)]
+    everyone = sorted(v for vs in group.comm.allgather(first + rest) for v in vs)
+    agree(group, (saved.epoch, saved.examples, everyone), (0, n, [float(v) for v in range(100, 107)]))

@@ -1,4 +1,4 @@
-"""Per-replica pipelines of unbatched elements, and ``next(iterator)`` inside ``strategy.run``.
+"""Unbatched elements (per-replica pipelines, and global datasets), and ``next(iterator)`` inside ``run``.
 
 Expected values are TensorFlow 2.21's (``tensorflow-cpu``): ``MultiWorkerMirroredStrategy`` on one
 worker, whose one replica is what each rank is here, reading ``distribute_datasets_from_function``
@@ -173,15 +173,94 @@ def test_make_input_fn_iterator_errors_name_it(group):
     assert "distribute_datasets_from_function" not in message
 
 
-def test_global_batches_still_need_a_batch_dimension(group):
-    # experimental_distribute_dataset splits global batches, so a scalar is refused (a row of the
-    # differences table: tf's MirroredStrategy raises IndexError at 2 replicas).
-    s = group.strategy
+# -- experimental_distribute_dataset over unbatched elements ----------------------------------------
+# tf 2.21, MirroredStrategy over one device: experimental_distribute_dataset(Dataset.range(5)) gives
+# 0, 1, 2, 3, 4 (element_spec TensorSpec((), int64)); a generator of float32 scalars 0., 1., 2.; and
+# from_tensor_slices({"x": arange(6.).reshape(3, 2) float32, "y": range(3)}) {"x": [0, 1], "y": 0}, ...
+# Over several workers tf raises (IndexError in compute_batch_size); here replica r takes elements
+# r, r + n, ... (testAutoshardingOption's order: [0], [2] and [1], [3] of range(4) at 2 workers) and a
+# replica past the end of the data gets tf's dummy element (a scalar 0), as an exhausted pipeline does.
+
+
+def _dealt(values, n, r, dummy):
+    steps = -(-len(values) // n)
+    return [values[s * n + r] if s * n + r < len(values) else dummy for s in range(steps)]
+
+
+def test_unbatched_scalars_one_per_replica_per_step(group):
+    s, n, r = group.strategy, group.size, group.rank
+    dist = s.experimental_distribute_dataset(range(5))
+    spec = dist.element_spec
+    got = [x for x in dist]
+    ok = spec == ArraySpec((), np.dtype(np.int64)) and all(np.shape(x) == () for x in got)
+    ok = ok and [int(x) for x in got] == _dealt(list(range(5)), n, r, 0)
+    all_ranks_agree(group.comm, ok, f"{spec} {got}")
+
+
+def test_unbatched_float32_scalars_from_a_generator(group):
+    s, n, r = group.strategy, group.size, group.rank
+    got = list(s.experimental_distribute_dataset(np.float32(i) for i in range(3)))
+    ok = all(x.dtype == np.float32 for x in got) and [float(x) for x in got] == _dealt(
+        [0.0, 1.0, 2.0], n, r, 0.0
+    )
+    all_ranks_agree(group.comm, ok, f"{got!r}")
+
+
+def test_unbatched_examples_with_vector_and_scalar_leaves(group):
+    s, r = group.strategy, group.rank
+    x = np.arange(6.0, dtype=np.float32).reshape(3, 2)
+    it = iter(s.make_dataset_iterator([{"x": x[i], "y": np.int64(i)} for i in range(3)]))
+    first = it.get_next()
+    want = {"x": ArraySpec((2,), np.dtype(np.float32)), "y": ArraySpec((), np.dtype(np.int64))}
+    ok = it.element_spec == want and first["x"].dtype == np.float32
+    if r < 3:
+        ok = ok and first["x"].tolist() == x[r].tolist() and int(first["y"]) == r
+    else:  # tf's dummy: a leading dimension of 0, a scalar 0
+        ok = ok and first["x"].shape == (0,) and int(first["y"]) == 0
+    all_ranks_agree(group.comm, ok, f"{it.element_spec} {first}")
+
+
+def test_every_unbatched_element_reaches_exactly_one_replica(group):
+    s, n, r = group.strategy, group.size, group.rank
+    seen = [
+        int(v)
+        for step, v in enumerate(s.experimental_distribute_dataset(iter(range(100, 107))))
+        if step * n + r < 7
+    ]
+    everyone = sorted(v for vs in group.comm.allgather(seen) for v in vs)
+    all_ranks_agree(group.comm, everyone == list(range(100, 107)), f"{everyone}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_uneven_drop_and_error_apply_to_unbatched_elements_of_a_global_dataset(world):
+    s, n = world.strategy, world.size
+    dropped = [int(x) for x in s.experimental_distribute_dataset(range(n + 1), InputOptions(uneven="drop"))]
+    all_ranks_agree(world.comm, dropped == [world.rank], f"{dropped}")
     raises_on_every_rank(
-        group.comm,
+        world.comm,
         InvalidArgumentError,
-        lambda: list(s.experimental_distribute_dataset(range(3))),
-        "every leaf of a global batch needs a leading batch dimension",
+        lambda: list(s.experimental_distribute_dataset(range(n + 1), InputOptions(uneven="error"))),
+        "without data",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unbatched_elements_then_a_batch_raise_everywhere(world):
+    s = world.strategy
+    raises_on_every_rank(
+        world.comm,
+        InvalidArgumentError,
+        lambda: list(s.experimental_distribute_dataset([np.float32(1), np.arange(4)])),
+        "all batches or all unbatched elements",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_reading_different_elements_raise_everywhere(world):
+    s = world.strategy
+    data = [np.int64(1)] * (world.size if world.rank else 2 * world.size)  # one step more on rank 0
+    raises_on_every_rank(
+        world.comm, CollectiveMismatchError, lambda: list(s.experimental_distribute_dataset(data))
     )
 
 

@@ -22,7 +22,8 @@ def test_a_stall_warning_names_the_late_ranks_host():
         ["tests/nodes/jobs/late_rank.py", "3"], limit=40, env={"MPISTRAT_STALL_WARNING_SECONDS": "1"}
     )
     assert code == 0 and all(f"rank {r} finished" in out for r in range(4)), out
-    assert out.count("WARNING: all_reduce (collective #2") == 1, out
+    # #2 is the first strategy.run's closing handshake
+    assert out.count("WARNING: all_reduce (collective #3") == 1, out
     assert "waiting for rank 3: rank 3 on nodeb is not in a collective" in out, out
 
 
@@ -42,7 +43,9 @@ def test_a_frozen_rank_on_the_other_node_is_named_with_its_host():
 def test_a_rank_that_exits_is_named_with_its_host_and_the_job_ends():
     code, out = nodes.run_job([f"{FAULTS}/rank_leaves.py", "exit0"], limit=40)
     assert code != 0, out
-    assert re.search(r"cannot complete: rank 1 on nodea exited after collective #1", out), out
+    assert re.search(
+        r"cannot complete: rank 1 on nodea exited after collective #2", out
+    )  # the run's closing handshake, out
     assert "rank 0 finished" not in out and "rank 3 finished" not in out, out
 
 
@@ -59,7 +62,7 @@ def test_the_straggler_summary_names_the_stragglers_host(tmp_path):
         [f"{FAULTS}/stragglers_summary.py", "3"], limit=40, env={"MPISTRAT_TIMELINE": str(tmp_path)}
     )
     assert code == 0, out
-    shares = re.findall(r"rank 3 on nodeb was the last to arrive in (\d+)% of 30 collectives", out)
+    shares = re.findall(r"rank 3 on nodeb was the last to arrive in (\d+)% of 31 collectives", out)
     assert shares and int(shares[0]) >= 90, out
     table = out[out.index("last arrivals over") :]
     assert re.search(r"^\s+3 nodeb\s+\d+", table, re.MULTILINE), table  # the host column
