@@ -11,11 +11,11 @@ largest bytes in + out of any rank other than 0, and rank 0's own.
 
 import numpy as np
 from mpi4py import MPI
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
 from mpistrat import PerReplica
 from mpistrat.input import ArrayDataset
+from mpistrat.optimizers import SGD, Adam
 from tests.support.counting import CountingComm, Ledger, ring_bytes
 
 WORLD = MPI.COMM_WORLD

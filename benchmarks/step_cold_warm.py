@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
+from mpistrat.optimizers import SGD, Adam
 
 LR, B1, B2, EPS, MOMENTUM = 1e-3, 0.9, 0.999, 1e-7, 0.9
 

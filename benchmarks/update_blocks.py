@@ -13,9 +13,9 @@ import argparse
 import time
 
 import numpy as np
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
+from mpistrat.optimizers import SGD, Adam
 from mpistrat.tools.sizes import parse_size
 from mpistrat.training import pack_step
 

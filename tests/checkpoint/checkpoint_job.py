@@ -11,9 +11,9 @@ import json
 import sys
 
 import numpy as np
-from mpistrat.optimizers import Adam
 
 import mpistrat
+from mpistrat.optimizers import Adam
 from tests.training.test_optimizers import X, gradients
 
 

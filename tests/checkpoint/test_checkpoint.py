@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpistrat.optimizers import SGD
 
 import mpistrat
 import mpistrat.checkpoint.files as checkpoint_files
 from mpistrat import ContextError, InvalidArgumentError
+from mpistrat.optimizers import SGD
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import launcher_options
 from tests.training.test_optimizers import CONFIGS, numpy_reference

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from mpistrat.optimizers import Adam
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -22,6 +21,7 @@ from mpistrat import InvalidArgumentError
 from mpistrat.checkpoint import crc
 from mpistrat.checkpoint.files import read_table
 from mpistrat.checkpoint.pieces import Piece, calls, share, spans_of_share
+from mpistrat.optimizers import Adam
 from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 

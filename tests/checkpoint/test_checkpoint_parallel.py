@@ -12,12 +12,12 @@ import sys
 
 import numpy as np
 import pytest
-from mpistrat.optimizers import Adam
 
 import mpistrat
 import mpistrat.checkpoint.pieces as pieces_module
 import mpistrat.checkpoint.restoring as restoring
 from mpistrat.checkpoint.files import read_table
+from mpistrat.optimizers import Adam
 from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import _GROUPS, WORLD, _make, all_ranks_agree
 from tests.support.counting import CountingComm, Ledger

@@ -11,10 +11,10 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
 from mpistrat import CommunicationOptions, PerReplica
+from mpistrat.optimizers import SGD, Adam
 from tests.conftest import WORLD, all_ranks_agree
 from tests.support.counting import CountingComm, Ledger, ring_bytes
 

@@ -61,7 +61,8 @@ def test_abort_on_exception_can_be_turned_off():
     assert "[rank 1] Traceback" not in out and "RuntimeError: boom on rank 1" in out, out
     assert (
         "RuntimeError: strategy.run (result) (collective #1) failed on rank 1, which left all_reduce "
-        "(collective #1, called at tests/faults/raise_in_run.py:13 in step) where ranks 0, 2 waited: boom on rank 1"
+        "(collective #1, called at tests/faults/raise_in_run.py:13 in step) where ranks 0, 2 waited: "
+        "boom on rank 1"
     ) in out, out
 
 

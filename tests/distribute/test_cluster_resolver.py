@@ -16,6 +16,9 @@ import subprocess
 
 import pytest
 from mpi4py import MPI
+
+import mpistrat
+from mpistrat import InvalidArgumentError
 from mpistrat.cluster_resolver import (
     ClusterSpec,
     SimpleClusterResolver,
@@ -24,9 +27,6 @@ from mpistrat.cluster_resolver import (
     expand_hostlist,
     expand_tasks_per_node,
 )
-
-import mpistrat
-from mpistrat import InvalidArgumentError
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 
 HOSTLISTS = {  # tf's expand_hostlist (and scontrol show hostnames) on each

@@ -14,9 +14,9 @@ import os
 import sys
 
 from mpi4py import MPI
-from mpistrat.cluster_resolver import SlurmClusterResolver
 
 import mpistrat
+from mpistrat.cluster_resolver import SlurmClusterResolver
 
 how = sys.argv[1]
 rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

@@ -6,9 +6,9 @@ line at the end; a wrong value raises, which ends the job with that rank's trace
 """
 
 import numpy as np
-from mpistrat.optimizers import SGD
 
 import mpistrat
+from mpistrat.optimizers import SGD
 
 strategy = mpistrat.MPIStrategy()
 rank, size = strategy.extended.rank, strategy.num_replicas_in_sync

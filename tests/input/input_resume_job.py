@@ -18,9 +18,9 @@ import signal
 import sys
 
 import numpy as np
-from mpistrat.optimizers import SGD
 
 import mpistrat
+from mpistrat.optimizers import SGD
 
 SEED = 7
 GLOBAL_BATCH = 12  # divisible by 2 and 3: per-rank pipelines batch GLOBAL_BATCH // R

@@ -14,10 +14,10 @@ import math
 
 import numpy as np
 import pytest
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions, InvalidArgumentError, MpistratError
+from mpistrat.optimizers import SGD, Adam
 from mpistrat.training.sharded_slot import ShardedSlot
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 

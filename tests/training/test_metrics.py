@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from mpistrat.metrics import Accuracy, CategoricalAccuracy, Mean, SparseCategoricalAccuracy, Sum
 
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
+from mpistrat.metrics import Accuracy, CategoricalAccuracy, Mean, SparseCategoricalAccuracy, Sum
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 
 STEPS, CLASSES = 4, 5

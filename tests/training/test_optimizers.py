@@ -9,10 +9,10 @@ import math
 
 import numpy as np
 import pytest
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
+from mpistrat.optimizers import SGD, Adam
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 
 RNG = np.random.default_rng(1234)

@@ -8,9 +8,9 @@ import json
 import sys
 
 import numpy as np
-from mpistrat.optimizers import Adam
 
 import mpistrat
+from mpistrat.optimizers import Adam
 
 strategy = mpistrat.MPIStrategy()
 rank = strategy.extended.rank
