@@ -324,6 +324,7 @@ class FlatState:
         plan: _Plan | None = None,
         kind: str = "apply_gradients",
         options: CommunicationOptions | None = None,
+        pending: MpistratError | None = None,
     ) -> None:
         """One step: check, one handshake, then per group and pack: reduce, update, (gather).
 
@@ -333,16 +334,17 @@ class FlatState:
 
         ``collectives`` is None for the single-replica default strategy (nothing to send).
         Bad input found on any rank (a gradient's shape, a variable's new shape, a different
-        set of variables) raises on every rank before anything is sent or written.
+        set of variables) raises on every rank before anything is sent or written, as does
+        ``pending``, an error this rank found earlier (on a call that only accumulated).
         """
-        error: MpistratError | None = None
+        error: MpistratError | None = pending
         try:
             plan = plan or self._plan(variables)
             if not plan.matches(grads):
                 grads = _checked_gradients(grads, variables)
             params = [s.group.params.claim() for s in plan.steps]
         except MpistratError as exc:
-            error = exc
+            error = error or exc
         mode = ""
         if collectives is not None:
             described = plan.described if plan is not None else []

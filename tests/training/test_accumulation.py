@@ -1,0 +1,152 @@
+"""Gradient accumulation: ``SGD/Adam(..., gradient_accumulation_steps=K)``.
+
+K-1 of every K ``apply_gradients`` calls add this rank's gradients locally and send nothing
+(counted on a counting communicator); the K-th reduces once and applies the mean of the K
+calls' gradients, summed over the ranks. The expected weights and slots come from the serial
+float64 NumPy reference of the flat optimizers' tests, stepped with that mean; ``iterations``
+counts updates, as Keras 3's does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpistrat.optimizers import SGD, Adam
+
+import mpistrat
+from mpistrat import CommunicationOptions, InvalidArgumentError
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.counting import CountingComm, Ledger
+from tests.training.test_flat_optimizers import (
+    B1,
+    B2,
+    EPS,
+    LR,
+    MOMENTUM,
+    NAMES,
+    Reference,
+    differences,
+    local_grad,
+    make_variables,
+    reference_slots,
+    same_bytes_on_every_rank,
+    slots,
+    summed_grad,
+    weights,
+)
+
+K = 3
+UPDATES = 2
+
+
+def make(kind: str, shard: bool, steps=K, **options):
+    if kind == "momentum":
+        return SGD(LR, momentum=MOMENTUM, shard_state=shard, gradient_accumulation_steps=steps, **options)
+    return Adam(
+        LR, beta_1=B1, beta_2=B2, epsilon=EPS, shard_state=shard, gradient_accumulation_steps=steps, **options
+    )
+
+
+def micro_step(strategy, opt, variables, t: int, rank: int) -> None:
+    pairs = [(local_grad(n, t, rank), variables[n]) for n in NAMES]
+    strategy.run(lambda: opt.apply_gradients(pairs))
+
+
+@pytest.fixture
+def strategy(group):
+    made = mpistrat.MPIStrategy(group.comm, communication_options=CommunicationOptions(bytes_per_pack=32))
+    yield made
+    made.experimental_finalize()
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_each_update_applies_the_mean_of_k_calls(group, strategy, kind, shard):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make(kind, shard)
+    ref = Reference("momentum" if kind == "momentum" else "adam")
+    bad = []
+    for u in range(UPDATES):
+        for i in range(K):
+            micro_step(strategy, opt, variables, u * K + i, group.rank)
+            if i < K - 1 and int(opt.iterations.numpy()) != u:
+                bad.append(f"iterations {int(opt.iterations.numpy())} after a quiet call of update {u}")
+        ref.step({n: sum(summed_grad(n, u * K + i, group.size) for i in range(K)) / K for n in NAMES})
+        got = weights(variables)
+        bad += differences(got, ref.params)
+    got_slots = slots(opt, variables, kind)
+    bad += differences(got_slots, reference_slots(ref))
+    if int(opt.iterations.numpy()) != UPDATES or opt.gradient_accumulation_steps != K:
+        bad.append(f"iterations {opt.iterations.numpy()}, steps {opt.gradient_accumulation_steps}")
+    if not same_bytes_on_every_rank(group.comm, {**weights(variables), **got_slots}):
+        bad.append("the copies differ between ranks")
+    all_ranks_agree(group.comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_quiet_calls_move_no_bytes_and_the_kth_moves_one_step(shard):
+    """Counted: calls 1..K-1 make no MPI call; the K-th makes exactly the calls of a step without
+    accumulation, with the same bytes."""
+    strategy = mpistrat.MPIStrategy(CountingComm(WORLD))
+    variables = make_variables(strategy)
+    with strategy.scope():
+        accumulating, plain = make("adam", shard), make("adam", shard, steps=None)
+    rank = WORLD.Get_rank()
+    micro_step(strategy, plain, variables, 0, rank)  # both built before counting
+    for i in range(K):
+        micro_step(strategy, accumulating, variables, i, rank)
+    with Ledger.recording() as one_plain:
+        micro_step(strategy, plain, variables, 1, rank)
+    with Ledger.recording() as quiet:
+        for i in range(K - 1):
+            micro_step(strategy, accumulating, variables, K + i, rank)
+    with Ledger.recording() as last:
+        micro_step(strategy, accumulating, variables, 2 * K - 1, rank)
+    summary = (quiet.calls, [(c.name, c.sent) for c in last.log], [(c.name, c.sent) for c in one_plain.log])
+    ok = quiet.calls == 0 and summary[1] == summary[2] and one_plain.calls > 0
+    strategy.experimental_finalize()
+    all_ranks_agree(WORLD, ok, f"size {WORLD.Get_size()}: {summary}")
+
+
+@pytest.mark.parametrize("steps", [0, -2, 2.0, "3", True])
+def test_bad_steps_name_what_was_expected(steps):
+    with pytest.raises(
+        InvalidArgumentError, match=r"gradient_accumulation_steps must be a positive integer.*got"
+    ):
+        SGD(0.1, gradient_accumulation_steps=steps)
+
+
+def test_one_step_is_no_accumulation(group, strategy):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = SGD(LR, gradient_accumulation_steps=1)
+    micro_step(strategy, opt, variables, 0, group.rank)
+    ref = Reference("sgd")
+    ref.step({n: summed_grad(n, 0, group.size) for n in NAMES})
+    bad = differences(weights(variables), ref.params)
+    all_ranks_agree(group.comm, not bad and int(opt.iterations.numpy()) == 1, "; ".join(bad))
+
+
+def test_bad_gradient_on_a_quiet_call_raises_on_every_rank_at_the_update(group, strategy):
+    """One rank's wrong shape on call 1 of 3 sends nothing then; the update's handshake makes it an
+    error on every rank, and no variable is written."""
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make("adam", False)
+    before = weights(variables)
+    bad_rank = group.size - 1
+    pairs = [(local_grad(n, 0, group.rank), variables[n]) for n in NAMES]
+    if group.rank == bad_rank:
+        pairs[0] = (np.zeros(7, np.float32), variables[NAMES[0]])
+    strategy.run(lambda: opt.apply_gradients(pairs))  # quiet: nothing raised yet
+    micro_step(strategy, opt, variables, 1, group.rank)
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: micro_step(strategy, opt, variables, 2, group.rank),
+        match="has shape (7,)",
+    )
+    after = weights(variables)
+    same = all(np.array_equal(before[n], after[n]) for n in NAMES)
+    all_ranks_agree(group.comm, same and int(opt.iterations.numpy()) == 0, "a variable was written")
