@@ -37,7 +37,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.training.accumulation import Accumulator, checked_steps
+from mpistrat.training.accumulation import Accumulator, checked_steps, exact_rows
 from mpistrat.training.optimizer_checks import SAME_BUILD, not_floating, own_replica_strategy
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
 from mpistrat.training.sharded_slot import ShardedSlot
@@ -69,7 +69,6 @@ class Optimizer:
         gradient_accumulation_steps: int | None = None,
     ):
         steps = checked_steps(gradient_accumulation_steps, name)
-        # Keras 3's gradient_accumulation_steps: K-1 of K calls add locally, the K-th applies the mean.
         self._accumulator = None if steps is None or steps == 1 else Accumulator(steps, name)
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise InvalidArgumentError(
@@ -282,9 +281,8 @@ class Optimizer:
         """Apply one step from ``(gradient, variable)`` pairs, in replica context.
 
         Gradients are summed across replicas with one ``batch_reduce_to``; pairs
-        whose gradient is None are skipped. Returns ``iterations``. With
-        ``gradient_accumulation_steps=K``, K-1 of every K calls only add the gradients into
-        this rank's sums (no communication); the K-th reduces and applies their mean once.
+        whose gradient is None are skipped. Returns ``iterations``. With ``gradient_accumulation_steps=K``
+        K-1 of K calls keep the gradients locally; the K-th reduces and applies their mean once.
         """
         replica = context.get_replica_context()
         if replica is None:
@@ -311,13 +309,16 @@ class Optimizer:
         strategy = own_replica_strategy(self._name, self._strategy, variables)
         if plan is None:
             self.build(variables)
-        pending = None
-        if self._accumulator is not None:
-            means = self._accumulator.add([g for g, _ in pairs], variables)
-            if means is None:
+        pending, rows = None, 0
+        if (acc := self._accumulator) is not None:
+            if not acc.buffers:  # a cycle's first call: the kind of buffers
+                acc.rows = self._flat and exact_rows(self._strategy, self._communication_options)
+            kept = acc.add([g for g, _ in pairs], variables)
+            if kept is None:
                 return self.iterations
-            pairs = list(zip(means, variables, strict=True))
-            pending = self._accumulator.take_pending()
+            pairs = list(zip(kept, variables, strict=True))
+            rows = acc.steps if acc.rows else 0
+            pending = acc.take_pending()
             if pending is not None and (state is None or strategy is None):
                 raise pending
         if state is None:
@@ -340,10 +341,21 @@ class Optimizer:
             plan=plan,
             options=self._communication_options,
             pending=pending,
+            rows=rows,
         )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
         return self.iterations
+
+    def accumulation_state(self) -> tuple[Variable, list[tuple[Variable, Any]]] | None:
+        """Mid-cycle: what a checkpoint saves of it (:meth:`Accumulator.state`); else None."""
+        extended = (self._strategy or context.get_strategy()).extended
+        return None if self._accumulator is None else self._accumulator.state(extended.rank, extended.size)
+
+    def prepare_accumulation(self, var_list: list[Variable] | None) -> None:
+        """Buffers for a checkpoint to restore a cycle into (:meth:`Accumulator.restore_into`)."""
+        if (acc := self._accumulator) is not None:
+            acc.restore_into(var_list, self._flat and exact_rows(self._strategy, self._communication_options))
 
     def _flat_state(self) -> FlatState | None:
         """The flat state of an optimizer with a flat update (None for a per-variable one)."""

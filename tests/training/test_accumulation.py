@@ -150,3 +150,64 @@ def test_bad_gradient_on_a_quiet_call_raises_on_every_rank_at_the_update(group, 
     after = weights(variables)
     same = all(np.array_equal(before[n], after[n]) for n in NAMES)
     all_ranks_agree(group.comm, same and int(opt.iterations.numpy()) == 0, "a variable was written")
+
+
+# -- checkpoints: a job saved mid-cycle resumes it ----------------------------------------------
+
+
+def shared_dir(group, tmp_path) -> str:
+    return group.comm.bcast(str(tmp_path) if group.rank == 0 else None, root=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "exact"])
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_a_checkpoint_saved_mid_cycle_resumes_it_bit_for_bit(group, tmp_path, shard, deterministic):
+    """Save after K-1 calls, restore into new variables and a new optimizer, finish: the weights and
+    slots are the bytes of a run never interrupted."""
+    options = CommunicationOptions(deterministic=deterministic, bytes_per_pack=32)
+    strategy = mpistrat.MPIStrategy(group.comm, communication_options=options)
+
+    def fresh():
+        variables = make_variables(strategy)
+        with strategy.scope():
+            return variables, make("adam", shard)
+
+    variables, opt = fresh()
+    for t in range(2 * K):
+        micro_step(strategy, opt, variables, t, group.rank)
+    want = {**weights(variables), **slots(opt, variables, "adam")}
+
+    variables, opt = fresh()
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    for t in range(K + K - 1):
+        micro_step(strategy, opt, variables, t, group.rank)
+    path = checkpoint.save(f"{shared_dir(group, tmp_path)}/ckpt")
+    variables, opt = fresh()
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    checkpoint.restore(path).assert_consumed()
+    resumed_iterations = int(opt.iterations.numpy())
+    micro_step(strategy, opt, variables, 2 * K - 1, group.rank)
+    got = {**weights(variables), **slots(opt, variables, "adam")}
+    bad = [n for n in want if got[n].tobytes() != want[n].tobytes()]
+    ok = not bad and resumed_iterations == 1 and int(opt.iterations.numpy()) == 2
+    strategy.experimental_finalize()
+    all_ranks_agree(group.comm, ok, f"differ: {bad}, iterations {resumed_iterations}")
+
+
+def test_a_checkpoint_saved_between_cycles_forgets_a_cycle_in_progress(group, strategy, tmp_path):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make("momentum", False)
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    for t in range(K):
+        micro_step(strategy, opt, variables, t, group.rank)
+    path = checkpoint.save(f"{shared_dir(group, tmp_path)}/ckpt")  # between cycles
+    micro_step(strategy, opt, variables, 5, group.rank)  # one call of a cycle, then back
+    checkpoint.restore(path).assert_consumed()
+    for t in range(K):  # a whole cycle of these calls alone
+        micro_step(strategy, opt, variables, 10 + t, group.rank)
+    ref = Reference("momentum")
+    for first in (0, 10):
+        ref.step({n: sum(summed_grad(n, first + t, group.size) for t in range(K)) / K for n in NAMES})
+    bad = differences(weights(variables), ref.params)
+    all_ranks_agree(group.comm, not bad and int(opt.iterations.numpy()) == 2, "; ".join(bad))
