@@ -398,7 +398,14 @@ def _check_shapes(what: str, entries: dict[str, Any], index: Index) -> None:
         if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)
     ]
     if mismatched:
-        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}")
+        advice = ""
+        if any("/accumulation/" in m for m in mismatched):
+            advice = (
+                "; a gradient accumulation cycle saved part-way holds each rank's gradients, so it resumes "
+                "only at the rank count it was saved at (the first dimension): restore there, or save "
+                "between cycles (after the K-th apply_gradients), which restores at any rank count"
+            )
+        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}{advice}")
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
@@ -211,3 +212,26 @@ def test_a_checkpoint_saved_between_cycles_forgets_a_cycle_in_progress(group, st
         ref.step({n: sum(summed_grad(n, first + t, group.size) for t in range(K)) / K for n in NAMES})
     bad = differences(weights(variables), ref.params)
     all_ranks_agree(group.comm, not bad and int(opt.iterations.numpy()) == 2, "; ".join(bad))
+
+
+def test_a_cycle_saved_part_way_resumes_only_at_its_rank_count(tmp_path):
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    if size == 1:
+        pytest.skip("needs another rank count than the one that saved")
+    world = mpistrat.MPIStrategy(WORLD.Dup())
+    variables = make_variables(world)
+    with world.scope():
+        opt = make("momentum", False)
+    micro_step(world, opt, variables, 0, rank)
+    directory = WORLD.bcast(str(tmp_path) if rank == 0 else None)
+    path = mpistrat.Checkpoint(model=variables, opt=opt).save(f"{directory}/ckpt")
+    world.experimental_finalize()
+    alone = mpistrat.MPIStrategy(MPI.COMM_SELF.Dup())
+    variables = make_variables(alone)
+    with alone.scope():
+        opt = make("momentum", False)
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    raises_on_every_rank(
+        WORLD, InvalidArgumentError, lambda: checkpoint.restore(path), match="resumes only at the rank count"
+    )
+    alone.experimental_finalize()
