@@ -1,13 +1,14 @@
 """Optimizers that update distributed variables the tf.distribute way, in one fused step.
 
-``apply_gradients`` is called in replica context (inside ``strategy.run``) with this
-replica's gradients. SGD and Adam keep the variables they update, and their slots, in flat
-per-dtype buffers (:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place
-all-reduce of the packed gradients per pack, and the update in a few vectorised passes.
-With ``shard_state=True`` each rank holds the slots of its 1/R of the parameters only
-(ZeRO stage 1): the gradients are reduce-scattered, each rank updates its block, and the
-parameters are all-gathered. Scale each replica's loss by the *global* batch size, so the
-summed gradients are those of the global mean loss.
+``apply_gradients`` runs in replica context (``strategy.run``) with this replica's gradients.
+SGD and Adam keep their variables and slots in flat per-dtype buffers
+(:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place all-reduce
+of the packed gradients per pack, and the update in a few vectorised passes. With
+``shard_state=True`` each rank holds the slots of its 1/R of the parameters only (ZeRO stage
+1): the gradients are reduce-scattered, each rank updates its block, the parameters are
+all-gathered. ``gradient_accumulation_steps=K`` (Keras 3's) makes one update per K calls,
+the others sending nothing (:mod:`mpistrat.training.accumulation`). Scale each replica's loss
+by the *global* batch size, so the summed gradients are those of the global mean loss.
 
 >>> import mpistrat, numpy as np
 >>> w = mpistrat.Variable(np.array([1.0, 2.0]))
@@ -316,8 +317,7 @@ class Optimizer:
             kept = acc.add([g for g, _ in pairs], variables)
             if kept is None:
                 return self.iterations
-            pairs = list(zip(kept, variables, strict=True))
-            rows = acc.steps if acc.rows else 0
+            pairs, rows = list(zip(kept, variables, strict=True)), (acc.steps if acc.rows else 0)
             pending = acc.take_pending()
             if pending is not None and (state is None or strategy is None):
                 raise pending
