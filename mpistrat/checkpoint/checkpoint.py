@@ -114,14 +114,36 @@ class Checkpoint:
                     )
                 for slot_name, slot in slots.items():
                     entries[f"{opt_name}/slots/{names[id(var)]}/{slot_name}"] = slot
+            if (cycle := opt.accumulation_state()) is not None:  # saved mid-cycle
+                count, shares = cycle
+                entries[f"{opt_name}/accumulation/count"] = count
+                for var, share in shares:
+                    entries[f"{opt_name}/accumulation/{self._tracked_name(names, opt_name, var)}"] = share
         return dict(sorted(entries.items()))
 
     def _build_slots(self, names: list[str]) -> None:
-        """Create the optimizer slots a checkpoint holds for tracked variables (collective)."""
+        """Create the optimizer slots a checkpoint holds for tracked variables (collective), and
+        the buffers of an accumulation cycle it was saved in (none: a restored optimizer starts a
+        cycle afresh)."""
         for opt_name, opt in self._optimizers.items():
             prefix = f"{opt_name}/slots/"
             wanted = {n[len(prefix) :].rsplit("/", 1)[0] for n in names if n.startswith(prefix)}
             opt.build([self._variables[w] for w in sorted(wanted) if w in self._variables])
+            prefix = f"{opt_name}/accumulation/"
+            cycle = {n[len(prefix) :] for n in names if n.startswith(prefix)} - {"count"}
+            if f"{prefix}count" in names:
+                opt.prepare_accumulation([self._variables[w] for w in sorted(cycle) if w in self._variables])
+            else:
+                opt.prepare_accumulation(None)
+
+    @staticmethod
+    def _tracked_name(names: dict[int, str], opt_name: str, var: Variable) -> str:
+        if id(var) not in names:
+            raise InvalidArgumentError(
+                f"Checkpoint: optimizer {opt_name!r} accumulates gradients of variable {var.name!r}, which "
+                "this checkpoint does not track; pass that variable to Checkpoint(...) too"
+            )
+        return names[id(var)]
 
     def _strategy(self, method: str) -> Strategy:
         """The strategy whose ranks take part: the tracked variables' (all one), else the current one."""
@@ -376,7 +398,14 @@ def _check_shapes(what: str, entries: dict[str, Any], index: Index) -> None:
         if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)
     ]
     if mismatched:
-        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}")
+        advice = ""
+        if any("/accumulation/" in m for m in mismatched):
+            advice = (
+                "; a gradient accumulation cycle saved part-way holds each rank's gradients, so it resumes "
+                "only at the rank count it was saved at (the first dimension): restore there, or save "
+                "between cycles (after the K-th apply_gradients), which restores at any rank count"
+            )
+        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}{advice}")
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:

@@ -30,6 +30,7 @@ from mpistrat.checkpoint.format import Entry, Table, corrupt
 from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, joined, share, spans_of_share
 from mpistrat.comm import packing
 from mpistrat.input.position import InputPosition
+from mpistrat.training.accumulation import RankShare
 from mpistrat.training.optimizer_state import own_copy, storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableSynchronization, Writable
@@ -67,7 +68,7 @@ def load(
     """Read the entries of ``table`` that ``targets`` (name: variable, sharded slot or dataset
     position, shapes already checked) restore, check them, and assign them (collective)."""
     wanted = [table.entries[n] for n in table.entries if n in targets]  # file order
-    parted = [e for e in wanted if isinstance(targets[e.name], ShardedSlot) and not e.fortran]
+    parted = [e for e in wanted if isinstance(targets[e.name], (ShardedSlot, RankShare)) and not e.fortran]
     windows = _windows([e for e in wanted if e not in parted], collectives.size, _adjacent(targets))
     rank, size = collectives.rank, collectives.size
     parts = [(e, element, part) for e in parted for element, part in targets[e.name].local_parts()]

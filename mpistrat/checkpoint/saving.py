@@ -38,6 +38,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.position import InputPosition
 from mpistrat.options import CommunicationOptions
+from mpistrat.training.accumulation import RankShare
 from mpistrat.training.optimizer_state import storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable
@@ -107,11 +108,11 @@ def begin(
     )
     positions: dict[str, Any] = {}
     whole: dict[str, Any] = {}
-    sharded: dict[str, ShardedSlot] = {}
+    sharded: dict[str, ShardedSlot | RankShare] = {}
     for name, value in entries.items():  # collective for positions and sync-on-read variables
         if isinstance(value, InputPosition):
             positions[name] = value.value().tolist()
-        elif isinstance(value, ShardedSlot):
+        elif isinstance(value, (ShardedSlot, RankShare)):
             sharded[name] = value
         else:
             whole[name] = value.value()
@@ -148,7 +149,7 @@ def _memory_order(name: str, value: Any) -> tuple[int, int, int, str]:
 def _my_pieces(
     table: Table,
     whole: dict[str, Any],
-    sharded: dict[str, ShardedSlot],
+    sharded: dict[str, ShardedSlot | RankShare],
     rank: int,
     size: int,
     keep: list[Any],

@@ -159,3 +159,4 @@ class Collectives:
     reduce_scatter_in_place = in_place.reduce_scatter_in_place
     all_gather_in_place = in_place.all_gather_in_place
     all_gather_bytes = in_place.all_gather_bytes
+    exact_mean_in_place = in_place.exact_mean_in_place

@@ -31,7 +31,13 @@ from mpistrat.options import CommunicationImplementation, CommunicationOptions
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["all_gather_bytes", "all_gather_in_place", "all_reduce_in_place", "reduce_scatter_in_place"]
+__all__ = [
+    "all_gather_bytes",
+    "all_gather_in_place",
+    "all_reduce_in_place",
+    "exact_mean_in_place",
+    "reduce_scatter_in_place",
+]
 
 
 @watchdog.collective("all_reduce")
@@ -83,6 +89,23 @@ def reduce_scatter_in_place(
         buf[:per] = total[self.rank * per : (self.rank + 1) * per]
     else:
         self.comm.Reduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+
+@watchdog.collective("all_reduce")
+def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "all_reduce") -> None:
+    """``out`` (``n`` elements) becomes the sum over every rank's ``[K, n]`` ``rows`` divided by K,
+    exactly and rounded once (``deterministic=True`` with gradient accumulation): the same bits
+    however the rows are spread over the ranks. Two ``Allreduce`` calls, as one exact sum."""
+    _host(rows, kind)
+    rows = np.ascontiguousarray(rows)
+    steps = rows.shape[0]
+    if not exact_sum.supported(rows.dtype):  # no exact path for this dtype: a plain sum, then the mean
+        out[...] = rows.sum(axis=0)
+        mpi.allreduce(self.comm, MPI.IN_PLACE, out)
+        out /= steps
+        return
+    real = rows.view(rows.real.dtype) if rows.dtype.kind == "c" else rows
+    out[...] = exact_sum.exact_sum(self.comm, real, [], steps)[0].view(out.dtype)
 
 
 @watchdog.collective("all_gather")

@@ -124,12 +124,21 @@ class Group:
             else:
                 self.slots[name] = FlatBuffer([own_copy(s) for s in slot_variables[name]])
         self.staging = xp.empty(layout.pack, dtype)
+        self._rows: Any = None  # [K, pack]: an accumulation cycle's packs, for an exact mean
+
+    def row_staging(self, rows: int) -> Any:
+        """A ``[rows, pack]`` staging buffer (made at the first exact accumulated step, then kept)."""
+        if self._rows is None or self._rows.shape[0] != rows:
+            self._rows = self.xp.empty((rows, self.layout.pack), self.dtype)
+        return self._rows
 
     @property
     def nbytes(self) -> int:
         """Bytes this rank holds besides the parameters: slots and the staging buffer."""
         held = [s.array if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
         held.append(self.staging)
+        if self._rows is not None:
+            held.append(self._rows)
         return sum(int(a.nbytes) for a in held)
 
     def claim_slots(self) -> list[Any]:
@@ -324,6 +333,8 @@ class FlatState:
         plan: _Plan | None = None,
         kind: str = "apply_gradients",
         options: CommunicationOptions | None = None,
+        pending: MpistratError | None = None,
+        rows: int = 0,
     ) -> None:
         """One step: check, one handshake, then per group and pack: reduce, update, (gather).
 
@@ -333,16 +344,19 @@ class FlatState:
 
         ``collectives`` is None for the single-replica default strategy (nothing to send).
         Bad input found on any rank (a gradient's shape, a variable's new shape, a different
-        set of variables) raises on every rank before anything is sent or written.
+        set of variables) raises on every rank before anything is sent or written, as does
+        ``pending``, an error this rank found earlier (on a call that only accumulated).
+        ``rows`` > 0: each gradient is ``[rows, *shape]`` (checked as it was kept), reduced to
+        the exact mean over its rows and the ranks.
         """
-        error: MpistratError | None = None
+        error: MpistratError | None = pending
         try:
             plan = plan or self._plan(variables)
-            if not plan.matches(grads):
+            if not rows and not plan.matches(grads):
                 grads = _checked_gradients(grads, variables)
             params = [s.group.params.claim() for s in plan.steps]
         except MpistratError as exc:
-            error = exc
+            error = error or exc
         mode = ""
         if collectives is not None:
             described = plan.described if plan is not None else []
@@ -363,7 +377,10 @@ class FlatState:
         work = [(s, [grads[p] for p in s.positions], w) for s, w in zip(plan.steps, params, strict=True)]
         # an overflow found once data has moved must raise before the first pack is written
         run = pack_step.run_reduced_first if _fails_late(mode, plan) else pack_step.run
-        run(collectives, work, update, lr, step, kind, options)
+        if rows:
+            pack_step.run(collectives, work, update, lr, step, kind, options, rows)
+        else:
+            run(collectives, work, update, lr, step, kind, options)
         if collectives is not None and check_level(collectives) > 1:
             _compare_copies(collectives, plan, kind)
 

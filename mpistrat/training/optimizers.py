@@ -1,13 +1,14 @@
 """Optimizers that update distributed variables the tf.distribute way, in one fused step.
 
-``apply_gradients`` is called in replica context (inside ``strategy.run``) with this
-replica's gradients. SGD and Adam keep the variables they update, and their slots, in flat
-per-dtype buffers (:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place
-all-reduce of the packed gradients per pack, and the update in a few vectorised passes.
-With ``shard_state=True`` each rank holds the slots of its 1/R of the parameters only
-(ZeRO stage 1): the gradients are reduce-scattered, each rank updates its block, and the
-parameters are all-gathered. Scale each replica's loss by the *global* batch size, so the
-summed gradients are those of the global mean loss.
+``apply_gradients`` runs in replica context (``strategy.run``) with this replica's gradients.
+SGD and Adam keep their variables and slots in flat per-dtype buffers
+(:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place all-reduce
+of the packed gradients per pack, and the update in a few vectorised passes. With
+``shard_state=True`` each rank holds the slots of its 1/R of the parameters only (ZeRO stage
+1): the gradients are reduce-scattered, each rank updates its block, the parameters are
+all-gathered. ``gradient_accumulation_steps=K`` (Keras 3's) makes one update per K calls,
+the others sending nothing (:mod:`mpistrat.training.accumulation`). Scale each replica's loss
+by the *global* batch size, so the summed gradients are those of the global mean loss.
 
 >>> import mpistrat, numpy as np
 >>> w = mpistrat.Variable(np.array([1.0, 2.0]))
@@ -37,6 +38,8 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.training.accumulation import Accumulator, checked_steps, exact_rows
+from mpistrat.training.optimizer_checks import SAME_BUILD, not_floating, own_replica_strategy
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableAggregation, Writable
@@ -64,7 +67,10 @@ class Optimizer:
         *,
         shard_state: bool = False,
         communication_options: CommunicationOptions | None = None,
+        gradient_accumulation_steps: int | None = None,
     ):
+        steps = checked_steps(gradient_accumulation_steps, name)
+        self._accumulator = None if steps is None or steps == 1 else Accumulator(steps, name)
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise InvalidArgumentError(
                 f"{name}: communication_options must be a CommunicationOptions or None; got "
@@ -121,6 +127,11 @@ class Optimizer:
         if self._state is not None:
             return self._state.nbytes()
         return sum(int(local_copy(s).nbytes) for _, slots in self._slots.values() for s in slots.values())
+
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        """K: each K calls of ``apply_gradients`` make one update (None: every call does)."""
+        return None if self._accumulator is None else self._accumulator.steps
 
     @property
     def name(self) -> str:
@@ -196,10 +207,10 @@ class Optimizer:
             collectives.agree(
                 f"{self._name}.build",
                 fingerprint=code_of(*described),
-                describe=lambda: {"leaves": described, "advice": _SAME_BUILD},
-                error=_not_floating(self._name, new),
+                describe=lambda: {"leaves": described, "advice": SAME_BUILD},
+                error=not_floating(self._name, new),
             )
-        elif (error := _not_floating(self._name, new)) is not None:
+        elif (error := not_floating(self._name, new)) is not None:
             raise error
         slots = None if self._shard_state else self._slot_variables(new)
         state.add(new, slots, ranks=extended.size, rank=extended.rank, bytes_per_pack=bytes_per_pack)
@@ -271,7 +282,8 @@ class Optimizer:
         """Apply one step from ``(gradient, variable)`` pairs, in replica context.
 
         Gradients are summed across replicas with one ``batch_reduce_to``; pairs
-        whose gradient is None are skipped. Returns ``iterations``.
+        whose gradient is None are skipped. Returns ``iterations``. With ``gradient_accumulation_steps=K``
+        K-1 of K calls keep the gradients locally; the K-th reduces and applies their mean once.
         """
         replica = context.get_replica_context()
         if replica is None:
@@ -295,9 +307,20 @@ class Optimizer:
                         f"got a {type(v).__name__}"
                     )
                 self._adopt(v)
-        strategy = self._require_own_replica(variables)
+        strategy = own_replica_strategy(self._name, self._strategy, variables)
         if plan is None:
             self.build(variables)
+        pending, rows = None, 0
+        if (acc := self._accumulator) is not None:
+            if not acc.buffers:  # a cycle's first call: the kind of buffers
+                acc.rows = self._flat and exact_rows(self._strategy, self._communication_options)
+            kept = acc.add([g for g, _ in pairs], variables)
+            if kept is None:
+                return self.iterations
+            pairs, rows = list(zip(kept, variables, strict=True)), (acc.steps if acc.rows else 0)
+            pending = acc.take_pending()
+            if pending is not None and (state is None or strategy is None):
+                raise pending
         if state is None:
             # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
             # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
@@ -317,34 +340,22 @@ class Optimizer:
             step,
             plan=plan,
             options=self._communication_options,
+            pending=pending,
+            rows=rows,
         )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
         return self.iterations
 
-    def _require_own_replica(self, variables: list[Variable]) -> Any:
-        """The step runs in the replica context of its variables' strategy (else it would reduce over
-        another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn.
+    def accumulation_state(self) -> tuple[Variable, list[tuple[Variable, Any]]] | None:
+        """Mid-cycle: what a checkpoint saves of it (:meth:`Accumulator.state`); else None."""
+        extended = (self._strategy or context.get_strategy()).extended
+        return None if self._accumulator is None else self._accumulator.state(extended.rank, extended.size)
 
-        Returns that strategy; None for the default strategy's plain variables (nothing to send).
-        """
-        mode = context.require_replica("ReplicaContext.apply_gradients")
-        mine = self._strategy or context.default_strategy()
-        if mode.strategy is not mine and self._strategy is None:
-            # Plain variables hold one unsynchronized copy per rank: no step of a strategy may write them.
-            names = ", ".join(repr(v.name) for v in variables[:3]) + (", ..." if len(variables) > 3 else "")
-            raise InvalidArgumentError(
-                f"{self._name}.apply_gradients: the variables ({names}) and the optimizer were created "
-                f"outside any strategy's scope, but this is the replica context of {mode.strategy}; "
-                "create the variables and the optimizer inside `with strategy.scope():`"
-            )
-        if mode.strategy is not mine:
-            raise ContextError(
-                f"{self._name}.apply_gradients: its variables belong to {mine}, but this is the replica "
-                f"context of {mode.strategy}; call it inside that strategy's run: "
-                "`strategy.run(lambda: opt.apply_gradients(...))`"
-            )
-        return self._strategy
+    def prepare_accumulation(self, var_list: list[Variable] | None) -> None:
+        """Buffers for a checkpoint to restore a cycle into (:meth:`Accumulator.restore_into`)."""
+        if (acc := self._accumulator) is not None:
+            acc.restore_into(var_list, self._flat and exact_rows(self._strategy, self._communication_options))
 
     def _flat_state(self) -> FlatState | None:
         """The flat state of an optimizer with a flat update (None for a per-variable one)."""
@@ -401,9 +412,14 @@ class SGD(Optimizer):
         *,
         shard_state: bool = False,
         communication_options: CommunicationOptions | None = None,
+        gradient_accumulation_steps: int | None = None,
     ):
         super().__init__(
-            learning_rate, name, shard_state=shard_state, communication_options=communication_options
+            learning_rate,
+            name,
+            shard_state=shard_state,
+            communication_options=communication_options,
+            gradient_accumulation_steps=gradient_accumulation_steps,
         )
         if not 0.0 <= momentum <= 1.0:
             raise InvalidArgumentError(f"{name}: momentum must be in [0, 1]; got {momentum!r}")
@@ -448,9 +464,14 @@ class Adam(Optimizer):
         *,
         shard_state: bool = False,
         communication_options: CommunicationOptions | None = None,
+        gradient_accumulation_steps: int | None = None,
     ):
         super().__init__(
-            learning_rate, name, shard_state=shard_state, communication_options=communication_options
+            learning_rate,
+            name,
+            shard_state=shard_state,
+            communication_options=communication_options,
+            gradient_accumulation_steps=gradient_accumulation_steps,
         )
         for what, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= beta < 1.0:
@@ -477,20 +498,3 @@ class Adam(Optimizer):
         xp.divide(m, g, out=g)
         g *= lr_t
         w -= g
-
-
-def _not_floating(name: str, variables: list[Variable]) -> InvalidArgumentError | None:
-    """The error for variables an optimizer cannot update (integer, bool: ``w -= lr * g``), if any."""
-    bad = [f"{v.name!r} ({v.dtype})" for v in variables if v.dtype.kind not in "fc"]
-    if not bad:
-        return None
-    return InvalidArgumentError(
-        f"{name}: cannot update variables of a non-floating dtype: {', '.join(bad)}; make them float, "
-        "or leave them out of apply_gradients (trainable=False)"
-    )
-
-
-_SAME_BUILD = (
-    "Every rank must build the optimizer with the same shard_state and for the same variables: "
-    "create the optimizer the same way on every rank and pass every rank the same variables."
-)

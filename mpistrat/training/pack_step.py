@@ -46,12 +46,19 @@ def run(
     step: int,
     kind: str,
     options: CommunicationOptions | None,
+    rows: int = 0,
 ) -> None:
-    """Each group's packs in turn: reduce, update, gather."""
+    """Each group's packs in turn: reduce, update, gather.
+
+    ``rows`` > 0: each gradient is ``[rows, *shape]``, an accumulation cycle's gradients, and a
+    pack's reduction is their exact mean over the rows and ranks (``deterministic=True``)."""
     for s, grads, params in work:
         slots = s.group.claim_slots()
         for k in range(s.group.layout.packs):
-            grad, base = _reduce(collectives, s, grads, k, kind, options)
+            if rows:
+                grad, base = _reduce_rows(collectives, s, grads, k, kind, rows)
+            else:
+                grad, base = _reduce(collectives, s, grads, k, kind, options)
             _update(s, k, grad, base, params, slots, update, lr, step)
             _gather(collectives, s, k, params, kind)
 
@@ -116,6 +123,29 @@ def _reduce(
     if collectives is not None:
         collectives.all_reduce_in_place(staging[: hi - lo], kind=kind, options=options)
     return staging[: hi - lo], lo
+
+
+def _reduce_rows(
+    collectives: Collectives | None, s: _GroupStep, grads: list[Any], k: int, kind: str, rows: int
+) -> tuple[Any, int]:
+    """As :func:`_reduce`, for ``[rows, *shape]`` gradients summed exactly and divided by ``rows``."""
+    group, lay = s.group, s.group.layout
+    xp, staging = group.xp, group.staging
+    stack = group.row_staging(rows)
+    lo, hi = lay.bounds(k)
+    for run_lo, run_hi, parts, _ in s.runs[k]:
+        pieces = [grads[j].reshape(rows, -1)[:, a:b] for j, a, b in parts]
+        xp.concatenate(pieces, axis=1, out=stack[:, run_lo:run_hi])
+    for a, b in s.gaps[k]:
+        stack[:, a:b] = 0
+    n = lay.pack if lay.sharded else hi - lo
+    assert collectives is not None
+    collectives.exact_mean_in_place(stack[:, :n], staging[:n], kind=kind)
+    if lay.sharded:  # the whole pack's mean, as a deterministic reduce-scatter has it: keep this block
+        start = lay.rank * lay.per_rank
+        staging[: lay.per_rank] = staging[start : start + lay.per_rank].copy()
+        return staging[: lay.per_rank], lay.owned(k)[0]
+    return staging[:n], lo
 
 
 def _update(

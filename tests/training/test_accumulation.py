@@ -1,0 +1,237 @@
+"""Gradient accumulation: ``SGD/Adam(..., gradient_accumulation_steps=K)``.
+
+K-1 of every K ``apply_gradients`` calls add this rank's gradients locally and send nothing
+(counted on a counting communicator); the K-th reduces once and applies the mean of the K
+calls' gradients, summed over the ranks. The expected weights and slots come from the serial
+float64 NumPy reference of the flat optimizers' tests, stepped with that mean; ``iterations``
+counts updates, as Keras 3's does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpistrat.optimizers import SGD, Adam
+
+import mpistrat
+from mpistrat import CommunicationOptions, InvalidArgumentError
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.counting import CountingComm, Ledger
+from tests.training.test_flat_optimizers import (
+    B1,
+    B2,
+    EPS,
+    LR,
+    MOMENTUM,
+    NAMES,
+    Reference,
+    differences,
+    local_grad,
+    make_variables,
+    reference_slots,
+    same_bytes_on_every_rank,
+    slots,
+    summed_grad,
+    weights,
+)
+
+K = 3
+UPDATES = 2
+
+
+def make(kind: str, shard: bool, steps=K, **options):
+    if kind == "momentum":
+        return SGD(LR, momentum=MOMENTUM, shard_state=shard, gradient_accumulation_steps=steps, **options)
+    return Adam(
+        LR, beta_1=B1, beta_2=B2, epsilon=EPS, shard_state=shard, gradient_accumulation_steps=steps, **options
+    )
+
+
+def micro_step(strategy, opt, variables, t: int, rank: int) -> None:
+    pairs = [(local_grad(n, t, rank), variables[n]) for n in NAMES]
+    strategy.run(lambda: opt.apply_gradients(pairs))
+
+
+@pytest.fixture
+def strategy(group):
+    made = mpistrat.MPIStrategy(group.comm, communication_options=CommunicationOptions(bytes_per_pack=32))
+    yield made
+    made.experimental_finalize()
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_each_update_applies_the_mean_of_k_calls(group, strategy, kind, shard):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make(kind, shard)
+    ref = Reference("momentum" if kind == "momentum" else "adam")
+    bad = []
+    for u in range(UPDATES):
+        for i in range(K):
+            micro_step(strategy, opt, variables, u * K + i, group.rank)
+            if i < K - 1 and int(opt.iterations.numpy()) != u:
+                bad.append(f"iterations {int(opt.iterations.numpy())} after a quiet call of update {u}")
+        ref.step({n: sum(summed_grad(n, u * K + i, group.size) for i in range(K)) / K for n in NAMES})
+        got = weights(variables)
+        bad += differences(got, ref.params)
+    got_slots = slots(opt, variables, kind)
+    bad += differences(got_slots, reference_slots(ref))
+    if int(opt.iterations.numpy()) != UPDATES or opt.gradient_accumulation_steps != K:
+        bad.append(f"iterations {opt.iterations.numpy()}, steps {opt.gradient_accumulation_steps}")
+    if not same_bytes_on_every_rank(group.comm, {**weights(variables), **got_slots}):
+        bad.append("the copies differ between ranks")
+    all_ranks_agree(group.comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_quiet_calls_move_no_bytes_and_the_kth_moves_one_step(shard):
+    """Counted: calls 1..K-1 make no MPI call; the K-th makes exactly the calls of a step without
+    accumulation, with the same bytes."""
+    strategy = mpistrat.MPIStrategy(CountingComm(WORLD))
+    variables = make_variables(strategy)
+    with strategy.scope():
+        accumulating, plain = make("adam", shard), make("adam", shard, steps=None)
+    rank = WORLD.Get_rank()
+    micro_step(strategy, plain, variables, 0, rank)  # both built before counting
+    for i in range(K):
+        micro_step(strategy, accumulating, variables, i, rank)
+    with Ledger.recording() as one_plain:
+        micro_step(strategy, plain, variables, 1, rank)
+    with Ledger.recording() as quiet:
+        for i in range(K - 1):
+            micro_step(strategy, accumulating, variables, K + i, rank)
+    with Ledger.recording() as last:
+        micro_step(strategy, accumulating, variables, 2 * K - 1, rank)
+    summary = (quiet.calls, [(c.name, c.sent) for c in last.log], [(c.name, c.sent) for c in one_plain.log])
+    ok = quiet.calls == 0 and summary[1] == summary[2] and one_plain.calls > 0
+    strategy.experimental_finalize()
+    all_ranks_agree(WORLD, ok, f"size {WORLD.Get_size()}: {summary}")
+
+
+@pytest.mark.parametrize("steps", [0, -2, 2.0, "3", True])
+def test_bad_steps_name_what_was_expected(steps):
+    with pytest.raises(
+        InvalidArgumentError, match=r"gradient_accumulation_steps must be a positive integer.*got"
+    ):
+        SGD(0.1, gradient_accumulation_steps=steps)
+
+
+def test_one_step_is_no_accumulation(group, strategy):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = SGD(LR, gradient_accumulation_steps=1)
+    micro_step(strategy, opt, variables, 0, group.rank)
+    ref = Reference("sgd")
+    ref.step({n: summed_grad(n, 0, group.size) for n in NAMES})
+    bad = differences(weights(variables), ref.params)
+    all_ranks_agree(group.comm, not bad and int(opt.iterations.numpy()) == 1, "; ".join(bad))
+
+
+def test_bad_gradient_on_a_quiet_call_raises_on_every_rank_at_the_update(group, strategy):
+    """One rank's wrong shape on call 1 of 3 sends nothing then; the update's handshake makes it an
+    error on every rank, and no variable is written."""
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make("adam", False)
+    before = weights(variables)
+    bad_rank = group.size - 1
+    pairs = [(local_grad(n, 0, group.rank), variables[n]) for n in NAMES]
+    if group.rank == bad_rank:
+        pairs[0] = (np.zeros(7, np.float32), variables[NAMES[0]])
+    strategy.run(lambda: opt.apply_gradients(pairs))  # quiet: nothing raised yet
+    micro_step(strategy, opt, variables, 1, group.rank)
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: micro_step(strategy, opt, variables, 2, group.rank),
+        match="has shape (7,)",
+    )
+    after = weights(variables)
+    same = all(np.array_equal(before[n], after[n]) for n in NAMES)
+    all_ranks_agree(group.comm, same and int(opt.iterations.numpy()) == 0, "a variable was written")
+
+
+# -- checkpoints: a job saved mid-cycle resumes it ----------------------------------------------
+
+
+def shared_dir(group, tmp_path) -> str:
+    return group.comm.bcast(str(tmp_path) if group.rank == 0 else None, root=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "exact"])
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_a_checkpoint_saved_mid_cycle_resumes_it_bit_for_bit(group, tmp_path, shard, deterministic):
+    """Save after K-1 calls, restore into new variables and a new optimizer, finish: the weights and
+    slots are the bytes of a run never interrupted."""
+    options = CommunicationOptions(deterministic=deterministic, bytes_per_pack=32)
+    strategy = mpistrat.MPIStrategy(group.comm, communication_options=options)
+
+    def fresh():
+        variables = make_variables(strategy)
+        with strategy.scope():
+            return variables, make("adam", shard)
+
+    variables, opt = fresh()
+    for t in range(2 * K):
+        micro_step(strategy, opt, variables, t, group.rank)
+    want = {**weights(variables), **slots(opt, variables, "adam")}
+
+    variables, opt = fresh()
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    for t in range(K + K - 1):
+        micro_step(strategy, opt, variables, t, group.rank)
+    path = checkpoint.save(f"{shared_dir(group, tmp_path)}/ckpt")
+    variables, opt = fresh()
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    checkpoint.restore(path).assert_consumed()
+    resumed_iterations = int(opt.iterations.numpy())
+    micro_step(strategy, opt, variables, 2 * K - 1, group.rank)
+    got = {**weights(variables), **slots(opt, variables, "adam")}
+    bad = [n for n in want if got[n].tobytes() != want[n].tobytes()]
+    ok = not bad and resumed_iterations == 1 and int(opt.iterations.numpy()) == 2
+    strategy.experimental_finalize()
+    all_ranks_agree(group.comm, ok, f"differ: {bad}, iterations {resumed_iterations}")
+
+
+def test_a_checkpoint_saved_between_cycles_forgets_a_cycle_in_progress(group, strategy, tmp_path):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make("momentum", False)
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    for t in range(K):
+        micro_step(strategy, opt, variables, t, group.rank)
+    path = checkpoint.save(f"{shared_dir(group, tmp_path)}/ckpt")  # between cycles
+    micro_step(strategy, opt, variables, 5, group.rank)  # one call of a cycle, then back
+    checkpoint.restore(path).assert_consumed()
+    for t in range(K):  # a whole cycle of these calls alone
+        micro_step(strategy, opt, variables, 10 + t, group.rank)
+    ref = Reference("momentum")
+    for first in (0, 10):
+        ref.step({n: sum(summed_grad(n, first + t, group.size) for t in range(K)) / K for n in NAMES})
+    bad = differences(weights(variables), ref.params)
+    all_ranks_agree(group.comm, not bad and int(opt.iterations.numpy()) == 2, "; ".join(bad))
+
+
+def test_a_cycle_saved_part_way_resumes_only_at_its_rank_count(tmp_path):
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    if size == 1:
+        pytest.skip("needs another rank count than the one that saved")
+    world = mpistrat.MPIStrategy(WORLD.Dup())
+    variables = make_variables(world)
+    with world.scope():
+        opt = make("momentum", False)
+    micro_step(world, opt, variables, 0, rank)
+    directory = WORLD.bcast(str(tmp_path) if rank == 0 else None)
+    path = mpistrat.Checkpoint(model=variables, opt=opt).save(f"{directory}/ckpt")
+    world.experimental_finalize()
+    alone = mpistrat.MPIStrategy(MPI.COMM_SELF.Dup())
+    variables = make_variables(alone)
+    with alone.scope():
+        opt = make("momentum", False)
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    raises_on_every_rank(
+        WORLD, InvalidArgumentError, lambda: checkpoint.restore(path), match="resumes only at the rank count"
+    )
+    alone.experimental_finalize()
