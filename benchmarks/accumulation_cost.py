@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 from mpi4py import MPI
-from mpistrat.optimizers import Adam
 
 import mpistrat
+from mpistrat.optimizers import Adam
 from mpistrat.options import CommunicationOptions
 from mpistrat.tools.sizes import parse_size
 

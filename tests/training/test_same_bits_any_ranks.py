@@ -18,10 +18,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpistrat.optimizers import SGD, Adam
 
 import mpistrat
 from mpistrat import CommunicationOptions
+from mpistrat.optimizers import SGD, Adam
 from tests.conftest import WORLD, all_ranks_agree
 
 M = 4  # microbatches per update
