@@ -227,7 +227,11 @@ def release(
     ranks may free it at different times.
     """
     WATCHDOG.doomed.append((mon, comm, close))
-    WATCHDOG.reap(block=wait)
+    if wait:
+        WATCHDOG.reap(block=True)
+    # A garbage-collection finalizer (not ``wait``) only leaves it to the watchdog thread, the next
+    # strategy created or the exit: it may run inside another collective on this rank alone, and
+    # there a ``Free`` was seen to block while the other ranks waited in that collective for it.
 
 
 def wait(mon: Monitor, request: MPI.Request) -> None:
