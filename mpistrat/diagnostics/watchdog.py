@@ -217,21 +217,16 @@ def release(
 ) -> None:
     """Stop watching ``mon``, call ``close``, and free ``comm``: a strategy finalized or garbage-collected.
 
-    Safe from a garbage-collection finalizer in any thread: it never runs after
-    ``MPI_Finalize``, never frees a communicator while the watchdog uses it (it takes
-    ``WATCHDOG.lock``), and when it cannot take the lock now (``wait`` False and the lock is held,
-    perhaps by this very thread, collecting inside a side-channel call) or may not call MPI
-    from this thread (thread level below ``MULTIPLE``), it leaves the work to the watchdog
-    thread's next look or the next strategy created. ``MPI_Comm_free`` does not communicate
-    (it only marks the communicator for deallocation, after its pending operations), so
-    ranks may free it at different times.
+    With ``wait`` (finalize) it frees now, every rank at the same point of the program. From a
+    garbage-collection finalizer (``wait`` False) it only queues: the finalizer may run inside
+    another collective on one rank alone, and ``MPI_Comm_free`` there was seen to block while
+    the other ranks waited in that collective. The watchdog thread (at thread level
+    ``MULTIPLE``), the next strategy created or the exit frees what is queued; never after
+    ``MPI_Finalize``, never while the watchdog uses the communicator (``WATCHDOG.lock``).
     """
     WATCHDOG.doomed.append((mon, comm, close))
     if wait:
         WATCHDOG.reap(block=True)
-    # A garbage-collection finalizer (not ``wait``) only leaves it to the watchdog thread, the next
-    # strategy created or the exit: it may run inside another collective on this rank alone, and
-    # there a ``Free`` was seen to block while the other ranks waited in that collective for it.
 
 
 def wait(mon: Monitor, request: MPI.Request) -> None:
