@@ -64,7 +64,10 @@ def test_training_at_two_nodes_gives_the_weights_of_one_node_and_ends_without_a_
         out_file = tmp_path / f"{name}.npz"
         args = ["-m", "mpistrat.examples.digits", "--epochs", "2", "--no-progress"]
         args += ["--checkpoint-dir", str(tmp_path / name), "--weights-out", str(out_file)]
-        code, out = nodes.run_job(args, layout=layout, limit=120)
+        # 4 ranks on 2 cores: a rank the scheduler holds back is a real straggler to the end-of-job
+        # summary, a warning this test (about the libraries' own) does not look for
+        quiet = {"MPISTRAT_STRAGGLER_SUMMARY": "off"}
+        code, out = nodes.run_job(args, layout=layout, limit=120, env=quiet)
         assert code == 0 and clean(out), out
         assert "test accuracy" in out, out
         weights[name] = np.load(out_file)
