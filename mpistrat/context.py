@@ -126,8 +126,15 @@ def current_mode() -> Mode:
     stack = _stack()
     if stack:
         return stack[-1]
+    global _default_mode
     strategy = _default_strategy()
-    return Mode(strategy, strategy.extended.default_replica_context, DEFAULT)
+    mode = _default_mode
+    if mode is None or mode.strategy is not strategy:  # Modes are frozen: one per default strategy
+        mode = _default_mode = Mode(strategy, strategy.extended.default_replica_context, DEFAULT)
+    return mode
+
+
+_default_mode: Mode | None = None
 
 
 def default_strategy() -> Strategy:

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from mpistrat.collectives import compressed, exact_sum, hierarchical, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.fingerprint import arrays_code, code_of
+from mpistrat.collectives.handshake import agree_within
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
@@ -78,7 +79,8 @@ def all_reduce(
     mode = opts.reduction
     hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
     route = "HIERARCHICAL" if hierarchical_route else None  # named where ranks differ in it
-    self.agree(
+    agree_within(
+        self,
         kind,
         fingerprint=fingerprint ^ reduction_code(mode) ^ hierarchical.route_code(opts.implementation),
         describe=lambda: describe(value, op, impl or route, opts),
@@ -200,8 +202,24 @@ def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: Communicat
 
 def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
     """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
-    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], self.options.bytes_per_pack)
-    bpp = self.options.bytes_per_pack
-    self.agree(kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp))
+    opts = self.options
+    bpp = opts.bytes_per_pack
+    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], bpp)
+    agree_within(
+        self, kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp)
+    )
     divisor = self.size if op is ReduceOp.MEAN else None
-    return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]
+    flags = x.flags
+    # The common case straight to MPI: a small contiguous array summed flat (allreduce_arrays'
+    # one-leaf branch, without its pack loop and transport choice).
+    if (
+        x.nbytes < packing.POOL_MIN_BYTES
+        and flags.c_contiguous
+        and flags.aligned
+        and opts.implementation is not CommunicationImplementation.HIERARCHICAL
+        and (mpi.COUNT_LIMIT is None or x.size <= mpi.COUNT_LIMIT)
+    ):
+        recv = np.empty(x.shape, x.dtype)
+        self.comm.Allreduce(x, recv, op=MPI.SUM)
+        return recv if divisor is None else lv.divide(recv, divisor)
+    return allreduce_arrays(self, [x], 0, opts.implementation, divisor, packs)[0]

@@ -52,7 +52,7 @@ _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 # Large NumPy results reuse buffers handed out earlier that nobody references any more: a
 # fresh allocation that size is mmap'ed, and faulting its pages in costs several times the
 # Allreduce itself (2 ranks, 1 MiB: ~990 us with a fresh receive buffer, ~265 us without).
-_POOL_MIN_BYTES = 128 << 10
+POOL_MIN_BYTES = 128 << 10
 _POOL_SIZE = 4
 
 
@@ -67,7 +67,7 @@ def empty(shape: tuple[int, ...], dtype: Any, module: Any = np, pool: list[Any] 
         return module.empty(shape, dtype=dtype)
     if not isinstance(dtype, np.dtype):  # the collectives pass dtypes: no conversion then
         dtype = np.dtype(dtype)
-    if math.prod(shape) * dtype.itemsize < _POOL_MIN_BYTES:
+    if math.prod(shape) * dtype.itemsize < POOL_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
     shape = tuple(shape)
     for i in range(len(pool)):
