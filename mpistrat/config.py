@@ -65,10 +65,12 @@ def _check(raw: str) -> int:
     raw = raw.lower()
     if raw in ("2", "strict"):
         return 2
+    if raw == "step":
+        return 3  # collectives.handshake.STEP
     try:
         return int(_flag(raw))
     except ValueError:
-        raise ValueError("0/off, 1/on or strict") from None
+        raise ValueError("0/off, 1/on, step or strict") from None
 
 
 def _count(raw: str) -> int:
@@ -134,8 +136,9 @@ SETTINGS: dict[str, Setting] = {
             "MPISTRAT_CHECK",
             _check,
             1,
-            "`0`/`off`, `1`/`on`, `strict`",
-            "The handshake check before every collective; `strict` also compares the copies of "
+            "`0`/`off`, `1`/`on`, `step`, `strict`",
+            "The handshake check before every collective; `step` checks each collective in full "
+            "the first time and its repeats once per step; `strict` also compares the copies of "
             "the variables every-rank merge functions update.",
         ),
         Setting(

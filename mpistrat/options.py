@@ -43,8 +43,10 @@ class CommunicationOptions:
         implementation: the transport, see :class:`CommunicationImplementation`.
         check: verify that every rank entered the same collective with compatible
             arguments (None: the ``MPISTRAT_CHECK`` environment default, on);
-            ``"strict"`` also compares the copies of the variables that every-rank
-            merge functions (the optimizers) update, by checksum.
+            ``"step"`` checks each collective in full the first time and its repeats
+            once per ``strategy.run`` (see docs/reliability.md); ``"strict"`` also
+            compares the copies of the variables that every-rank merge functions (the
+            optimizers) update, by checksum.
         deterministic: floating-point SUM and MEAN return the exact sum of the
             contributions rounded once: the same bits for any ``bytes_per_pack``, leaf
             split, rank order, rank count and MPI algorithm (costs about 2.5x the bytes;
@@ -75,8 +77,10 @@ class CommunicationOptions:
             raise InvalidArgumentError(
                 f"timeout_seconds must be a number of seconds > 0, or None; got {timeout!r}"
             )
-        if self.check not in (None, True, False, "strict"):
-            raise InvalidArgumentError(f"check must be True, False, 'strict' or None; got {self.check!r}")
+        if self.check not in (None, True, False, "step", "strict"):
+            raise InvalidArgumentError(
+                f"check must be True, False, 'step', 'strict' or None; got {self.check!r}"
+            )
         if isinstance(self.implementation, str):
             object.__setattr__(
                 self, "implementation", CommunicationImplementation(self.implementation.upper())

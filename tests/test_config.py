@@ -47,7 +47,7 @@ def test_every_kind_of_value(name, raw, expected):
         ("MPISTRAT_TIMEOUT", "ten", "a number of seconds, or 0/off to disable; using the default, 1800"),
         ("MPISTRAT_TIMEOUT", "-1", "a number of seconds"),
         ("MPISTRAT_TIMEOUT", "nan", "a number of seconds"),
-        ("MPISTRAT_CHECK", "maybe", "0/off, 1/on or strict; using the default, 1"),
+        ("MPISTRAT_CHECK", "maybe", "0/off, 1/on, step or strict; using the default, 1"),
         ("MPISTRAT_DEVICE", "tpu", "auto, gpu or cpu; using the default, auto"),
         ("MPISTRAT_LOG_ALL_RANKS", "2", "1/true/yes/on or 0/false/no/off; using the default, False"),
     ],
@@ -139,10 +139,12 @@ def test_a_path_keeps_its_case():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ranks_that_would_check_differently_fail_strategy_creation_on_every_rank(world, monkeypatch):
-    """A rank that skips the handshake would strand the ones that send it."""
+@pytest.mark.parametrize("other", ["0", "step"])
+def test_ranks_that_would_check_differently_fail_strategy_creation_on_every_rank(world, monkeypatch, other):
+    """A rank that skips the handshake (or checks a repeat only at the step's end) would strand the
+    ones that send it."""
     if world.rank == world.size - 1:
-        monkeypatch.setenv("MPISTRAT_CHECK", "0")
+        monkeypatch.setenv("MPISTRAT_CHECK", other)
     raises_on_every_rank(world.comm, CollectiveMismatchError, lambda: mpistrat.MPIStrategy(world.comm))
 
 

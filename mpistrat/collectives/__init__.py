@@ -50,6 +50,7 @@ from mpistrat.collectives import (
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
+from mpistrat.collectives.step_check import StepCheck
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics import flight, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -90,9 +91,12 @@ class Collectives:
         # Work started over this communicator that every rank must finish before it is freed (a
         # background checkpoint save): name -> what finishes it (collective).
         self.pending: dict[str, Callable[[], None]] = {}
-        # The check level: the options', else the environment (read once, here).
+        # The check: the options', else the environment (read once, here). Under ``step`` the
+        # handshakes that are sent check at level 1, and repeats are checked once per step.
         check = self.options.check
-        self.check: int = config.read("MPISTRAT_CHECK") if check is None else handshake.level(check)
+        setting = config.read("MPISTRAT_CHECK") if check is None else handshake.setting(check)
+        self.check: int = 1 if setting == handshake.STEP else setting
+        self.step_check: StepCheck | None = None  # set once every rank agreed on the setting, below
         error = None
         try:
             timeline.from_environment(config.read("MPISTRAT_TIMELINE"))
@@ -111,10 +115,10 @@ class Collectives:
         route = self.options.implementation.value
         self.agree(
             "strategy creation",
-            fingerprint=handshake.check_level(self) ^ hierarchical.route_code(self.options.implementation),
+            fingerprint=setting ^ hierarchical.route_code(self.options.implementation),
             describe=lambda: {
                 "leaves": [
-                    ("the check", f"level {handshake.check_level(self)}", None),
+                    ("the check", "step" if setting == handshake.STEP else f"level {setting}", None),
                     ("CommunicationOptions.implementation", route, None),
                 ],
                 "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check, "
@@ -123,6 +127,8 @@ class Collectives:
             error=error,
             extras=[],
         )
+        if setting == handshake.STEP:
+            self.step_check = StepCheck()
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 

@@ -86,6 +86,7 @@ def all_reduce(
         describe=lambda: describe(value, op, impl or route, opts),
         error=error,
         options=opts,
+        deferrable=True,
     )
     if mode:
         out = reduce_special(self, arrays, op is ReduceOp.MEAN, opts, kind)
@@ -206,7 +207,11 @@ def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str)
     bpp = opts.bytes_per_pack
     fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], bpp)
     agree_within(
-        self, kind, fingerprint=fingerprint, describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp)
+        self,
+        kind,
+        fingerprint=fingerprint,
+        describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp),
+        deferrable=True,
     )
     divisor = self.size if op is ReduceOp.MEAN else None
     flags = x.flags

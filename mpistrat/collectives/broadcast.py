@@ -62,6 +62,7 @@ def broadcast(
         fingerprint=fingerprint,
         describe=lambda: mismatch.describe(value, None, bytes_per_pack=self.options.bytes_per_pack),
         error=error,
+        deferrable=True,
     )
     if packs is None:
         packs = packing.plan_packs(arrays, self.options.bytes_per_pack, None, self.caches.packs)

@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import mismatch
 from mpistrat.collectives.fingerprint import cached_code
+from mpistrat.collectives.step_check import UNCHECKED
 from mpistrat.diagnostics import timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
@@ -44,7 +45,17 @@ from mpistrat.options import CommunicationOptions
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["SLOTS", "StopState", "agree", "agree_within", "check_enabled", "check_level", "level"]
+__all__ = [
+    "SLOTS",
+    "STEP",
+    "StopState",
+    "agree",
+    "agree_within",
+    "check_enabled",
+    "check_level",
+    "level",
+    "setting",
+]
 
 _MAGIC = 0x6D707374  # "mpst"
 
@@ -60,6 +71,8 @@ SLOTS = 13
 # Writes and reads the whole vector in one call, straight into the reused NumPy buffers (a
 # tuple assigned to an ndarray slice converts element by element: twice the time).
 _PACKING = struct.Struct(f"={SLOTS}q")
+STEP = 3  # MPISTRAT_CHECK=step: a setting, not a level (its handshakes check at level 1)
+_STEP_OR_UNSET = (None, "step")  # a call's CommunicationOptions.check that leaves the setting as it is
 
 
 def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
@@ -77,8 +90,13 @@ def check_level(collectives: Collectives, options: CommunicationOptions | None =
 
 
 def level(check: bool | str) -> int:
-    """The level of a ``CommunicationOptions.check`` value."""
+    """The level of a ``CommunicationOptions.check`` value (``"step"``: 1, as its handshakes)."""
     return 2 if check == "strict" else int(bool(check))
+
+
+def setting(check: bool | str) -> int:
+    """A ``CommunicationOptions.check`` value as ``MPISTRAT_CHECK`` reads it: its level, or ``STEP``."""
+    return STEP if check == "step" else level(check)
 
 
 class StopState:
@@ -128,6 +146,7 @@ def agree_within(
     extras: list[int] | None = None,
     maximum: int | None = None,
     options: CommunicationOptions | None = None,
+    deferrable: bool = False,
 ) -> Any:
     """Agree with every rank on entering collective ``kind`` with matching arguments.
 
@@ -141,6 +160,10 @@ def agree_within(
         extras: per-rank numbers, gathered once all agree (the handshake then always runs).
         maximum: a number whose largest value over the ranks is returned.
         options: the call's options (their ``check``; the default: the collectives' own).
+        deferrable: under ``MPISTRAT_CHECK=step``, a repeat of this call (same kind and
+            fingerprint, no error, extras or maximum) may send nothing: it is checked at the
+            next handshake that sends (see :mod:`.step_check`). Data collectives pass True;
+            a handshake whose news may come from one rank alone (an error, a stop) does not.
 
     Returns:
         With ``extras``, every rank's extras (a table, one row per rank); with
@@ -161,6 +184,20 @@ def agree_within(
     codes = self.caches.codes
     seq, tally = self.seq, self.stragglers
     kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
+    step = self.step_check
+    if step is not None:
+        if (
+            deferrable
+            and error is None
+            and maximum is None
+            and extras is None
+            and (options is None or options.check in _STEP_OR_UNSET)
+            and step.defer(seq, kind, kind_code, fingerprint)
+        ):
+            now = time.monotonic()
+            self.flight.append([seq, kind, fingerprint, now, now, UNCHECKED, None])
+            return None
+        fingerprint ^= step.rolling  # this handshake checks the unchecked collectives too
     send, recv, stop = self._handshake  # buffers reused, and the stop state: this is per-call overhead
     last, longest = tally.outgoing
     _PACKING.pack_into(  # in slot order
@@ -191,8 +228,12 @@ def agree_within(
     if top[ERROR] or top[0] + top[4] or top[1] + top[5] or top[2] + top[6] or top[3] + top[7]:
         self.disagreements += 1
         entry[STATE] = "raised: the ranks disagreed"
+        if step is not None:  # the same on every rank: the setting was agreed at creation
+            step.raise_first_difference(self.comm)
         mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
     self.monitor.agreed = self.monitor.start  # every rank has entered this collective (for the watchdog)
+    if step is not None:
+        step.verified()
     if extras is None:
         return None if maximum is None else top[MAXIMUM]
     mine = np.asarray(extras, dtype=np.int64)

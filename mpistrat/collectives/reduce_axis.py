@@ -94,6 +94,7 @@ def reduce_along_axis(
         describe=lambda: describe(value, op, None, opts) | {"axis": axis},
         error=error,
         options=opts,
+        deferrable=True,
     )
     exact = [i for i, a in enumerate(moved) if exact_sum.supported(a.dtype)]
     others = [i for i in range(len(moved)) if i not in set(exact)]

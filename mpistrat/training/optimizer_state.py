@@ -370,6 +370,7 @@ class FlatState:
                 fingerprint=(0 if plan is None else plan.fingerprint) ^ reduction_code(mode),
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
                 error=error,
+                deferrable=True,  # under MPISTRAT_CHECK=step, strategy.run's closing handshake checks it
             )
         elif error is not None:
             raise error

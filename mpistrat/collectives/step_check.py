@@ -1,0 +1,98 @@
+"""``MPISTRAT_CHECK=step``: each collective checked in full once, its repeats once per step.
+
+With the check on, every collective opens with a handshake: one more latency per call. Under
+``step``, a collective's first occurrence (its kind and its arguments' code: structure, dtypes,
+shapes, reduce op) still opens with one; a repeat sends nothing and folds its sequence number,
+kind and code into a rolling hash instead. The next handshake that does send (the closing one of
+``strategy.run``, an ``apply_gradients`` outside it, a collective seen for the first time, or any
+control handshake) carries that hash, so a divergence raises on every rank by the end of the
+step, naming the first collective in which the ranks differed. A divergence that stops the
+transfer itself (ranks in collectives of different sizes) is named by the watchdog from the
+flight records, where each unchecked collective has its entry.
+
+>>> check = StepCheck()
+>>> check.defer(1, "all_reduce", 7, 0x2A)  # the first occurrence: the caller sends a handshake
+False
+>>> check.defer(2, "all_reduce", 7, 0x2A), len(check.unchecked)
+(True, 1)
+>>> check.verified(); check.rolling, check.unchecked
+(0, [])
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from mpi4py import MPI
+
+from mpistrat.collectives.mismatch import by_rank
+from mpistrat.errors import CollectiveMismatchError
+
+__all__ = ["LIMIT", "UNCHECKED", "StepCheck"]
+
+LIMIT = 4096  # unchecked collectives at most: the next one sends a handshake (bounds the record)
+UNCHECKED = "unchecked until the step's closing handshake (MPISTRAT_CHECK=step)"  # a flight entry's state
+_MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their negations
+
+
+class StepCheck:
+    """One communicator's record of the collectives not checked yet, and those already seen.
+
+    ``seen`` holds the code of every (kind, arguments) checked in full once; it forgets all at
+    ``4 * LIMIT`` entries (every rank at the same call), after which each is checked once again.
+    """
+
+    __slots__ = ("rolling", "seen", "unchecked")
+
+    def __init__(self) -> None:
+        self.rolling = 0  # the hash of the unchecked collectives, in order; 0 when there are none
+        self.unchecked: list[tuple[int, str, int]] = []  # (seq, kind, fingerprint) of each
+        self.seen: set[int] = set()
+
+    def defer(self, seq: int, kind: str, kind_code: int, fingerprint: int) -> bool:
+        """Whether collective ``seq`` may go unchecked now (recorded here); False: send its handshake."""
+        code = kind_code ^ fingerprint
+        unchecked = self.unchecked
+        if code in self.seen and len(unchecked) < LIMIT:
+            unchecked.append((seq, kind, fingerprint))
+            self.rolling = hash((self.rolling, seq, code)) & _MASK  # ints hash alike in every process
+            return True
+        if len(self.seen) >= 4 * LIMIT:
+            self.seen.clear()
+        self.seen.add(code)
+        return False
+
+    def verified(self) -> None:
+        """A handshake carried the hash and every rank agreed: nothing is unchecked any more."""
+        self.rolling = 0
+        self.unchecked.clear()
+
+    def raise_first_difference(self, comm: MPI.Intracomm) -> None:
+        """After a failed handshake, on every rank: raise if the unchecked collectives differed.
+
+        Returns (on every rank alike) when they did not: the handshake's own call differed. Either
+        way the record is reported, and the ranks start a new one.
+        """
+        records = comm.allgather(self.unchecked)
+        self.verified()
+        if all(r == records[0] for r in records[1:]):
+            return
+        _raise_first(records)
+
+
+def _raise_first(records: list[list[tuple[int, str, int]]]) -> NoReturn:
+    for i in range(max(map(len, records))):
+        entries = [r[i] if i < len(r) else None for r in records]
+        if any(e != entries[0] for e in entries):
+            seq = next(e[0] for e in entries if e is not None)
+            what = by_rank(
+                ["no collective" if e is None else f"{e[1]} [fp {e[2] & 0xFFFFFFFF:08x}]" for e in entries]
+            )
+            raise CollectiveMismatchError(
+                f"collective #{seq} ran unchecked (MPISTRAT_CHECK=step) and the ranks were not in the "
+                f"same collective with the same arguments: {what}. Its result and everything after it "
+                "in this step is unreliable. Every rank must call the same collectives, with the same "
+                "structures, dtypes and shapes, in the same order; run with MPISTRAT_CHECK=1 to stop at "
+                "the call itself."
+            )
+    raise AssertionError("the records differ")  # unreachable: some entry differs

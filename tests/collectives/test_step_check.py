@@ -1,0 +1,138 @@
+"""``check="step"`` (``MPISTRAT_CHECK=step``): a collective's first occurrence is checked in full at
+once; its repeats send nothing of their own and are checked by the one handshake that closes each
+``strategy.run``. Counted on a counting communicator; results against serial NumPy; a divergence
+raises on every rank by the end of the step, naming the first collective that differed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpistrat
+from mpistrat import CollectiveMismatchError, CommunicationOptions
+from mpistrat.optimizers import SGD
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.counting import CountingComm, Ledger
+
+SMALL = 8  # a latency-bound step: 8 one-element all_reduces
+HANDSHAKE = ("Allreduce", 104)  # the ledger's name for the handshake's Iallreduce of 13 int64
+
+
+def make(check):
+    return mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=CommunicationOptions(check=check))
+
+
+def small_step(rank):
+    """8 all_reduces of one float32 each; returns their sums."""
+    ctx = mpistrat.get_replica_context()
+    return [ctx.all_reduce("sum", np.array([rank + i], np.float32)) for i in range(SMALL)]
+
+
+def expected_sums(size):
+    """Serial NumPy: the sum over ranks of each call's value."""
+    return [np.float32(sum(np.float32(r + i) for r in range(size))) for i in range(SMALL)]
+
+
+def calls(ledger):
+    return [(c.name, c.sent) for c in ledger.log]
+
+
+@pytest.mark.parametrize("check", ["step", True, False])
+def test_a_repeated_step_sends_one_control_collective_under_step(check):
+    """Counted per step after the first: ``step`` makes the 8 data calls and one 104-byte handshake
+    (the run's closing one), ``True`` one handshake more per call, ``False`` the data calls alone;
+    every setting sums alike."""
+    strategy = make(check)
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    strategy.run(small_step, args=(rank,))  # the first occurrence, checked in full
+    with Ledger.recording() as ledger:
+        got = strategy.run(small_step, args=(rank,))
+    strategy.experimental_finalize()
+    data = [c for c in calls(ledger) if c != HANDSHAKE]
+    control = [c for c in calls(ledger) if c == HANDSHAKE]
+    handshake = HANDSHAKE
+    closing = [handshake] if size > 1 and check else []
+    want_control = {"step": closing, True: [handshake] * SMALL + closing, False: []}[check]
+    ok = data == [("Allreduce", 4)] * SMALL and control == want_control
+    ok = ok and [g[0] for g in got] == expected_sums(size)
+    all_ranks_agree(WORLD, ok, f"check={check}: {calls(ledger)}, got {got}")
+
+
+def test_the_first_occurrence_is_checked_at_once():
+    """A shape seen for the first time sends its handshake: ranks that differ raise at the call."""
+    if WORLD.Get_size() < 2:
+        pytest.skip("ranks can only differ with 2 or more")
+    strategy = make("step")
+    rank = WORLD.Get_rank()
+    strategy.run(small_step, args=(rank,))
+
+    def new_shape():
+        ctx = mpistrat.get_replica_context()
+        return ctx.all_reduce("sum", np.ones(3 if rank == 0 else 5, np.float32))
+
+    message = raises_on_every_rank(
+        WORLD, CollectiveMismatchError, lambda: strategy.run(new_shape), match="shape (5,)"
+    )
+    ok = "all_reduce (collective #" in message and "unchecked" not in message
+    still = strategy.run(small_step, args=(rank,))  # every rank at the same point after it
+    strategy.experimental_finalize()
+    all_ranks_agree(WORLD, ok and [g[0] for g in still] == expected_sums(WORLD.Get_size()), message)
+
+
+def test_a_divergence_in_repeats_raises_on_every_rank_naming_the_first():
+    """Both reductions seen once; then the last rank swaps them. MPI sums alike (MEAN divides after),
+    so nothing stops the transfer: the run's closing handshake raises on every rank, naming the
+    first collective in which the ranks differed."""
+    size = WORLD.Get_size()
+    if size < 2:
+        pytest.skip("ranks can only differ with 2 or more")
+    strategy = make("step")
+    rank = WORLD.Get_rank()
+    x = np.ones(4, np.float32)
+
+    def step(swapped):
+        ctx = mpistrat.get_replica_context()
+        ops = ("mean", "sum") if swapped else ("sum", "mean")
+        return [ctx.all_reduce(op, x) for op in ops]
+
+    strategy.run(step, args=(False,))
+    first = strategy.extended.collectives.seq + 1  # the next run's first all_reduce
+    message = raises_on_every_rank(
+        WORLD,
+        CollectiveMismatchError,
+        lambda: strategy.run(step, args=(rank == size - 1,)),
+        match=f"collective #{first} ran unchecked",
+    )
+    ok = f"rank {size - 1}: all_reduce" in message
+    got = strategy.run(step, args=(False,))  # the ranks go on together after the error
+    strategy.experimental_finalize()
+    ok = ok and np.array_equal(got[0], np.full(4, size, np.float32)) and np.array_equal(got[1], x)
+    all_ranks_agree(WORLD, ok, message)
+
+
+def test_a_training_step_is_one_control_collective():
+    """Under ``step`` the optimizer's handshake is a repeat inside ``strategy.run``, checked by the
+    run's closing one; the weights match serial NumPy SGD on the replicas' summed gradients."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    strategy = make("step")
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(3, np.float32), name="w")
+        opt = SGD(0.5)
+    base = np.array([1.0, 2.0, 4.0], np.float32)
+
+    def step():
+        opt.apply_gradients([(base * np.float32(rank + 1), w)])
+
+    strategy.run(step)  # built, and the first occurrence checked
+    with Ledger.recording() as ledger:
+        strategy.run(step)
+        strategy.run(step)
+    strategy.experimental_finalize()
+    total = np.sum([base * np.float32(r + 1) for r in range(size)], axis=0, dtype=np.float32)  # tf sums
+    reference = np.zeros(3, np.float32)
+    for _ in range(3):
+        reference = reference - np.float32(0.5) * total
+    control = [c for c in calls(ledger) if c == HANDSHAKE]
+    want = 2 if size > 1 else 0  # one per step (one rank: no closing handshake, nothing unchecked)
+    ok = len(control) == want and np.allclose(w.numpy(), reference, rtol=1e-6)
+    all_ranks_agree(WORLD, ok, f"{calls(ledger)}; w {w.numpy()} vs {reference}")
