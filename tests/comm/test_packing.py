@@ -162,7 +162,7 @@ def test_fast_flatten_is_optree_flatten(value):
 
 
 def test_large_buffers_are_recycled_only_when_nothing_refers_to_them():
-    shape, pool = (packing._POOL_MIN_BYTES // 4 + 7,), []
+    shape, pool = (packing.POOL_MIN_BYTES // 4 + 7,), []
     a = packing.empty(shape, np.float32, np, pool)
     first = id(a)
     del a
@@ -178,7 +178,7 @@ def test_large_buffers_are_recycled_only_when_nothing_refers_to_them():
 
 
 def test_all_reduce_results_stay_valid_when_the_next_call_reuses_memory(group):
-    big = np.arange(packing._POOL_MIN_BYTES // 4, dtype=np.float32)
+    big = np.arange(packing.POOL_MIN_BYTES // 4, dtype=np.float32)
 
     def step():
         ctx = mpistrat.get_replica_context()
