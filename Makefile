@@ -21,7 +21,7 @@ IMPI_PY   := $(IMPI_VENV)/bin/python
 IMPI_MPIEXEC := $(IMPI_VENV)/bin/mpiexec
 IMPI_SIZES ?= 2 3
 
-.PHONY: install install-gpu demo docs test test-serial test-slurm test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
+.PHONY: install install-gpu demo docs test test-serial test-readme test-slurm test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
 .PHONY: install-openmpi test-openmpi test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 .PHONY: install-impi test-impi test-impi-faults $(addprefix test-impi-,$(IMPI_SIZES)) test-nodes
 
@@ -55,9 +55,15 @@ FAULTS := tests/diagnostics/test_faults.py
 NODE_TESTS := tests/nodes
 FAULT_WORKERS ?= 4
 
+# The README's verbatim install from the package index: mostly downloads, so CI runs it beside the
+# other venvs' installs (`make test-readme`, then `make test SKIP_README=1`).
+README_TEST := tests/test_readme.py::test_the_readme_install_and_first_program_run_verbatim
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS) --ignore=$(NODE_TESTS)
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
+
+test-readme: install
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) $(README_TEST)
 
 # The jobs/ scripts on a single-node Slurm it installs and starts (root only; skips otherwise).
 test-slurm: install
