@@ -51,6 +51,7 @@ from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
+from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics import flight, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -72,8 +73,8 @@ class Collectives:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
-        # The default reduction mode ("" for plain MPI sums): the one-array fast path is plain only.
-        self.reduction = self.options.reduction
+        # How float sums travel by default (plain MPI, exact, 16-bit): the one-array fast path is plain only.
+        self.sum_mode = sum_mode(self.options)
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.failures = 0  # collectives that raised so far (a failed handshake, a timeout, a transfer)

@@ -14,10 +14,11 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat.collectives import compressed, exact_sum, hierarchical, mismatch
+from mpistrat.collectives import hierarchical, mismatch
 from mpistrat.collectives import leaves as lv
-from mpistrat.collectives.fingerprint import arrays_code, code_of
+from mpistrat.collectives.fingerprint import arrays_code
 from mpistrat.collectives.handshake import agree_within
+from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
@@ -27,9 +28,7 @@ from mpistrat.reduce_op import ReduceOp
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["all_reduce", "allreduce_arrays", "describe", "reduction_code", "reduce_special"]
-
-_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes 16-bit compression takes
+__all__ = ["all_reduce", "allreduce_arrays", "describe", "reduce_special"]
 
 
 @watchdog.collective("all_reduce")
@@ -50,7 +49,7 @@ def all_reduce(
     if (
         options is None
         and error is None
-        and not self.reduction
+        and self.sum_mode is PLAIN
         and type(value) is np.ndarray
         and lv.plain(value.dtype)
     ):
@@ -76,19 +75,19 @@ def all_reduce(
         fingerprint = arrays_code(
             self.caches.codes, op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack
         )
-    mode = opts.reduction
+    mode = sum_mode(opts)
     hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
     route = "HIERARCHICAL" if hierarchical_route else None  # named where ranks differ in it
     agree_within(
         self,
         kind,
-        fingerprint=fingerprint ^ reduction_code(mode) ^ hierarchical.route_code(opts.implementation),
+        fingerprint=fingerprint ^ mode.code ^ hierarchical.route_code(opts.implementation),
         describe=lambda: describe(value, op, impl or route, opts),
         error=error,
         options=opts,
         deferrable=True,
     )
-    if mode:
+    if mode is not PLAIN:
         out = reduce_special(self, arrays, op is ReduceOp.MEAN, opts, kind)
     else:
         divisor = self.size if op is ReduceOp.MEAN else None
@@ -145,17 +144,12 @@ def allreduce_arrays(
 def reduce_special(
     self: Collectives, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
 ) -> list[Any]:
-    """Sum (MEAN: average) with ``opts.reduction`` set: per pack, exact sums or 16-bit values on
-    the wire for the floating-point packs that mode takes (with ``HIERARCHICAL``, between nodes
-    only); the other packs go the plain way.
-
-    Device arrays are reduced through host copies, and their results copied back.
-    """
-    mode = opts.reduction
+    """Sum (MEAN: average) with ``opts.reduction`` set: per pack, the mode's sum for the packs it
+    takes (exact, or 16-bit values on the wire); the other packs go the plain way."""
+    mode = sum_mode(opts)
     out: list[Any] = [None] * len(arrays)
     for p in packing.plan_packs(arrays, opts.bytes_per_pack):
-        takes = exact_sum.supported(p.dtype) if mode == "deterministic" else p.dtype in _COMPRESSIBLE
-        if not takes:
+        if not mode.takes(p.dtype):
             part = allreduce_arrays(
                 self,
                 [arrays[i] for i in p.indices],
@@ -167,23 +161,9 @@ def reduce_special(
                 out[i] = o
             continue
         buf = packing.pack(arrays, p)
-        host = buf if p.module is np else buf.get()
-        if mode == "deterministic":
-            real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
-            summed, _ = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [], self.size if mean else None)
-            result = summed.view(host.dtype)
-        elif opts.implementation is CommunicationImplementation.HIERARCHICAL:
-            result = hierarchical.compressed_sum(self, host, mode, mean, kind)
-        else:
-            result = compressed.compressed_sum(self.comm, host, mode, mean, kind)
-        packing.unpack(result if p.module is np else p.module.asarray(result), arrays, p, out)
+        result = mode.sum(self, buf, kind=kind, mean=mean, implementation=opts.implementation)
+        packing.unpack(result, arrays, p, out)
     return out
-
-
-def reduction_code(mode: str) -> int:
-    """What the handshake's fingerprint mixes in for a reduction mode (0 for plain MPI sums):
-    ranks that reduce differently disagree, and raise, instead of mixing limbs with floats."""
-    return 0 if not mode else code_of("CommunicationOptions.reduction", mode)
 
 
 def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: CommunicationOptions) -> dict[str, Any]:

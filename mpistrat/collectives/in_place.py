@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives import compressed, exact_sum, hierarchical
+from mpistrat.collectives import exact_sum
+from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import UnsupportedTypeError
@@ -49,9 +50,12 @@ def all_reduce_in_place(
     ``options``: the call's (the default: the collectives' own); their ``deterministic`` or
     ``compression`` make the sum exact or carry 16-bit values (floating-point buffers).
     """
-    implementation = (self.options if options is None else self.options.merge(options)).implementation
-    if (options is not None or self.reduction) and (mode := _mode(self, buf, options)):
-        buf[...] = _special(self, buf.reshape(-1), mode, kind, implementation).reshape(buf.shape)
+    opts = self.options if options is None else self.options.merge(options)
+    implementation = opts.implementation
+    mode = self.sum_mode if options is None else sum_mode(opts)
+    if mode.takes(buf.dtype):
+        total = mode.sum(self, buf.reshape(-1), kind=kind, implementation=implementation)
+        buf[...] = total.reshape(buf.shape)
         return
     if type(buf) is np.ndarray and implementation is not CommunicationImplementation.HIERARCHICAL:
         if mpi.COUNT_LIMIT is None:
@@ -78,17 +82,8 @@ def reduce_scatter_in_place(
     bytes of a reduce-scatter). Blocks beyond the count limit: an all-reduce in pieces, likewise.
     """
     _host(buf, kind)
-    per = buf.size // self.size
-    mode = _mode(self, buf, options) if options is not None or self.reduction else ""
-    if mode in ("bf16", "fp16"):
-        buf[:per] = compressed.compressed_reduce_scatter(self.comm, buf, mode, kind)
-    elif mode or (mpi.COUNT_LIMIT is not None and per > mpi.COUNT_LIMIT):
-        total = _special(self, buf, mode, kind, CommunicationImplementation.RING) if mode else buf
-        if not mode:
-            mpi.allreduce(self.comm, MPI.IN_PLACE, buf)
-        buf[:per] = total[self.rank * per : (self.rank + 1) * per]
-    else:
-        self.comm.Reduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
+    mode = self.sum_mode if options is None else sum_mode(self.options.merge(options))
+    (mode if mode.takes(buf.dtype) else PLAIN).reduce_scatter(self, buf, kind)
 
 
 @watchdog.collective("all_reduce")
@@ -130,30 +125,6 @@ def all_gather_bytes(
         return
     displs = [0, *itertools.accumulate(counts[:-1])]
     self.comm.Allgatherv([mine, MPI.BYTE], [out, counts, displs, MPI.BYTE])
-
-
-def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> str:
-    """The reduction mode that applies to ``buf`` ("" when plain MPI sums it)."""
-    mode = self.reduction if options is None else self.options.merge(options).reduction
-    if mode == "deterministic":
-        return mode if exact_sum.supported(buf.dtype) else ""
-    return mode if buf.dtype in (np.float32, np.float64) else ""
-
-
-def _special(
-    self: Collectives, buf: Any, mode: str, kind: str, implementation: CommunicationImplementation
-) -> Any:
-    """The sum over ranks of the 1-D ``buf``, exact or compressed (with ``HIERARCHICAL``: between nodes
-    only), as a new array where ``buf`` lives."""
-    host = buf if type(buf) is np.ndarray else buf.get()
-    if mode == "deterministic":
-        real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
-        result = exact_sum.exact_sum(self.comm, real.reshape(1, -1), [])[0].view(host.dtype)
-    elif implementation is CommunicationImplementation.HIERARCHICAL:
-        result = hierarchical.compressed_sum(self, host, mode, False, kind)
-    else:
-        result = compressed.compressed_sum(self.comm, host, mode, False, kind)
-    return result if type(buf) is np.ndarray else packing.array_module(buf).asarray(result)
 
 
 def _host(buf: Any, kind: str) -> None:

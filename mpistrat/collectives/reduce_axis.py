@@ -30,8 +30,9 @@ import optree
 
 from mpistrat.collectives import exact_sum
 from mpistrat.collectives import leaves as lv
-from mpistrat.collectives.all_reduce import describe, reduction_code
+from mpistrat.collectives.all_reduce import describe
 from mpistrat.collectives.fingerprint import code_of
+from mpistrat.collectives.sum_modes import EXACT
 from mpistrat.comm import packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError, MpistratError
@@ -90,7 +91,7 @@ def reduce_along_axis(
     fingerprint = code_of(op, "axis", treespec, *rest, memo=self.caches.codes)
     self.agree(
         kind,
-        fingerprint=fingerprint ^ reduction_code("deterministic"),
+        fingerprint=fingerprint ^ EXACT.code,
         describe=lambda: describe(value, op, None, opts) | {"axis": axis},
         error=error,
         options=opts,

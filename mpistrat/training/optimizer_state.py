@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat.collectives.all_reduce import reduction_code
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.handshake import check_level
+from mpistrat.collectives.sum_modes import PLAIN, SumMode, sum_mode
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training import pack_step
@@ -357,17 +357,17 @@ class FlatState:
             params = [s.group.params.claim() for s in plan.steps]
         except MpistratError as exc:
             error = error or exc
-        mode = ""
+        mode: SumMode = PLAIN
         if collectives is not None:
             described = plan.described if plan is not None else []
-            mode = collectives.reduction if options is None else collectives.options.merge(options).reduction
+            mode = collectives.sum_mode if options is None else sum_mode(collectives.options.merge(options))
             described = [
-                ("gradient reduction", mode or "plain MPI sum", None),
+                ("gradient reduction", mode.name or "plain MPI sum", None),
                 *described,
             ]  # named if it differs
             collectives.agree(
                 kind,
-                fingerprint=(0 if plan is None else plan.fingerprint) ^ reduction_code(mode),
+                fingerprint=(0 if plan is None else plan.fingerprint) ^ mode.code,
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
                 error=error,
                 deferrable=True,  # under MPISTRAT_CHECK=step, strategy.run's closing handshake checks it
@@ -386,10 +386,10 @@ class FlatState:
             _compare_copies(collectives, plan, kind)
 
 
-def _fails_late(mode: str, plan: _Plan) -> bool:
+def _fails_late(mode: SumMode, plan: _Plan) -> bool:
     """Whether a pack's reduction may raise after others were reduced (16-bit compression's
     overflow) in a step of more than one pack."""
-    return mode in ("bf16", "fp16") and sum(s.group.layout.packs for s in plan.steps) > 1
+    return mode.fails_late and sum(s.group.layout.packs for s in plan.steps) > 1
 
 
 def _compare_copies(collectives: Collectives, plan: _Plan, kind: str) -> None:
