@@ -5,7 +5,9 @@
 Prints microseconds per call (median and best of the repeats) on rank 0 for:
 raw ``comm.Allreduce`` and ``Iallreduce``; ``ReplicaContext.all_reduce`` with the check
 off; with the check on (the default); with the check on and a timeout (the handshake is
-then a polled ``Iallreduce``).
+then a polled ``Iallreduce``). Then per step: ``strategy.run`` of ``--step-calls`` such
+``all_reduce`` calls on strategies whose check is off, ``"step"`` (one handshake per run)
+and on, beside the same number of raw ``Allreduce`` calls.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8, help="float64 elements per all_reduce")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--step-calls", type=int, default=8, help="all_reduce calls per strategy.run")
     args = parser.parse_args()
 
     world = MPI.COMM_WORLD
@@ -67,11 +70,43 @@ def main() -> None:
             return timed(comm, lambda: ctx.all_reduce("sum", x, options), args.iters, args.repeats)
 
         results[name] = strategy.run(loop)
+    steps = _steps(comm, x, out, args.step_calls, max(args.iters // args.step_calls, 10), args.repeats)
     if world.Get_rank() == 0:
         print(f"{world.Get_size()} ranks, {args.size} float64, {args.iters} calls x {args.repeats} repeats")
         print(f"{'variant':34s} {'median us':>10s} {'best us':>9s}")
         for name, (median, best) in results.items():
             print(f"{name:34s} {median:10.1f} {best:9.1f}")
+        print(f"\nper step of {args.step_calls} all_reduce calls in strategy.run")
+        print(f"{'check':34s} {'median us':>10s} {'best us':>9s} {'x off':>6s}")
+        off = steps["off"][0]
+        for name, (median, best) in steps.items():
+            print(f"{name:34s} {median:10.1f} {best:9.1f} {median / off:6.2f}")
+
+
+def _steps(
+    comm: MPI.Intracomm, x: np.ndarray, out: np.ndarray, calls: int, iters: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Microseconds per step (median, best) for raw calls and each check setting, interleaved."""
+
+    def raw() -> None:
+        for _ in range(calls):
+            comm.Allreduce(x, out, op=MPI.SUM)
+
+    def step() -> list[Any]:
+        ctx = replica_context()
+        return [ctx.all_reduce("sum", x) for _ in range(calls)]
+
+    variants: dict[str, Callable[[], Any]] = {"raw Allreduce": raw}
+    for name, check in (("off", False), ("step", "step"), ("on", True)):
+        strategy = mpistrat.MPIStrategy(
+            comm, communication_options=mpistrat.CommunicationOptions(check=check)
+        )
+        variants[name] = lambda strategy=strategy: strategy.run(step)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):  # interleaved: a slow moment of a shared machine hits every variant
+        for name, call in variants.items():
+            samples[name].append(timed(comm, call, iters, 1)[0])
+    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
 
 
 if __name__ == "__main__":
