@@ -13,6 +13,7 @@ and on, beside the same number of raw ``Allreduce`` calls.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -101,7 +102,7 @@ def _steps(
         strategy = mpistrat.MPIStrategy(
             comm, communication_options=mpistrat.CommunicationOptions(check=check)
         )
-        variants[name] = lambda strategy=strategy: strategy.run(step)
+        variants[name] = functools.partial(strategy.run, step)
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):  # interleaved: a slow moment of a shared machine hits every variant
         for name, call in variants.items():
