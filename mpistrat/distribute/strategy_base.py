@@ -158,7 +158,9 @@ class Strategy:
             # An error out of a collective inside fn is not shared: one that failed on every rank told
             # everyone already (a rank that raised early met the others there), and after a timeout or a
             # failed transfer the others may be anywhere. A closing handshake would wait for nobody.
-            if collectives.failures == failures:
+            # Under MPISTRAT_CHECK=step the others may be in a collective that sends no handshake,
+            # which this one would pair with: the error leaves this rank alone, as with the check off.
+            if collectives.failures == failures and collectives.step_check is None:
                 results.agree_on_result(collectives, None, exc)
             raise
         results.agree_on_result(collectives, result, None)

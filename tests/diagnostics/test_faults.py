@@ -38,8 +38,9 @@ def on_every_rank(out: str, text: str) -> bool:
     return all(f"rank {r} {text}" in out for r in range(RANKS))
 
 
-def test_exception_in_run_ends_the_job_with_that_ranks_traceback():
-    code, out = run_job("raise_in_run.py", limit=10)
+@pytest.mark.parametrize("check", ["1", "step"])
+def test_exception_in_run_ends_the_job_with_that_ranks_traceback(check):
+    code, out = run_job("raise_in_run.py", limit=10, env={"MPISTRAT_CHECK": check})
     assert code != 0, out
     assert "[rank 1] Traceback (most recent call last):" in out, out
     assert "[rank 1] RuntimeError: boom on rank 1" in out, out
