@@ -38,6 +38,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.training import overlap
 from mpistrat.training.accumulation import Accumulator, checked_steps, exact_rows
 from mpistrat.training.optimizer_checks import SAME_BUILD, not_floating, own_replica_strategy
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
@@ -282,7 +283,9 @@ class Optimizer:
         """Apply one step from ``(gradient, variable)`` pairs, in replica context.
 
         Gradients are summed across replicas with one ``batch_reduce_to``; pairs
-        whose gradient is None are skipped. Returns ``iterations``. With ``gradient_accumulation_steps=K``
+        whose gradient is None are skipped. Returns ``iterations``. Given an iterator (a generator
+        yielding pairs as a backward pass computes them), each pack's sum starts as soon as its
+        gradients have come (:mod:`mpistrat.training.overlap`), with the list's result. With ``gradient_accumulation_steps=K``
         K-1 of K calls keep the gradients locally; the K-th reduces and applies their mean once.
         """
         replica = context.get_replica_context()
@@ -291,6 +294,17 @@ class Optimizer:
                 f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
                 "strategy.run(fn) to enter replica context"
             )
+        if not isinstance(grads_and_vars, (list, tuple)):  # a stream: the step overlaps where it can
+            if self._accumulator is None and self._flat:
+                strategy = own_replica_strategy(self._name, self._strategy, [])
+                collectives = None if strategy is None else strategy.extended.collectives
+                if overlap.can_stream(self._state, collectives, self._communication_options):
+                    assert collectives is not None
+                    try:
+                        return self._stream_step(collectives, grads_and_vars)
+                    except overlap.Unbuilt as unbuilt:  # on every rank
+                        grads_and_vars = unbuilt.pairs
+            grads_and_vars = list(grads_and_vars)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise InvalidArgumentError(
@@ -344,6 +358,36 @@ class Optimizer:
             rows=rows,
         )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
+            count += 1
+        return self.iterations
+
+    def _stream_step(self, collectives: Any, pairs: Any) -> Variable:
+        """One step over ``pairs`` as they come, each pack's sum started once its gradients exist."""
+        state = self._state
+        assert state is not None
+
+        def where(var: Any) -> Any:
+            if not isinstance(var, Variable):
+                raise InvalidArgumentError(
+                    f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; got a "
+                    f"{type(var).__name__}"
+                )
+            self._adopt(var)
+            return state.where[id(var)]
+
+        counter = own_copy(self.iterations)
+        step = int(counter._value)
+        overlap.step(
+            collectives,
+            state,
+            pairs,
+            where,
+            self._update_flat,
+            self.learning_rate(step),
+            step,
+            name=self._name,
+        )
+        with Writable(counter) as count:
             count += 1
         return self.iterations
 

@@ -1,0 +1,234 @@
+"""The step over a stream of pairs: each pack's sum starts as soon as its gradients exist.
+
+``apply_gradients`` given an iterator of ``(gradient, variable)`` pairs (a generator, as a
+hand-written backward pass yields them, last layer first) copies each gradient into its place
+in a staging buffer the size of its group as it arrives. A pack whose variables all have their
+gradient starts its sum at once, non-blocking (``Iallreduce``; ``Ireduce_scatter_block``
+sharded), and the sums in flight are tested each time the caller hands over the next pair.
+
+Packs start in one fixed order: the last pack of the last group first, down to the first pack
+of the first group, each once those after it have started. Every rank so starts the same sums
+in the same order, whatever order its pairs come in and even when its pairs are wrong: a
+mismatch cannot hang. When the stream ends, the packs not started yet are started (a variable
+without a gradient contributes zeros), one handshake agrees that every rank gave gradients for
+the same variables (a bad pair, or the stream raising, on any rank is an error on every rank,
+before anything is written), and each pack is updated (and gathered, sharded) as its sum
+completes, the later ones still in flight. A variable the optimizer has not built yet, on any
+rank, turns the step into the list step over the pairs received.
+
+The packs, their bounds and their sums are the list step's (:mod:`~mpistrat.training.pack_step`),
+so the weights are the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpistrat.collectives import nonblocking
+from mpistrat.collectives.all_reduce import reduction_code
+from mpistrat.collectives.handshake import check_level
+from mpistrat.comm import mpi
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.options import CommunicationImplementation
+from mpistrat.training import pack_step
+from mpistrat.training.optimizer_state import (
+    _SAME_VARIABLES,
+    FlatState,
+    Group,
+    _checked_gradients,
+    _compare_copies,
+)
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+    from mpistrat.options import CommunicationOptions
+    from mpistrat.training.variables import Variable
+
+__all__ = ["Unbuilt", "can_stream", "step"]
+
+
+class Unbuilt(Exception):
+    """Some rank was given a variable the optimizer has not built: the caller runs the list step
+    over ``pairs`` (every pair received, on every rank)."""
+
+    def __init__(self, pairs: list[tuple[Any, Variable]]):
+        super().__init__("a variable not built yet")
+        self.pairs = pairs
+
+
+def can_stream(
+    state: FlatState | None, collectives: Collectives | None, options: CommunicationOptions | None
+) -> bool:
+    """Whether a step can overlap: built flat host state, a plain MPI sum, counts MPI takes whole.
+
+    Decided from what every rank holds alike (the built groups, the options), never from the pairs.
+    """
+    if state is None or not state.groups or collectives is None or mpi.COUNT_LIMIT is not None:
+        return False
+    merged = collectives.options.merge(options)
+    if merged.reduction or merged.implementation is CommunicationImplementation.HIERARCHICAL:
+        return False
+    return all(g.xp is np for g in state.groups)
+
+
+@dataclasses.dataclass
+class Staging:
+    """A group's gradients, every pack of them at once, and which variables each pack holds."""
+
+    buffer: Any  # the layout's length
+    members: list[list[int]]  # per pack: the group's variables with elements in it
+    packs_of: list[range]  # per variable: the packs it has elements in
+
+    @classmethod
+    def of(cls, group: Group) -> Staging:
+        if group.stream is None:
+            lay = group.layout
+            members: list[list[int]] = [[] for _ in range(lay.packs)]
+            packs_of = []
+            for j, (a, b) in enumerate(group.params.spans):
+                packs = range(a // lay.pack, -(-b // lay.pack)) if b > a else range(0)
+                packs_of.append(packs)
+                for k in packs:
+                    members[k].append(j)
+            group.stream = cls(np.zeros(lay.length, group.dtype), members, packs_of)
+        return group.stream
+
+
+class _Stream:
+    """One streamed step's bookkeeping: what arrived, which packs started, their requests."""
+
+    def __init__(self, collectives: Collectives, groups: list[Group]):
+        self.collectives = collectives
+        self.groups = groups
+        self.staging = [Staging.of(g) for g in groups]
+        self.left = [[len(m) for m in s.members] for s in self.staging]  # per pack: gradients to come
+        self.arrived = [[False] * len(g.variables) for g in groups]
+        # the order packs start in: the same on every rank
+        self.order = [
+            (i, k) for i in reversed(range(len(groups))) for k in reversed(range(groups[i].layout.packs))
+        ]
+        self.requests: list[Any] = []
+
+    def take(self, i: int, j: int, grad: Any) -> None:
+        """Gradient of variable ``j`` of group ``i`` into its place; start the packs it completes."""
+        a, b = self.groups[i].params.spans[j]
+        self.staging[i].buffer[a:b] = grad.reshape(-1)
+        self.arrived[i][j] = True
+        left = self.left[i]
+        for k in self.staging[i].packs_of[j]:
+            left[k] -= 1
+        self.start(final=False)
+        if self.requests:
+            nonblocking.progress(self.requests)
+
+    def start(self, final: bool) -> None:
+        """Start the packs that are next in order and complete (``final``: all the rest)."""
+        while len(self.requests) < len(self.order):
+            i, k = self.order[len(self.requests)]
+            if not final and self.left[i][k] > 0:
+                return
+            group, staging = self.groups[i], self.staging[i]
+            lay, buf = group.layout, staging.buffer
+            lo, hi = lay.bounds(k)
+            for j in staging.members[k]:  # a gradient that did not come is zeros
+                if not self.arrived[i][j]:
+                    a, b = group.params.spans[j]
+                    buf[max(a, lo) : min(b, hi)] = 0
+            if hi > lay.size:  # padding (sharded): a reduce-scatter leaves it undefined
+                buf[max(lay.size, lo) : hi] = 0
+            self.requests.append(nonblocking.start(self.collectives, buf[lo:hi], scatter=lay.sharded))
+
+
+def step(
+    collectives: Collectives,
+    state: FlatState,
+    pairs: Iterable[tuple[Any, Any]],
+    where: Callable[[Any], tuple[Group, int]],
+    update: pack_step.Update,
+    lr: float,
+    step: int,
+    *,
+    name: str,
+    kind: str = "apply_gradients",
+) -> None:
+    """One step over ``pairs`` as they come (see the module's docstring).
+
+    ``where(variable)`` gives the variable's group and index there, raising ``KeyError`` for one
+    not built and ``MpistratError`` for one this optimizer cannot update. Raises :class:`Unbuilt`
+    on every rank when some rank was given a variable not built.
+    """
+    stream = _Stream(collectives, state.groups)
+    index = {id(g): i for i, g in enumerate(state.groups)}
+    received: list[tuple[Any, Any]] = []  # every pair, for the list step (a variable not built)
+    variables: list[Any] = []
+    error: BaseException | None = None
+    unbuilt = False
+    try:
+        for grad, var in pairs:
+            if grad is None:
+                continue
+            received.append((grad, var))
+            try:
+                group, j = where(var)
+            except KeyError:
+                unbuilt = True
+                continue
+            i = index[id(group)]
+            if stream.arrived[i][j]:
+                raise InvalidArgumentError(
+                    f"{name}.apply_gradients: a variable is given more than one gradient (e.g. "
+                    f"{var.name!r}); sum its gradients first"
+                )
+            (grad,) = _checked_gradients([grad], [var])
+            variables.append(var)
+            stream.take(i, j, grad)
+        if not received:
+            raise InvalidArgumentError(f"{name}.apply_gradients: no gradients provided for any variable")
+    except Exception as exc:  # bad input or the stream itself raised: every rank will raise it
+        error = exc
+    stream.start(final=True)
+    plan = params = slots = None
+    if error is None and not unbuilt:
+        try:
+            plan = state._plan(variables)
+            params = [s.group.params.claim() for s in plan.steps]
+            slots = [s.group.claim_slots() for s in plan.steps]
+        except Exception as exc:
+            error = exc
+    try:
+        some_unbuilt = collectives.agree(
+            kind,
+            fingerprint=(0 if plan is None else plan.fingerprint) ^ reduction_code(""),
+            describe=lambda: {
+                "leaves": [("gradient reduction", "plain MPI sum", None), *(plan.described if plan else [])],
+                "advice": _SAME_VARIABLES,
+            },
+            error=error,
+            maximum=int(unbuilt),
+        )
+        if some_unbuilt if some_unbuilt is not None else unbuilt:
+            raise Unbuilt(received)
+    except BaseException:
+        nonblocking.progress(stream.requests)
+        for request in stream.requests:
+            request.Wait()  # every rank started them all: they complete
+        raise
+    assert plan is not None and params is not None and slots is not None
+    steps = {id(s.group): n for n, s in enumerate(plan.steps)}
+    for (i, k), request in zip(stream.order, stream.requests, strict=True):
+        nonblocking.complete(collectives, request, kind=kind)
+        n = steps.get(id(state.groups[i]))
+        if n is None:  # no rank gave this group a gradient
+            continue
+        s, lay = plan.steps[n], state.groups[i].layout
+        lo, hi = lay.bounds(k)
+        buf = stream.staging[i].buffer
+        grad, base = (buf[lo : lo + lay.per_rank], lay.owned(k)[0]) if lay.sharded else (buf[lo:hi], lo)
+        pack_step.update_pack(s, k, grad, base, params[n], slots[n], update, lr, step)
+        pack_step.gather_pack(collectives, s, k, params[n], kind)
+    if check_level(collectives) > 1:
+        _compare_copies(collectives, plan, kind)
