@@ -1,14 +1,11 @@
 """Optimizers that update distributed variables the tf.distribute way, in one fused step.
 
 ``apply_gradients`` runs in replica context (``strategy.run``) with this replica's gradients.
-SGD and Adam keep their variables and slots in flat per-dtype buffers
-(:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place all-reduce
-of the packed gradients per pack, and the update in a few vectorised passes. With
-``shard_state=True`` each rank holds the slots of its 1/R of the parameters only (ZeRO stage
-1): the gradients are reduce-scattered, each rank updates its block, the parameters are
-all-gathered. ``gradient_accumulation_steps=K`` (Keras 3's) makes one update per K calls,
-the others sending nothing (:mod:`mpistrat.training.accumulation`). Scale each replica's loss
-by the *global* batch size, so the summed gradients are those of the global mean loss.
+SGD and Adam keep their variables and slots in flat per-dtype buffers (``optimizer_state``):
+a step is one handshake, one in-place all-reduce of the packed gradients per pack, and the
+update in a few vectorised passes. ``shard_state=True``: each rank holds the slots of its 1/R
+of the parameters (ZeRO stage 1). ``gradient_accumulation_steps=K`` (Keras 3's): one update
+per K calls (``accumulation``). Scale each replica's loss by the *global* batch size.
 
 >>> import mpistrat, numpy as np
 >>> w = mpistrat.Variable(np.array([1.0, 2.0]))
@@ -282,11 +279,9 @@ class Optimizer:
     def apply_gradients(self, grads_and_vars: Any) -> Variable:
         """Apply one step from ``(gradient, variable)`` pairs, in replica context.
 
-        Gradients are summed across replicas with one ``batch_reduce_to``; pairs
-        whose gradient is None are skipped. Returns ``iterations``. Given an iterator (a generator
-        yielding pairs as a backward pass computes them), each pack's sum starts as soon as its
-        gradients have come (:mod:`mpistrat.training.overlap`), with the list's result. With ``gradient_accumulation_steps=K``
-        K-1 of K calls keep the gradients locally; the K-th reduces and applies their mean once.
+        Gradients are summed across replicas; pairs whose gradient is None are skipped. Returns
+        ``iterations``. An iterator of pairs overlaps the sums with itself (``training/overlap.py``).
+        ``gradient_accumulation_steps=K``: K-1 of K calls keep the gradients; the K-th applies their mean.
         """
         replica = context.get_replica_context()
         if replica is None:
@@ -294,17 +289,8 @@ class Optimizer:
                 f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
                 "strategy.run(fn) to enter replica context"
             )
-        if not isinstance(grads_and_vars, (list, tuple)):  # a stream: the step overlaps where it can
-            if self._accumulator is None and self._flat:
-                strategy = own_replica_strategy(self._name, self._strategy, [])
-                collectives = None if strategy is None else strategy.extended.collectives
-                if overlap.can_stream(self._state, collectives, self._communication_options):
-                    assert collectives is not None
-                    try:
-                        return self._stream_step(collectives, grads_and_vars)
-                    except overlap.Unbuilt as unbuilt:  # on every rank
-                        grads_and_vars = unbuilt.pairs
-            grads_and_vars = list(grads_and_vars)
+        if (grads_and_vars := overlap.apply(self, grads_and_vars)) is None:  # an iterator, overlapped
+            return self.iterations
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise InvalidArgumentError(
@@ -358,36 +344,6 @@ class Optimizer:
             rows=rows,
         )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
-            count += 1
-        return self.iterations
-
-    def _stream_step(self, collectives: Any, pairs: Any) -> Variable:
-        """One step over ``pairs`` as they come, each pack's sum started once its gradients exist."""
-        state = self._state
-        assert state is not None
-
-        def where(var: Any) -> Any:
-            if not isinstance(var, Variable):
-                raise InvalidArgumentError(
-                    f"{self._name}.apply_gradients: expected (gradient, Variable) pairs; got a "
-                    f"{type(var).__name__}"
-                )
-            self._adopt(var)
-            return state.where[id(var)]
-
-        counter = own_copy(self.iterations)
-        step = int(counter._value)
-        overlap.step(
-            collectives,
-            state,
-            pairs,
-            where,
-            self._update_flat,
-            self.learning_rate(step),
-            step,
-            name=self._name,
-        )
-        with Writable(counter) as count:
             count += 1
         return self.iterations
 

@@ -35,20 +35,22 @@ from mpistrat.comm import mpi
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
+from mpistrat.training.optimizer_checks import own_replica_strategy
 from mpistrat.training.optimizer_state import (
     _SAME_VARIABLES,
     FlatState,
     Group,
     _checked_gradients,
     _compare_copies,
+    own_copy,
 )
+from mpistrat.training.variables import Variable, Writable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
-    from mpistrat.training.variables import Variable
 
-__all__ = ["Unbuilt", "can_stream", "step"]
+__all__ = ["Unbuilt", "apply", "can_stream", "step"]
 
 
 class Unbuilt(Exception):
@@ -58,6 +60,43 @@ class Unbuilt(Exception):
     def __init__(self, pairs: list[tuple[Any, Variable]]):
         super().__init__("a variable not built yet")
         self.pairs = pairs
+
+
+def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple[Any, ...] | None:
+    """``optimizer.apply_gradients(pairs)`` for an iterator: the streamed step where it can overlap
+    (None once done), else the pairs as a list, for the list step (a list or tuple: as it is).
+
+    Not without a distributed strategy, before the first step has built the state, with
+    gradient accumulation, or where :func:`can_stream` says no."""
+    if isinstance(pairs, (list, tuple)):
+        return pairs
+    state = optimizer._state
+    if optimizer._accumulator is not None or optimizer._strategy is None or state is None:
+        return list(pairs)
+    strategy = own_replica_strategy(optimizer.name, optimizer._strategy, [])
+    collectives = None if strategy is None else strategy.extended.collectives
+    if collectives is None or not can_stream(state, collectives, optimizer._communication_options):
+        return list(pairs)
+
+    def where(var: Any) -> tuple[Group, int]:
+        if not isinstance(var, Variable):
+            raise InvalidArgumentError(
+                f"{optimizer.name}.apply_gradients: expected (gradient, Variable) pairs; got a "
+                f"{type(var).__name__}"
+            )
+        optimizer._adopt(var)
+        return state.where[id(var)]
+
+    counter = own_copy(optimizer.iterations)
+    now = int(counter._value)
+    lr = optimizer.learning_rate(now)
+    try:
+        step(collectives, state, pairs, where, optimizer._update_flat, lr, now, name=optimizer.name)
+    except Unbuilt as unbuilt:  # on every rank
+        return unbuilt.pairs
+    with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
+        count += 1
+    return None
 
 
 def can_stream(

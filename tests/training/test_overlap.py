@@ -1,0 +1,273 @@
+"""``apply_gradients`` over a generator of pairs: each pack's sum starts while the rest come.
+
+The generator yields the gradients last variable first, as a hand-written backward pass does.
+The weights it trains are compared with the serial float64 NumPy reference of the flat
+optimizers' tests and, bit for bit, with the same steps given as lists. By mechanism: a
+recording communicator sees a non-blocking sum start before the generator yields its last
+pair. Counted: a streamed step makes the list step's calls with its bytes. Wrong pairs on one
+rank (fewer, twice, a bad shape, the generator raising) are an error on every rank, under a
+timeout so that a hang would fail instead of stalling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpistrat
+from mpistrat import CommunicationOptions, MpistratError
+from mpistrat.optimizers import SGD, Adam
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.counting import CountingComm, Ledger
+from tests.training.test_flat_optimizers import (
+    KINDS,
+    NAMES,
+    PACK,
+    STEPS,
+    Reference,
+    differences,
+    local_grad,
+    make_optimizer,
+    make_variables,
+    reference_after,
+    reference_slots,
+    same_bytes_on_every_rank,
+    slots,
+    summed_grad,
+    weights,
+)
+
+TIMEOUT = 60.0  # seconds: a step that hangs raises CollectiveTimeoutError instead
+
+
+@pytest.fixture(params=[0, PACK], ids=["one-pack", "packs"])
+def strategy(group, request):
+    made = mpistrat.MPIStrategy(
+        group.comm,
+        communication_options=CommunicationOptions(bytes_per_pack=request.param, timeout_seconds=TIMEOUT),
+    )
+    yield made
+    made.experimental_finalize()
+
+
+def backward(variables, t: int, rank: int, names=NAMES, events=None):
+    """This rank's gradients of step ``t``, last variable first, each computed when asked for."""
+    for name in reversed(names):
+        grad = local_grad(name, t, rank)
+        if events is not None:
+            events.append(("yield", name))
+        yield grad, variables[name]
+
+
+def train(strategy, kind: str, shard: bool, rank: int, stream: bool, **options):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make_optimizer(kind, shard) if not options else make_with(kind, shard, **options)
+    for t in range(STEPS):
+        if stream:
+            strategy.run(lambda: opt.apply_gradients(backward(variables, t, rank)))  # noqa: B023
+        else:
+            pairs = [(local_grad(n, t, rank), variables[n]) for n in NAMES]
+            strategy.run(lambda: opt.apply_gradients(pairs))  # noqa: B023
+    return variables, opt
+
+
+def make_with(kind: str, shard: bool, **options):
+    cls = Adam if kind == "adam" else SGD
+    return cls(0.1, shard_state=shard, **options)
+
+
+def identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    return [n for n in a if a[n].dtype != b[n].dtype or a[n].tobytes() != b[n].tobytes()]
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_generator_trains_as_numpy_and_as_the_list_bit_for_bit(group, strategy, kind, shard):
+    streamed, opt = train(strategy, kind, shard, group.rank, stream=True)
+    listed, list_opt = train(strategy, kind, shard, group.rank, stream=False)
+    ref = reference_after(kind, group.size)
+    got, got_slots = weights(streamed), slots(opt, streamed, kind)
+    bad = differences(got, ref.params) + differences(got_slots, reference_slots(ref))
+    bad += [f"{n} differs from the list step" for n in identical(got, weights(listed))]
+    bad += [f"{n} differs from the list step" for n in identical(got_slots, slots(list_opt, listed, kind))]
+    if int(opt.iterations.numpy()) != STEPS:
+        bad.append(f"iterations {opt.iterations.numpy()}")
+    if not same_bytes_on_every_rank(group.comm, {**got, **got_slots}):
+        bad.append("the copies differ between ranks")
+    all_ranks_agree(group.comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_pairs_in_another_order_on_each_rank(group, strategy, shard):
+    variables, opt = train(strategy, "adam", shard, group.rank, stream=False)
+    listed, list_opt = train(strategy, "adam", shard, group.rank, stream=False)
+    turn = group.rank % len(NAMES)
+    order = NAMES[turn:] + NAMES[:turn]
+    pairs = [(local_grad(n, STEPS, group.rank), listed[n]) for n in NAMES]
+    strategy.run(lambda: list_opt.apply_gradients(pairs))
+    strategy.run(lambda: opt.apply_gradients(backward(variables, STEPS, group.rank, order)))
+    bad = identical(weights(variables), weights(listed))
+    all_ranks_agree(group.comm, not bad, f"differ from the list step: {bad}")
+
+
+class Recording(CountingComm):
+    """Notes, in :data:`EVENTS`, each non-blocking sum started (the handshake's MAX is not one)."""
+
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        if op == MPI.SUM:
+            EVENTS.append(("start", "Iallreduce"))
+        return super().Iallreduce(sendbuf, recvbuf, op)
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+        EVENTS.append(("start", "Ireduce_scatter_block"))
+        return super().Ireduce_scatter_block(sendbuf, recvbuf, op)
+
+
+EVENTS: list[tuple[str, str]] = []
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_the_first_sum_starts_before_the_last_gradient_is_computed(shard):
+    strategy = mpistrat.MPIStrategy(
+        Recording(WORLD), communication_options=CommunicationOptions(bytes_per_pack=PACK)
+    )
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make_optimizer("adam", shard)
+    rank = WORLD.Get_rank()
+    strategy.run(lambda: opt.apply_gradients(backward(variables, 0, rank)))  # builds (a list step)
+    EVENTS.clear()
+    strategy.run(lambda: opt.apply_gradients(backward(variables, 1, rank, events=EVENTS)))
+    events = list(EVENTS)
+    strategy.experimental_finalize()
+    yields = [i for i, (what, _) in enumerate(events) if what == "yield"]
+    starts = [i for i, (what, _) in enumerate(events) if what == "start"]
+    ok = len(yields) == len(NAMES) and starts and starts[0] < yields[-1]
+    all_ranks_agree(WORLD, bool(ok), f"events {events}")
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_calls_and_bytes_are_the_list_steps(shard):
+    """Counted per rank: a streamed step makes the list step's MPI calls, each with the same bytes:
+    one handshake and one sum per pack (sharded: and one all-gather per pack), at any R."""
+    strategy = mpistrat.MPIStrategy(
+        CountingComm(WORLD), communication_options=CommunicationOptions(bytes_per_pack=PACK)
+    )
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make_optimizer("adam", shard)
+    rank = WORLD.Get_rank()
+    pairs = [(local_grad(n, 0, rank), variables[n]) for n in NAMES]
+    strategy.run(lambda: opt.apply_gradients(pairs))
+    with Ledger.recording() as listed:
+        strategy.run(lambda: opt.apply_gradients(pairs))
+    with Ledger.recording() as streamed:
+        strategy.run(lambda: opt.apply_gradients(backward(variables, 1, rank)))
+    packs = sum(g.layout.packs for g in opt._state.groups)
+
+    def summary(ledger):
+        return sorted((c.name, c.sent, c.received) for c in ledger.log)
+
+    with Ledger.recording() as empty:  # strategy.run's own calls
+        strategy.run(lambda: None)
+    # the step's handshake and strategy.run's aside
+    sums = streamed.only("Allreduce", "Reduce_scatter_block").calls - 1 - empty.calls
+    strategy.experimental_finalize()
+    ok = summary(streamed) == summary(listed) and sums == packs
+    all_ranks_agree(WORLD, ok, f"streamed {summary(streamed)}, listed {summary(listed)}, {packs} packs")
+
+
+def fewer(variables, t, rank):
+    pairs = list(backward(variables, t, rank))
+    yield from pairs[:-1] if rank == 0 else pairs
+
+
+def twice(variables, t, rank):
+    yield from backward(variables, t, rank)
+    if rank == 0:
+        yield local_grad("b", t, rank), variables["b"]
+
+
+def bad_shape(variables, t, rank):
+    for grad, var in backward(variables, t, rank):
+        yield (np.zeros(7, np.float32) if rank == 0 and var.name == "b" else grad), var
+
+
+class Broken(RuntimeError):
+    pass
+
+
+def raising(variables, t, rank):
+    for i, pair in enumerate(backward(variables, t, rank)):
+        if rank == 0 and i == 2:
+            raise Broken("the backward pass failed")
+        yield pair
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("wrong", [fewer, twice, bad_shape, raising], ids=lambda f: f.__name__)
+def test_wrong_pairs_on_one_rank_raise_on_every_rank(world, wrong, shard):
+    strategy = mpistrat.MPIStrategy(
+        world.comm, communication_options=CommunicationOptions(bytes_per_pack=PACK, timeout_seconds=TIMEOUT)
+    )
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make_optimizer("adam", shard)
+    ref = Reference("adam")
+    strategy.run(lambda: opt.apply_gradients(backward(variables, 0, world.rank)))
+    ref.step({n: summed_grad(n, 0, world.size) for n in NAMES})
+    error = Broken if wrong is raising else MpistratError  # the same type on every rank
+    raises_on_every_rank(
+        world.comm, error, lambda: strategy.run(lambda: opt.apply_gradients(wrong(variables, 1, world.rank)))
+    )
+    bad = differences(weights(variables), ref.params)
+    strategy.run(lambda: opt.apply_gradients(backward(variables, 2, world.rank)))  # works after
+    ref.step({n: summed_grad(n, 2, world.size) for n in NAMES})
+    bad += differences(weights(variables), ref.params)
+    if int(opt.iterations.numpy()) != 2:
+        bad.append(f"iterations {opt.iterations.numpy()}")
+    strategy.experimental_finalize()
+    all_ranks_agree(world.comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_a_variable_not_built_yet_is_built_then(group, strategy, shard):
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make_optimizer("adam", shard)
+    ref = Reference("adam")
+    first = ["w", "s"]
+    strategy.run(lambda: opt.apply_gradients(backward(variables, 0, group.rank, first)))
+    ref.step({n: summed_grad(n, 0, group.size) for n in first})
+    for t in (1, 2):
+        strategy.run(lambda: opt.apply_gradients(backward(variables, t, group.rank)))  # noqa: B023
+        ref.step({n: summed_grad(n, t, group.size) for n in NAMES})
+    bad = differences(weights(variables), ref.params)
+    all_ranks_agree(group.comm, not bad, "; ".join(bad))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"communication_options": CommunicationOptions(deterministic=True)},
+        {"communication_options": CommunicationOptions(compression="bf16")},
+        {"gradient_accumulation_steps": 2},
+    ],
+    ids=["deterministic", "bf16", "accumulation"],
+)
+def test_modes_that_do_not_overlap_give_the_list_steps_bits(options):
+    """Exact and compressed sums, and accumulation, take the list step (no non-blocking sum)."""
+    strategy = mpistrat.MPIStrategy(
+        Recording(WORLD), communication_options=CommunicationOptions(bytes_per_pack=PACK)
+    )
+    rank = WORLD.Get_rank()
+    EVENTS.clear()
+    streamed, _ = train(strategy, "adam", False, rank, stream=True, **options)
+    started = len(EVENTS)
+    listed, _ = train(strategy, "adam", False, rank, stream=False, **options)
+    strategy.experimental_finalize()
+    bad = identical(weights(streamed), weights(listed))
+    all_ranks_agree(WORLD, not bad and not started, f"differ: {bad}; {started} non-blocking sums")
