@@ -23,6 +23,8 @@ so the weights are the same bits.
 from __future__ import annotations
 
 import dataclasses
+import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -63,13 +65,13 @@ class Unbuilt(Exception):
 
 
 def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple[Any, ...] | None:
-    """``optimizer.apply_gradients(pairs)`` for an iterator: the streamed step where it can overlap
-    (None once done), else the pairs as a list, for the list step (a list or tuple: as it is).
+    """``optimizer.apply_gradients(pairs)`` for a generator: the streamed step where it can overlap
+    (None once done), else the pairs as a list or tuple, for the list step.
 
     Not without a distributed strategy, before the first step has built the state, with
     gradient accumulation, or where :func:`can_stream` says no."""
-    if isinstance(pairs, (list, tuple)):
-        return pairs
+    if not isinstance(pairs, types.GeneratorType):  # its gradients exist already: nothing to overlap
+        return pairs if isinstance(pairs, (list, tuple)) else list(pairs)
     state = optimizer._state
     if optimizer._accumulator is not None or optimizer._strategy is None or state is None:
         return list(pairs)
@@ -182,6 +184,13 @@ class _Stream:
             self.requests.append(nonblocking.start(self.collectives, buf[lo:hi], scatter=lay.sharded))
 
 
+# Per flat state: id(variable) -> what its gradients were checked against (built variables only, which
+# their groups keep alive, so an id is never reused while it is here).
+_KNOWN: weakref.WeakKeyDictionary[FlatState, dict[int, tuple[int, int, type, tuple[int, ...], Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def step(
     collectives: Collectives,
     state: FlatState,
@@ -202,6 +211,7 @@ def step(
     """
     stream = _Stream(collectives, state.groups)
     index = {id(g): i for i, g in enumerate(state.groups)}
+    known = _KNOWN.setdefault(state, {})
     received: list[tuple[Any, Any]] = []  # every pair, for the list step (a variable not built)
     variables: list[Any] = []
     error: BaseException | None = None
@@ -211,18 +221,22 @@ def step(
             if grad is None:
                 continue
             received.append((grad, var))
-            try:
-                group, j = where(var)
-            except KeyError:
-                unbuilt = True
-                continue
-            i = index[id(group)]
+            seen = known.get(id(var))  # (group index, index there, the variable's array type, shape, dtype)
+            if seen is None or (type(grad), grad.shape, grad.dtype) != seen[2:]:
+                try:
+                    group, j = where(var)
+                except KeyError:
+                    unbuilt = True
+                    continue
+                (grad,) = _checked_gradients([grad], [var])
+                local = own_copy(var)._value
+                seen = known[id(var)] = (index[id(group)], j, type(local), local.shape, local.dtype)
+            i, j = seen[0], seen[1]
             if stream.arrived[i][j]:
                 raise InvalidArgumentError(
                     f"{name}.apply_gradients: a variable is given more than one gradient (e.g. "
                     f"{var.name!r}); sum its gradients first"
                 )
-            (grad,) = _checked_gradients([grad], [var])
             variables.append(var)
             stream.take(i, j, grad)
         if not received:

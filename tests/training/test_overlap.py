@@ -271,3 +271,25 @@ def test_modes_that_do_not_overlap_give_the_list_steps_bits(options):
     strategy.experimental_finalize()
     bad = identical(weights(streamed), weights(listed))
     all_ranks_agree(WORLD, not bad and not started, f"differ: {bad}; {started} non-blocking sums")
+
+
+def test_a_zip_of_gradients_that_exist_is_the_list_step():
+    """Only a generator streams: a zip (or a list) holds every gradient already, nothing to overlap."""
+    strategy = mpistrat.MPIStrategy(
+        Recording(WORLD), communication_options=CommunicationOptions(bytes_per_pack=PACK)
+    )
+    rank = WORLD.Get_rank()
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make_optimizer("adam", False)
+    EVENTS.clear()
+    for t in range(2):
+        grads = [local_grad(n, t, rank) for n in NAMES]
+        strategy.run(lambda: opt.apply_gradients(zip(grads, variables.values(), strict=True)))  # noqa: B023
+    started = len(EVENTS)
+    strategy.experimental_finalize()
+    ref = Reference("adam")
+    for t in range(2):
+        ref.step({n: summed_grad(n, t, WORLD.Get_size()) for n in NAMES})
+    bad = differences(weights(variables), ref.params)
+    all_ranks_agree(WORLD, not bad and not started, f"{bad}; {started} non-blocking sums")
