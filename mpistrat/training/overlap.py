@@ -1,7 +1,7 @@
 """The step over a stream of pairs: each pack's sum starts as soon as its gradients exist.
 
-``apply_gradients`` given an iterator of ``(gradient, variable)`` pairs (a generator, as a
-hand-written backward pass yields them, last layer first) copies each gradient into its place
+``apply_gradients`` given a generator of ``(gradient, variable)`` pairs (as a hand-written
+backward pass yields them, last layer first) copies each gradient into its place
 in a staging buffer the size of its group as it arrives. A pack whose variables all have their
 gradient starts its sum at once, non-blocking (``Iallreduce``; ``Ireduce_scatter_block``
 sharded), and the sums in flight are tested each time the caller hands over the next pair.
@@ -13,11 +13,13 @@ mismatch cannot hang. When the stream ends, the packs not started yet are starte
 without a gradient contributes zeros), one handshake agrees that every rank gave gradients for
 the same variables (a bad pair, or the stream raising, on any rank is an error on every rank,
 before anything is written), and each pack is updated (and gathered, sharded) as its sum
-completes, the later ones still in flight. A variable the optimizer has not built yet, on any
-rank, turns the step into the list step over the pairs received.
+completes, the later ones still in flight. A variable the optimizer has not built is an error
+(on every rank): the first step, with a generator, is the list step, and builds.
 
 The packs, their bounds and their sums are the list step's (:mod:`~mpistrat.training.pack_step`),
-so the weights are the same bits.
+so the weights are the same bits. The staging holds every pack at once: one more buffer the size
+of the parameters. Every rank passes a generator, or every rank a list: a streamed step's first
+collective is a sum, a list step's a handshake.
 """
 
 from __future__ import annotations
@@ -52,16 +54,7 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
 
-__all__ = ["Unbuilt", "apply", "can_stream", "step"]
-
-
-class Unbuilt(Exception):
-    """Some rank was given a variable the optimizer has not built: the caller runs the list step
-    over ``pairs`` (every pair received, on every rank)."""
-
-    def __init__(self, pairs: list[tuple[Any, Variable]]):
-        super().__init__("a variable not built yet")
-        self.pairs = pairs
+__all__ = ["apply", "can_stream", "step"]
 
 
 def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple[Any, ...] | None:
@@ -92,10 +85,7 @@ def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple
     counter = own_copy(optimizer.iterations)
     now = int(counter._value)
     lr = optimizer.learning_rate(now)
-    try:
-        step(collectives, state, pairs, where, optimizer._update_flat, lr, now, name=optimizer.name)
-    except Unbuilt as unbuilt:  # on every rank
-        return unbuilt.pairs
+    step(collectives, state, pairs, where, optimizer._update_flat, lr, now, name=optimizer.name)
     with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
         count += 1
     return None
@@ -206,28 +196,29 @@ def step(
     """One step over ``pairs`` as they come (see the module's docstring).
 
     ``where(variable)`` gives the variable's group and index there, raising ``KeyError`` for one
-    not built and ``MpistratError`` for one this optimizer cannot update. Raises :class:`Unbuilt`
-    on every rank when some rank was given a variable not built.
+    not built and ``MpistratError`` for one this optimizer cannot update. The gradients are not
+    kept past their copy, so that their memory is reused while the stream runs.
     """
     stream = _Stream(collectives, state.groups)
     index = {id(g): i for i, g in enumerate(state.groups)}
     known = _KNOWN.setdefault(state, {})
-    received: list[tuple[Any, Any]] = []  # every pair, for the list step (a variable not built)
     variables: list[Any] = []
     error: BaseException | None = None
-    unbuilt = False
     try:
         for grad, var in pairs:
             if grad is None:
                 continue
-            received.append((grad, var))
             seen = known.get(id(var))  # (group index, index there, the variable's array type, shape, dtype)
             if seen is None or (type(grad), grad.shape, grad.dtype) != seen[2:]:
                 try:
                     group, j = where(var)
                 except KeyError:
-                    unbuilt = True
-                    continue
+                    raise InvalidArgumentError(
+                        f"{name}.apply_gradients: variable {var.name!r} is not among those this optimizer "
+                        "was built for; a generator's gradients are summed as they come, into the layout "
+                        "built before: call optimizer.build(every variable) first, or pass the step that "
+                        "adds variables a list"
+                    ) from None
                 (grad,) = _checked_gradients([grad], [var])
                 local = own_copy(var)._value
                 seen = known[id(var)] = (index[id(group)], j, type(local), local.shape, local.dtype)
@@ -239,13 +230,13 @@ def step(
                 )
             variables.append(var)
             stream.take(i, j, grad)
-        if not received:
+        if not variables:
             raise InvalidArgumentError(f"{name}.apply_gradients: no gradients provided for any variable")
     except Exception as exc:  # bad input or the stream itself raised: every rank will raise it
         error = exc
     stream.start(final=True)
     plan = params = slots = None
-    if error is None and not unbuilt:
+    if error is None:
         try:
             plan = state._plan(variables)
             params = [s.group.params.claim() for s in plan.steps]
@@ -253,7 +244,7 @@ def step(
         except Exception as exc:
             error = exc
     try:
-        some_unbuilt = collectives.agree(
+        collectives.agree(
             kind,
             fingerprint=(0 if plan is None else plan.fingerprint) ^ reduction_code(""),
             describe=lambda: {
@@ -261,10 +252,7 @@ def step(
                 "advice": _SAME_VARIABLES,
             },
             error=error,
-            maximum=int(unbuilt),
         )
-        if some_unbuilt if some_unbuilt is not None else unbuilt:
-            raise Unbuilt(received)
     except BaseException:
         nonblocking.progress(stream.requests)
         for request in stream.requests:

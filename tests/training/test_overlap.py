@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import CommunicationOptions, MpistratError
+from mpistrat import CommunicationOptions, InvalidArgumentError, MpistratError
 from mpistrat.optimizers import SGD, Adam
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
@@ -234,7 +234,9 @@ def test_wrong_pairs_on_one_rank_raise_on_every_rank(world, wrong, shard):
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
-def test_a_variable_not_built_yet_is_built_then(group, strategy, shard):
+def test_a_variable_not_built_raises_on_every_rank_until_built(group, strategy, shard):
+    """The first step (a list step) builds what it is given; a generator's later variable is an
+    error on every rank naming the fix, and after ``build`` the generator trains them all."""
     variables = make_variables(strategy)
     with strategy.scope():
         opt = make_optimizer("adam", shard)
@@ -242,10 +244,15 @@ def test_a_variable_not_built_yet_is_built_then(group, strategy, shard):
     first = ["w", "s"]
     strategy.run(lambda: opt.apply_gradients(backward(variables, 0, group.rank, first)))
     ref.step({n: summed_grad(n, 0, group.size) for n in first})
+    step = lambda: strategy.run(lambda: opt.apply_gradients(backward(variables, 1, group.rank)))  # noqa: E731
+    raises_on_every_rank(group.comm, InvalidArgumentError, step, "optimizer.build")
+    bad = differences(weights(variables), ref.params)
+    with strategy.scope():
+        opt.build(list(variables.values()))
     for t in (1, 2):
         strategy.run(lambda: opt.apply_gradients(backward(variables, t, group.rank)))  # noqa: B023
         ref.step({n: summed_grad(n, t, group.size) for n in NAMES})
-    bad = differences(weights(variables), ref.params)
+    bad += differences(weights(variables), ref.params)
     all_ranks_agree(group.comm, not bad, "; ".join(bad))
 
 
