@@ -102,7 +102,9 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     n, layers = args.size // 4, args.layers
-    strategy = mpistrat.MPIStrategy(comm, communication_options=CommunicationOptions(bytes_per_pack=args.pack))
+    strategy = mpistrat.MPIStrategy(
+        comm, communication_options=CommunicationOptions(bytes_per_pack=args.pack)
+    )
     with strategy.scope():
         variables = [mpistrat.Variable(np.zeros(n, np.float32), name=f"layer{i}") for i in range(layers)]
         opt = SGD(LR)

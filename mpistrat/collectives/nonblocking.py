@@ -5,8 +5,9 @@ the sum lands at the start of the buffer, the rest is left undefined) and return
 :func:`progress` tests the requests in flight (an MPI library without a progress thread moves a
 non-blocking collective on only inside MPI calls); :func:`complete` waits for one, watched as a
 collective (stall warnings, timeouts). Every rank starts the same sums, of the same sizes, in
-the same order, as for blocking collectives; on MPICH and Open MPI a sum started here has the
-bits of the blocking ``Allreduce`` (``Reduce_scatter_block``) of the same buffer.
+the same order, as for blocking collectives. MPICH adds in the order of its blocking
+``Allreduce`` (``Reduce_scatter_block``), so the bits are theirs; Open MPI's non-blocking
+algorithms (libnbc) may add in another order from 3 ranks on, a difference of rounding.
 
 >>> import numpy as np
 >>> from mpi4py import MPI

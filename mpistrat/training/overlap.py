@@ -17,9 +17,10 @@ completes, the later ones still in flight. A variable the optimizer has not buil
 (on every rank): the first step, with a generator, is the list step, and builds.
 
 The packs, their bounds and their sums are the list step's (:mod:`~mpistrat.training.pack_step`),
-so the weights are the same bits. The staging holds every pack at once: one more buffer the size
-of the parameters. Every rank passes a generator, or every rank a list: a streamed step's first
-collective is a sum, a list step's a handshake.
+so the weights are the same bits wherever the MPI library's non-blocking sum adds in the order of
+its blocking one (MPICH; see :mod:`~mpistrat.collectives.nonblocking`). The staging holds every
+pack at once: one more buffer the size of the parameters. Every rank passes a generator, or every
+rank a list: a streamed step's first collective is a sum, a list step's a handshake.
 """
 
 from __future__ import annotations
@@ -94,12 +95,14 @@ def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple
 def can_stream(
     state: FlatState | None, collectives: Collectives | None, options: CommunicationOptions | None
 ) -> bool:
-    """Whether a step can overlap: built flat host state, a plain MPI sum, counts MPI takes whole.
+    """Whether a step can overlap: built flat host state, a plain MPI sum, packs MPI takes whole.
 
     Decided from what every rank holds alike (the built groups, the options), never from the pairs.
     """
-    if state is None or not state.groups or collectives is None or mpi.COUNT_LIMIT is not None:
+    if state is None or not state.groups or collectives is None:
         return False
+    if mpi.COUNT_LIMIT is not None and any(g.layout.pack > mpi.COUNT_LIMIT for g in state.groups):
+        return False  # a pack MPI cannot take in one call
     merged = collectives.options.merge(options)
     if merged.reduction or merged.implementation is CommunicationImplementation.HIERARCHICAL:
         return False
