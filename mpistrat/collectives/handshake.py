@@ -147,6 +147,7 @@ def agree_within(
     maximum: int | None = None,
     options: CommunicationOptions | None = None,
     deferrable: bool = False,
+    closing: bool = False,
 ) -> Any:
     """Agree with every rank on entering collective ``kind`` with matching arguments.
 
@@ -164,6 +165,8 @@ def agree_within(
             fingerprint, no error, extras or maximum) may send nothing: it is checked at the
             next handshake that sends (see :mod:`.step_check`). Data collectives pass True;
             a handshake whose news may come from one rank alone (an error, a stop) does not.
+        closing: a step's closing handshake (``strategy.run``'s): under ``step``, a repeat of
+            it sends only when some collective since the last handshake is unchecked.
 
     Returns:
         With ``extras``, every rank's extras (a table, one row per rank); with
@@ -187,7 +190,7 @@ def agree_within(
     step = self.step_check
     if step is not None:
         if (
-            deferrable
+            (deferrable or (closing and not step.unchecked))
             and error is None
             and maximum is None
             and extras is None

@@ -3,10 +3,11 @@
 With the check on, every collective opens with a handshake: one more latency per call. Under
 ``step``, a collective's first occurrence (its kind and its arguments' code: structure, dtypes,
 shapes, reduce op) still opens with one; a repeat sends nothing and folds its sequence number,
-kind and code into a rolling hash instead. The next handshake that does send (the closing one of
-``strategy.run``, an ``apply_gradients`` outside it, a collective seen for the first time, or any
-control handshake) carries that hash, so a divergence raises on every rank by the end of the
-step, naming the first collective in which the ranks differed. A divergence that stops the
+kind and code into a rolling hash instead. The next handshake that does send carries that hash:
+``apply_gradients``' (always sent), ``strategy.run``'s closing one (sent when something is left
+unchecked), a collective seen for the first time, or any other control handshake. So a
+divergence raises on every rank by the end of the step, naming the first collective in which
+the ranks differed. A divergence that stops the
 transfer itself (ranks in collectives of different sizes) is named by the watchdog from the
 flight records, where each unchecked collective has its entry.
 

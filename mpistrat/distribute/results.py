@@ -53,7 +53,7 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
     if isinstance(error, StructureMismatchError):  # the others must not take it for their results' mismatch
         told = CollectiveMismatchError(str(error))
     try:
-        collectives.agree(KIND, fingerprint=code, describe=lambda: _describe(spec), error=told)
+        collectives.agree(KIND, fingerprint=code, describe=lambda: _describe(spec), error=told, closing=True)
         collectives.stragglers.forget()  # who arrives last here says nothing new: the step's collectives did
     except StructureMismatchError as exc:  # no rank raised: only the results' structures differ
         forms = collectives.comm.allgather(_form(spec))  # every rank is here: the handshake said so

@@ -125,6 +125,7 @@ class Group:
                 self.slots[name] = FlatBuffer([own_copy(s) for s in slot_variables[name]])
         self.staging = xp.empty(layout.pack, dtype)
         self._rows: Any = None  # [K, pack]: an accumulation cycle's packs, for an exact mean
+        self.stream: Any = None  # a streamed step's staging of every pack (training/overlap.py)
 
     def row_staging(self, rows: int) -> Any:
         """A ``[rows, pack]`` staging buffer (made at the first exact accumulated step, then kept)."""
@@ -139,6 +140,8 @@ class Group:
         held.append(self.staging)
         if self._rows is not None:
             held.append(self._rows)
+        if self.stream is not None:
+            held.append(self.stream.buffer)
         return sum(int(a.nbytes) for a in held)
 
     def claim_slots(self) -> list[Any]:
@@ -369,8 +372,7 @@ class FlatState:
                 kind,
                 fingerprint=(0 if plan is None else plan.fingerprint) ^ mode.code,
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
-                error=error,
-                deferrable=True,  # under MPISTRAT_CHECK=step, strategy.run's closing handshake checks it
+                error=error,  # always sent: it checks the step's unchecked collectives before any write
             )
         elif error is not None:
             raise error

@@ -1,14 +1,11 @@
 """Optimizers that update distributed variables the tf.distribute way, in one fused step.
 
 ``apply_gradients`` runs in replica context (``strategy.run``) with this replica's gradients.
-SGD and Adam keep their variables and slots in flat per-dtype buffers
-(:mod:`mpistrat.training.optimizer_state`): a step is one handshake, one in-place all-reduce
-of the packed gradients per pack, and the update in a few vectorised passes. With
-``shard_state=True`` each rank holds the slots of its 1/R of the parameters only (ZeRO stage
-1): the gradients are reduce-scattered, each rank updates its block, the parameters are
-all-gathered. ``gradient_accumulation_steps=K`` (Keras 3's) makes one update per K calls,
-the others sending nothing (:mod:`mpistrat.training.accumulation`). Scale each replica's loss
-by the *global* batch size, so the summed gradients are those of the global mean loss.
+SGD and Adam keep their variables and slots in flat per-dtype buffers (``optimizer_state``):
+a step is one handshake, one in-place all-reduce of the packed gradients per pack, and the
+update in a few vectorised passes. ``shard_state=True``: each rank holds the slots of its 1/R
+of the parameters (ZeRO stage 1). ``gradient_accumulation_steps=K`` (Keras 3's): one update
+per K calls (``accumulation``). Scale each replica's loss by the *global* batch size.
 
 >>> import mpistrat, numpy as np
 >>> w = mpistrat.Variable(np.array([1.0, 2.0]))
@@ -38,6 +35,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.training import overlap
 from mpistrat.training.accumulation import Accumulator, checked_steps, exact_rows
 from mpistrat.training.optimizer_checks import SAME_BUILD, not_floating, own_replica_strategy
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
@@ -281,9 +279,9 @@ class Optimizer:
     def apply_gradients(self, grads_and_vars: Any) -> Variable:
         """Apply one step from ``(gradient, variable)`` pairs, in replica context.
 
-        Gradients are summed across replicas with one ``batch_reduce_to``; pairs
-        whose gradient is None are skipped. Returns ``iterations``. With ``gradient_accumulation_steps=K``
-        K-1 of K calls keep the gradients locally; the K-th reduces and applies their mean once.
+        Gradients are summed across replicas; pairs whose gradient is None are skipped. Returns
+        ``iterations``. An iterator of pairs overlaps the sums with itself (``training/overlap.py``).
+        ``gradient_accumulation_steps=K``: K-1 of K calls keep the gradients; the K-th applies their mean.
         """
         replica = context.get_replica_context()
         if replica is None:
@@ -291,6 +289,8 @@ class Optimizer:
                 f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
                 "strategy.run(fn) to enter replica context"
             )
+        if (grads_and_vars := overlap.apply(self, grads_and_vars)) is None:  # an iterator, overlapped
+            return self.iterations
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise InvalidArgumentError(

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from mpistrat.options import CommunicationOptions
     from mpistrat.training.optimizer_state import _GroupStep
 
-__all__ = ["BLOCK", "WHOLE", "Update", "run", "run_reduced_first"]
+__all__ = ["BLOCK", "WHOLE", "Update", "gather_pack", "run", "run_reduced_first", "update_pack"]
 
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
 # parameters, gradients and slots stay in cache across the update's passes. Measured
@@ -59,8 +59,8 @@ def run(
                 grad, base = _reduce_rows(collectives, s, grads, k, kind, rows)
             else:
                 grad, base = _reduce(collectives, s, grads, k, kind, options)
-            _update(s, k, grad, base, params, slots, update, lr, step)
-            _gather(collectives, s, k, params, kind)
+            update_pack(s, k, grad, base, params, slots, update, lr, step)
+            gather_pack(collectives, s, k, params, kind)
 
 
 def run_reduced_first(
@@ -80,8 +80,8 @@ def run_reduced_first(
     for (s, _, params), packs in zip(work, reduced, strict=True):
         slots = s.group.claim_slots()
         for k, (grad, base) in enumerate(packs):
-            _update(s, k, grad, base, params, slots, update, lr, step)
-            _gather(collectives, s, k, params, kind)
+            update_pack(s, k, grad, base, params, slots, update, lr, step)
+            gather_pack(collectives, s, k, params, kind)
 
 
 def _reduced_packs(
@@ -148,7 +148,7 @@ def _reduce_rows(
     return staging[:n], lo
 
 
-def _update(
+def update_pack(
     s: _GroupStep,
     k: int,
     grad: Any,
@@ -174,7 +174,8 @@ def _update(
             )
 
 
-def _gather(collectives: Collectives | None, s: _GroupStep, k: int, params: Any, kind: str) -> None:
+def gather_pack(collectives: Collectives | None, s: _GroupStep, k: int, params: Any, kind: str) -> None:
+    """Sharded: pack ``k``'s parameters from the ranks that updated them to every rank."""
     if s.group.layout.sharded:
         assert collectives is not None
         lo, hi = s.group.layout.bounds(k)

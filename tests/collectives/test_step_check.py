@@ -111,8 +111,9 @@ def test_a_divergence_in_repeats_raises_on_every_rank_naming_the_first():
 
 
 def test_a_training_step_is_one_control_collective():
-    """Under ``step`` the optimizer's handshake is a repeat inside ``strategy.run``, checked by the
-    run's closing one; the weights match serial NumPy SGD on the replicas' summed gradients."""
+    """Under ``step`` the optimizer's handshake is the step's one control collective: it checks what
+    ran unchecked before any weight is written, and the run's closing handshake, with nothing left
+    unchecked, sends nothing. The weights match serial NumPy SGD on the replicas' summed gradients."""
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     strategy = make("step")
     with strategy.scope():
@@ -121,7 +122,9 @@ def test_a_training_step_is_one_control_collective():
     base = np.array([1.0, 2.0, 4.0], np.float32)
 
     def step():
+        loss = mpistrat.get_replica_context().all_reduce("sum", np.float32(rank))  # a metric, say
         opt.apply_gradients([(base * np.float32(rank + 1), w)])
+        return loss
 
     strategy.run(step)  # built, and the first occurrence checked
     with Ledger.recording() as ledger:
@@ -133,6 +136,6 @@ def test_a_training_step_is_one_control_collective():
     for _ in range(3):
         reference = reference - np.float32(0.5) * total
     control = [c for c in calls(ledger) if c == HANDSHAKE]
-    want = 2 if size > 1 else 0  # one per step (one rank: no closing handshake, nothing unchecked)
-    ok = len(control) == want and np.allclose(w.numpy(), reference, rtol=1e-6)
+    ok = len(control) == 2 and np.allclose(w.numpy(), reference, rtol=1e-6)  # one per step
+    ok = ok and len(calls(ledger)) == 6  # and per step, the loss's sum and the gradients' pack
     all_ranks_agree(WORLD, ok, f"{calls(ledger)}; w {w.numpy()} vs {reference}")

@@ -160,6 +160,12 @@ class CountingComm(MPI.Intracomm):
             _note("Reduce_scatter_block", _nbytes(sendbuf), _nbytes(recvbuf), self.Get_name())
         return super().Reduce_scatter_block(sendbuf, recvbuf, op)
 
+    def Ireduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM) -> MPI.Request:
+        n = _nbytes(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)
+        received = n // self.Get_size() if sendbuf is MPI.IN_PLACE else _nbytes(recvbuf)
+        _note("Reduce_scatter_block", n, received, self.Get_name())
+        return super().Ireduce_scatter_block(sendbuf, recvbuf, op)
+
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
         _note("Allgatherv", _nbytes(sendbuf), _nbytes(recvbuf), self.Get_name())
         return super().Allgatherv(sendbuf, recvbuf)

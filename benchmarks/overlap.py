@@ -1,0 +1,157 @@
+"""A training step whose backward pass yields gradients: list against generator, beside raw mpi4py.
+
+    mpiexec -n 2 python -m benchmarks.overlap [--layers 16] [--size 1M] [--compute-ms 2]
+        [--pack 1M] [--repeat 20]
+
+Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its gradient takes
+``--compute-ms`` of NumPy work to compute (the simulated backward pass, last layer first). A step:
+
+* ``list``: compute every gradient, then ``SGD.apply_gradients(list)``: the sums start after the
+  last gradient.
+* ``generator``: ``SGD.apply_gradients(generator)``: each pack's sum starts once its gradients
+  exist, and is tested while the next one is computed.
+* ``raw``: the hand-written loop: compute every gradient, concatenate, one ``Allreduce``, update.
+* ``raw overlapped``: the hand-written overlapped loop: an ``Iallreduce`` per pack as soon as its
+  layers' gradients exist, ``Testall`` after each layer, ``Waitall``, update.
+
+Packs are ``--pack`` bytes (``CommunicationOptions(bytes_per_pack=...)``; the raw loops cut the
+same packs). Times are medians over ``--repeat`` steps, interleaved, on rank 0's clock; "compute"
+is the backward pass alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+import mpistrat
+from mpistrat.optimizers import SGD
+from mpistrat.options import CommunicationOptions
+from mpistrat.tools.sizes import parse_size
+
+LR = 0.01
+
+
+class Backward:
+    """The simulated backward pass: layer ``i``'s gradient after ``ms`` of NumPy work."""
+
+    def __init__(self, layers: int, n: int, ms: float, rank: int):
+        rng = np.random.default_rng(rank)
+        self.grads = [rng.standard_normal(n).astype(np.float32) for _ in range(layers)]
+        self.work = np.ones((64, 64), np.float32)
+        self.seconds = ms / 1e3
+
+    def gradient(self, i: int) -> np.ndarray:
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            self.work = self.work @ self.work * np.float32(1 / 64)
+        return self.grads[i].copy()
+
+    def last_first(self) -> Iterator[tuple[int, np.ndarray]]:
+        for i in reversed(range(len(self.grads))):
+            yield i, self.gradient(i)
+
+
+def packs_of(layers: int, n: int, pack_elements: int) -> list[list[int]]:
+    """Layers per pack, last first, as the flat packs group them (whole layers here)."""
+    per = max(1, pack_elements // n) if pack_elements else layers
+    order = list(reversed(range(layers)))
+    return [order[k : k + per] for k in range(0, layers, per)]
+
+
+def raw_step(comm: MPI.Intracomm, w: np.ndarray, backward: Backward, n: int) -> None:
+    grads = dict(backward.last_first())
+    flat = np.concatenate([grads[i] for i in range(len(grads))])
+    comm.Allreduce(MPI.IN_PLACE, flat)
+    flat *= LR
+    w -= flat
+
+
+def raw_overlapped_step(
+    comm: MPI.Intracomm, w: np.ndarray, flat: np.ndarray, backward: Backward, n: int, packs: list[list[int]]
+) -> None:
+    requests = []
+    left = {k: set(p) for k, p in enumerate(packs)}
+    for i, grad in backward.last_first():
+        flat[i * n : (i + 1) * n] = grad
+        k = next(k for k, p in enumerate(packs) if i in p)
+        left[k].discard(i)
+        if not left[k]:
+            lo, hi = min(packs[k]) * n, (max(packs[k]) + 1) * n
+            requests.append((lo, hi, comm.Iallreduce(MPI.IN_PLACE, flat[lo:hi])))
+        MPI.Request.Testall([r for _, _, r in requests])
+    for lo, hi, request in requests:
+        request.Wait()
+        flat[lo:hi] *= LR
+        w[lo:hi] -= flat[lo:hi]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--size", type=parse_size, default=1 << 20)
+    parser.add_argument("--compute-ms", type=float, default=2.0)
+    parser.add_argument("--pack", type=parse_size, default=1 << 20)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    n, layers = args.size // 4, args.layers
+    strategy = mpistrat.MPIStrategy(
+        comm, communication_options=CommunicationOptions(bytes_per_pack=args.pack)
+    )
+    with strategy.scope():
+        variables = [mpistrat.Variable(np.zeros(n, np.float32), name=f"layer{i}") for i in range(layers)]
+        opt = SGD(LR)
+    backward = Backward(layers, n, args.compute_ms, rank)
+    raw_w, raw_flat = np.zeros(n * layers, np.float32), np.empty(n * layers, np.float32)
+    packs = packs_of(layers, n, args.pack // 4)
+
+    def listed() -> None:
+        grads = dict(backward.last_first())
+        pairs = [(grads[i], variables[i]) for i in reversed(range(layers))]
+        strategy.run(lambda: opt.apply_gradients(pairs))
+
+    def generated() -> None:
+        strategy.run(lambda: opt.apply_gradients((g, variables[i]) for i, g in backward.last_first()))
+
+    def compute() -> None:
+        dict(backward.last_first())
+        comm.Barrier()
+
+    steps: dict[str, Callable[[], None]] = {
+        "compute": compute,
+        "list": listed,
+        "generator": generated,
+        "raw": lambda: raw_step(comm, raw_w, backward, n),
+        "raw overlapped": lambda: raw_overlapped_step(comm, raw_w, raw_flat, backward, n, packs),
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for repeat in range(args.repeat + 2):  # the first two build the state and warm up: not timed
+        for name, step in steps.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            step()
+            comm.Barrier()
+            if repeat >= 2:
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        print(
+            f"ranks {comm.Get_size()}, {layers} layers x {args.size} B float32, {args.compute_ms} ms compute "
+            f"per layer, packs of {args.pack} B ({len(packs)}), {MPI.Get_library_version().splitlines()[0]}"
+        )
+        raw = statistics.median(times["raw"])
+        print(f"{'step':>15} {'ms':>8} {'x raw':>6}")
+        for name, values in times.items():
+            ms = statistics.median(values)
+            print(f"{name:>15} {ms * 1e3:8.2f} {ms / raw:6.2f}")
+    strategy.experimental_finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""The step over a stream of pairs: each pack's sum starts as soon as its gradients exist.
+
+``apply_gradients`` given a generator of ``(gradient, variable)`` pairs (as a hand-written
+backward pass yields them, last layer first) copies each gradient into its place
+in a staging buffer the size of its group as it arrives. A pack whose variables all have their
+gradient starts its sum at once, non-blocking (``Iallreduce``; ``Ireduce_scatter_block``
+sharded), and the sums in flight are tested each time the caller hands over the next pair.
+
+Packs start in one fixed order: the last pack of the last group first, down to the first pack
+of the first group, each once those after it have started. Every rank so starts the same sums
+in the same order, whatever order its pairs come in and even when its pairs are wrong: a
+mismatch cannot hang. When the stream ends, the packs not started yet are started (a variable
+without a gradient contributes zeros), one handshake agrees that every rank gave gradients for
+the same variables (a bad pair, or the stream raising, on any rank is an error on every rank,
+before anything is written), and each pack is updated (and gathered, sharded) as its sum
+completes, the later ones still in flight. A variable the optimizer has not built is an error
+(on every rank): the first step, with a generator, is the list step, and builds.
+
+The packs, their bounds and their sums are the list step's (:mod:`~mpistrat.training.pack_step`),
+so the weights are the same bits wherever the MPI library's non-blocking sum adds in the order of
+its blocking one (MPICH; see :mod:`~mpistrat.collectives.nonblocking`). The staging holds every
+pack at once: one more buffer the size of the parameters. Every rank passes a generator, or every
+rank a list: a streamed step's first collective is a sum, a list step's a handshake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpistrat.collectives import nonblocking
+from mpistrat.collectives.handshake import check_level
+from mpistrat.collectives.sum_modes import PLAIN
+from mpistrat.comm import mpi
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.options import CommunicationImplementation
+from mpistrat.training import pack_step
+from mpistrat.training.optimizer_checks import own_replica_strategy
+from mpistrat.training.optimizer_state import (
+    _SAME_VARIABLES,
+    FlatState,
+    Group,
+    _checked_gradients,
+    _compare_copies,
+    own_copy,
+)
+from mpistrat.training.variables import Variable, Writable
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+    from mpistrat.options import CommunicationOptions
+
+__all__ = ["apply", "can_stream", "step"]
+
+
+def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple[Any, ...] | None:
+    """``optimizer.apply_gradients(pairs)`` for a generator: the streamed step where it can overlap
+    (None once done), else the pairs as a list or tuple, for the list step.
+
+    Not without a distributed strategy, before the first step has built the state, with
+    gradient accumulation, or where :func:`can_stream` says no."""
+    if not isinstance(pairs, types.GeneratorType):  # its gradients exist already: nothing to overlap
+        return pairs if isinstance(pairs, (list, tuple)) else list(pairs)
+    state = optimizer._state
+    if optimizer._accumulator is not None or optimizer._strategy is None or state is None:
+        return list(pairs)
+    strategy = own_replica_strategy(optimizer.name, optimizer._strategy, [])
+    collectives = None if strategy is None else strategy.extended.collectives
+    if collectives is None or not can_stream(state, collectives, optimizer._communication_options):
+        return list(pairs)
+
+    def where(var: Any) -> tuple[Group, int]:
+        if not isinstance(var, Variable):
+            raise InvalidArgumentError(
+                f"{optimizer.name}.apply_gradients: expected (gradient, Variable) pairs; got a "
+                f"{type(var).__name__}"
+            )
+        optimizer._adopt(var)
+        return state.where[id(var)]
+
+    counter = own_copy(optimizer.iterations)
+    now = int(counter._value)
+    lr = optimizer.learning_rate(now)
+    step(collectives, state, pairs, where, optimizer._update_flat, lr, now, name=optimizer.name)
+    with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
+        count += 1
+    return None
+
+
+def can_stream(
+    state: FlatState | None, collectives: Collectives | None, options: CommunicationOptions | None
+) -> bool:
+    """Whether a step can overlap: built flat host state, a plain MPI sum, packs MPI takes whole.
+
+    Decided from what every rank holds alike (the built groups, the options), never from the pairs.
+    """
+    if state is None or not state.groups or collectives is None:
+        return False
+    if mpi.COUNT_LIMIT is not None and any(g.layout.pack > mpi.COUNT_LIMIT for g in state.groups):
+        return False  # a pack MPI cannot take in one call
+    merged = collectives.options.merge(options)
+    if merged.reduction or merged.implementation is CommunicationImplementation.HIERARCHICAL:
+        return False
+    return all(g.xp is np for g in state.groups)
+
+
+@dataclasses.dataclass
+class Staging:
+    """A group's gradients, every pack of them at once, and which variables each pack holds."""
+
+    buffer: Any  # the layout's length
+    members: list[list[int]]  # per pack: the group's variables with elements in it
+    packs_of: list[range]  # per variable: the packs it has elements in
+
+    @classmethod
+    def of(cls, group: Group) -> Staging:
+        if group.stream is None:
+            lay = group.layout
+            members: list[list[int]] = [[] for _ in range(lay.packs)]
+            packs_of = []
+            for j, (a, b) in enumerate(group.params.spans):
+                packs = range(a // lay.pack, -(-b // lay.pack)) if b > a else range(0)
+                packs_of.append(packs)
+                for k in packs:
+                    members[k].append(j)
+            group.stream = cls(np.zeros(lay.length, group.dtype), members, packs_of)
+        return group.stream
+
+
+class _Stream:
+    """One streamed step's bookkeeping: what arrived, which packs started, their requests."""
+
+    def __init__(self, collectives: Collectives, groups: list[Group]):
+        self.collectives = collectives
+        self.groups = groups
+        self.staging = [Staging.of(g) for g in groups]
+        self.left = [[len(m) for m in s.members] for s in self.staging]  # per pack: gradients to come
+        self.arrived = [[False] * len(g.variables) for g in groups]
+        # the order packs start in: the same on every rank
+        self.order = [
+            (i, k) for i in reversed(range(len(groups))) for k in reversed(range(groups[i].layout.packs))
+        ]
+        self.requests: list[Any] = []
+
+    def take(self, i: int, j: int, grad: Any) -> None:
+        """Gradient of variable ``j`` of group ``i`` into its place; start the packs it completes."""
+        a, b = self.groups[i].params.spans[j]
+        self.staging[i].buffer[a:b] = grad.reshape(-1)
+        self.arrived[i][j] = True
+        left = self.left[i]
+        for k in self.staging[i].packs_of[j]:
+            left[k] -= 1
+        self.start(final=False)
+        if self.requests:
+            nonblocking.progress(self.requests)
+
+    def start(self, final: bool) -> None:
+        """Start the packs that are next in order and complete (``final``: all the rest)."""
+        while len(self.requests) < len(self.order):
+            i, k = self.order[len(self.requests)]
+            if not final and self.left[i][k] > 0:
+                return
+            group, staging = self.groups[i], self.staging[i]
+            lay, buf = group.layout, staging.buffer
+            lo, hi = lay.bounds(k)
+            for j in staging.members[k]:  # a gradient that did not come is zeros
+                if not self.arrived[i][j]:
+                    a, b = group.params.spans[j]
+                    buf[max(a, lo) : min(b, hi)] = 0
+            if hi > lay.size:  # padding (sharded): a reduce-scatter leaves it undefined
+                buf[max(lay.size, lo) : hi] = 0
+            self.requests.append(nonblocking.start(self.collectives, buf[lo:hi], scatter=lay.sharded))
+
+
+# Per flat state: id(variable) -> what its gradients were checked against (built variables only, which
+# their groups keep alive, so an id is never reused while it is here).
+_KNOWN: weakref.WeakKeyDictionary[FlatState, dict[int, tuple[int, int, type, tuple[int, ...], Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def step(
+    collectives: Collectives,
+    state: FlatState,
+    pairs: Iterable[tuple[Any, Any]],
+    where: Callable[[Any], tuple[Group, int]],
+    update: pack_step.Update,
+    lr: float,
+    step: int,
+    *,
+    name: str,
+    kind: str = "apply_gradients",
+) -> None:
+    """One step over ``pairs`` as they come (see the module's docstring).
+
+    ``where(variable)`` gives the variable's group and index there, raising ``KeyError`` for one
+    not built and ``MpistratError`` for one this optimizer cannot update. The gradients are not
+    kept past their copy, so that their memory is reused while the stream runs.
+    """
+    stream = _Stream(collectives, state.groups)
+    index = {id(g): i for i, g in enumerate(state.groups)}
+    known = _KNOWN.setdefault(state, {})
+    variables: list[Any] = []
+    error: BaseException | None = None
+    try:
+        for grad, var in pairs:
+            if grad is None:
+                continue
+            seen = known.get(id(var))  # (group index, index there, the variable's array type, shape, dtype)
+            if seen is None or (type(grad), grad.shape, grad.dtype) != seen[2:]:
+                try:
+                    group, j = where(var)
+                except KeyError:
+                    raise InvalidArgumentError(
+                        f"{name}.apply_gradients: variable {var.name!r} is not among those this optimizer "
+                        "was built for; a generator's gradients are summed as they come, into the layout "
+                        "built before: call optimizer.build(every variable) first, or pass the step that "
+                        "adds variables a list"
+                    ) from None
+                (grad,) = _checked_gradients([grad], [var])
+                local = own_copy(var)._value
+                seen = known[id(var)] = (index[id(group)], j, type(local), local.shape, local.dtype)
+            i, j = seen[0], seen[1]
+            if stream.arrived[i][j]:
+                raise InvalidArgumentError(
+                    f"{name}.apply_gradients: a variable is given more than one gradient (e.g. "
+                    f"{var.name!r}); sum its gradients first"
+                )
+            variables.append(var)
+            stream.take(i, j, grad)
+        if not variables:
+            raise InvalidArgumentError(f"{name}.apply_gradients: no gradients provided for any variable")
+    except Exception as exc:  # bad input or the stream itself raised: every rank will raise it
+        error = exc
+    stream.start(final=True)
+    plan = params = slots = None
+    if error is None:
+        try:
+            plan = state._plan(variables)
+            params = [s.group.params.claim() for s in plan.steps]
+            slots = [s.group.claim_slots() for s in plan.steps]
+        except Exception as exc:
+            error = exc
+    try:
+        collectives.agree(
+            kind,
+            fingerprint=(0 if plan is None else plan.fingerprint) ^ PLAIN.code,
+            describe=lambda: {
+                "leaves": [("gradient reduction", "plain MPI sum", None), *(plan.described if plan else [])],
+                "advice": _SAME_VARIABLES,
+            },
+            error=error,
+        )
+    except BaseException:
+        nonblocking.progress(stream.requests)
+        for request in stream.requests:
+            request.Wait()  # every rank started them all: they complete
+        raise
+    assert plan is not None and params is not None and slots is not None
+    steps = {id(s.group): n for n, s in enumerate(plan.steps)}
+    for (i, k), request in zip(stream.order, stream.requests, strict=True):
+        nonblocking.complete(collectives, request, kind=kind)
+        n = steps.get(id(state.groups[i]))
+        if n is None:  # no rank gave this group a gradient
+            continue
+        s, lay = plan.steps[n], state.groups[i].layout
+        lo, hi = lay.bounds(k)
+        buf = stream.staging[i].buffer
+        grad, base = (buf[lo : lo + lay.per_rank], lay.owned(k)[0]) if lay.sharded else (buf[lo:hi], lo)
+        pack_step.update_pack(s, k, grad, base, params[n], slots[n], update, lr, step)
+        pack_step.gather_pack(collectives, s, k, params[n], kind)
+    if check_level(collectives) > 1:
+        _compare_copies(collectives, plan, kind)
