@@ -1,8 +1,10 @@
 """The layer table of docs/internals.md holds for every import in the package.
 
 A module imports only from its own folder (the vocabulary: its own row) and from the rows
-below it, never from a peer folder of its row or from a row above. Imports under
-``if TYPE_CHECKING:`` are type-only and exempt; an import inside a function counts.
+below it, never from a peer folder of its row or from a row above. Every import counts: one
+inside a function, and a type-only one under ``if TYPE_CHECKING:``. What an import graph cannot
+show is checked from the syntax tree too: no module below ``distribute/`` reaches a strategy's
+``extended``, and private attributes are read across modules only where an allowance says why.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_layout import PACKAGE, module_name, runtime_imports
+from tests.test_layout import PACKAGE, module_name
 
 ROOT = PACKAGE.parent
 MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
@@ -37,8 +39,45 @@ def unit_of(module: str) -> str:
 
 
 def imports_of(path: Path) -> set[str]:
-    """The mpistrat modules ``path`` imports when it runs (anything not under TYPE_CHECKING)."""
-    return runtime_imports(ast.parse(path.read_text(), str(path)), MODULES)
+    """The mpistrat modules ``path`` imports, type-only imports (under TYPE_CHECKING) included."""
+    return imports_in(ast.parse(path.read_text(), str(path)))
+
+
+def imports_in(tree: ast.AST) -> set[str]:
+    """The mpistrat modules a syntax tree imports, wherever the import is."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # ``from package import module`` imports the module; ``from module import name`` the module
+            submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+            candidates = [m for m in submodules if m in MODULES] or [node.module]
+        else:
+            continue
+        found |= {name for name in candidates if name in MODULES}
+    return found
+
+
+def extended_reach_ins(tree: ast.AST) -> list[str]:
+    """Each ``x.extended`` in a syntax tree."""
+    return [
+        f"{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "extended"
+    ]
+
+
+def below_distribute() -> list[Path]:
+    """The modules of the rows below ``distribute/``'s."""
+    rows = layer_table()
+    first = rows.index(next(r for r in rows if "distribute/" in r)) + 1
+    units = [unit for row in rows[first:] for unit in row]
+    return sorted(
+        path
+        for unit in units
+        for path in ((PACKAGE / unit).rglob("*.py") if unit.endswith("/") else [PACKAGE / f"{unit}.py"])
+    )
 
 
 def test_the_table_names_every_folder_and_top_level_module_once():
@@ -70,18 +109,61 @@ def test_each_module_imports_only_its_own_layer_and_those_below(path: Path):
 
 
 def test_nothing_below_distribute_names_the_strategy():
-    rows = layer_table()
-    below = [
-        unit for row in rows[rows.index(next(r for r in rows if "distribute/" in r)) + 1 :] for unit in row
-    ]
+    """Not even in an annotation: the layers below see a strategy through ``mpistrat.replicas``."""
     offenders = []
-    for unit in below:
-        paths = (PACKAGE / unit).rglob("*.py") if unit.endswith("/") else [PACKAGE / f"{unit}.py"]
-        for path in paths:
-            for imported in imports_of(path):
-                if imported.startswith("mpistrat.distribute"):
-                    offenders.append(f"{path.relative_to(ROOT)}: {imported}")
+    for path in below_distribute():
+        for imported in imports_of(path):
+            if imported.startswith("mpistrat.distribute"):
+                offenders.append(f"{path.relative_to(ROOT)}: {imported}")
     assert offenders == []
+
+
+def test_nothing_below_distribute_reaches_a_strategys_extended():
+    """``strategy.extended`` is duck-typed: an import graph cannot see it. Below ``distribute/``
+    a strategy's group of replicas is ``strategy.replicas``, typed by ``replicas.Replicas``."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{where}"
+        for path in below_distribute()
+        for where in extended_reach_ins(ast.parse(path.read_text(), str(path)))
+    ]
+    assert offenders == []
+
+
+def test_the_checks_see_type_only_imports_and_reach_ins():
+    """What the checks above are for is caught (a check that cannot fail proves nothing)."""
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from mpistrat.distribute import strategy\n"
+        "def collectives_of(s):\n"
+        "    return s.extended.collectives\n"
+    )
+    assert imports_in(tree) == {"mpistrat.distribute.strategy"}
+    assert extended_reach_ins(tree) == ["5: s.extended"]
+
+
+def test_type_only_imports_make_no_circle_between_folders():
+    """Counting type-only imports, no chain of imports leaves a folder (or a vocabulary module) and
+    comes back to it. Inside one folder two classes may name each other in annotations (a
+    ``Strategy`` and its ``StrategyExtended``); across folders that would be an arrow up."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        here = unit_of(module_name(path))
+        graph.setdefault(here, set()).update(
+            there for imported in imports_of(path) if (there := unit_of(imported)) != here
+        )
+    graph.pop("__init__", None)  # the public face imports everything and nothing imports it
+    for deps in graph.values():
+        deps.discard("__init__")
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
+                return True
+        return False
+
+    circles = sorted(unit for unit in graph if reaches(unit, unit, set()))
+    assert circles == []
 
 
 def test_no_module_is_over_500_lines():

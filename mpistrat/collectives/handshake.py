@@ -41,7 +41,7 @@ from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["SLOTS", "StopState", "agree", "check_enabled", "check_level", "level"]
 
@@ -155,7 +155,7 @@ def agree(
     codes = self.caches.codes
     seq, tally = self.seq, self.stragglers
     kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
-    send, recv, stop = self._handshake  # buffers reused, and the stop state: this is per-call overhead
+    send, recv, stop = self.handshake_buffers  # reused buffers, and the stop state: per-call overhead
     last, longest = tally.outgoing
     send[:] = (  # in slot order: one flat tuple (unpacking parts costs 70 ns per call)
         _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT

@@ -38,6 +38,7 @@ from mpistrat.distribute.reductions import Collective, InPlace
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
+from mpistrat.replicas import SyncedWrites
 from mpistrat.values import HasLocalCopy
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class StrategyExtended:
         self.merge_call_mode = merge_call  # "root" or "every_rank" (see mpistrat.distribute.merge)
         # What cross-replica writes to this strategy's variables do now (inside a merge_fn, inside
         # update()): its variables are handed it at creation, merge_call and update set it.
-        self.writes = context.SyncedWrites()
+        self.writes = SyncedWrites()
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
         self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._synced_keys = itertools.count()

@@ -60,7 +60,7 @@ def exact_rows(strategy: Any, options: CommunicationOptions | None) -> bool:
     strategy's)."""
     if strategy is None:
         return False
-    merged = strategy.extended.collectives.options
+    merged = strategy.replicas.collectives.options
     if options is not None:
         merged = merged.merge(options)
     return bool(merged.reduction == "deterministic")

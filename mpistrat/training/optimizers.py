@@ -142,7 +142,7 @@ class Optimizer:
         """Steps applied so far (an int64 variable; created on first use, collectively)."""
         if self._iterations is None:
             with self._creation_scope():
-                extended = context.get_strategy().extended
+                extended = context.get_strategy().replicas
                 with extended.colocate_vars_with(extended.non_slot_devices([])):
                     self._iterations = Variable(
                         np.int64(0),
@@ -195,7 +195,7 @@ class Optimizer:
             strategy, distributed = context.get_strategy(), context.has_strategy()
         else:
             strategy, distributed = self._strategy, True
-        extended = strategy.extended
+        extended = strategy.replicas
         bytes_per_pack = 0
         if distributed:
             collectives = extended.collectives
@@ -230,7 +230,7 @@ class Optimizer:
         out: dict[str, list[Variable]] = {n: [] for n in self.slot_names}
         for var in var_list:
             with self._creation_scope():
-                extended = context.get_strategy().extended
+                extended = context.get_strategy().replicas
                 with extended.colocate_vars_with(var):
                     xp = packing.array_module(local_copy(var))
                     slots = {
@@ -325,14 +325,14 @@ class Optimizer:
             # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
             # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
             mode = context.require_replica("ReplicaContext.merge_call")  # as merge_call checks
-            mode.strategy.extended.call_merge_fn(
+            mode.strategy.replicas.call_merge_fn(
                 self._distributed_apply, (pairs,), {}, every_rank=True, agree=False
             )
             return self.iterations
         counter = own_copy(self.iterations)
         step = int(counter._value)
         state.step(
-            None if strategy is None else strategy.extended.collectives,
+            None if strategy is None else strategy.replicas.collectives,
             [g for g, _ in pairs],
             variables,
             self._update_flat,
@@ -349,7 +349,7 @@ class Optimizer:
 
     def accumulation_state(self) -> tuple[Variable, list[tuple[Variable, Any]]] | None:
         """Mid-cycle: what a checkpoint saves of it (:meth:`Accumulator.state`); else None."""
-        extended = (self._strategy or context.get_strategy()).extended
+        extended = (self._strategy or context.get_strategy()).replicas
         return None if self._accumulator is None else self._accumulator.state(extended.rank, extended.size)
 
     def prepare_accumulation(self, var_list: list[Variable] | None) -> None:
@@ -364,7 +364,7 @@ class Optimizer:
         return self._state
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
-        extended = strategy.extended
+        extended = strategy.replicas
         if self._communication_options is None:
             summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
         else:  # the options= argument of batch_reduce_to
