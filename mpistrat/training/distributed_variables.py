@@ -101,15 +101,24 @@ class DistributedVariable(Variable, DistributedValues):
             self._name = collectives.broadcast_from_root(self._name, kind="variable_creation (name)")
         del self._value
         self._component = plain_variable(value, self._name, self._trainable)
-        self._component._owner = self
+        self._component.owner = self
         DistributedValues.__init__(self, (self._component,))
         self._distribute_strategy = strategy
         self._replicas = replicas
-        self._synced_key = replicas.register_synced(self)
+        self.synced_key = replicas.register_synced(self)
         self._writes: SyncedWrites = replicas.writes  # what its writes do now (see there)
 
     def _local(self) -> Any:
-        return self._component._value
+        return self._component.local_array
+
+    @property
+    def local_array(self) -> Any:
+        """This rank's copy's array (see :attr:`Variable.local_array`)."""
+        return self._component.local_array
+
+    @local_array.setter
+    def local_array(self, array: Any) -> None:
+        self._component.local_array = array
 
     def _local_variable(self) -> Variable:
         return self._component
@@ -118,15 +127,15 @@ class DistributedVariable(Variable, DistributedValues):
     def device(self) -> str:
         return self._replicas.parameter_devices[0]
 
-    def _note_write(self, new: Any) -> None:
+    def note_write(self, new: Any) -> None:
         """A write to this rank's copy; inside rank 0's merge_fn it must reach the other ranks."""
         merged = self._writes.merged
         if merged is not None:
-            merged.append((self._synced_key, new))
+            merged.append((self.synced_key, new))
 
     def apply_merge_write(self, payload: Any) -> None:
         xp = packing.array_module(self._local())
-        self._component._value = xp.asarray(payload)
+        self._component.local_array = xp.asarray(payload)
 
     def _mode(self, method: str) -> context.Mode:
         """The current mode; a different strategy's scope is an error."""
@@ -218,7 +227,7 @@ class DistributedVariable(Variable, DistributedValues):
                 constraint=self._constraint,
             )
         if not self.mirrored:  # a sync-on-read variable's copies differ: each rank keeps its own
-            copy._component._value = local
+            copy._component.local_array = local
         memo[id(self)] = copy
         return copy
 
@@ -238,7 +247,7 @@ class MirroredVariable(DistributedVariable):
 
     def value(self) -> Any:
         self._mode("value")
-        return read_only(self._component._value)
+        return read_only(self._component.local_array)
 
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)
@@ -272,7 +281,7 @@ class MirroredVariable(DistributedVariable):
         if local is None:
             local = packing.array_module(self._local()).zeros_like(self._local())
         combined = self._aggregate(agg, local, "variable_aggregation", error)
-        self._component._value = combine(how, self._component._value, combined)
+        self._component.local_array = combine(how, self._component.local_array, combined)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -280,7 +289,7 @@ class SyncOnReadVariable(DistributedVariable):
 
     def value(self) -> Any:
         mode = self._mode("value")
-        local = self._component._value
+        local = self._component.local_array
         if mode.kind is context.REPLICA:
             return read_only(local)
         agg = self._aggregation
@@ -320,8 +329,8 @@ class SyncOnReadVariable(DistributedVariable):
             writes = self._writes.merged
             if writes is None:  # merge_call starts the record before it runs merge_fn
                 raise MpistratError(f"{self._name}.{how}: a merge write outside merge_call")
-            self._component._value = combine(how, self._component._value, new)
-            writes.append((self._synced_key, (how, new)))
+            self._component.local_array = combine(how, self._component.local_array, new)
+            writes.append((self.synced_key, (how, new)))
             return
         self._component._write(how, new)
 
@@ -342,7 +351,7 @@ class SyncOnReadVariable(DistributedVariable):
         if isinstance(payload, tuple):  # (how, delta): applied to this rank's own copy
             how, delta = payload
             local = self._local()
-            self._component._value = combine(how, local, packing.array_module(local).asarray(delta))
+            self._component.local_array = combine(how, local, packing.array_module(local).asarray(delta))
             return
         super().apply_merge_write(payload)
 

@@ -330,7 +330,7 @@ class Optimizer:
             )
             return self.iterations
         counter = own_copy(self.iterations)
-        step = int(counter._value)
+        step = int(counter.local_array)
         state.step(
             None if strategy is None else strategy.replicas.collectives,
             [g for g, _ in pairs],
