@@ -140,12 +140,12 @@ def test_the_checks_see_type_only_imports_and_reach_ins():
     )
     assert imports_in(tree) == {"mpistrat.distribute.strategy"}
     assert extended_reach_ins(tree) == ["5: s.extended"]
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
 def test_type_only_imports_make_no_circle_between_folders():
     """Counting type-only imports, no chain of imports leaves a folder (or a vocabulary module) and
-    comes back to it. Inside one folder two classes may name each other in annotations (a
-    ``Strategy`` and its ``StrategyExtended``); across folders that would be an arrow up."""
+    comes back to it: across folders that would be an arrow up."""
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         here = unit_of(module_name(path))
@@ -155,15 +155,69 @@ def test_type_only_imports_make_no_circle_between_folders():
     graph.pop("__init__", None)  # the public face imports everything and nothing imports it
     for deps in graph.values():
         deps.discard("__init__")
+    assert circles(graph) == []
 
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
-                return True
-        return False
 
-    circles = sorted(unit for unit in graph if reaches(unit, unit, set()))
-    assert circles == []
+# Modules that name each other in annotations inside one folder, and why they still do.
+KNOWN_CIRCLES = [
+    # A Strategy holds its StrategyExtended and replica contexts, which hold it back (tf's design);
+    # the merge and in-turn helpers are handed the strategy that calls them.
+    [
+        "mpistrat.distribute.extended",
+        "mpistrat.distribute.in_turn",
+        "mpistrat.distribute.merge",
+        "mpistrat.distribute.reductions",
+        "mpistrat.distribute.replica_context",
+        "mpistrat.distribute.strategy_base",
+    ],
+    # The optimizer's step hands each pack's work to pack_step, which names that work's type.
+    ["mpistrat.training.optimizer_state", "mpistrat.training.pack_step"],
+]
+
+
+def test_type_only_imports_make_no_circle_between_modules_but_the_known_ones():
+    """Inside a folder too, modules import in one direction, type-only imports counted (a
+    protocol beside the module that needs it names what it uses), but for ``KNOWN_CIRCLES``."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: imports_of(path) - {name}
+        for name, path in paths.items()
+        if path.name != "__init__.py" or "collectives" in path.parts  # the others only re-export
+    }
+    graph = {name: {d for d in deps if d in graph} for name, deps in graph.items()}
+    assert sorted(circles(graph)) == sorted(KNOWN_CIRCLES)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of ``graph`` with more than one node, each sorted (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
 
 
 def test_no_module_is_over_500_lines():

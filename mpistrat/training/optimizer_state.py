@@ -429,14 +429,14 @@ def storage_place(var: Variable) -> tuple[FlatBuffer, int, int] | None:
     one run of memory, and restores adjacent ones straight into it."""
     local = own_copy(var)
     storage = local.storage
-    if storage is None:
+    if not isinstance(storage, FlatBuffer):  # None: not in flat storage
         return None
     first = storage.members[0]
     owner = first if first.owner is None else first.owner  # the distributed variable it belongs to
     return storage, creation_order(owner), storage.start_of(local)
 
 
-def creation_order(var: Variable) -> int:
+def creation_order(var: Any) -> int:
     """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
     return int(getattr(var, "synced_key", 0))
 

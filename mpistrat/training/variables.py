@@ -19,7 +19,7 @@ import enum
 import operator
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,10 +27,6 @@ from mpistrat import context
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
-
-if TYPE_CHECKING:
-    from mpistrat.training.distributed_variables import DistributedVariable
-    from mpistrat.training.flat_storage import FlatBuffer
 
 __all__ = [
     "Variable",
@@ -64,6 +60,23 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = 3
 
 
+class Owner(Protocol):
+    """The distributed variable a plain variable is the local copy of
+    (``training/distributed_variables.py``): told of every write to the copy."""
+
+    def note_write(self, new: Any) -> None: ...
+
+
+class Storage(Protocol):
+    """The flat buffer a plain variable's array is a slice of (``training/flat_storage.py``)."""
+
+    members: list[Any]
+
+    def private(self, member: Any) -> bool: ...
+
+    def start_of(self, member: Any) -> int: ...
+
+
 class Variable(HasLocalCopy):
     """A mutable array: NumPy or CuPy, with ``assign``/``assign_add``/``assign_sub``.
 
@@ -78,9 +91,9 @@ class Variable(HasLocalCopy):
             :attr:`constraint` (as tf, writes do not apply it; mpistrat's optimizers do not).
     """
 
-    owner: DistributedVariable | None = None  # the distributed variable this copy belongs to
+    owner: Owner | None = None  # the distributed variable this copy belongs to
     _distribute_strategy: Any = None
-    storage: FlatBuffer | None = None  # the optimizer's flat array this copy is a slice of, if any
+    storage: Storage | None = None  # the optimizer's flat array this copy is a slice of, if any
     _constraint: Callable[[Any], Any] | None = None
     colocated_with: Any = None
 
