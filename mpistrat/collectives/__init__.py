@@ -18,10 +18,10 @@
 ``in_place.py``     one flat buffer in place, after the caller's own handshake
 ==================  ==========================================================
 
-A new collective is a function ``name(self: CollectiveState, ..., *, kind=...)`` in a file
+A new collective is a function ``name(self: Collectives, ..., *, kind=...)`` in a file
 of its own, decorated with ``@watchdog.collective("name")`` (stalls and timeouts),
 opening with ``self.agree(kind, fingerprint=..., describe=..., error=...)``, and
-assigned as a method below.
+assigned as a method below; ``self`` is typed by ``state.CollectiveState``.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())

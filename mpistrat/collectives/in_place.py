@@ -29,7 +29,7 @@ from mpistrat.errors import UnsupportedTypeError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = [
     "all_gather_bytes",
@@ -42,7 +42,7 @@ __all__ = [
 
 @watchdog.collective("all_reduce")
 def all_reduce_in_place(
-    self: CollectiveState, buf: Any, *, kind: str = "all_reduce", options: CommunicationOptions | None = None
+    self: Collectives, buf: Any, *, kind: str = "all_reduce", options: CommunicationOptions | None = None
 ) -> None:
     """Sum ``buf`` across ranks into itself (host buffers to MPI, device buffers to their transport).
 
@@ -68,11 +68,7 @@ def all_reduce_in_place(
 
 @watchdog.collective("reduce_scatter")
 def reduce_scatter_in_place(
-    self: CollectiveState,
-    buf: Any,
-    *,
-    kind: str = "reduce_scatter",
-    options: CommunicationOptions | None = None,
+    self: Collectives, buf: Any, *, kind: str = "reduce_scatter", options: CommunicationOptions | None = None
 ) -> None:
     """Sum ``buf`` (``size`` equal blocks) across ranks; rank ``r``'s block of the sum lands at the
     start of its ``buf`` (the rest is left undefined).
@@ -96,7 +92,7 @@ def reduce_scatter_in_place(
 
 
 @watchdog.collective("all_reduce")
-def exact_mean_in_place(self: CollectiveState, rows: Any, out: Any, *, kind: str = "all_reduce") -> None:
+def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "all_reduce") -> None:
     """``out`` (``n`` elements) becomes the sum over every rank's ``[K, n]`` ``rows`` divided by K,
     exactly and rounded once (``deterministic=True`` with gradient accumulation): the same bits
     however the rows are spread over the ranks. Two ``Allreduce`` calls, as one exact sum."""
@@ -113,7 +109,7 @@ def exact_mean_in_place(self: CollectiveState, rows: Any, out: Any, *, kind: str
 
 
 @watchdog.collective("all_gather")
-def all_gather_in_place(self: CollectiveState, buf: Any, *, kind: str = "all_gather") -> None:
+def all_gather_in_place(self: Collectives, buf: Any, *, kind: str = "all_gather") -> None:
     """Each rank's block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place."""
     _host(buf, kind)
     if mpi.COUNT_LIMIT is None:
@@ -124,7 +120,7 @@ def all_gather_in_place(self: CollectiveState, buf: Any, *, kind: str = "all_gat
 
 @watchdog.collective("all_gather")
 def all_gather_bytes(
-    self: CollectiveState, mine: np.ndarray, out: np.ndarray, counts: list[int], *, kind: str = "all_gather"
+    self: Collectives, mine: np.ndarray, out: np.ndarray, counts: list[int], *, kind: str = "all_gather"
 ) -> None:
     """Every rank's bytes ``mine`` end to end in ``out`` (host memory), ``counts[r]`` of them from
     rank ``r``: one ``Allgatherv``, or ``Allgather`` when the counts are equal (MPICH's is twice as
@@ -136,7 +132,7 @@ def all_gather_bytes(
     self.comm.Allgatherv([mine, MPI.BYTE], [out, counts, displs, MPI.BYTE])
 
 
-def _mode(self: CollectiveState, buf: Any, options: CommunicationOptions | None) -> str:
+def _mode(self: Collectives, buf: Any, options: CommunicationOptions | None) -> str:
     """The reduction mode that applies to ``buf`` ("" when plain MPI sums it)."""
     mode = self.reduction if options is None else self.options.merge(options).reduction
     if mode == "deterministic":
@@ -145,7 +141,7 @@ def _mode(self: CollectiveState, buf: Any, options: CommunicationOptions | None)
 
 
 def _special(
-    self: CollectiveState, buf: Any, mode: str, kind: str, implementation: CommunicationImplementation
+    self: Collectives, buf: Any, mode: str, kind: str, implementation: CommunicationImplementation
 ) -> Any:
     """The sum over ranks of the 1-D ``buf``, exact or compressed (with ``HIERARCHICAL``: between nodes
     only), as a new array where ``buf`` lives."""

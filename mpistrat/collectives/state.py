@@ -1,8 +1,10 @@
 """What a collective reads and writes of the object it is a method of: one ``Collectives``'s
 shared state, as a protocol the op files are typed against.
 
-Each op file defines its collective as a function of ``self: CollectiveState`` and
-``Collectives`` (``collectives/__init__.py``) assigns it as a method; so the op files never
+Each op file defines its collective as a function of ``self`` and ``Collectives``
+(``collectives/__init__.py``) assigns it as a method. The op files type ``self`` with this
+protocol, imported under the name of what they are methods of
+(``from mpistrat.collectives.state import CollectiveState as Collectives``), so they never
 import the class that imports them. Besides the state, the protocol names the two calls one
 collective makes of another: ``agree`` (the handshake every collective opens with) and
 ``all_reduce``.
