@@ -445,7 +445,7 @@ def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]
     """Each gradient as an array, checked against its variable's shape, dtype and array module."""
     out = []
     for grad, var in zip(grads, variables, strict=True):
-        local = own_copy(var).local_array
+        local = own_copy(var)._value  # every variable at every step: the attribute, not local_array
         if type(grad) is not type(local):
             grad = packing.as_array(grad, f"apply_gradients: the gradient of {var.name!r}")
             if packing.array_module(grad) is not packing.array_module(local):
