@@ -17,18 +17,12 @@ from mpistrat.checkpoint import preemption as _preemption
 from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.checkpoint.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
-from mpistrat.context import (
-    experimental_set_strategy,
-    get_cross_replica_context,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-)
+from mpistrat.context import experimental_set_strategy, has_strategy, in_cross_replica_context
 from mpistrat.diagnostics.abort import set_abort_on_exception
 from mpistrat.diagnostics.stragglers import StragglerRow, Stragglers
 from mpistrat.diagnostics.timeline import start_timeline, stop_timeline, trace
 from mpistrat.distribute import cluster_resolver
+from mpistrat.distribute.current import get_cross_replica_context, get_replica_context, get_strategy
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.strategy import MPIStrategy, MultiWorkerMirroredStrategy, Strategy

@@ -14,18 +14,15 @@ import dataclasses
 import enum
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mpistrat.errors import ContextError
-
-if TYPE_CHECKING:
-    from mpistrat.distribute.replica_context import ReplicaContext
-    from mpistrat.distribute.strategy_base import Strategy
+from mpistrat.replicas import ReplicaContextProtocol as ReplicaContext
+from mpistrat.replicas import StrategyProtocol as Strategy
 
 __all__ = [
     "ModeKind",
     "Mode",
-    "SyncedWrites",
     "experimental_set_strategy",
     "get_strategy",
     "has_strategy",
@@ -75,43 +72,6 @@ class Mode:
     inside_default: bool = False
 
 
-class SyncedWrites:
-    """What cross-replica writes to one strategy's synced variables do now: state the strategy's
-    ``merge_call`` and ``update`` set, and its variables (handed it at creation) read, as a
-    communication hook's state object is handed to the hook.
-
-    ``merged``: a list while a merge_fn runs (between :meth:`record` and :meth:`stop`, which
-    merge_call calls), into which the variables record the writes made there, as ``(key, payload)``;
-    rank 0 broadcasts them (root mode), or the ranks compare them (every rank); None otherwise.
-    ``in_sync``: above 0 inside ``update()`` and ``writes_in_sync()``, whose writes are the same on
-    every rank by construction (computed from reduced values), so they apply to each rank's copy as
-    they are, unchecked.
-
-    >>> writes = SyncedWrites()
-    >>> merged = writes.record()
-    >>> writes.merged.append((0, "payload"))
-    >>> writes.stop()
-    >>> merged, writes.merged, writes.in_sync
-    ([(0, 'payload')], None, 0)
-    """
-
-    __slots__ = ("in_sync", "merged")
-
-    def __init__(self) -> None:
-        self.merged: list[tuple[int, Any]] | None = None
-        self.in_sync = 0
-
-    def record(self) -> list[tuple[int, Any]]:
-        """Start recording the writes made from now on (in a merge_fn); the list they go into."""
-        merged: list[tuple[int, Any]] = []
-        self.merged = merged
-        return merged
-
-    def stop(self) -> None:
-        """Stop recording (the merge_fn returned or raised)."""
-        self.merged = None
-
-
 _local = threading.local()
 
 
@@ -130,7 +90,7 @@ def current_mode() -> Mode:
     strategy = _default_strategy()
     mode = _default_mode
     if mode is None or mode.strategy is not strategy:  # Modes are frozen: one per default strategy
-        mode = _default_mode = Mode(strategy, strategy.extended.default_replica_context, DEFAULT)
+        mode = _default_mode = Mode(strategy, strategy.replicas.default_replica_context, DEFAULT)
     return mode
 
 
@@ -247,7 +207,7 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
     stack.clear()
     _local.set_strategy = None
     if strategy is not None and strategy is not _default_strategy():
-        strategy.extended.collectives  # noqa: B018 (raises if finalized)
+        strategy.replicas.collectives  # noqa: B018 (raises if finalized)
         mode = Mode(strategy, None, CROSS_REPLICA)
         stack.append(mode)
         _local.set_strategy = mode

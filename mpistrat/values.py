@@ -16,7 +16,15 @@ from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["DistributedValues", "PerReplica", "Mirrored", "HasLocalCopy", "local_copy", "component"]
+__all__ = [
+    "DistributedValues",
+    "PerReplica",
+    "Mirrored",
+    "HasLocalCopy",
+    "local_copy",
+    "local_variable",
+    "component",
+]
 
 
 class HasLocalCopy:
@@ -45,6 +53,16 @@ def local_copy(value: Any) -> Any:
     2.0
     """
     return value._local_copy() if isinstance(value, HasLocalCopy) else value
+
+
+def local_variable(value: Any) -> Any:
+    """The variable holding this rank's copy of ``value`` if it is a variable (a plain variable
+    holds its own), else ``value`` itself.
+
+    >>> local_variable("not a variable")
+    'not a variable'
+    """
+    return value._local_variable() if isinstance(value, HasLocalCopy) else value
 
 
 class DistributedValues:

@@ -43,12 +43,12 @@ from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
+from mpistrat.replicas import StrategyProtocol
 from mpistrat.training.optimizers import Optimizer
 from mpistrat.training.variables import Variable, plain_variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
-    from mpistrat.distribute.strategy import Strategy
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "latest_checkpoint"]
 
@@ -145,7 +145,7 @@ class Checkpoint:
             )
         return names[id(var)]
 
-    def _strategy(self, method: str) -> Strategy:
+    def _strategy(self, method: str) -> StrategyProtocol:
         """The strategy whose ranks take part: the tracked variables' (all one), else the current one."""
         owners = {id(s): s for v in self._variables.values() if (s := v.distribute_strategy) is not None}
         owners.update((id(p.owner), p.owner) for p in self._inputs.values())
@@ -225,7 +225,7 @@ class Checkpoint:
         yet) restores nothing. A background save still being written is finished first.
         """
         strategy = self._strategy("restore")
-        collectives = strategy.extended.collectives
+        collectives = strategy.replicas.collectives
         background.wait_for_saves(collectives)
         # Collective even for None, so a rank that found no checkpoint fails every rank instead of hanging.
         collectives.agree(
@@ -237,7 +237,7 @@ class Checkpoint:
         if save_path is None:
             return CheckpointLoadStatus(None, [], [])
         return self._load(
-            os.fspath(save_path), "restore", collectives, strategy.extended.writes_in_sync, options
+            os.fspath(save_path), "restore", collectives, strategy.replicas.writes_in_sync, options
         )
 
     def read(
@@ -247,11 +247,11 @@ class Checkpoint:
         if save_path is None:
             raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
         strategy = self._strategy("read")
-        collectives = strategy.extended.collectives
+        collectives = strategy.replicas.collectives
         background.wait_for_saves(collectives)
         collectives.agree("checkpoint.restore", options=saving.ALWAYS)
         return self._load(
-            os.fspath(save_path), "read", collectives, strategy.extended.writes_in_sync, options
+            os.fspath(save_path), "read", collectives, strategy.replicas.writes_in_sync, options
         )
 
     def _load(
@@ -295,7 +295,7 @@ def track(checkpoint: Checkpoint, name: str, variable: Variable) -> None:
 def collectives_of(checkpoint: Checkpoint, method: str) -> Collectives:
     """The collectives of the ranks that save and restore ``checkpoint`` (``method`` names the
     caller in errors: outside cross-replica context, or variables of several strategies)."""
-    return checkpoint._strategy(method).extended.collectives
+    return checkpoint._strategy(method).replicas.collectives
 
 
 def write_file(
@@ -425,7 +425,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
             "latest_checkpoint is collective: call it on every rank in cross-replica context "
             "(outside strategy.run and merge_fn)"
         )
-    collectives = mode.strategy.extended.collectives
+    collectives = mode.strategy.replicas.collectives
     background.wait_for_saves(collectives)
     collectives.agree("checkpoint.latest")
     return collectives.on_root(

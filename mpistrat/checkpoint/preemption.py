@@ -339,7 +339,7 @@ class PreemptionWatcher:
     def __init__(self) -> None:
         from mpistrat import context  # the strategy layer imports this module
 
-        self._collectives = context.get_strategy().extended.collectives
+        self._collectives = context.get_strategy().replicas.collectives
         self._reasons: list[str] = []
         self._message: str | None = None
         _watch_signals(self)

@@ -6,6 +6,7 @@
 ``mismatch.py``     what each rank passed, explained once the ranks disagree
 ``leaves.py``       nests to arrays; cached fingerprints and pack plans
 ``caches.py``       what the collectives remember between calls
+``state.py``        what a collective sees of its ``Collectives`` (a protocol)
 ``all_reduce.py``   sum or mean, one ``Allreduce`` per dtype pack
 ``exact_sum.py``    exact sums in integer limbs (``deterministic=True``)
 ``compressed.py``   16-bit values on the wire (``compression="bf16"|"fp16"``)
@@ -20,7 +21,7 @@
 A new collective is a function ``name(self: Collectives, ..., *, kind=...)`` in a file
 of its own, decorated with ``@watchdog.collective("name")`` (stalls and timeouts),
 opening with ``self.agree(kind, fingerprint=..., describe=..., error=...)``, and
-assigned as a method below.
+assigned as a method below; ``self`` is typed by ``state.CollectiveState``.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())
@@ -83,7 +84,7 @@ class Collectives:
         # A stop requested here (a preemption signal) that the handshake carries to every rank.
         self.stop = handshake.StopState()
         # The handshake's send and receive buffers, reused, and the stop state it carries.
-        self._handshake = (
+        self.handshake_buffers = (
             np.empty(handshake.SLOTS, dtype=np.int64),
             np.empty(handshake.SLOTS, dtype=np.int64),
             self.stop,

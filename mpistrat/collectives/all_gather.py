@@ -32,7 +32,7 @@ from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["all_gather"]
 

@@ -26,7 +26,7 @@ from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["all_reduce", "allreduce_arrays", "describe", "reduce_special"]
 

@@ -22,7 +22,7 @@ from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["broadcast"]
 

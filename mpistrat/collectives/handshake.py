@@ -43,7 +43,7 @@ from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = [
     "SLOTS",
@@ -201,7 +201,7 @@ def agree_within(
             self.flight.append([seq, kind, fingerprint, now, now, UNCHECKED, None])
             return None
         fingerprint ^= step.rolling  # this handshake checks the unchecked collectives too
-    send, recv, stop = self._handshake  # buffers reused, and the stop state: this is per-call overhead
+    send, recv, stop = self.handshake_buffers  # reused buffers, and the stop state: per-call overhead
     last, longest = tally.outgoing
     _PACKING.pack_into(  # in slot order
         send, 0,  # type: ignore[arg-type]  # an ndarray is a buffer

@@ -33,7 +33,7 @@ from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["compressed_sum", "route_code"]
 

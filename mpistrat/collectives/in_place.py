@@ -30,7 +30,7 @@ from mpistrat.errors import UnsupportedTypeError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = [
     "all_gather_bytes",

@@ -29,7 +29,7 @@ from mpistrat.diagnostics import watchdog
 from mpistrat.errors import UnsupportedTypeError, portable
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = [
     "INLINE_BYTES",

@@ -40,7 +40,7 @@ from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["mean_of", "reduce_along_axis"]
 

@@ -37,7 +37,7 @@ from mpistrat.comm import mpi, packing
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives import Collectives
+    from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = ["BF16", "EXACT", "FP16", "PLAIN", "SumMode", "sum_mode"]
 

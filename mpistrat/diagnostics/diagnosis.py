@@ -12,7 +12,6 @@ headlines of the watchdog's warnings and errors. Nothing here sends a message or
 from __future__ import annotations
 
 import sys
-import threading
 from typing import TYPE_CHECKING, Any
 
 from mpistrat.diagnostics import flight, stragglers
@@ -35,7 +34,6 @@ __all__ = [
     "records",
     "stood_in",
     "timed_out",
-    "two_threads",
     "undiagnosed",
     "warning",
 ]
@@ -216,16 +214,3 @@ def exit_reason() -> str:
     if error is not None:
         return f"an uncaught {type(error).__name__}"
     return "sys.exit or the end of its program"
-
-
-def two_threads(mon: Monitor, me: int, kind: str) -> str:
-    """The error of a second thread calling ``kind`` while another is inside a collective."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    inside = mon.thread
-    return (
-        f"{kind} was called from thread {names.get(me, me)!r} while thread "
-        f"{names.get(inside, inside) if inside else 'another'!r} is inside {mon.kind or 'a collective'} "
-        f"(collective #{mon.seq}) of the same strategy. A strategy's collectives run one thread at a "
-        "time: the ranks would pair two threads' collectives up differently. Call them from one "
-        "thread, or give each thread its own strategy (MPIStrategy(comm.Dup()))."
-    )

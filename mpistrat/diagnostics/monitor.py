@@ -23,17 +23,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from mpi4py import MPI
 
 from mpistrat.diagnostics import timeline
 from mpistrat.diagnostics.callsite import call_site
-from mpistrat.diagnostics.diagnosis import two_threads
 from mpistrat.errors import ContextError
-
-if TYPE_CHECKING:
-    from mpistrat.diagnostics.side_channel import Channel
 
 __all__ = ["Monitor", "collective", "exited"]
 
@@ -70,7 +66,9 @@ class Monitor:
         self.env_timeout: float | None = None
         self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
         self.stall_after: float | None = None
-        self.side: Channel | None = None  # this strategy's side-channel state; None: no side channel
+        # This strategy's side-channel state (a side_channel.Channel; typed Any: that module, which
+        # reads the monitor, sits beside this one); None: no side channel.
+        self.side: Any = None
         self.hosts: tuple[str, ...] = ()  # every rank's host, where they are several (named in diagnoses)
         # -- written by the collective's thread, read by the watchdog thread
         self.kind = ""
@@ -179,3 +177,16 @@ def collective(default_kind: str) -> Callable[[F], F]:
         return watched  # type: ignore[return-value]
 
     return decorate
+
+
+def two_threads(mon: Monitor, me: int, kind: str) -> str:
+    """The error of a second thread calling ``kind`` while another is inside a collective."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    inside = mon.thread
+    return (
+        f"{kind} was called from thread {names.get(me, me)!r} while thread "
+        f"{names.get(inside, inside) if inside else 'another'!r} is inside {mon.kind or 'a collective'} "
+        f"(collective #{mon.seq}) of the same strategy. A strategy's collectives run one thread at a "
+        "time: the ranks would pair two threads' collectives up differently. Call them from one "
+        "thread, or give each thread its own strategy (MPIStrategy(comm.Dup()))."
+    )

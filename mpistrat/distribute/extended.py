@@ -38,7 +38,8 @@ from mpistrat.distribute.reductions import Collective, InPlace
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
-from mpistrat.values import HasLocalCopy
+from mpistrat.replicas import SyncedWrites
+from mpistrat.values import HasLocalCopy, local_variable
 
 if TYPE_CHECKING:
     from mpistrat.distribute.strategy_base import Strategy
@@ -98,7 +99,7 @@ class StrategyExtended:
         self.merge_call_mode = merge_call  # "root" or "every_rank" (see mpistrat.distribute.merge)
         # What cross-replica writes to this strategy's variables do now (inside a merge_fn, inside
         # update()): its variables are handed it at creation, merge_call and update set it.
-        self.writes = context.SyncedWrites()
+        self.writes = SyncedWrites()
         # Weak, so variables a program drops are freed; keys come from a counter, never reused.
         self._synced: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._synced_keys = itertools.count()
@@ -333,7 +334,7 @@ class StrategyExtended:
             )
         if taken and not merging:
             updates.check_per_replica_writes(self.collectives, var, taken, "update")
-        component = var._local_variable()
+        component = local_variable(var)
         writes = self.writes
         writes.in_sync += 1  # as writes_in_sync(), without a generator: this is per step and variable
         try:
@@ -415,7 +416,7 @@ class StrategyExtended:
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` (a per-rank copy) belongs to, else ``value`` itself."""
-        owner = getattr(value, "_owner", None)
+        owner = getattr(value, "owner", None) if isinstance(value, HasLocalCopy) else None
         return value if owner is None else owner
 
     def variable_created_in_scope(self, v: Any) -> bool:

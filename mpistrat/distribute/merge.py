@@ -187,7 +187,7 @@ def _split_result(result: Any, size: int, strategy: Any = None) -> tuple[Any, li
             return _Component(len(components[0]) - 1)
         if isinstance(leaf, (PerReplica, Mirrored)):  # one value for all, as tf's select_replica gives
             return leaf.values[0]
-        key = getattr(leaf, "_synced_key", None)
+        key = getattr(leaf, "synced_key", None)
         if isinstance(leaf, DistributedValues) and key is not None:
             return _Synced(key)
         return leaf

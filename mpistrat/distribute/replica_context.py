@@ -84,9 +84,7 @@ class ReplicaContext:
             The reduced nest, same structure; MEAN divides truly (ints give floats).
         """
         self._require_current("all_reduce")
-        collectives = self._strategy._collectives  # the extended's, without its two properties
-        collectives.require_open()
-        return collectives.all_reduce(reduce_op, value, options)
+        return self._strategy.extended.collectives.all_reduce(reduce_op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenate every replica's arrays along ``axis``, in replica order.

@@ -19,7 +19,7 @@ from mpistrat.collectives import check_enabled
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
-from mpistrat.values import HasLocalCopy, Mirrored, PerReplica, component
+from mpistrat.values import Mirrored, PerReplica, component, local_variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -65,7 +65,7 @@ def select_replica(
             return mine
         if isinstance(x, Mirrored):
             return x.values[0]
-        return x._local_variable() if isinstance(x, HasLocalCopy) else x
+        return local_variable(x)
 
     args, kwargs = arguments
     if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):  # flat (an optimizer's update)

@@ -91,6 +91,13 @@ class DistributedDataset:
             self._spec = None if first is END else examine(first, SplitIterator.where, unbatched=True).spec
         return self._spec
 
+    def checkpoint_position(self, restart: Callable[[], None] | None = None) -> InputPosition:
+        """Where this dataset stands (its latest pass), as a checkpoint saves it; ``restart``: what
+        makes an iterator of it resume the restored pass."""
+        return InputPosition(
+            SplitIterator.where, self._collectives, self._source, False, restart, self._owner
+        )
+
     def __repr__(self) -> str:
         return f"DistributedDataset({self._source.iterable!r}, replicas={self._collectives.size})"
 
@@ -153,6 +160,11 @@ class DistributedDatasetsFromFunction:
         first = self._source.peek()
         return None if first is END else examine(first, self._where, unbatched=True).spec
 
+    def checkpoint_position(self, restart: Callable[[], None] | None = None) -> InputPosition:
+        """Where this dataset stands (its latest pass), as a checkpoint saves it; ``restart``: what
+        makes an iterator of it resume the restored pass."""
+        return InputPosition(self._where, self._collectives, self._source, True, restart, self._owner)
+
     def __repr__(self) -> str:
         return f"DistributedDatasetsFromFunction({self.input_context!r})"
 
@@ -176,6 +188,10 @@ class InputIterator:
     def _forget(self) -> None:
         """After a restore: the next ``get_next`` opens the restored pass."""
         self._iterator = None
+
+    def checkpoint_position(self) -> InputPosition:
+        """Where the input stands, as a checkpoint saves it; restoring resumes the restored pass."""
+        return self._dataset.checkpoint_position(self._forget)
 
     def _current(self) -> DistributedIterator:
         if self._iterator is None:
@@ -261,14 +277,9 @@ def input_position(obj: Any) -> InputPosition | None:
     A dataset's position is that of its latest pass (passes completed, and global batches
     taken in the pass in progress); restoring into an iterator makes it resume the restored pass.
     """
-    restart = None
-    if isinstance(obj, InputIterator):
-        obj, restart = obj._dataset, obj._forget
-    elif isinstance(obj, (SplitIterator, PipelineIterator)):
-        restart = obj._restart
-    if isinstance(obj, (DistributedDataset, SplitIterator)):
-        return InputPosition(SplitIterator.where, obj._collectives, obj._source, False, restart, obj._owner)
-    if isinstance(obj, (DistributedDatasetsFromFunction, PipelineIterator)):
-        where = obj._where if isinstance(obj, DistributedDatasetsFromFunction) else obj.where
-        return InputPosition(where, obj._collectives, obj._source, True, restart, obj._owner)
+    if isinstance(obj, _POSITIONED):
+        return obj.checkpoint_position()
     return None
+
+
+_POSITIONED = (DistributedDataset, DistributedDatasetsFromFunction, InputIterator, DistributedIterator)

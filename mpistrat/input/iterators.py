@@ -26,6 +26,7 @@ from mpistrat.input.batches import Batch, Rows, examine, replica_range, split_ba
 from mpistrat.input.batches import fingerprint as batch_fingerprint
 from mpistrat.input.contexts import InputOptions, require_spmd
 from mpistrat.input.elements import Elements
+from mpistrat.input.position import InputPosition
 from mpistrat.input.source import END, UNKNOWN, Source, wrap_user_error
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class DistributedIterator:
     """
 
     where = "distributed dataset"
+    pipelines = False  # each rank reads its own pipeline (a checkpoint keeps every rank's position)
+    _source: Source
 
     def __init__(self, collectives: Collectives, options: InputOptions, owner: object = None):
         self._collectives = collectives  # the ranks' collectives: rank, size, the step's handshakes
@@ -117,6 +120,17 @@ class DistributedIterator:
     @property
     def element_spec(self) -> Any:
         """The per-replica element: the batch's nest with an ``ArraySpec`` per leaf."""
+        raise NotImplementedError
+
+    def checkpoint_position(self) -> InputPosition:
+        """Where this iterator's input stands, as a checkpoint saves it; restoring it makes this
+        iterator resume the restored pass."""
+        return InputPosition(
+            self.where, self._collectives, self._source, self.pipelines, self._restart, self._owner
+        )
+
+    def _restart(self) -> None:
+        """Forget this iterator's pass: the next read opens the source's (restored) position."""
         raise NotImplementedError
 
     def _step(self) -> Any:

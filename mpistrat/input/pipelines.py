@@ -55,6 +55,7 @@ class PipelineIterator(DistributedIterator):
     """Each rank reads its own pipeline; the ranks agree at every step on who still has data."""
 
     where = "distribute_datasets_from_function"
+    pipelines = True
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ may be of another size now), and the checkpoint row says which dataset it was
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -30,9 +30,19 @@ from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
-    from mpistrat.input.source import Source
 
-__all__ = ["InputPosition", "Position", "check_position"]
+__all__ = ["InputPosition", "Position", "Resumable", "check_position"]
+
+
+class Resumable(Protocol):
+    """What a checkpoint entry asks of the input it saves (``input/source.py``'s ``Source``)."""
+
+    def checkpoint_row(self) -> list[int]: ...
+
+    def check_saved(self, where: str, saved: saved_row.Saved) -> saved_row.Saved: ...
+
+    def reposition(self, saved: saved_row.Saved) -> None: ...
+
 
 # Restoring agrees on errors even with the check off: a rank left at another position would read other data.
 _ALWAYS = CommunicationOptions(check=True)
@@ -130,7 +140,7 @@ class InputPosition:
         self,
         what: str,
         collectives: Collectives,
-        source: Source,
+        source: Resumable,
         per_rank: bool,
         restart: Callable[[], None] | None = None,
         owner: object = None,

@@ -38,6 +38,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
 from mpistrat.training.variables import Variable, Writable, plain_variable
+from mpistrat.values import local_variable
 
 __all__ = ["Accumulator", "RankShare", "checked_steps", "exact_rows"]
 
@@ -60,7 +61,7 @@ def exact_rows(strategy: Any, options: CommunicationOptions | None) -> bool:
     strategy's)."""
     if strategy is None:
         return False
-    merged = strategy.extended.collectives.options
+    merged = strategy.replicas.collectives.options
     if options is not None:
         merged = merged.merge(options)
     return bool(merged.reduction == "deterministic")
@@ -80,7 +81,7 @@ class Accumulator:
 
     @property
     def count(self) -> int:
-        return int(self.counter._value)
+        return int(self.counter.local_array)
 
     def add(self, grads: list[Any], variables: list[Any]) -> list[Any] | None:
         """Keep one call's gradients; None on a quiet call, the K-th call's gradients to reduce:
@@ -181,7 +182,7 @@ class RankShare:
     @property
     def section(self) -> tuple[int, str, str, int]:
         """Where a checkpoint lays it out, the same on every rank (after the sharded slots' keys)."""
-        return (int(getattr(self._var, "_synced_key", 0)), self.dtype.str, "~accumulation", 0)
+        return (int(getattr(self._var, "synced_key", 0)), self.dtype.str, "~accumulation", 0)
 
     def local_parts(self) -> list[tuple[int, Any]]:
         """This rank's row: ``(offset in the flattened entry, a view of the buffer)``."""
@@ -189,8 +190,7 @@ class RankShare:
 
 
 def _local(var: Any) -> Any:
-    local = getattr(var, "_local_variable", None)
-    return (var if local is None else local())._value
+    return local_variable(var).local_array
 
 
 def _bad_shape(name: str, grad: Any, var: Any) -> InvalidArgumentError:

@@ -6,7 +6,7 @@ broadcast at creation, or a :class:`SyncOnReadVariable` (ON_READ). Either holds 
 rank (a plain :class:`~mpistrat.training.variables.Variable`). Writes in replica context are
 aggregated across replicas as ``aggregation`` says; writes in cross-replica context apply on
 every rank. What a write does inside a merge_fn or ``update()`` the strategy says through the
-:class:`~mpistrat.context.SyncedWrites` each variable is handed at creation.
+:class:`~mpistrat.replicas.SyncedWrites` each variable is handed at creation.
 
 >>> import mpistrat, numpy as np
 >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
@@ -28,6 +28,7 @@ from mpistrat.collectives.fingerprint import checksum
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
 from mpistrat.reduce_op import ReduceOp
+from mpistrat.replicas import SyncedWrites
 from mpistrat.training.variables import (
     Variable,
     VariableAggregation,
@@ -82,7 +83,7 @@ class DistributedVariable(Variable, DistributedValues):
             )
         mode = context.current_mode()
         strategy = mode.strategy
-        extended = strategy.extended
+        replicas = strategy.replicas
         # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
         sync, agg = self._synchronization.name, self._aggregation.name
         kind = f"variable_creation({canonical_name(self._name)}, {sync}, {agg})"
@@ -94,38 +95,47 @@ class DistributedVariable(Variable, DistributedValues):
                 "non-floating dtype is not supported, please use a different aggregation or dtype (a mean "
                 f"of {self._value.dtype} copies would truncate)"
             )
-        collectives = extended.collectives
+        collectives = replicas.collectives
         value = collectives.broadcast(self._value, kind=kind, error=error)
         if collectives.size > 1:  # names may differ in a replica's number: rank 0's wins, as tf's replica 0's
             self._name = collectives.broadcast_from_root(self._name, kind="variable_creation (name)")
         del self._value
         self._component = plain_variable(value, self._name, self._trainable)
-        self._component._owner = self
+        self._component.owner = self
         DistributedValues.__init__(self, (self._component,))
         self._distribute_strategy = strategy
-        self._extended = extended
-        self._synced_key = extended.register_synced(self)
-        self._writes: context.SyncedWrites = extended.writes  # what its writes do now (see there)
+        self._replicas = replicas
+        self.synced_key = replicas.register_synced(self)
+        self._writes: SyncedWrites = replicas.writes  # what its writes do now (see there)
 
     def _local(self) -> Any:
-        return self._component._value
+        return self._component.local_array
+
+    @property
+    def local_array(self) -> Any:
+        """This rank's copy's array (see :attr:`Variable.local_array`)."""
+        return self._component.local_array
+
+    @local_array.setter
+    def local_array(self, array: Any) -> None:
+        self._component.local_array = array
 
     def _local_variable(self) -> Variable:
         return self._component
 
     @property
     def device(self) -> str:
-        return self._extended.parameter_devices[0]
+        return self._replicas.parameter_devices[0]
 
-    def _note_write(self, new: Any) -> None:
+    def note_write(self, new: Any) -> None:
         """A write to this rank's copy; inside rank 0's merge_fn it must reach the other ranks."""
         merged = self._writes.merged
         if merged is not None:
-            merged.append((self._synced_key, new))
+            merged.append((self.synced_key, new))
 
     def apply_merge_write(self, payload: Any) -> None:
         xp = packing.array_module(self._local())
-        self._component._value = xp.asarray(payload)
+        self._component.local_array = xp.asarray(payload)
 
     def _mode(self, method: str) -> context.Mode:
         """The current mode; a different strategy's scope is an error."""
@@ -151,7 +161,7 @@ class DistributedVariable(Variable, DistributedValues):
         self, op: VariableAggregation, local: Any, kind: str, error: MpistratError | None = None
     ) -> Any:
         """One collective combining every rank's ``local`` as ``op`` says."""
-        collectives, kind = self._extended.collectives, f"{kind}({self._name})"
+        collectives, kind = self._replicas.collectives, f"{kind}({self._name})"
         if op is VariableAggregation.ONLY_FIRST_REPLICA:
             out = collectives.broadcast(local, kind=kind, error=error)
         else:
@@ -167,8 +177,8 @@ class DistributedVariable(Variable, DistributedValues):
         Writes inside ``update`` (computed from reduced values) and inside a merge_fn on rank 0
         (replayed everywhere) are not compared.
         """
-        extended = self._extended
-        if mode.kind is context.MERGE or self._writes.in_sync or not check_enabled(extended.collectives):
+        replicas = self._replicas
+        if mode.kind is context.MERGE or self._writes.in_sync or not check_enabled(replicas.collectives):
             return self._coerce(value, how)
         new: Any = None  # stays None only on a rank that raises ``error`` (then ``describe`` is not called)
         error: MpistratError | None = None
@@ -178,7 +188,7 @@ class DistributedVariable(Variable, DistributedValues):
             code = checksum(new)
         except MpistratError as exc:
             error = exc
-        extended.collectives.agree(
+        replicas.collectives.agree(
             f"{how}({self._name})",
             fingerprint=code,
             describe=lambda: {
@@ -190,7 +200,7 @@ class DistributedVariable(Variable, DistributedValues):
         return new
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}:{{\n  {self._extended.rank}: {self._component!r}\n}}"
+        return f"{type(self).__name__}:{{\n  {self._replicas.rank}: {self._component!r}\n}}"
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -217,7 +227,7 @@ class DistributedVariable(Variable, DistributedValues):
                 constraint=self._constraint,
             )
         if not self.mirrored:  # a sync-on-read variable's copies differ: each rank keeps its own
-            copy._component._value = local
+            copy._component.local_array = local
         memo[id(self)] = copy
         return copy
 
@@ -237,7 +247,7 @@ class MirroredVariable(DistributedVariable):
 
     def value(self) -> Any:
         self._mode("value")
-        return read_only(self._component._value)
+        return read_only(self._component.local_array)
 
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)
@@ -248,7 +258,7 @@ class MirroredVariable(DistributedVariable):
             self._component._write(how, value)
             return
         value = self._agreed(how, value, mode)
-        self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
+        self._replicas.update(self, lambda v, x: v._write(how, x), args=(value,))
 
     def _write_in_replica(self, how: str, value: Any, mode: context.Mode) -> None:
         agg = self._aggregation
@@ -258,11 +268,11 @@ class MirroredVariable(DistributedVariable):
         error, local = None, None
         try:
             local = self._coerce(value, how)
-            if agg is VariableAggregation.SUM and type(value) in _PYTHON_NUMBERS and self._extended.size > 1:
+            if agg is VariableAggregation.SUM and type(value) in _PYTHON_NUMBERS and self._replicas.size > 1:
                 raise InvalidArgumentError(  # as tf, which sums only values computed in each replica
                     f"{self._name}.{how}: A non-DistributedValues value {value!r} cannot be reduced with "
                     "the given reduce op ReduceOp.SUM: a Python number is the same on every replica, as in "
-                    f"tf, and its sum over {self._extended.size} replicas is rarely what was meant. Write an "
+                    f"tf, and its sum over {self._replicas.size} replicas is rarely what was meant. Write an "
                     "array computed in the replica (np.asarray(x)) to sum the replicas' values, or use "
                     "aggregation MEAN or ONLY_FIRST_REPLICA for a value that is the same on every replica"
                 )
@@ -271,7 +281,7 @@ class MirroredVariable(DistributedVariable):
         if local is None:
             local = packing.array_module(self._local()).zeros_like(self._local())
         combined = self._aggregate(agg, local, "variable_aggregation", error)
-        self._component._value = combine(how, self._component._value, combined)
+        self._component.local_array = combine(how, self._component.local_array, combined)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -279,7 +289,7 @@ class SyncOnReadVariable(DistributedVariable):
 
     def value(self) -> Any:
         mode = self._mode("value")
-        local = self._component._value
+        local = self._component.local_array
         if mode.kind is context.REPLICA:
             return read_only(local)
         agg = self._aggregation
@@ -319,8 +329,8 @@ class SyncOnReadVariable(DistributedVariable):
             writes = self._writes.merged
             if writes is None:  # merge_call starts the record before it runs merge_fn
                 raise MpistratError(f"{self._name}.{how}: a merge write outside merge_call")
-            self._component._value = combine(how, self._component._value, new)
-            writes.append((self._synced_key, (how, new)))
+            self._component.local_array = combine(how, self._component.local_array, new)
+            writes.append((self.synced_key, (how, new)))
             return
         self._component._write(how, new)
 
@@ -331,17 +341,17 @@ class SyncOnReadVariable(DistributedVariable):
         ``10`` over 3 ranks is 4, 3, 3 (a floor division alone would read back 9). Inside a
         merge_fn, rank 0's share is every rank's (it alone runs there).
         """
-        size, xp = self._extended.size, packing.array_module(total)
+        size, xp = self._replicas.size, packing.array_module(total)
         if self.dtype.kind not in "iu" or mode.kind is context.MERGE:
             return (total / size).astype(self.dtype, copy=False)
         quotient, remainder = xp.divmod(total, size)
-        return (quotient + (self._extended.rank < remainder)).astype(self.dtype, copy=False)
+        return (quotient + (self._replicas.rank < remainder)).astype(self.dtype, copy=False)
 
     def apply_merge_write(self, payload: Any) -> None:
         if isinstance(payload, tuple):  # (how, delta): applied to this rank's own copy
             how, delta = payload
             local = self._local()
-            self._component._value = combine(how, local, packing.array_module(local).asarray(delta))
+            self._component.local_array = combine(how, local, packing.array_module(local).asarray(delta))
             return
         super().apply_merge_write(payload)
 

@@ -84,7 +84,7 @@ class FlatBuffer:
         self.views = [array[a:b].reshape(s) for (a, b), s in zip(self.spans, self.shapes, strict=True)]
         for member, view in zip(self.members, self.views, strict=True):
             member._value = view
-            member._storage = self
+            member.storage = self
 
     # Reference counts, read always through these three methods: the baselines below are read
     # through them too (on a probe nobody else holds), so they hold for any Python's counting.

@@ -33,6 +33,7 @@ from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training import pack_step
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.pack_step import BLOCK, WHOLE, Update
+from mpistrat.values import local_variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -151,8 +152,7 @@ class Group:
 
 def own_copy(var: Variable) -> Variable:
     """The plain variable holding this rank's copy (a plain variable is its own)."""
-    local = getattr(var, "_local_variable", None)
-    return var if local is None else local()
+    return local_variable(var)
 
 
 @dataclasses.dataclass
@@ -253,7 +253,7 @@ class FlatState:
         """Put new ``variables`` (in the same order on every rank) into groups, one per dtype."""
         by_kind: dict[tuple[Any, Any], list[int]] = {}
         for i, var in enumerate(variables):
-            local = own_copy(var)._value
+            local = own_copy(var).local_array
             by_kind.setdefault((packing.array_module(local), local.dtype), []).append(i)
         for (_, dtype), indices in by_kind.items():
             size = sum(int(np.prod(variables[i].shape)) for i in indices)
@@ -279,7 +279,7 @@ class FlatState:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def _plan(self, variables: list[Variable]) -> _Plan:
+    def plan(self, variables: list[Variable]) -> _Plan:
         key = tuple(map(id, variables))
         plan = self._plans.get(key)
         if plan is not None:
@@ -319,7 +319,7 @@ class FlatState:
         )
         if len(self._plans) >= 64:  # a loop repeats a few sets; anything else is not worth keeping
             self._plans.clear()
-        locals_ = [own_copy(v)._value for v in variables]
+        locals_ = [own_copy(v).local_array for v in variables]
         like = ([type(a) for a in locals_], [a.shape for a in locals_], [a.dtype for a in locals_])
         plan = self._plans[key] = _Plan(steps, fingerprint, described, list(variables), like)
         return plan
@@ -354,7 +354,7 @@ class FlatState:
         """
         error: MpistratError | None = pending
         try:
-            plan = plan or self._plan(variables)
+            plan = plan or self.plan(variables)
             if not rows and not plan.matches(grads):
                 grads = _checked_gradients(grads, variables)
             params = [s.group.params.claim() for s in plan.steps]
@@ -431,24 +431,24 @@ def storage_place(var: Variable) -> tuple[FlatBuffer, int, int] | None:
     flat storage. A checkpoint lays values out in this order, so that a rank's share of them is
     one run of memory, and restores adjacent ones straight into it."""
     local = own_copy(var)
-    storage = local._storage
-    if storage is None:
+    storage = local.storage
+    if not isinstance(storage, FlatBuffer):  # None: not in flat storage
         return None
     first = storage.members[0]
-    owner = first if first._owner is None else first._owner  # the distributed variable it belongs to
+    owner = first if first.owner is None else first.owner  # the distributed variable it belongs to
     return storage, creation_order(owner), storage.start_of(local)
 
 
-def creation_order(var: Variable) -> int:
+def creation_order(var: Any) -> int:
     """A distributed variable's number in its strategy, the same on every rank (plain ones: 0)."""
-    return int(getattr(var, "_synced_key", 0))
+    return int(getattr(var, "synced_key", 0))
 
 
 def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
     """Each gradient as an array, checked against its variable's shape, dtype and array module."""
     out = []
     for grad, var in zip(grads, variables, strict=True):
-        local = own_copy(var)._value
+        local = own_copy(var)._value  # every variable at every step: the attribute, not local_array
         if type(grad) is not type(local):
             grad = packing.as_array(grad, f"apply_gradients: the gradient of {var.name!r}")
             if packing.array_module(grad) is not packing.array_module(local):

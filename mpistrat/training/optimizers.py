@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,9 +78,7 @@ class Optimizer:
             )
         # How the gradients are summed (deterministic, compression, ...) over the strategy's options.
         self._communication_options = communication_options
-        if not callable(learning_rate) and not isinstance(
-            learning_rate, (int, float, np.floating, np.integer)
-        ):
+        if not (callable(learning_rate) or isinstance(learning_rate, (int, float, np.floating, np.integer))):
             raise InvalidArgumentError(
                 f"{name}: learning_rate must be a number or a callable of the step; got {learning_rate!r}"
             )
@@ -104,10 +104,9 @@ class Optimizer:
         if self._iterations is not None or self._slots or self._state is not None:
             raise TypeError(
                 f"{self._name}: an optimizer that holds state (its step counter or slots, made by "
-                "apply_gradients or build) cannot be deep-copied: its slots live in flat buffers over the "
-                "variables it updates and are keyed by them, so a copy could update neither those "
-                "variables nor copies of them. Make a new optimizer with the same arguments (it builds its "
-                "slots at its first step), or keep this one's state with a Checkpoint"
+                "apply_gradients or build) cannot be deep-copied: its slots live in flat buffers keyed by "
+                "the variables it updates. Make a new optimizer with the same arguments, or keep this one's "
+                "state with a Checkpoint"
             )
         duplicate = object.__new__(type(self))
         memo[id(self)] = duplicate
@@ -140,7 +139,7 @@ class Optimizer:
         """Steps applied so far (an int64 variable; created on first use, collectively)."""
         if self._iterations is None:
             with self._creation_scope():
-                extended = context.get_strategy().extended
+                extended = context.get_strategy().replicas
                 with extended.colocate_vars_with(extended.non_slot_devices([])):
                     self._iterations = Variable(
                         np.int64(0),
@@ -193,7 +192,7 @@ class Optimizer:
             strategy, distributed = context.get_strategy(), context.has_strategy()
         else:
             strategy, distributed = self._strategy, True
-        extended = strategy.extended
+        extended = strategy.replicas
         bytes_per_pack = 0
         if distributed:
             collectives = extended.collectives
@@ -215,20 +214,15 @@ class Optimizer:
         if self._shard_state:
             for var in new:
                 group, j = state.where[id(var)]
-                self._slots[id(var)] = (
-                    var,
-                    {
-                        n: ShardedSlot(group, j, n, f"{var.name}/{n}", extended.collectives)
-                        for n in self.slot_names
-                    },
-                )
+                slot = functools.partial(ShardedSlot, group, j, collectives=extended.collectives)
+                self._slots[id(var)] = (var, {n: slot(n, f"{var.name}/{n}") for n in self.slot_names})
 
     def _slot_variables(self, var_list: list[Variable]) -> dict[str, list[Variable]]:
         """Create each variable's slot variables (zeros, colocated with it); record and return them."""
         out: dict[str, list[Variable]] = {n: [] for n in self.slot_names}
         for var in var_list:
             with self._creation_scope():
-                extended = context.get_strategy().extended
+                extended = context.get_strategy().replicas
                 with extended.colocate_vars_with(var):
                     xp = packing.array_module(local_copy(var))
                     slots = {
@@ -280,7 +274,7 @@ class Optimizer:
         """Apply one step from ``(gradient, variable)`` pairs, in replica context.
 
         Gradients are summed across replicas; pairs whose gradient is None are skipped. Returns
-        ``iterations``. An iterator of pairs overlaps the sums with itself (``training/overlap.py``).
+        ``iterations``. A generator of pairs overlaps the sums with itself (``training/overlap.py``).
         ``gradient_accumulation_steps=K``: K-1 of K calls keep the gradients; the K-th applies their mean.
         """
         replica = context.get_replica_context()
@@ -289,8 +283,14 @@ class Optimizer:
                 f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
                 "strategy.run(fn) to enter replica context"
             )
-        if (grads_and_vars := overlap.apply(self, grads_and_vars)) is None:  # an iterator, overlapped
-            return self.iterations
+        if isinstance(grads_and_vars, types.GeneratorType):  # computed as they come: their sums overlap
+            accumulating, options = self._accumulator is not None, self._communication_options
+            streamed = overlap.Optimizer(
+                self._name, self._strategy, self._state, options, accumulating,
+                self._adopt, self._update_flat, self.iterations, self.learning_rate,
+            )  # fmt: skip
+            if (grads_and_vars := overlap.apply(streamed, grads_and_vars)) is None:
+                return self.iterations
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise InvalidArgumentError(
@@ -325,14 +325,14 @@ class Optimizer:
             # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
             # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
             mode = context.require_replica("ReplicaContext.merge_call")  # as merge_call checks
-            mode.strategy.extended.call_merge_fn(
+            mode.strategy.replicas.call_merge_fn(
                 self._distributed_apply, (pairs,), {}, every_rank=True, agree=False
             )
             return self.iterations
         counter = own_copy(self.iterations)
-        step = int(counter._value)
+        step = int(counter.local_array)
         state.step(
-            None if strategy is None else strategy.extended.collectives,
+            None if strategy is None else strategy.replicas.collectives,
             [g for g, _ in pairs],
             variables,
             self._update_flat,
@@ -349,7 +349,7 @@ class Optimizer:
 
     def accumulation_state(self) -> tuple[Variable, list[tuple[Variable, Any]]] | None:
         """Mid-cycle: what a checkpoint saves of it (:meth:`Accumulator.state`); else None."""
-        extended = (self._strategy or context.get_strategy()).extended
+        extended = (self._strategy or context.get_strategy()).replicas
         return None if self._accumulator is None else self._accumulator.state(extended.rank, extended.size)
 
     def prepare_accumulation(self, var_list: list[Variable] | None) -> None:
@@ -364,7 +364,7 @@ class Optimizer:
         return self._state
 
     def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
-        extended = strategy.extended
+        extended = strategy.replicas
         if self._communication_options is None:
             summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
         else:  # the options= argument of batch_reduce_to

@@ -26,7 +26,6 @@ rank a list: a streamed step's first collective is a sum, a list step's a handsh
 from __future__ import annotations
 
 import dataclasses
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -55,23 +54,36 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
 
-__all__ = ["apply", "can_stream", "step"]
+__all__ = ["Optimizer", "apply", "can_stream", "step"]
 
 
-def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple[Any, ...] | None:
-    """``optimizer.apply_gradients(pairs)`` for a generator: the streamed step where it can overlap
-    (None once done), else the pairs as a list or tuple, for the list step.
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """What the streamed step needs of the optimizer whose ``apply_gradients`` it runs."""
+
+    name: str
+    strategy: Any  # the strategy it was made under (None: none)
+    state: FlatState | None  # its flat state, once built
+    options: CommunicationOptions | None  # its communication options, over the strategy's
+    accumulating: bool  # gradient_accumulation_steps > 1
+    adopt: Callable[[Any], None]  # registers a variable it updates
+    update: pack_step.Update  # its in-place update of flat blocks
+    iterations: Variable
+    learning_rate: Callable[[int], float]
+
+
+def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | None:
+    """``apply_gradients(pairs)`` for a generator: the streamed step where it can overlap (None once
+    done), else the pairs as a list, for the list step.
 
     Not without a distributed strategy, before the first step has built the state, with
     gradient accumulation, or where :func:`can_stream` says no."""
-    if not isinstance(pairs, types.GeneratorType):  # its gradients exist already: nothing to overlap
-        return pairs if isinstance(pairs, (list, tuple)) else list(pairs)
-    state = optimizer._state
-    if optimizer._accumulator is not None or optimizer._strategy is None or state is None:
+    state = optimizer.state
+    if optimizer.accumulating or optimizer.strategy is None or state is None:
         return list(pairs)
-    strategy = own_replica_strategy(optimizer.name, optimizer._strategy, [])
-    collectives = None if strategy is None else strategy.extended.collectives
-    if collectives is None or not can_stream(state, collectives, optimizer._communication_options):
+    strategy = own_replica_strategy(optimizer.name, optimizer.strategy, [])
+    collectives = None if strategy is None else strategy.replicas.collectives
+    if collectives is None or not can_stream(state, collectives, optimizer.options):
         return list(pairs)
 
     def where(var: Any) -> tuple[Group, int]:
@@ -80,13 +92,13 @@ def apply(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | tuple
                 f"{optimizer.name}.apply_gradients: expected (gradient, Variable) pairs; got a "
                 f"{type(var).__name__}"
             )
-        optimizer._adopt(var)
+        optimizer.adopt(var)
         return state.where[id(var)]
 
     counter = own_copy(optimizer.iterations)
-    now = int(counter._value)
+    now = int(counter.local_array)
     lr = optimizer.learning_rate(now)
-    step(collectives, state, pairs, where, optimizer._update_flat, lr, now, name=optimizer.name)
+    step(collectives, state, pairs, where, optimizer.update, lr, now, name=optimizer.name)
     with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
         count += 1
     return None
@@ -223,7 +235,7 @@ def step(
                         "adds variables a list"
                     ) from None
                 (grad,) = _checked_gradients([grad], [var])
-                local = own_copy(var)._value
+                local = own_copy(var).local_array
                 seen = known[id(var)] = (index[id(group)], j, type(local), local.shape, local.dtype)
             i, j = seen[0], seen[1]
             if stream.arrived[i][j]:
@@ -241,7 +253,7 @@ def step(
     plan = params = slots = None
     if error is None:
         try:
-            plan = state._plan(variables)
+            plan = state.plan(variables)
             params = [s.group.params.claim() for s in plan.steps]
             slots = [s.group.claim_slots() for s in plan.steps]
         except Exception as exc:

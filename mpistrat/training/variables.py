@@ -19,7 +19,7 @@ import enum
 import operator
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,10 +27,6 @@ from mpistrat import context
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
-
-if TYPE_CHECKING:
-    from mpistrat.training.distributed_variables import DistributedVariable
-    from mpistrat.training.flat_storage import FlatBuffer
 
 __all__ = [
     "Variable",
@@ -64,6 +60,23 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = 3
 
 
+class Owner(Protocol):
+    """The distributed variable a plain variable is the local copy of
+    (``training/distributed_variables.py``): told of every write to the copy."""
+
+    def note_write(self, new: Any) -> None: ...
+
+
+class Storage(Protocol):
+    """The flat buffer a plain variable's array is a slice of (``training/flat_storage.py``)."""
+
+    members: list[Any]
+
+    def private(self, member: Any) -> bool: ...
+
+    def start_of(self, member: Any) -> int: ...
+
+
 class Variable(HasLocalCopy):
     """A mutable array: NumPy or CuPy, with ``assign``/``assign_add``/``assign_sub``.
 
@@ -78,9 +91,9 @@ class Variable(HasLocalCopy):
             :attr:`constraint` (as tf, writes do not apply it; mpistrat's optimizers do not).
     """
 
-    _owner: DistributedVariable | None = None  # the distributed variable this copy belongs to
+    owner: Owner | None = None  # the distributed variable this copy belongs to
     _distribute_strategy: Any = None
-    _storage: FlatBuffer | None = None  # the optimizer's flat array this copy is a slice of, if any
+    storage: Storage | None = None  # the optimizer's flat array this copy is a slice of, if any
     _constraint: Callable[[Any], Any] | None = None
     colocated_with: Any = None
 
@@ -147,6 +160,17 @@ class Variable(HasLocalCopy):
         """This rank's copy, never communicating (for metadata and ``repr``)."""
         return self._value
 
+    @property
+    def local_array(self) -> Any:
+        """This rank's array as it is, writable, never communicating: what mpistrat's optimizers,
+        checkpoints and distributed variables read, update in place and replace (setting it tells
+        nobody). A program reads :meth:`value` (read-only) and writes with :meth:`assign`."""
+        return self._value
+
+    @local_array.setter
+    def local_array(self, array: Any) -> None:
+        self._value = array
+
     def _local_copy(self) -> Any:
         return self._local()
 
@@ -194,7 +218,7 @@ class Variable(HasLocalCopy):
         return self if read_value else None
 
     def _write(self, how: str, value: Any) -> None:
-        if self._owner is None:  # a plain variable, not a distributed one's copy
+        if self.owner is None:  # a plain variable, not a distributed one's copy
             _refuse_replica_write(self, how)
         new = self._coerce(value, how)
         # _private() counts references: ask it before this frame holds one of its own
@@ -213,8 +237,8 @@ class Variable(HasLocalCopy):
 
     def _private(self) -> bool:
         """Whether nothing outside holds this copy's array (a ``value()`` read, a view of it)."""
-        if self._storage is not None:
-            return self._storage.private(self)
+        if self.storage is not None:
+            return self.storage.private(self)
         return sys.getrefcount(self._value) <= _PRIVATE
 
     def _writable(self) -> Writable:
@@ -223,8 +247,8 @@ class Variable(HasLocalCopy):
 
     def _set(self, new: Any) -> None:
         self._value = new
-        if self._owner is not None:
-            self._owner._note_write(new)
+        if self.owner is not None:
+            self.owner.note_write(new)
 
     def _coerce(self, value: Any, how: str) -> Any:
         """``value`` as an array of this variable's dtype, shape and array module, or raise."""

@@ -1,0 +1,86 @@
+"""What a collective reads and writes of the object it is a method of: one ``Collectives``'s
+shared state, as a protocol the op files are typed against.
+
+Each op file defines its collective as a function of ``self`` and ``Collectives``
+(``collectives/__init__.py``) assigns it as a method. The op files type ``self`` with this
+protocol, imported under the name of what they are methods of
+(``from mpistrat.collectives.state import CollectiveState as Collectives``), so they never
+import the class that imports them. Besides the state, the protocol names the two calls one
+collective makes of another: ``agree`` (the handshake every collective opens with) and
+``all_reduce``.
+
+>>> from mpi4py import MPI
+>>> from mpistrat.collectives import Collectives
+>>> isinstance(Collectives(MPI.COMM_SELF.Dup()), CollectiveState)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.collectives.caches import Caches
+from mpistrat.collectives.step_check import StepCheck
+from mpistrat.comm.transport import Transports
+from mpistrat.diagnostics.flight import Flight
+from mpistrat.diagnostics.monitor import Monitor
+from mpistrat.diagnostics.stragglers import Tally
+from mpistrat.errors import MpistratError
+from mpistrat.options import CommunicationOptions
+
+__all__ = ["CollectiveState"]
+
+
+@runtime_checkable
+class CollectiveState(Protocol):
+    """One ``Collectives``'s state: its communicator, options, caches, transports, counters and
+    the watchdog's monitor (see ``Collectives.__init__`` for what each holds)."""
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    options: CommunicationOptions
+    sum_mode: Any  # how float sums travel by default, a sum_modes.SumMode (typed against this protocol)
+    check: int  # the check level (0, 1, 2)
+    step_check: StepCheck | None  # MPISTRAT_CHECK=step's record of unchecked collectives
+    seq: int
+    disagreements: int
+    failures: int
+    handshakes: int
+    caches: Caches
+    transports: Transports
+    stragglers: Tally
+    flight: Flight
+    monitor: Monitor
+    stop: Any  # a handshake.StopState (the handshake module is typed against this one)
+    # The handshake's reused send and receive buffers, and the stop state it carries.
+    handshake_buffers: tuple[np.ndarray, np.ndarray, Any]
+    pending: dict[str, Callable[[], None]]
+
+    def agree(
+        self,
+        kind: str,
+        *,
+        fingerprint: int = 0,
+        describe: Callable[[], Any] | None = None,
+        error: BaseException | None = None,
+        extras: list[int] | None = None,
+        maximum: int | None = None,
+        options: CommunicationOptions | None = None,
+        deferrable: bool = False,
+        closing: bool = False,
+    ) -> Any: ...
+
+    def all_reduce(
+        self,
+        reduce_op: Any,
+        value: Any,
+        options: CommunicationOptions | None = None,
+        *,
+        kind: str = "all_reduce",
+        error: MpistratError | None = None,
+    ) -> Any: ...
