@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives import check_enabled
+from mpistrat.collectives import check_enabled, leaves
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.errors import CollectiveMismatchError, StructureMismatchError
 
@@ -45,7 +45,8 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
         if error is not None:
             raise error
         return
-    spec = None if error is not None else nest.tree_structure(result)
+    # The structure as the collectives flatten nests: remembered for flat containers of arrays.
+    spec = None if error is not None else leaves.flatten(result, collectives.caches.flat)[1]
     code = 0
     if spec is not None:
         code = cached_code(collectives.caches.codes, (KIND, spec), lambda: repr(_form(spec)))
