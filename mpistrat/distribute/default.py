@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpistrat import context
 from mpistrat.comm import devices
 from mpistrat.distribute.extended import StrategyExtended
-from mpistrat.distribute.reductions import InPlace
+from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.strategy_base import Strategy
 from mpistrat.distribute.updates import select_replica, ungroup
@@ -70,12 +70,13 @@ class DefaultExtended(StrategyExtended):
     def __init__(self, container_strategy: Strategy):
         self._setup(container_strategy, MPI.COMM_SELF, CommunicationOptions(), "root", "the default strategy")
         self.placement = devices.cpu_placement()
-        self._in_place = InPlace(1, self._options, _as_is)  # every context's reductions
+        self._local = LocalReducer(1, self._options, _as_is)  # reduce_to and the like: nothing to send
+        self._spmd = SpmdReducer(self)  # Strategy.reduce and gather outside a merge_fn, over COMM_SELF
         self._scope_owner = None  # variables created outside any scope belong to no strategy
 
-    def _reductions(self, method: str) -> InPlace:
+    def _reductions(self, method: str) -> LocalReducer:
         self._require_cross_replica(method)
-        return self._in_place
+        return self._local
 
     def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()

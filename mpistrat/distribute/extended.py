@@ -34,7 +34,7 @@ from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
 from mpistrat.diagnostics.stragglers import Stragglers
 from mpistrat.distribute import merge, reductions, updates
-from mpistrat.distribute.reductions import Collective, InPlace
+from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
@@ -76,8 +76,8 @@ class StrategyExtended:
         self.placement = devices.place(comm)
         c.locate(self.placement.hosts)  # diagnoses name the hosts of missing ranks
         # The two cross-replica contexts' reductions (see _reductions).
-        self._spmd = Collective(self)
-        self._in_place = InPlace(self.size, options, reductions.mirrored(self.size))
+        self._spmd = SpmdReducer(self)
+        self._local = LocalReducer(self.size, options, reductions.mirrored(self.size))
 
     def _setup(
         self,
@@ -221,15 +221,18 @@ class StrategyExtended:
             return self._container_strategy.scope()
         return _NOTHING
 
-    def _reductions(self, method: str) -> Collective | InPlace:
-        """The reductions of the current cross-replica context (else raise): the one place that tells
-        a merge_fn, where every replica's value is at hand, from the SPMD context, where each rank
-        holds its own. ``reduce_to``, ``batch_reduce_to`` and ``broadcast_to`` check their arguments,
-        then hand them to what this returns."""
+    def _reductions(self, method: str) -> SpmdReducer | LocalReducer:
+        """The reducer of the current cross-replica context (else raise), for ``reduce_to``,
+        ``batch_reduce_to`` and ``broadcast_to``, which check their arguments, then hand them to it."""
         mode = context.current_mode()
         if mode.kind is not context.DEFAULT:
             self._require_cross_replica_of_mine(method, mode)
-        return self._in_place if mode.kind is context.MERGE else self._spmd
+        return self.reducer(mode)
+
+    def reducer(self, mode: context.Mode) -> SpmdReducer | LocalReducer:
+        """The one place that tells a merge_fn, where every replica's value is at hand (array
+        arithmetic), from the SPMD context, where each rank holds its own (one collective)."""
+        return self._local if mode.kind is context.MERGE else self._spmd
 
     # -- reductions ---------------------------------------------------------------------
 

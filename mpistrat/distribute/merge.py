@@ -36,23 +36,19 @@ import optree
 from mpistrat import context, nest
 from mpistrat.collectives import Unsendable, check_level
 from mpistrat.collectives.fingerprint import checksum, code_of
-from mpistrat.collectives.reduce_axis import mean_of
-from mpistrat.comm import packing
 from mpistrat.errors import (
-    ContextError,
     InvalidArgumentError,
     MpistratError,
     StructureMismatchError,
     UnsupportedTypeError,
 )
-from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica, local_copy
+from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.distribute.strategy_base import Strategy
 
-__all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "reduce_here", "regroup", "select"]
+__all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "regroup", "select"]
 
 MODES = ("root", "every_rank")
 
@@ -203,92 +199,6 @@ def _fill(leaf: Any, mine: list[Any], strategy: Strategy) -> Any:
     if isinstance(leaf, _Component):
         return mine[leaf.index]
     return leaf
-
-
-# -- reducing where every replica's value is at hand ----------------------------------------
-
-
-def reduce_here(op: Any, value: Any, size: int, method: str, axis: int | None = None) -> Any:
-    """Reduce ``value`` (a nest; ``PerReplica`` leaves hold the replicas' values) with array arithmetic.
-
-    The one reducer of a root-mode merge_fn (rank 0 alone) and of the default strategy:
-    ``Strategy.reduce``, ``reduce_to`` and ``batch_reduce_to`` all come here. As tf.distribute:
-
-    - a ``PerReplica`` reduces its components (SUM adds them, MEAN divides by their number);
-      it must have 1 or ``size`` components;
-    - a ``Mirrored`` value or mirrored variable holds one value per replica: SUM gives
-      ``size`` times it (tf raises AssertionError there), MEAN the value;
-    - another value is the same on every replica: MEAN gives it, SUM is an error unless
-      ``size`` is 1;
-    - ``"ONLY_FIRST_REPLICA"`` (``reduce_to`` only) takes replica 0's value.
-
-    With ``axis`` each value is first summed along it; MEAN divides by the count along it.
-    Float dtypes are kept; integer MEANs give float64.
-
-    >>> reduce_here(ReduceOp.MEAN, PerReplica((np.float32(1.0), np.float32(2.0))), 2, "reduce")
-    np.float32(1.5)
-    """
-    return nest.tree_map(
-        lambda leaf: _reduce_leaf(op, leaf, size, method, axis),
-        value,
-        is_leaf=lambda x: isinstance(x, DistributedValues),
-    )
-
-
-def _reduce_leaf(op: Any, leaf: Any, size: int, method: str, axis: int | None) -> Any:
-    if isinstance(leaf, HasLocalCopy):
-        if isinstance(leaf, DistributedValues) and not leaf.mirrored:  # type: ignore[attr-defined]
-            raise ContextError(
-                f"{method}: a sync-on-read variable cannot be reduced inside merge_fn, which runs on rank 0 "
-                "alone with only rank 0's copy; reduce it in strategy.scope() on every rank, or use "
-                "MPIStrategy(merge_call='every_rank')"
-            )
-        leaf = Mirrored((local_copy(leaf),)) if isinstance(leaf, DistributedValues) else local_copy(leaf)
-    if isinstance(leaf, PerReplica):
-        parts = list(leaf.values)
-        if len(parts) not in (1, size):
-            raise InvalidArgumentError(
-                f"{method}: a PerReplica value has {len(parts)} components; expected 1 or {size} "
-                "(one per replica)"
-            )
-    elif isinstance(leaf, Mirrored):
-        parts = [leaf.values[0]] * (size if op == ReduceOp.SUM else 1)
-    elif op == ReduceOp.SUM and size > 1:
-        raise InvalidArgumentError(
-            f"{method}: a value that is not a PerReplica (the same on every replica) cannot be reduced "
-            f"with SUM across {size} replicas inside merge_fn; pass the PerReplica value merge_fn received"
-        )
-    else:
-        parts = [leaf]
-    if op == "ONLY_FIRST_REPLICA":
-        return parts[0]
-    try:
-        return nest.tree_map(lambda *xs: _combine(op, xs, axis, method), *parts)
-    except ValueError as exc:  # components of different structures
-        raise InvalidArgumentError(f"{method}: the components of a PerReplica value differ: {exc}") from None
-
-
-def _combine(op: Any, parts: tuple[Any, ...], axis: int | None, method: str) -> Any:
-    xp = packing.common_module(parts)
-    arrays = [xp.asarray(p) for p in parts]
-    count = len(arrays)
-    if axis is not None:
-        for a in arrays:
-            if not -a.ndim <= axis < a.ndim:
-                raise InvalidArgumentError(f"{method}: axis {axis} is out of range for shape {a.shape}")
-        count = sum(a.shape[axis] for a in arrays)
-        arrays = [a.sum(axis=axis, dtype=a.dtype) for a in arrays]
-    if len({a.shape for a in arrays}) > 1:  # NumPy would broadcast them into a wrong answer
-        shapes = ", ".join(f"replica {r}: {tuple(a.shape)}" for r, a in enumerate(arrays))
-        along = "" if axis is None else f" after summing along axis {axis}"
-        raise InvalidArgumentError(
-            f"{method}: the replicas' values have different shapes{along} ({shapes}); every replica must "
-            "pass the same shape (for batches of different sizes, reduce along the batch axis with axis=0)"
-        )
-    total = arrays[0]
-    for a in arrays[1:]:
-        total = total + a
-    return mean_of(total, count) if op == ReduceOp.MEAN else total
 
 
 # -- "every_rank" -------------------------------------------------------------------------

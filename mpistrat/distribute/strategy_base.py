@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from mpistrat import context, nest, values
-from mpistrat.comm import packing
-from mpistrat.distribute import in_turn, merge, results
+from mpistrat.distribute import in_turn, reductions, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
-from mpistrat.errors import ContextError, MpistratError, UnsupportedTypeError
+from mpistrat.errors import ContextError, UnsupportedTypeError
 from mpistrat.input import datasets as _datasets
 from mpistrat.input.contexts import (
     InputContext,
@@ -29,7 +28,7 @@ from mpistrat.input.contexts import (
     distribute_values_from_function,
 )
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.values import Mirrored, PerReplica
 
 if TYPE_CHECKING:
     from mpistrat.distribute.cluster_resolver import ClusterResolver
@@ -241,21 +240,7 @@ class Strategy:
         """
         mode = context.require_cross_replica("Strategy.reduce")
         self._require_own("Strategy.reduce")
-        if mode.kind is context.MERGE:
-            op = ReduceOp.from_any(reduce_op)
-            return merge.reduce_here(op, value, self.num_replicas_in_sync, "reduce", axis)
-        collectives = self._extended.collectives
-        rank, size = self._extended.rank, self.num_replicas_in_sync
-        try:
-            op = ReduceOp.from_any(reduce_op)
-            local = nest.tree_map(lambda x: values.component(x, rank, size, "reduce"), value)
-        except MpistratError as exc:
-            collectives.agree("reduce", error=exc)  # the others are entering the all_reduce: tell them
-            raise
-        if axis is None:
-            return collectives.all_reduce(op, local, kind="reduce")
-        # Exact with CommunicationOptions(deterministic=True): the same bits at any number of ranks.
-        return collectives.reduce_along_axis(op, local, axis, kind="reduce")
+        return self._extended.reducer(mode).reduce(reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the replicas' values along ``axis`` (cross-replica context).
@@ -266,13 +251,7 @@ class Strategy:
         """
         mode = context.require_cross_replica("Strategy.gather")
         self._require_own("Strategy.gather")
-        if mode.kind is context.MERGE:
-            return nest.tree_map(
-                lambda v: _concatenate(self.experimental_local_results(v), axis),
-                value,
-            )
-        local = nest.tree_map(lambda x: self._local_component(x, self._extended.rank), value)
-        return self._extended.collectives.all_gather(local, axis, kind="gather")
+        return self._extended.reducer(mode).gather(value, axis)
 
     # -- input: thin delegations to mpistrat.input ------------------------------------
 
@@ -325,9 +304,7 @@ class Strategy:
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values held by this process: every component of a ``DistributedValues``, else ``(value,)``."""
-        if isinstance(value, DistributedValues):
-            return value.values
-        return (value,)
+        return reductions.local_results(value)
 
     def experimental_initialize(self) -> list[Any]:
         """Nothing to initialize on MPI (the communicator is ready); returns ``[]``."""
@@ -371,8 +348,3 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
-
-
-def _concatenate(components: Any, axis: int) -> Any:
-    xp = packing.common_module(components)
-    return xp.concatenate([xp.asarray(c) for c in components], axis=axis)
