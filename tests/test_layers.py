@@ -170,8 +170,6 @@ KNOWN_CIRCLES = [
         "mpistrat.distribute.replica_context",
         "mpistrat.distribute.strategy_base",
     ],
-    # The optimizer's step hands each pack's work to pack_step, which names that work's type.
-    ["mpistrat.training.optimizer_state", "mpistrat.training.pack_step"],
 ]
 
 

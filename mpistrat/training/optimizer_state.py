@@ -377,7 +377,9 @@ class FlatState:
         elif error is not None:
             raise error
         assert plan is not None
-        work = [(s, [grads[p] for p in s.positions], w) for s, w in zip(plan.steps, params, strict=True)]
+        work: list[pack_step.Work] = [
+            (s, [grads[p] for p in s.positions], w) for s, w in zip(plan.steps, params, strict=True)
+        ]
         # an overflow found once data has moved must raise before the first pack is written
         run = pack_step.run_reduced_first if _fails_late(mode, plan) else pack_step.run
         if rows:

@@ -15,14 +15,13 @@ only once all have arrived.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
-    from mpistrat.training.optimizer_state import _GroupStep
 
-__all__ = ["BLOCK", "WHOLE", "Update", "gather_pack", "run", "run_reduced_first", "update_pack"]
+__all__ = ["BLOCK", "WHOLE", "GroupStep", "Update", "gather_pack", "run", "run_reduced_first", "update_pack"]
 
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
 # parameters, gradients and slots stay in cache across the update's passes. Measured
@@ -34,8 +33,18 @@ WHOLE = 1 << 20
 # update(w, g, slots, lr, step): one step on matching 1-D blocks, in place; g is theirs to overwrite.
 Update = Callable[[Any, Any, list[Any], float, int], None]
 
+
+class GroupStep(Protocol):
+    """What a step does with one group of variables (``optimizer_state``'s plan of it), as read here."""
+
+    group: Any  # the optimizer_state.Group: its layout, flat parameters, slots and staging
+    runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]  # per pack: gradient pieces
+    gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills
+    updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
+
+
 # (the group's step, its gradients, its claimed parameter array)
-Work = tuple["_GroupStep", list[Any], Any]
+Work = tuple[GroupStep, list[Any], Any]
 
 
 def run(
@@ -86,7 +95,7 @@ def run_reduced_first(
 
 def _reduced_packs(
     collectives: Collectives | None,
-    s: _GroupStep,
+    s: GroupStep,
     grads: list[Any],
     kind: str,
     options: CommunicationOptions | None,
@@ -97,7 +106,7 @@ def _reduced_packs(
 
 def _reduce(
     collectives: Collectives | None,
-    s: _GroupStep,
+    s: GroupStep,
     grads: list[Any],
     k: int,
     kind: str,
@@ -126,7 +135,7 @@ def _reduce(
 
 
 def _reduce_rows(
-    collectives: Collectives | None, s: _GroupStep, grads: list[Any], k: int, kind: str, rows: int
+    collectives: Collectives | None, s: GroupStep, grads: list[Any], k: int, kind: str, rows: int
 ) -> tuple[Any, int]:
     """As :func:`_reduce`, for ``[rows, *shape]`` gradients summed exactly and divided by ``rows``."""
     group, lay = s.group, s.group.layout
@@ -149,7 +158,7 @@ def _reduce_rows(
 
 
 def update_pack(
-    s: _GroupStep,
+    s: GroupStep,
     k: int,
     grad: Any,
     base: int,
@@ -174,7 +183,7 @@ def update_pack(
             )
 
 
-def gather_pack(collectives: Collectives | None, s: _GroupStep, k: int, params: Any, kind: str) -> None:
+def gather_pack(collectives: Collectives | None, s: GroupStep, k: int, params: Any, kind: str) -> None:
     """Sharded: pack ``k``'s parameters from the ranks that updated them to every rank."""
     if s.group.layout.sharded:
         assert collectives is not None
