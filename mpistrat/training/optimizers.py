@@ -321,13 +321,8 @@ class Optimizer:
             pending = acc.take_pending()
             if pending is not None and (state is None or strategy is None):
                 raise pending
-        if state is None:
-            # Every rank runs _distributed_apply: one fused all-reduce, then each rank updates its copies.
-            # Its update fails on every rank or none, so no closing handshake (unless the check is strict).
-            mode = context.require_replica("ReplicaContext.merge_call")  # as merge_call checks
-            mode.strategy.replicas.call_merge_fn(
-                self._distributed_apply, (pairs,), {}, every_rank=True, agree=False
-            )
+        if state is None:  # one variable at a time, without merge_call (Keras's path)
+            self._apply_each(replica, pairs)
             return self.iterations
         counter = own_copy(self.iterations)
         step = int(counter.local_array)
@@ -363,22 +358,21 @@ class Optimizer:
             self._state = FlatState(self.slot_names, self._shard_state)
         return self._state
 
-    def _distributed_apply(self, strategy: Any, pairs: list[tuple[Any, Variable]]) -> None:
-        extended = strategy.replicas
-        if self._communication_options is None:
-            summed = extended.batch_reduce_to(ReduceOp.SUM, pairs)
-        else:  # the options= argument of batch_reduce_to
-            summed = extended.batch_reduce_to(ReduceOp.SUM, pairs, options=self._communication_options)
-        step = int(self.iterations.value())
-        lr = self.learning_rate(step)
+    def _apply_each(self, replica: Any, pairs: list[tuple[Any, Variable]]) -> None:
+        """In replica context, as Keras does without merge_call: one fused all-reduce of the gradients
+        (``ReplicaContext.all_reduce``), then each variable's ``_apply_dense`` on this rank's copies
+        (``extended.update`` in replica context). The update fails on every rank or none."""
+        summed = replica.all_reduce(ReduceOp.SUM, [g for g, _ in pairs], self._communication_options)
+        counter = own_copy(self.iterations)
+        step = int(counter.local_array)
+        lr, extended = self.learning_rate(step), replica.strategy.replicas
         for grad, (_, var) in zip(summed, pairs, strict=True):
             slots = self._slots[id(var)][1]
             extended.update(
                 var, self._apply_dense, args=(grad, lr, step, *(slots[n] for n in self.slot_names))
             )
-        extended.update_non_slot(
-            extended.non_slot_devices([v for _, v in pairs]), self.iterations.assign_add, (1,)
-        )
+        with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
+            count += 1
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
         """Update ``var`` and its ``slots`` (this rank's copies) from the summed ``grad``: a subclass
