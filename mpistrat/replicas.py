@@ -64,9 +64,6 @@ class Replicas(Protocol):
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        *,
-        every_rank: bool = False,
-        agree: bool = True,
     ) -> Any:
         """Run ``merge_fn(strategy, *args, **kwargs)`` as ``ReplicaContext.merge_call`` does."""
         ...

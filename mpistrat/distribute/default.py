@@ -104,9 +104,6 @@ class DefaultExtended(StrategyExtended):
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        *,
-        every_rank: bool = False,
-        agree: bool = True,
     ) -> Any:
         """Call ``merge_fn`` here, in the merge context: the one replica holds every replica's values."""
         strategy = self._container_strategy

@@ -453,19 +453,12 @@ class StrategyExtended:
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        *,
-        every_rank: bool = False,
-        agree: bool = True,
     ) -> Any:
         """Run ``merge_fn(strategy, *args, **kwargs)`` as ``ReplicaContext.merge_call`` does, once it
-        checked the replica context: where ``merge_call`` says (see :mod:`mpistrat.distribute.merge`).
-
-        ``every_rank=True`` runs it on every rank whatever ``merge_call`` says (the optimizers do);
-        ``agree=False`` then skips the closing handshake unless the check is strict.
-        """
+        checked the replica context: where ``merge_call`` says (see :mod:`mpistrat.distribute.merge`)."""
         strategy = self._container_strategy
-        if every_rank or self.merge_call_mode == "every_rank":
-            return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs, agree=agree)
+        if self.merge_call_mode == "every_rank":
+            return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs)
         return merge.merge_on_root(strategy, merge_fn, args, kwargs)
 
 

@@ -204,15 +204,8 @@ def _fill(leaf: Any, mine: list[Any], strategy: Strategy) -> Any:
 # -- "every_rank" -------------------------------------------------------------------------
 
 
-def merge_on_every_rank(
-    strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any, *, agree: bool = True
-) -> Any:
-    """Run ``merge_fn`` on every rank with its own values; the ranks agree on the outcome after.
-
-    ``agree=False`` (the optimizers: their update cannot fail on one rank alone) skips the
-    closing handshake unless the check is strict; an exception then ends the job as an
-    uncaught one does.
-    """
+def merge_on_every_rank(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run ``merge_fn`` on every rank with its own values; the ranks agree on the outcome after."""
     extended = strategy.extended
     collectives = extended.collectives
     m_args, m_kwargs = nest.tree_map(_own, (tuple(args), kwargs))
@@ -230,7 +223,7 @@ def merge_on_every_rank(
     # A collective inside merge_fn that failed on every rank (a rank that raised early met the
     # others there) has told everyone already: a closing handshake now would wait for nobody.
     told = collectives.disagreements != disagreements
-    if not told and (agree or check_level(collectives) > 1):
+    if not told:
         _agree(collectives, extended.synced, written, error)
     if error is not None:
         raise error

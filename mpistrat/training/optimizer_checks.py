@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
+from mpistrat.collectives.fingerprint import checksum, code_of
+from mpistrat.collectives.handshake import check_level
 from mpistrat.errors import ContextError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from mpistrat.training.variables import Variable
 
-__all__ = ["SAME_BUILD", "not_floating", "own_replica_strategy"]
+__all__ = ["SAME_BUILD", "compare_copies", "not_floating", "own_replica_strategy"]
 
 
 def own_replica_strategy(name: str, strategy: Any, variables: list[Variable]) -> Any:
@@ -57,4 +59,27 @@ def not_floating(name: str, variables: list[Variable]) -> InvalidArgumentError |
 SAME_BUILD = (
     "Every rank must build the optimizer with the same shard_state and for the same variables: "
     "create the optimizer the same way on every rank and pass every rank the same variables."
+)
+
+
+def compare_copies(collectives: Any, written: list[tuple[Any, Any]], kind: str) -> None:
+    """Under ``MPISTRAT_CHECK=strict``: every variable a step wrote (``(name, this rank's array)``
+    pairs) holds the same bytes on every rank, else ``CollectiveMismatchError`` on every rank."""
+    if collectives is None or check_level(collectives) < 2:
+        return
+    sums = [(repr(name), checksum(array)) for name, array in written]
+    collectives.agree(
+        f"{kind} (strict check)",
+        fingerprint=code_of(*sums),
+        describe=lambda: {
+            "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
+            "advice": DIVERGED,
+        },
+    )
+
+
+DIVERGED = (
+    "The copies of a variable differ between ranks after the optimizer's step (MPISTRAT_CHECK=strict "
+    "compares their checksums): the ranks applied different updates. Look for a variable written on one "
+    "rank alone, or for non-deterministic arithmetic."
 )

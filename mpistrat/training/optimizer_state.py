@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat.collectives.fingerprint import checksum, code_of
+from mpistrat.collectives.fingerprint import code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, SumMode, sum_mode
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training import pack_step
 from mpistrat.training.flat_storage import FlatBuffer
+from mpistrat.training.optimizer_checks import compare_copies
 from mpistrat.training.pack_step import BLOCK, WHOLE, Update
 from mpistrat.values import local_variable
 
@@ -398,26 +399,8 @@ def _fails_late(mode: SumMode, plan: _Plan) -> bool:
 
 def _compare_copies(collectives: Collectives, plan: _Plan, kind: str) -> None:
     """``MPISTRAT_CHECK=strict``: every variable the step wrote holds the same bytes on every rank."""
-    sums = [
-        (repr(s.group.variables[j].name), checksum(s.group.params.views[j]))
-        for s in plan.steps
-        for j in s.present
-    ]
-    collectives.agree(
-        f"{kind} (strict check)",
-        fingerprint=code_of(*sums),
-        describe=lambda: {
-            "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
-            "advice": _DIVERGED,
-        },
-    )
-
-
-_DIVERGED = (
-    "The copies of a variable differ between ranks after the optimizer's step (MPISTRAT_CHECK=strict "
-    "compares their checksums): the ranks applied different updates. Look for a variable written on one "
-    "rank alone, or for non-deterministic arithmetic."
-)
+    written = [(s.group.variables[j].name, s.group.params.views[j]) for s in plan.steps for j in s.present]
+    compare_copies(collectives, written, kind)
 
 
 _SAME_VARIABLES = (

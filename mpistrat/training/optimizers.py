@@ -39,7 +39,7 @@ from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.training import overlap
 from mpistrat.training.accumulation import Accumulator, checked_steps, exact_rows
-from mpistrat.training.optimizer_checks import SAME_BUILD, not_floating, own_replica_strategy
+from mpistrat.training.optimizer_checks import SAME_BUILD, compare_copies, not_floating, own_replica_strategy
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableAggregation, Writable
@@ -373,6 +373,8 @@ class Optimizer:
             )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
+        written = [(v.name, own_copy(v).local_array) for _, v in pairs]
+        compare_copies(extended.collectives, written, f"{self._name}.apply_gradients")
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
         """Update ``var`` and its ``slots`` (this rank's copies) from the summed ``grad``: a subclass

@@ -261,6 +261,33 @@ def test_a_subclass_that_updates_one_variable_at_a_time_is_honoured(group):
     all_ranks_agree(group.comm, np.array_equal(w.numpy(), [-0.1, -0.1]), f"{w.numpy()}")
 
 
+def test_a_one_at_a_time_update_that_diverges_is_caught_by_the_strict_check(world):
+    """Under ``check="strict"`` the per-variable path compares the copies it wrote: a rank whose
+    update differs (here the last, by 1) fails every rank naming the variable; alike, it passes."""
+    rank, size = world.rank, world.size
+
+    class OffByOne(SGD):
+        def _apply_dense(self, var, grad, lr, step, *slots):
+            with var._writable() as w:
+                w -= lr * grad + (1.0 if diverge and rank == size - 1 else 0.0)
+
+    strategy = mpistrat.MPIStrategy(
+        world.comm, communication_options=mpistrat.CommunicationOptions(check="strict")
+    )
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(2, np.float32), name="w")
+        opt = OffByOne(0.5)
+    diverge = False
+    strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), w)]))
+    ok = np.array_equal(w.numpy(), np.full(2, -0.5 * size, np.float32))  # tf sums the gradients
+    diverge = True
+    step = lambda: strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), w)]))  # noqa: E731
+    if size > 1:
+        raises_on_every_rank(world.comm, mpistrat.CollectiveMismatchError, step, "variable 'w'")
+    strategy.experimental_finalize()
+    all_ranks_agree(world.comm, ok, f"{w.numpy()}")
+
+
 @pytest.mark.parametrize("shard", [False, True])
 def test_integer_variables_are_refused_at_build_on_every_rank(group, shard):
     with group.strategy.scope():
