@@ -137,8 +137,8 @@ SETTINGS: dict[str, Setting] = {
             _check,
             1,
             "`0`/`off`, `1`/`on`, `step`, `strict`",
-            "The handshake check before every collective; `step` checks each collective in full "
-            "the first time and its repeats once per step; `strict` also compares the copies of "
+            "The handshake check before every collective; `step` checks the first step call by "
+            "call and every later step once; `strict` also compares the copies of "
             "the variables every-rank merge functions update.",
         ),
         Setting(

@@ -43,8 +43,8 @@ class CommunicationOptions:
         implementation: the transport, see :class:`CommunicationImplementation`.
         check: verify that every rank entered the same collective with compatible
             arguments (None: the ``MPISTRAT_CHECK`` environment default, on);
-            ``"step"`` checks each collective in full the first time and its repeats
-            once per ``strategy.run`` (see docs/reliability.md); ``"strict"`` also
+            ``"step"`` checks the first step call by call and every later
+            ``strategy.run`` once, at its end (see docs/reliability.md); ``"strict"`` also
             compares the copies of the variables that every-rank merge functions (the
             optimizers) update, by checksum.
         deterministic: floating-point SUM and MEAN return the exact sum of the

@@ -161,12 +161,14 @@ def agree_within(
         extras: per-rank numbers, gathered once all agree (the handshake then always runs).
         maximum: a number whose largest value over the ranks is returned.
         options: the call's options (their ``check``; the default: the collectives' own).
-        deferrable: under ``MPISTRAT_CHECK=step``, a repeat of this call (same kind and
-            fingerprint, no error, extras or maximum) may send nothing: it is checked at the
-            next handshake that sends (see :mod:`.step_check`). Data collectives pass True;
-            a handshake whose news may come from one rank alone (an error, a stop) does not.
-        closing: a step's closing handshake (``strategy.run``'s): under ``step``, a repeat of
-            it sends only when some collective since the last handshake is unchecked.
+        deferrable: under ``MPISTRAT_CHECK=step``, once the first step was checked, this call
+            (no extras or maximum) sends nothing: it is checked at the next handshake that
+            sends (see :mod:`.step_check`), and ``error`` is raised on this rank alone. Data
+            collectives pass True; a handshake whose news may come from one rank alone (an
+            error, a stop) does not.
+        closing: a step's closing handshake (``strategy.run``'s): under ``step`` it ends the
+            first step's checking call by call, and after that is sent only when some
+            collective since the last handshake is unchecked.
 
     Returns:
         With ``extras``, every rank's extras (a table, one row per rank); with
@@ -189,17 +191,16 @@ def agree_within(
     kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
     step = self.step_check
     if step is not None:
-        if (
-            (deferrable or (closing and not step.unchecked))
-            and error is None
-            and maximum is None
-            and extras is None
-            and (options is None or options.check in _STEP_OR_UNSET)
-            and step.defer(seq, kind, kind_code, fingerprint)
-        ):
-            now = time.monotonic()
-            self.flight.append([seq, kind, fingerprint, now, now, UNCHECKED, None])
-            return None
+        if not step.learning and (options is None or options.check in _STEP_OR_UNSET):
+            if closing and not step.unchecked:
+                return None  # every rank's step closes with nothing unchecked: nothing to send
+            if deferrable and maximum is None and extras is None:
+                if error is not None:  # as with the check off: the others are in the transfer
+                    raise error
+                if step.defer(seq, kind, kind_code, fingerprint):
+                    now = time.monotonic()
+                    self.flight.append([seq, kind, fingerprint, now, now, UNCHECKED, None])
+                    return None
         fingerprint ^= step.rolling  # this handshake checks the unchecked collectives too
     send, recv, stop = self.handshake_buffers  # reused buffers, and the stop state: per-call overhead
     last, longest = tally.outgoing
@@ -237,6 +238,8 @@ def agree_within(
     self.monitor.agreed = self.monitor.start  # every rank has entered this collective (for the watchdog)
     if step is not None:
         step.verified()
+        if closing:
+            step.learned()
     if extras is None:
         return None if maximum is None else top[MAXIMUM]
     mine = np.asarray(extras, dtype=np.int64)

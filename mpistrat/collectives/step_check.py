@@ -1,20 +1,25 @@
-"""``MPISTRAT_CHECK=step``: each collective checked in full once, its repeats once per step.
+"""``MPISTRAT_CHECK=step``: every collective checked in the first step, then once per step.
 
 With the check on, every collective opens with a handshake: one more latency per call. Under
-``step``, a collective's first occurrence (its kind and its arguments' code: structure, dtypes,
-shapes, reduce op) still opens with one; a repeat sends nothing and folds its sequence number,
-kind and code into a rolling hash instead. The next handshake that does send carries that hash:
-``apply_gradients``' (always sent), ``strategy.run``'s closing one (sent when something is left
-unchecked), a collective seen for the first time, or any other control handshake. So a
-divergence raises on every rank by the end of the step, naming the first collective in which
-the ranks differed. A divergence that stops the
-transfer itself (ranks in collectives of different sizes) is named by the watchdog from the
-flight records, where each unchecked collective has its entry.
+``step`` the first ``strategy.run`` (and everything before it) is checked call by call, as with
+the check on. Once its closing handshake has passed, a data collective sends nothing of its own:
+each rank folds its sequence number, kind and arguments' code (structure, dtypes, shapes,
+reduce op) into a rolling hash, which the next handshake sent carries: ``apply_gradients``'
+(always sent), ``strategy.run``'s closing one (sent when something is unchecked), or any control
+handshake. So a divergence raises on every rank by the end of the step, naming the first
+collective in which the ranks differed, and every rank is back to checking call by call until
+the next closing handshake passes.
+
+Whether a call sends is decided only from what every rank shares (the phase, agreed at a
+handshake), never from the call's own arguments: ranks whose arguments differ still make the
+same calls. A divergence that stops the transfer itself (ranks in collectives of different
+sizes) is named by the watchdog from the flight records, where each unchecked collective has its
+entry.
 
 >>> check = StepCheck()
->>> check.defer(1, "all_reduce", 7, 0x2A)  # the first occurrence: the caller sends a handshake
+>>> check.defer(1, "all_reduce", 7, 0x2A)  # the first step: the caller sends a handshake
 False
->>> check.defer(2, "all_reduce", 7, 0x2A), len(check.unchecked)
+>>> check.learned(); check.defer(2, "all_reduce", 7, 0x2A), len(check.unchecked)
 (True, 1)
 >>> check.verified(); check.rolling, check.unchecked
 (0, [])
@@ -37,31 +42,28 @@ _MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their
 
 
 class StepCheck:
-    """One communicator's record of the collectives not checked yet, and those already seen.
+    """One communicator's phase (``learning``: every call sends) and record of unchecked collectives."""
 
-    ``seen`` holds the code of every (kind, arguments) checked in full once; it forgets all at
-    ``4 * LIMIT`` entries (every rank at the same call), after which each is checked once again.
-    """
-
-    __slots__ = ("rolling", "seen", "unchecked")
+    __slots__ = ("learning", "rolling", "unchecked")
 
     def __init__(self) -> None:
+        self.learning = True  # until a step's closing handshake passes: every collective sends
         self.rolling = 0  # the hash of the unchecked collectives, in order; 0 when there are none
         self.unchecked: list[tuple[int, str, int]] = []  # (seq, kind, fingerprint) of each
-        self.seen: set[int] = set()
 
     def defer(self, seq: int, kind: str, kind_code: int, fingerprint: int) -> bool:
-        """Whether collective ``seq`` may go unchecked now (recorded here); False: send its handshake."""
-        code = kind_code ^ fingerprint
+        """Whether collective ``seq`` goes unchecked now (recorded here); False: send its handshake."""
         unchecked = self.unchecked
-        if code in self.seen and len(unchecked) < LIMIT:
-            unchecked.append((seq, kind, fingerprint))
-            self.rolling = hash((self.rolling, seq, code)) & _MASK  # ints hash alike in every process
-            return True
-        if len(self.seen) >= 4 * LIMIT:
-            self.seen.clear()
-        self.seen.add(code)
-        return False
+        if self.learning or len(unchecked) >= LIMIT:
+            return False
+        unchecked.append((seq, kind, fingerprint))
+        # ints hash alike in every process
+        self.rolling = hash((self.rolling, seq, kind_code ^ fingerprint)) & _MASK
+        return True
+
+    def learned(self) -> None:
+        """A step's closing handshake passed on every rank: repeats may go unchecked from here."""
+        self.learning = False
 
     def verified(self) -> None:
         """A handshake carried the hash and every rank agreed: nothing is unchecked any more."""
@@ -72,10 +74,11 @@ class StepCheck:
         """After a failed handshake, on every rank: raise if the unchecked collectives differed.
 
         Returns (on every rank alike) when they did not: the handshake's own call differed. Either
-        way the record is reported, and the ranks start a new one.
+        way the record is reported, and the ranks start over in the learning phase.
         """
         records = comm.allgather(self.unchecked)
         self.verified()
+        self.learning = True  # every rank checks call by call again, until a step closes cleanly
         if all(r == records[0] for r in records[1:]):
             return
         _raise_first(records)

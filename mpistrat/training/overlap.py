@@ -9,7 +9,9 @@ sharded), and the sums in flight are tested each time the caller hands over the 
 Packs start in one fixed order: the last pack of the last group first, down to the first pack
 of the first group, each once those after it have started. Every rank so starts the same sums
 in the same order, whatever order its pairs come in and even when its pairs are wrong: a
-mismatch cannot hang. When the stream ends, the packs not started yet are started (a variable
+mismatch cannot hang, as long as the generator itself calls no collective between its yields
+(one would meet another rank's sum wherever their pairs differ).
+When the stream ends, the packs not started yet are started (a variable
 without a gradient contributes zeros), one handshake agrees that every rank gave gradients for
 the same variables (a bad pair, or the stream raising, on any rank is an error on every rank,
 before anything is written), and each pack is updated (and gathered, sharded) as its sum

@@ -1,7 +1,8 @@
-"""``check="step"`` (``MPISTRAT_CHECK=step``): a collective's first occurrence is checked in full at
-once; its repeats send nothing of their own and are checked by the one handshake that closes each
-``strategy.run``. Counted on a counting communicator; results against serial NumPy; a divergence
-raises on every rank by the end of the step, naming the first collective that differed."""
+"""``check="step"`` (``MPISTRAT_CHECK=step``): the first step is checked call by call; after it a
+data collective sends nothing of its own and is checked by the step's one handshake
+(``apply_gradients``', or the one closing ``strategy.run``). Counted on a counting communicator;
+results against serial NumPy; a divergence raises on every rank by the end of the step, naming
+the first collective that differed, and every rank checks call by call again after it."""
 
 from __future__ import annotations
 
@@ -58,31 +59,38 @@ def test_a_repeated_step_sends_one_control_collective_under_step(check):
     all_ranks_agree(WORLD, ok, f"check={check}: {calls(ledger)}, got {got}")
 
 
-def test_the_first_occurrence_is_checked_at_once():
-    """A shape seen for the first time sends its handshake: ranks that differ raise at the call."""
+def test_the_first_step_is_checked_call_by_call_and_again_after_an_error():
+    """In the first step (and after any failed handshake) every collective opens with its handshake:
+    ranks that pass different shapes raise at the call itself, and the next call works."""
     if WORLD.Get_size() < 2:
         pytest.skip("ranks can only differ with 2 or more")
     strategy = make("step")
-    rank = WORLD.Get_rank()
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+
+    def shapes():
+        return mpistrat.get_replica_context().all_reduce("sum", np.ones(3 if rank == 0 else 5, np.float32))
+
+    for _ in range(2):  # the first step, then the one after the error
+        message = raises_on_every_rank(
+            WORLD, CollectiveMismatchError, lambda: strategy.run(shapes), "shape (5,)"
+        )
+        ok = "all_reduce (collective #" in message and "unchecked" not in message
+    got = strategy.run(small_step, args=(rank,))  # every rank at the same point after it
     strategy.run(small_step, args=(rank,))
-
-    def new_shape():
-        ctx = mpistrat.get_replica_context()
-        return ctx.all_reduce("sum", np.ones(3 if rank == 0 else 5, np.float32))
-
-    message = raises_on_every_rank(
-        WORLD, CollectiveMismatchError, lambda: strategy.run(new_shape), match="shape (5,)"
-    )
-    ok = "all_reduce (collective #" in message and "unchecked" not in message
-    still = strategy.run(small_step, args=(rank,))  # every rank at the same point after it
+    with Ledger.recording() as ledger:
+        again = strategy.run(small_step, args=(rank,))
     strategy.experimental_finalize()
-    all_ranks_agree(WORLD, ok and [g[0] for g in still] == expected_sums(WORLD.Get_size()), message)
+    ok = ok and [g[0] for g in got] == [g[0] for g in again] == expected_sums(size)
+    ok = ok and calls(ledger).count(HANDSHAKE) == 1  # the first clean step ended the checking call by call
+    all_ranks_agree(WORLD, ok, f"{message}; {calls(ledger)}")
 
 
-def test_a_divergence_in_repeats_raises_on_every_rank_naming_the_first():
-    """Both reductions seen once; then the last rank swaps them. MPI sums alike (MEAN divides after),
-    so nothing stops the transfer: the run's closing handshake raises on every rank, naming the
-    first collective in which the ranks differed."""
+@pytest.mark.parametrize("differ", ["reduce op", "shape"])
+def test_a_divergence_after_the_first_step_raises_on_every_rank_naming_the_first(differ):
+    """After a clean first step the last rank calls differently: SUM for MEAN (both seen before), or a
+    shape of the same size it never passed. MPI moves the same bytes either way, so nothing stops the
+    transfer: the run's closing handshake raises on every rank, naming the first collective in which
+    the ranks differed, and the ranks go on together."""
     size = WORLD.Get_size()
     if size < 2:
         pytest.skip("ranks can only differ with 2 or more")
@@ -90,10 +98,13 @@ def test_a_divergence_in_repeats_raises_on_every_rank_naming_the_first():
     rank = WORLD.Get_rank()
     x = np.ones(4, np.float32)
 
-    def step(swapped):
+    def step(other):
         ctx = mpistrat.get_replica_context()
-        ops = ("mean", "sum") if swapped else ("sum", "mean")
-        return [ctx.all_reduce(op, x) for op in ops]
+        if not other:
+            return [ctx.all_reduce("sum", x), ctx.all_reduce("mean", x)]
+        if differ == "reduce op":
+            return [ctx.all_reduce("mean", x), ctx.all_reduce("sum", x)]
+        return [ctx.all_reduce("sum", x.reshape(2, 2)), ctx.all_reduce("mean", x)]
 
     strategy.run(step, args=(False,))
     first = strategy.extended.collectives.seq + 1  # the next run's first all_reduce
