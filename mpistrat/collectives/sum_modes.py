@@ -87,9 +87,8 @@ class SumMode:
     def _sum_host(
         self, collectives: Collectives, host: np.ndarray, kind: str, mean: bool, implementation: Any
     ) -> np.ndarray:
-        out = host.copy()
-        mpi.allreduce(collectives.comm, MPI.IN_PLACE, out)
-        return out / collectives.size if mean else out
+        # PLAIN takes no dtype: its callers sum every pack their plain way, never through here.
+        raise NotImplementedError(f"{self!r} has no sum of its own")
 
 
 class _Exact(SumMode):

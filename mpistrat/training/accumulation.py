@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.collectives.sum_modes import EXACT, sum_mode
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationOptions
@@ -64,7 +65,7 @@ def exact_rows(strategy: Any, options: CommunicationOptions | None) -> bool:
     merged = strategy.replicas.collectives.options
     if options is not None:
         merged = merged.merge(options)
-    return bool(merged.reduction == "deterministic")
+    return sum_mode(merged) is EXACT
 
 
 class Accumulator:

@@ -7,6 +7,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
@@ -62,7 +63,7 @@ SAME_BUILD = (
 )
 
 
-def compare_copies(collectives: Any, written: list[tuple[Any, Any]], kind: str) -> None:
+def compare_copies(collectives: Any, written: Iterable[tuple[Any, Any]], kind: str) -> None:
     """Under ``MPISTRAT_CHECK=strict``: every variable a step wrote (``(name, this rank's array)``
     pairs) holds the same bytes on every rank, else ``CollectiveMismatchError`` on every rank."""
     if collectives is None or check_level(collectives) < 2:

@@ -373,7 +373,7 @@ class Optimizer:
             )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
-        written = [(v.name, own_copy(v).local_array) for _, v in pairs]
+        written = ((v.name, own_copy(v).local_array) for _, v in pairs)  # read only under strict
         compare_copies(extended.collectives, written, f"{self._name}.apply_gradients")
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from mpistrat.collectives import nonblocking
 from mpistrat.collectives.handshake import check_level
-from mpistrat.collectives.sum_modes import PLAIN
+from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
@@ -118,7 +118,7 @@ def can_stream(
     if mpi.COUNT_LIMIT is not None and any(g.layout.pack > mpi.COUNT_LIMIT for g in state.groups):
         return False  # a pack MPI cannot take in one call
     merged = collectives.options.merge(options)
-    if merged.reduction or merged.implementation is CommunicationImplementation.HIERARCHICAL:
+    if sum_mode(merged) is not PLAIN or merged.implementation is CommunicationImplementation.HIERARCHICAL:
         return False
     return all(g.xp is np for g in state.groups)
 

@@ -13,7 +13,8 @@ import pytest
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD, Adam
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.support.counting import CountingComm, Ledger
 
 RNG = np.random.default_rng(1234)
 X = RNG.normal(size=(10, 3))  # 10 rows: uneven slices at 3 and 4 ranks
@@ -259,6 +260,27 @@ def test_a_subclass_that_updates_one_variable_at_a_time_is_honoured(group):
         opt = ClippedSGD(1.0)
     group.strategy.run(lambda: opt.apply_gradients([(np.full(2, 5.0), w)]))
     all_ranks_agree(group.comm, np.array_equal(w.numpy(), [-0.1, -0.1]), f"{w.numpy()}")
+
+
+def test_a_one_at_a_time_step_is_one_handshake_and_one_fused_sum_at_any_rank_count():
+    """Counted: a step of the per-variable path (Keras's, without merge_call) moves what one
+    all_reduce of the gradients moves: its handshake and one Allreduce of their bytes, packed per
+    dtype, the same at 1-4 ranks; no merge_call gather, no broadcast."""
+    strategy = mpistrat.MPIStrategy(CountingComm(WORLD))
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(3), name="w")
+        b = mpistrat.Variable(np.zeros(()), name="b")
+        opt = Adagrad(0.5)
+    grads = [(np.ones(3), w), (np.ones(()), b)]
+    strategy.run(lambda: opt.apply_gradients(grads))  # builds the slots
+    with Ledger.recording() as ledger:
+        strategy.run(lambda: opt.apply_gradients(grads))
+    strategy.experimental_finalize()
+    handshake = ("Allreduce", 104)  # the counting ledger's name for the handshake's Iallreduce
+    closing = [handshake] if WORLD.Get_size() > 1 else []  # strategy.run's, above one rank
+    want = [handshake, ("Allreduce", 4 * 8), *closing]  # 4 float64 gradient elements, one pack
+    got = [(c.name, c.sent) for c in ledger.log]
+    all_ranks_agree(WORLD, got == want, f"{got} against {want}")
 
 
 def test_a_one_at_a_time_update_that_diverges_is_caught_by_the_strict_check(world):
