@@ -83,12 +83,10 @@ class Collectives:
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         # A stop requested here (a preemption signal) that the handshake carries to every rank.
         self.stop = handshake.StopState()
-        # The handshake's send and receive buffers, reused, and the stop state it carries.
-        self.handshake_buffers = (
-            np.empty(handshake.SLOTS, dtype=np.int64),
-            np.empty(handshake.SLOTS, dtype=np.int64),
-            self.stop,
-        )
+        # The handshake's send and receive buffers, reused, as MPI messages (mpi4py then skips
+        # reading their type on every call), and the stop state it carries.
+        send, recv = (np.empty(handshake.SLOTS, dtype=np.int64) for _ in range(2))
+        self.handshake_buffers = (send, recv, ([send, MPI.INT64_T], [recv, MPI.INT64_T]), self.stop)
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
         # Work started over this communicator that every rank must finish before it is freed (a
         # background checkpoint save): name -> what finishes it (collective).

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpistrat.collectives import hierarchical, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.fingerprint import arrays_code
-from mpistrat.collectives.handshake import agree_within
+from mpistrat.collectives.handshake import agree_within, defer
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
@@ -27,6 +27,8 @@ from mpistrat.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
     from mpistrat.collectives.state import CollectiveState as Collectives
+
+_SUM = MPI.SUM  # passed by position: mpi4py parses a keyword on every call
 
 __all__ = ["all_reduce", "allreduce_arrays", "describe", "reduce_special"]
 
@@ -46,16 +48,10 @@ def all_reduce(
     ``error``: a bad-input error the caller found on this rank; it is raised on every
     rank (through the handshake) instead of stranding the others in the collective.
     """
-    if (
-        options is None
-        and error is None
-        and self.sum_mode is PLAIN
-        and type(value) is np.ndarray
-        and lv.plain(value.dtype)
-    ):
-        op = lv.known_reduce_op(reduce_op)
-        if op is not None:
-            return _all_reduce_array(self, op, value, kind)
+    if options is None and error is None and type(value) is np.ndarray and self.sum_mode is PLAIN:
+        plan = _array_plan(self, reduce_op, value)
+        if plan is not None:
+            return _all_reduce_array(self, plan, value, kind)
     opts, op, arrays = self.options, None, []
     leaves: list[Any] = []
     treespec: Any = None
@@ -121,7 +117,7 @@ def allreduce_arrays(
             recv = packing.empty(arrays[i].shape, p.dtype, p.module, self.caches.buffers)
             if host:
                 if mpi.COUNT_LIMIT is None or recv.size <= mpi.COUNT_LIMIT:
-                    self.comm.Allreduce(arrays[i], recv, op=MPI.SUM)
+                    self.comm.Allreduce(arrays[i], recv, _SUM)
                 else:
                     mpi.allreduce(self.comm, arrays[i], recv)
             else:
@@ -181,30 +177,48 @@ def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: Communicat
     return described
 
 
-def _all_reduce_array(self: Collectives, op: ReduceOp, x: np.ndarray, kind: str) -> np.ndarray:
-    """``all_reduce`` of one plain NumPy array: the same steps without the nest bookkeeping."""
+def _array_plan(self: Collectives, reduce_op: Any, x: np.ndarray) -> tuple[Any, ...] | None:
+    """What ``all_reduce`` of one plain NumPy array needs to know beyond the array: its ReduceOp,
+    fingerprint and pack plan, and whether it goes straight to MPI; None where the one-array path
+    does not take it (a reduce_op not seen yet, a dtype not plain). Remembered per shape: a hit is
+    the same reduce_op and dtype objects, so a loop's calls skip their checks."""
+    known = self.caches.arrays.get(x.shape)
+    if known is not None and known[0] is reduce_op and known[1] is x.dtype:
+        return known[2]
+    op = lv.known_reduce_op(reduce_op)
+    if op is None or not lv.plain(x.dtype):
+        return None
     opts = self.options
-    bpp = opts.bytes_per_pack
-    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], bpp)
-    agree_within(
-        self,
-        kind,
-        fingerprint=fingerprint,
-        describe=lambda: mismatch.describe(x, op, bytes_per_pack=bpp),
-        deferrable=True,
-    )
-    divisor = self.size if op is ReduceOp.MEAN else None
-    flags = x.flags
-    # The common case straight to MPI: a small contiguous array summed flat (allreduce_arrays'
-    # one-leaf branch, without its pack loop and transport choice).
-    if (
+    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], opts.bytes_per_pack)
+    # A small array summed flat: allreduce_arrays' one-leaf branch, without its pack loop.
+    direct = (
         x.nbytes < packing.POOL_MIN_BYTES
-        and flags.c_contiguous
-        and flags.aligned
         and opts.implementation is not CommunicationImplementation.HIERARCHICAL
-        and (mpi.COUNT_LIMIT is None or x.size <= mpi.COUNT_LIMIT)
-    ):
-        recv = np.empty(x.shape, x.dtype)
-        self.comm.Allreduce(x, recv, op=MPI.SUM)
-        return recv if divisor is None else lv.divide(recv, divisor)
-    return allreduce_arrays(self, [x], 0, opts.implementation, divisor, packs)[0]
+    )
+    plan = (op, fingerprint, packs, direct)
+    self.caches.arrays.keep(x.shape, (reduce_op, x.dtype, plan))
+    return plan
+
+
+def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: np.ndarray, kind: str) -> np.ndarray:
+    """``all_reduce`` of one plain NumPy array (``plan``: :func:`_array_plan`'s), without the nest
+    bookkeeping."""
+    op, fingerprint, packs, direct = plan
+    if not self.check:
+        self.seq += 1  # agree_within with the check off, inline: this is every call's path
+    elif not defer(self, kind, fingerprint):  # MPISTRAT_CHECK=step: unchecked, once learned
+        agree_within(
+            self,
+            kind,
+            fingerprint=fingerprint,
+            describe=lambda: mismatch.describe(x, op, bytes_per_pack=self.options.bytes_per_pack),
+            deferrable=True,
+        )
+    divisor = self.size if op is ReduceOp.MEAN else None
+    if direct and (mpi.COUNT_LIMIT is None or x.size <= mpi.COUNT_LIMIT):  # the limit: a test may set it
+        flags = x.flags
+        if flags.c_contiguous and flags.aligned:
+            recv = np.empty(x.shape, x.dtype)
+            self.comm.Allreduce(x, recv, _SUM)
+            return recv if divisor is None else lv.divide(recv, divisor)
+    return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]

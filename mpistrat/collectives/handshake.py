@@ -37,7 +37,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import mismatch
 from mpistrat.collectives.fingerprint import cached_code
-from mpistrat.collectives.step_check import UNCHECKED
+from mpistrat.collectives.step_check import LIMIT, UNCHECKED
 from mpistrat.diagnostics import timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.options import CommunicationOptions
@@ -53,6 +53,7 @@ __all__ = [
     "agree_within",
     "check_enabled",
     "check_level",
+    "defer",
     "level",
     "setting",
 ]
@@ -71,6 +72,7 @@ SLOTS = 13
 # Writes and reads the whole vector in one call, straight into the reused NumPy buffers (a
 # tuple assigned to an ndarray slice converts element by element: twice the time).
 _PACKING = struct.Struct(f"={SLOTS}q")
+_MAX = MPI.MAX
 STEP = 3  # MPISTRAT_CHECK=step: a setting, not a level (its handshakes check at level 1)
 _STEP_OR_UNSET = (None, "step")  # a call's CommunicationOptions.check that leaves the setting as it is
 
@@ -185,24 +187,26 @@ def agree_within(
             raise error
         self.seq += 1
         return None
-    self.seq += 1
-    codes = self.caches.codes
-    seq, tally = self.seq, self.stragglers
-    kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
     step = self.step_check
-    if step is not None:
-        if not step.learning and (options is None or options.check in _STEP_OR_UNSET):
-            if closing and not step.unchecked:
-                return None  # every rank's step closes with nothing unchecked: nothing to send
-            if deferrable and maximum is None and extras is None:
+    if step is not None and not step.learning and (options is None or options.check in _STEP_OR_UNSET):
+        if deferrable:
+            if maximum is None and extras is None:
                 if error is not None:  # as with the check off: the others are in the transfer
+                    self.seq += 1
                     raise error
-                if step.defer(seq, kind, kind_code, fingerprint):
-                    now = time.monotonic()
-                    self.flight.append([seq, kind, fingerprint, now, now, UNCHECKED, None])
+                if defer(self, kind, fingerprint):
                     return None
-        fingerprint ^= step.rolling  # this handshake checks the unchecked collectives too
-    send, recv, stop = self.handshake_buffers  # reused buffers, and the stop state: per-call overhead
+        elif closing and not step.unchecked:
+            self.seq += 1
+            return None  # every rank's step closes with nothing unchecked: nothing to send
+    self.seq += 1
+    seq = self.seq
+    codes = self.caches.codes
+    kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
+    if step is not None:
+        fingerprint ^= step.code()  # this handshake checks the unchecked collectives too
+    send, recv, messages, stop = self.handshake_buffers  # reused: per-call overhead
+    tally = self.stragglers
     last, longest = tally.outgoing
     _PACKING.pack_into(  # in slot order
         send, 0,  # type: ignore[arg-type]  # an ndarray is a buffer
@@ -216,11 +220,12 @@ def agree_within(
     self.flight.append(entry)
     # Always the non-blocking form: MPI never matches a blocking collective with a non-blocking
     # one, and a rank whose timeout is set (per call, or in its environment) must poll.
-    request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
-    if not self.monitor.polled:
+    request = self.comm.Iallreduce(messages[0], messages[1], _MAX)
+    monitor = self.monitor
+    if not monitor.polled:
         request.Wait()
     else:  # polled, so a timeout raises here (a late or missing rank stops everyone at this point)
-        watchdog.wait(self.monitor, request)
+        watchdog.wait(monitor, request)
     entry[ENDED] = ended = time.monotonic()
     top = _PACKING.unpack_from(recv)  # type: ignore[arg-type]
     tally.learn(top[LAST_ARRIVAL], top[LONGEST_WAIT], ended - began)
@@ -235,7 +240,7 @@ def agree_within(
         if step is not None:  # the same on every rank: the setting was agreed at creation
             step.raise_first_difference(self.comm)
         mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
-    self.monitor.agreed = self.monitor.start  # every rank has entered this collective (for the watchdog)
+    monitor.agreed = monitor.start  # every rank has entered this collective (for the watchdog)
     if step is not None:
         step.verified()
         if closing:
@@ -247,6 +252,30 @@ def agree_within(
     if mine.size:
         self.comm.Allgather(mine, everyone)
     return everyone
+
+
+def defer(self: Collectives, kind: str, fingerprint: int) -> bool:
+    """Under ``MPISTRAT_CHECK=step``, once the first step was checked: number data collective
+    ``kind`` and record it unchecked (True: it sends nothing); else do nothing (False).
+
+    ``agree_within(..., deferrable=True)`` defers through it; a caller that has nothing else to
+    check (no error, the strategy's options) may call it first and skip the handshake's arguments.
+    """
+    step = self.step_check
+    if step is None or step.learning:
+        return False
+    unchecked = step.unchecked
+    if len(unchecked) >= LIMIT:
+        return False
+    self.seq += 1
+    seq = self.seq
+    codes = self.caches.codes
+    kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)
+    entry = [seq, kind, fingerprint, 0.0, 0.0, UNCHECKED, None]  # flight.entry(), no times: not waited
+    unchecked.append(entry)  # StepCheck's record, appended here: every data collective's path
+    step.codes.append(kind_code ^ fingerprint)
+    self.flight.append(entry)
+    return True
 
 
 # Watched on its own when a caller opens with it alone; a collective already watched opens with

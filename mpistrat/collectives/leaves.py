@@ -82,6 +82,8 @@ def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
 _REDUCE_OPS: dict[Any, ReduceOp] = {}
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 LEAF_SPEC = nest.tree_structure(0)
+# Types that are always one leaf: flattened without optree (a strategy.run result, a metric).
+_LEAVES = frozenset({np.ndarray, type(None), bool, int, float, np.float32, np.float64, np.int32, np.int64})
 
 
 def plain(dtype: np.dtype) -> bool:
@@ -129,10 +131,10 @@ def flatten(value: Any, memo: Any = None) -> tuple[list[Any], Any]:
 
     Flat lists, tuples and dicts of NumPy arrays (gradients, metrics) are flattened from the
     structures ``memo`` (``Collectives.caches.flat``) remembers: optree spends ~0.2 us per
-    leaf deciding that an array is a leaf.
+    leaf deciding that an array is a leaf. An array, a number or None alone is one leaf.
     """
     kind = type(value)
-    if kind is np.ndarray:
+    if kind in _LEAVES:
         return [value], LEAF_SPEC
     flat = kind is list or kind is tuple or kind is dict
     flat = flat and memo is not None

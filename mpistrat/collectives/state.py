@@ -57,8 +57,8 @@ class CollectiveState(Protocol):
     flight: Flight
     monitor: Monitor
     stop: Any  # a handshake.StopState (the handshake module is typed against this one)
-    # The handshake's reused send and receive buffers, and the stop state it carries.
-    handshake_buffers: tuple[np.ndarray, np.ndarray, Any]
+    # The handshake's reused send and receive buffers, the same as MPI messages, and the stop state.
+    handshake_buffers: tuple[np.ndarray, np.ndarray, tuple[list[Any], list[Any]], Any]
     pending: dict[str, Callable[[], None]]
 
     def agree(

@@ -3,8 +3,8 @@
 With the check on, every collective opens with a handshake: one more latency per call. Under
 ``step`` the first ``strategy.run`` (and everything before it) is checked call by call, as with
 the check on. Once its closing handshake has passed, a data collective sends nothing of its own:
-each rank folds its sequence number, kind and arguments' code (structure, dtypes, shapes,
-reduce op) into a rolling hash, which the next handshake sent carries: ``apply_gradients``'
+each rank records its kind and arguments' code (structure, dtypes, shapes, reduce op), and the
+next handshake sent carries a hash of the step's records, in order: ``apply_gradients``'
 (always sent), ``strategy.run``'s closing one (sent when something is unchecked), or any control
 handshake. So a divergence raises on every rank by the end of the step, naming the first
 collective in which the ranks differed, and every rank is back to checking call by call until
@@ -16,18 +16,21 @@ same calls. A divergence that stops the transfer itself (ranks in collectives of
 sizes) is named by the watchdog from the flight records, where each unchecked collective has its
 entry.
 
->>> check = StepCheck()
->>> check.defer(1, "all_reduce", 7, 0x2A)  # the first step: the caller sends a handshake
-False
->>> check.learned(); check.defer(2, "all_reduce", 7, 0x2A), len(check.unchecked)
-(True, 1)
->>> check.verified(); check.rolling, check.unchecked
-(0, [])
+>>> from mpi4py import MPI
+>>> from mpistrat import CommunicationOptions
+>>> from mpistrat.collectives import Collectives
+>>> ones = Collectives(MPI.COMM_SELF.Dup(), CommunicationOptions(check="step"))  # one rank: learned
+>>> ones.all_reduce("sum", 1.0), ones.all_reduce("sum", 2.0)
+(np.float64(1.0), np.float64(2.0))
+>>> [entry[:2] for entry in ones.step_check.unchecked], ones.handshakes  # creation's handshake only
+([[1, 'all_reduce'], [2, 'all_reduce']], 1)
+>>> ones.agree("check now"); ones.step_check.unchecked, ones.handshakes
+([], 2)
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mpi4py import MPI
 
@@ -44,31 +47,28 @@ _MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their
 class StepCheck:
     """One communicator's phase (``learning``: every call sends) and record of unchecked collectives."""
 
-    __slots__ = ("learning", "rolling", "unchecked")
+    __slots__ = ("codes", "learning", "unchecked")
 
     def __init__(self) -> None:
         self.learning = True  # until a step's closing handshake passes: every collective sends
-        self.rolling = 0  # the hash of the unchecked collectives, in order; 0 when there are none
-        self.unchecked: list[tuple[int, str, int]] = []  # (seq, kind, fingerprint) of each
+        # Each unchecked collective's flight entry ([seq, kind, fingerprint, ...]: see
+        # diagnostics.flight) and its code (its kind's code ^ its fingerprint), in order. The
+        # handshake appends to both itself (every data collective's path): while fewer than LIMIT.
+        self.unchecked: list[list[Any]] = []
+        self.codes: list[int] = []
 
-    def defer(self, seq: int, kind: str, kind_code: int, fingerprint: int) -> bool:
-        """Whether collective ``seq`` goes unchecked now (recorded here); False: send its handshake."""
-        unchecked = self.unchecked
-        if self.learning or len(unchecked) >= LIMIT:
-            return False
-        unchecked.append((seq, kind, fingerprint))
-        # ints hash alike in every process
-        self.rolling = hash((self.rolling, seq, kind_code ^ fingerprint)) & _MASK
-        return True
+    def code(self) -> int:
+        """The code of the unchecked collectives, in order (0: none), that the next handshake carries."""
+        return hash(tuple(self.codes)) & _MASK if self.codes else 0  # ints hash alike in every process
 
     def learned(self) -> None:
         """A step's closing handshake passed on every rank: repeats may go unchecked from here."""
         self.learning = False
 
     def verified(self) -> None:
-        """A handshake carried the hash and every rank agreed: nothing is unchecked any more."""
-        self.rolling = 0
+        """A handshake carried the code and every rank agreed: nothing is unchecked any more."""
         self.unchecked.clear()
+        self.codes.clear()
 
     def raise_first_difference(self, comm: MPI.Intracomm) -> None:
         """After a failed handshake, on every rank: raise if the unchecked collectives differed.
@@ -76,7 +76,7 @@ class StepCheck:
         Returns (on every rank alike) when they did not: the handshake's own call differed. Either
         way the record is reported, and the ranks start over in the learning phase.
         """
-        records = comm.allgather(self.unchecked)
+        records = comm.allgather([tuple(entry[:3]) for entry in self.unchecked])  # (seq, kind, fingerprint)
         self.verified()
         self.learning = True  # every rank checks call by call again, until a step closes cleanly
         if all(r == records[0] for r in records[1:]):

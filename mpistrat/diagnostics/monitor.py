@@ -119,6 +119,9 @@ def _flight(mon: Monitor, now: float, start: float | None) -> str | None:
     return owner.flight.describe(now, busy=busy, agreed=busy and mon.agreed == start)
 
 
+_get_ident = threading.get_ident
+
+
 def collective(default_kind: str) -> Callable[[F], F]:
     """Decorate a ``Collectives`` method: mark this strategy busy in it while it runs.
 
@@ -137,8 +140,8 @@ def collective(default_kind: str) -> Callable[[F], F]:
         @functools.wraps(method)
         def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
             mon: Monitor = self.monitor
-            me = threading.get_ident()
-            if not mon.busy.acquire(blocking=False):
+            me = _get_ident()
+            if not mon.busy.acquire(False):  # positional: every collective's path
                 if mon.thread != me:
                     raise ContextError(two_threads(mon, me, default_kind))
                 return method(self, *args, **kwargs)  # a helper inside this thread's collective: part of it

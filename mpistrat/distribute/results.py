@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives import check_enabled, leaves
+from mpistrat.collectives import leaves
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.errors import CollectiveMismatchError, StructureMismatchError
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
+    from mpistrat.collectives.caches import Caches
 
 __all__ = ["agree_on_result", "fits", "form"]
 
@@ -41,15 +42,14 @@ _MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTre
 def agree_on_result(collectives: Collectives, result: Any, error: Exception | None) -> None:
     """Raise on every rank if some rank's ``fn`` raised (``error``, this rank's own) or if the results'
     structures could not be regrouped (``StructureMismatchError``, an ``AssertionError`` as tf's)."""
-    if not check_enabled(collectives):
+    if not collectives.check:
         if error is not None:
             raise error
         return
-    # The structure as the collectives flatten nests: remembered for flat containers of arrays.
-    spec = None if error is not None else leaves.flatten(result, collectives.caches.flat)[1]
+    spec = None
     code = 0
-    if spec is not None:
-        code = cached_code(collectives.caches.codes, (KIND, spec), lambda: repr(_form(spec)))
+    if error is None:
+        spec, code = _structure(collectives.caches, result)
     told = error
     if isinstance(error, StructureMismatchError):  # the others must not take it for their results' mismatch
         told = CollectiveMismatchError(str(error))
@@ -66,6 +66,18 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
             raise
     if error is not None:
         raise error  # this rank's own exception, as it was raised (outside the handler: its context kept)
+
+
+def _structure(caches: Caches, result: Any) -> tuple[Any, int]:
+    """The result's structure as the collectives flatten nests, and its code: the last one's kept
+    (a loop returns the same structure each step, and the flat memo hands back the same spec)."""
+    spec = leaves.flatten(result, caches.flat)[1]
+    last = caches.last_result
+    if last is not None and last[0] is spec:
+        return last
+    code = cached_code(caches.codes, (KIND, spec), lambda: repr(_form(spec)))
+    caches.last_result = (spec, code)
+    return spec, code
 
 
 def form(value: Any) -> Any:

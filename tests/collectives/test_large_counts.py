@@ -153,3 +153,25 @@ def test_a_real_all_reduce_beyond_two_to_the_31_elements():
     for start in range(0, 2**31 - 8, step):
         ok = ok and bool((got[start : min(start + step, 2**31 - 8)] == size).all())
     all_ranks_agree(WORLD, ok, "a wrong element")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_one_array_calls_of_one_shape_follow_each_calls_op_dtype_and_limit():
+    """all_reduce of one array remembers its plan per shape: calls of that shape with other reduce
+    ops and dtypes, and under a limit set after the plan was made (split, counted), still match
+    NumPy."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    every = [np.random.default_rng(r).integers(-50, 50, 12) for r in range(size)]
+    total = np.sum(every, axis=0)
+    c = mpistrat.MPIStrategy(CountingComm(WORLD)).extended.collectives
+    ok, seen = True, []
+    for reduce_op, dtype in [("sum", "f4"), ("mean", "f4"), ("sum", "i4"), (mpistrat.ReduceOp.SUM, "f8")]:
+        got = c.all_reduce(reduce_op, every[rank].astype(dtype))
+        want = total.astype(dtype) if reduce_op != "mean" else total.astype(dtype) / size
+        ok = ok and got.dtype == np.dtype(dtype) and np.array_equal(got, want)
+        seen.append((reduce_op, dtype, got.dtype.str))
+    with mpi.count_limit(5), Ledger.recording() as ledger:
+        split = c.all_reduce("sum", every[rank].astype("f8"))
+    ok = ok and np.array_equal(split, total.astype("f8"))
+    ok = ok and ledger.only("Allreduce").calls >= 3  # 12 elements in pieces of at most 5
+    all_ranks_agree(WORLD, ok, f"{seen}, {ledger.log}")
