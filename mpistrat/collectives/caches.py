@@ -48,7 +48,8 @@ class Caches:
         self.arrays = Memo(256)  # one array's shape -> all_reduce's (reduce_op, dtype, plan) for it
         self.codes = Memo(4096)  # what a fingerprint covers -> its 62-bit code
         self.buffers: list[np.ndarray] = []  # large result buffers to recycle (packing.empty)
-        self.last_result: tuple[Any, int] | None = None  # strategy.run's last result (spec, code)
+        # strategy.run's last result: (type, length or None for a leaf, structure, code)
+        self.last_result: tuple[Any, int | None, Any, int] | None = None
 
     def clear(self) -> None:
         for memo in (self.flat, self.plans, self.packs, self.arrays, self.codes):

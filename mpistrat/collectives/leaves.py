@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LEAF_SPEC",
     "MAX_DEPTH",
+    "all_leaves",
     "device_implementation",
     "divide",
     "flatten",
@@ -89,6 +90,15 @@ _LEAVES = frozenset({np.ndarray, type(None), bool, int, float, np.float32, np.fl
 def plain(dtype: np.dtype) -> bool:
     """A numeric dtype in the machine's byte order (what the one-array fast path takes)."""
     return dtype.kind in "iufc" and dtype.isnative
+
+
+def all_leaves(values: Any) -> bool:
+    """Whether every item of ``values`` is of a type that is always one leaf (an array, a number, None).
+
+    >>> all_leaves([np.ones(2), 1.0, None]), all_leaves([np.ones(2), [1.0]])
+    (True, False)
+    """
+    return _LEAVES.issuperset(map(type, values))
 
 
 def known_reduce_op(value: Any) -> ReduceOp | None:

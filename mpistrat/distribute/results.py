@@ -69,14 +69,23 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
 
 
 def _structure(caches: Caches, result: Any) -> tuple[Any, int]:
-    """The result's structure as the collectives flatten nests, and its code: the last one's kept
-    (a loop returns the same structure each step, and the flat memo hands back the same spec)."""
+    """The result's structure as the collectives flatten nests, and its code. A loop returns the same
+    structure every step: the last one is kept where a cheap look tells it again (one leaf; a list
+    or tuple of as many leaves)."""
+    kind = type(result)
+    last = caches.last_result  # (type, length or None for a leaf, spec, code)
+    if (
+        last is not None
+        and last[0] is kind
+        and (last[1] is None or (len(result) == last[1] and leaves.all_leaves(result)))
+    ):
+        return last[2], last[3]
     spec = leaves.flatten(result, caches.flat)[1]
-    last = caches.last_result
-    if last is not None and last[0] is spec:
-        return last
     code = cached_code(caches.codes, (KIND, spec), lambda: repr(_form(spec)))
-    caches.last_result = (spec, code)
+    if spec is leaves.LEAF_SPEC:
+        caches.last_result = (kind, None, spec, code)
+    elif (kind is list or kind is tuple) and leaves.all_leaves(result):
+        caches.last_result = (kind, len(result), spec, code)
     return spec, code
 
 
