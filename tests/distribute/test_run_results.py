@@ -60,6 +60,19 @@ def test_results_that_differ_between_replicas(group, case):
     all_ranks_agree(group.comm, type(got) is type(want) and all(mpistrat.nest.flatten(same)), f"{got!r}")
 
 
+@pytest.mark.parametrize("case", [name for name, (_, raises) in CASES.items() if raises])
+def test_a_structure_that_changes_on_some_replicas_after_steps_alike_raises(group, case):
+    """Steps whose results are structured alike on every rank (remembered from step to step), then
+    a step where they differ: the same error as in a first step."""
+    if group.size == 1:
+        pytest.skip("needs two replicas to differ")
+    s = group.strategy
+    make = CASES[case][0]
+    for _ in range(3):
+        s.run(lambda: make(0))
+    raises_on_every_rank(group.comm, AssertionError, lambda: s.run(lambda: make(_replica_id())), "same nest")
+
+
 def test_the_error_is_catchable_as_mpistrats_and_tfs_types(group):
     if group.size == 1:
         pytest.skip("needs two replicas to differ")
