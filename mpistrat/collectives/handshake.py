@@ -273,7 +273,9 @@ def defer(self: Collectives, kind: str, fingerprint: int) -> bool:
     kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)
     entry = [seq, kind, fingerprint, 0.0, 0.0, UNCHECKED, None]  # flight.entry(), no times: not waited
     unchecked.append(entry)  # StepCheck's record, appended here: every data collective's path
-    step.codes.append(kind_code ^ fingerprint)
+    # Its number too: a call that took a number and left no record (bad input raised on one rank, a
+    # call with the check off) shifts the pairing of the calls after it.
+    step.codes += (seq, kind_code ^ fingerprint)
     self.flight.append(entry)
     return True
 

@@ -3,8 +3,8 @@
 With the check on, every collective opens with a handshake: one more latency per call. Under
 ``step`` the first ``strategy.run`` (and everything before it) is checked call by call, as with
 the check on. Once its closing handshake has passed, a data collective sends nothing of its own:
-each rank records its kind and arguments' code (structure, dtypes, shapes, reduce op), and the
-next handshake sent carries a hash of the step's records, in order: ``apply_gradients``'
+each rank records its number, kind and arguments' code (structure, dtypes, shapes, reduce op),
+and the next handshake sent carries a hash of the step's records, in order: ``apply_gradients``'
 (always sent), ``strategy.run``'s closing one (sent when something is unchecked), or any control
 handshake. So a divergence raises on every rank by the end of the step, naming the first
 collective in which the ranks differed, and every rank is back to checking call by call until
@@ -52,8 +52,8 @@ class StepCheck:
     def __init__(self) -> None:
         self.learning = True  # until a step's closing handshake passes: every collective sends
         # Each unchecked collective's flight entry ([seq, kind, fingerprint, ...]: see
-        # diagnostics.flight) and its code (its kind's code ^ its fingerprint), in order. The
-        # handshake appends to both itself (every data collective's path): while fewer than LIMIT.
+        # diagnostics.flight), and its number and code (its kind's code ^ its fingerprint), in
+        # order. The handshake appends to both itself (every data collective's path), to LIMIT.
         self.unchecked: list[list[Any]] = []
         self.codes: list[int] = []
 
@@ -88,9 +88,15 @@ def _raise_first(records: list[list[tuple[int, str, int]]]) -> NoReturn:
     for i in range(max(map(len, records))):
         entries = [r[i] if i < len(r) else None for r in records]
         if any(e != entries[0] for e in entries):
-            seq = next(e[0] for e in entries if e is not None)
+            seq = min(e[0] for e in entries if e is not None)
+            numbered = len({e[0] for e in entries if e is not None}) > 1  # a call some ranks numbered apart
             what = by_rank(
-                ["no collective" if e is None else f"{e[1]} [fp {e[2] & 0xFFFFFFFF:08x}]" for e in entries]
+                [
+                    "no collective"
+                    if e is None
+                    else f"{e[1]}{f' #{e[0]}' if numbered else ''} [fp {e[2] & 0xFFFFFFFF:08x}]"
+                    for e in entries
+                ]
             )
             raise CollectiveMismatchError(
                 f"collective #{seq} ran unchecked (MPISTRAT_CHECK=step) and the ranks were not in the "

@@ -121,6 +121,39 @@ def test_a_divergence_after_the_first_step_raises_on_every_rank_naming_the_first
     all_ranks_agree(WORLD, ok, message)
 
 
+def test_calls_numbered_apart_by_bad_input_on_some_ranks_raise_on_every_rank():
+    """Bad input at an unchecked call is raised on its rank alone, after taking its number. If it
+    comes first on some ranks and second on others, each rank's good call meets another number on
+    the others (same arguments, so MPI pairs them and sums): the step's closing handshake raises
+    on every rank, naming both numbers, instead of returning those sums."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    if size < 2:
+        pytest.skip("ranks can only differ with 2 or more")
+    strategy = make("step")
+
+    def step(order):
+        ctx = mpistrat.get_replica_context()
+        out = []
+        for i, what in enumerate(order):
+            try:
+                out.append(ctx.all_reduce("sum", np.full(2, i + 1, np.float32) if what else "not an array"))
+            except mpistrat.UnsupportedTypeError:  # raised on this rank alone under step
+                out.append(None)
+        return out
+
+    strategy.run(step, args=([True, True],))  # the first step, checked call by call
+    first = strategy.extended.collectives.seq + 1
+    order = [True, False] if rank == size - 1 else [False, True]
+    message = raises_on_every_rank(
+        WORLD, CollectiveMismatchError, lambda: strategy.run(step, args=(order,)), match="ran unchecked"
+    )
+    ok = f"all_reduce #{first}" in message and f"all_reduce #{first + 1}" in message
+    got = strategy.run(step, args=([True, True],))  # the ranks go on together after the error
+    strategy.experimental_finalize()
+    ok = ok and all(np.array_equal(g, np.full(2, size * (i + 1), np.float32)) for i, g in enumerate(got))
+    all_ranks_agree(WORLD, ok, message)
+
+
 def test_a_training_step_is_one_control_collective():
     """Under ``step`` the optimizer's handshake is the step's one control collective: it checks what
     ran unchecked before any weight is written, and the run's closing handshake, with nothing left
