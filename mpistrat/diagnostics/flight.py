@@ -2,10 +2,12 @@
 
 Every handshake that sends (the check on, or an ``all_gather``) writes one entry into a
 ring of ``MPISTRAT_FLIGHT_RECORDS`` (default 8): its sequence number, kind, fingerprint,
-when it began and when it completed. The watchdog's answers carry the record, so a stall
-warning or a timeout shows where every rank has been, and an uncaught exception prints
-this rank's. The call site of each entry is found only while the timeline is on (finding
-it costs about 1 µs); the site of the collective in progress is always in the diagnosis.
+when it began and when it completed; under ``MPISTRAT_CHECK=step`` so does each collective
+that sends nothing (its state says so, and it has no times: it waited for nothing). The
+watchdog's answers carry the record, so a stall warning or a timeout shows where every rank
+has been, and an uncaught exception prints this rank's. The call site of each entry is found
+only while the timeline is on (finding it costs about 1 µs); the site of the collective in
+progress is always in the diagnosis.
 
 >>> ring = Flight(2)
 >>> ring.append(entry(1, "all_reduce", 0x2A, began=10.0))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives import leaves
+from mpistrat.collectives import check_enabled, leaves
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.errors import CollectiveMismatchError, StructureMismatchError
 
@@ -42,7 +42,7 @@ _MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTre
 def agree_on_result(collectives: Collectives, result: Any, error: Exception | None) -> None:
     """Raise on every rank if some rank's ``fn`` raised (``error``, this rank's own) or if the results'
     structures could not be regrouped (``StructureMismatchError``, an ``AssertionError`` as tf's)."""
-    if not collectives.check:
+    if not check_enabled(collectives):
         if error is not None:
             raise error
         return
