@@ -31,7 +31,9 @@ assigned as a method below; ``self`` is typed by ``state.CollectiveState``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -83,10 +85,12 @@ class Collectives:
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         # A stop requested here (a preemption signal) that the handshake carries to every rank.
         self.stop = handshake.StopState()
-        # The handshake's send and receive buffers, reused, as MPI messages (mpi4py then skips
-        # reading their type on every call), and the stop state it carries.
+        # The handshake's send and receive buffers, reused; the persistent collective over them
+        # (None where MPI lacks it); the same as MPI messages (mpi4py then skips reading their type
+        # on every call); the stop state it carries.
         send, recv = (np.empty(handshake.SLOTS, dtype=np.int64) for _ in range(2))
-        self.handshake_buffers = (send, recv, ([send, MPI.INT64_T], [recv, MPI.INT64_T]), self.stop)
+        messages = ([send, MPI.INT64_T], [recv, MPI.INT64_T])
+        self.handshake_buffers = (send, recv, handshake.persistent(comm, send, recv), messages, self.stop)
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
         # Work started over this communicator that every rank must finish before it is freed (a
         # background checkpoint save): name -> what finishes it (collective).
@@ -128,7 +132,7 @@ class Collectives:
             extras=[],
         )
         if setting == handshake.STEP:
-            self.step_check = StepCheck()
+            self.step_check = StepCheck(self.flight.unchecked)
             if self.size == 1:  # nobody to differ from, and strategy.run sends no closing handshake
                 self.step_check.learned()
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
@@ -144,6 +148,11 @@ class Collectives:
         """Finish the work in :attr:`pending` (collective: before the communicator is freed)."""
         while self.pending:
             self.pending.popitem()[1]()
+
+    def closer(self) -> Callable[[], None]:
+        """What frees this object's own MPI objects (its transports, the persistent handshake) before
+        its communicator is freed; it holds no reference to this object (a finalizer calls it)."""
+        return functools.partial(_close, self.transports, self.handshake_buffers[2])
 
     def free(self) -> None:
         """Mark the communicator freed (its strategy was finalized): ``require_open`` then raises."""
@@ -168,3 +177,9 @@ class Collectives:
     all_gather_in_place = in_place.all_gather_in_place
     all_gather_bytes = in_place.all_gather_bytes
     exact_mean_in_place = in_place.exact_mean_in_place
+
+
+def _close(transports: Transports, handshake: Any) -> None:
+    transports.close()
+    if handshake is not None:
+        handshake.Free()

@@ -57,8 +57,9 @@ class CollectiveState(Protocol):
     flight: Flight
     monitor: Monitor
     stop: Any  # a handshake.StopState (the handshake module is typed against this one)
-    # The handshake's reused send and receive buffers, the same as MPI messages, and the stop state.
-    handshake_buffers: tuple[np.ndarray, np.ndarray, tuple[list[Any], list[Any]], Any]
+    # The handshake's reused send and receive buffers, its persistent collective (or None), the
+    # buffers as MPI messages, and the stop state.
+    handshake_buffers: tuple[np.ndarray, np.ndarray, Any, tuple[list[Any], list[Any]], Any]
     pending: dict[str, Callable[[], None]]
 
     def agree(

@@ -22,9 +22,9 @@ entry.
 >>> ones = Collectives(MPI.COMM_SELF.Dup(), CommunicationOptions(check="step"))  # one rank: learned
 >>> ones.all_reduce("sum", 1.0), ones.all_reduce("sum", 2.0)
 (np.float64(1.0), np.float64(2.0))
->>> [entry[:2] for entry in ones.step_check.unchecked], ones.handshakes  # creation's handshake only
-([[1, 'all_reduce'], [2, 'all_reduce']], 1)
->>> ones.agree("check now"); ones.step_check.unchecked, ones.handshakes
+>>> ones.step_check.record, ones.handshakes  # (number, kind, code) each; creation's handshake
+([1, 'all_reduce', ..., 2, 'all_reduce', ...], 1)
+>>> ones.agree("check now"); ones.step_check.record, ones.handshakes
 ([], 2)
 """
 
@@ -37,29 +37,30 @@ from mpi4py import MPI
 from mpistrat.collectives.mismatch import by_rank
 from mpistrat.errors import CollectiveMismatchError
 
-__all__ = ["LIMIT", "UNCHECKED", "StepCheck"]
+__all__ = ["LIMIT", "StepCheck"]
 
-LIMIT = 4096  # unchecked collectives at most: the next one sends a handshake (bounds the record)
-UNCHECKED = "unchecked until the step's closing handshake (MPISTRAT_CHECK=step)"  # a flight entry's state
+LIMIT = 3 * 4096  # the record's length at most (4096 collectives): the next one sends a handshake
 _MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their negations
 
 
 class StepCheck:
-    """One communicator's phase (``learning``: every call sends) and record of unchecked collectives."""
+    """One communicator's phase (``learning``: every call sends) and record of unchecked collectives.
 
-    __slots__ = ("codes", "learning", "unchecked")
+    ``record``: each unchecked collective's number, kind and code (its kind's code ^ its
+    fingerprint), flat and in order (one list extend per call: every data collective's path). It
+    is the flight recorder's list (``Flight.unchecked``): a hang's diagnosis shows what it holds.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("learning", "record")
+
+    def __init__(self, record: list[Any]) -> None:
         self.learning = True  # until a step's closing handshake passes: every collective sends
-        # Each unchecked collective's flight entry ([seq, kind, fingerprint, ...]: see
-        # diagnostics.flight), and its number and code (its kind's code ^ its fingerprint), in
-        # order. The handshake appends to both itself (every data collective's path), to LIMIT.
-        self.unchecked: list[list[Any]] = []
-        self.codes: list[int] = []
+        self.record = record  # appended to by handshake.defer, to LIMIT
 
     def code(self) -> int:
-        """The code of the unchecked collectives, in order (0: none), that the next handshake carries."""
-        return hash(tuple(self.codes)) & _MASK if self.codes else 0  # ints hash alike in every process
+        """The code of the unchecked collectives (0: none) that the next handshake carries."""
+        record = self.record
+        return hash((tuple(record[0::3]), tuple(record[2::3]))) & _MASK if record else 0  # ints hash alike
 
     def learned(self) -> None:
         """A step's closing handshake passed on every rank: repeats may go unchecked from here."""
@@ -67,8 +68,7 @@ class StepCheck:
 
     def verified(self) -> None:
         """A handshake carried the code and every rank agreed: nothing is unchecked any more."""
-        self.unchecked.clear()
-        self.codes.clear()
+        self.record.clear()
 
     def raise_first_difference(self, comm: MPI.Intracomm) -> None:
         """After a failed handshake, on every rank: raise if the unchecked collectives differed.
@@ -76,7 +76,9 @@ class StepCheck:
         Returns (on every rank alike) when they did not: the handshake's own call differed. Either
         way the record is reported, and the ranks start over in the learning phase.
         """
-        records = comm.allgather([tuple(entry[:3]) for entry in self.unchecked])  # (seq, kind, fingerprint)
+        record = self.record
+        entries = zip(record[0::3], record[1::3], record[2::3], strict=True)  # (seq, kind, code)
+        records = comm.allgather(list(entries))
         self.verified()
         self.learning = True  # every rank checks call by call again, until a step closes cleanly
         if all(r == records[0] for r in records[1:]):

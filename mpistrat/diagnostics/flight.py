@@ -2,8 +2,10 @@
 
 Every handshake that sends (the check on, or an ``all_gather``) writes one entry into a
 ring of ``MPISTRAT_FLIGHT_RECORDS`` (default 8): its sequence number, kind, fingerprint,
-when it began and when it completed; under ``MPISTRAT_CHECK=step`` so does each collective
-that sends nothing (its state says so, and it has no times: it waited for nothing). The
+when it began and when it completed. Under ``MPISTRAT_CHECK=step`` the collectives that sent
+nothing since the last handshake are shown among them, from their own record (``unchecked``:
+number, kind, code, flat; no times: they waited for nothing), until a handshake checked
+them. The
 watchdog's answers carry the record, so a stall warning or a timeout shows where every rank
 has been, and an uncaught exception prints this rank's. The call site of each entry is found
 only while the timeline is on (finding it costs about 1 µs); the site of the collective in
@@ -32,6 +34,7 @@ from mpistrat.diagnostics import abort
 __all__ = ["Flight", "block", "split"]
 
 SEQ, KIND, FINGERPRINT, BEGAN, ENDED, STATE, SITE = range(7)  # the fields of an entry
+UNCHECKED = "unchecked until the step's closing handshake (MPISTRAT_CHECK=step)"  # such an entry's state
 MARK = "\nflight records"  # where a diagnosis's records begin (see split)
 
 
@@ -52,14 +55,22 @@ class Flight(collections.deque[list[Any]]):
 
     def __init__(self, n: int, owner: str = "a strategy", size: int = 0):
         super().__init__(maxlen=n)
+        # MPISTRAT_CHECK=step's record of the collectives that sent nothing since the last handshake
+        # (collectives.step_check.StepCheck writes it): shown among the entries.
+        self.unchecked: list[Any] = []
         self.number = next(_numbers)
         self.label = f"{owner} ({size} rank{'s' if size != 1 else ''})" if size else owner
         if n:
             _live.add(self)
 
     def entries(self) -> list[list[Any]]:
-        """The entries, oldest first."""
-        return list(self)
+        """The last ``maxlen`` entries, the unchecked collectives' among them, oldest first."""
+        kept = self.maxlen or 0
+        ring, record = list(self), self.unchecked[-3 * kept :] if kept else []  # copies: others write
+        if not record:
+            return ring
+        unchecked = [[*record[i : i + 3], 0.0, 0.0, UNCHECKED, None] for i in range(0, len(record), 3)]
+        return sorted(ring + unchecked, key=lambda e: e[SEQ])[-kept:]
 
     def describe(self, now: float, busy: bool, agreed: bool) -> str:
         """The record on one line. ``busy``: this rank is in a collective; ``agreed``: past its handshake."""

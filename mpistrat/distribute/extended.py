@@ -69,7 +69,7 @@ class StrategyExtended:
         # The private communicator is freed when the Collectives using it are collected, so a
         # program may drop strategies without experimental_finalize() and not run out of them.
         c = self._collectives
-        release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.transports.close)
+        release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.closer())
         release.atexit = False  # MPI_Finalize frees what is left at exit
         self._release: weakref.finalize | None = release
         # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).

@@ -110,6 +110,21 @@ def _note(name: str, sent: int, received: int, comm: str = "") -> None:
         ledger.log.append(Call(name, sent, received, comm))
 
 
+class CountingPrequest(MPI.Prequest):
+    """A persistent collective that logs each start as the call it repeats (``Allreduce_init``'s
+    requests as ``Allreduce``): what it moves per start, not once at its creation."""
+
+    def __new__(cls, request: MPI.Prequest, *call: Any) -> CountingPrequest:
+        return super().__new__(cls, request)  # a copy of the handle; MPI's constructor takes only it
+
+    def __init__(self, request: MPI.Prequest, name: str, nbytes: int, comm: str):
+        self.call = (name, nbytes, nbytes, comm)
+
+    def Start(self) -> None:
+        _note(*self.call)
+        return super().Start()
+
+
 class CountingComm(MPI.Intracomm):
     """An intracommunicator that logs its calls into the active :class:`Ledger` (if any)."""
 
@@ -140,6 +155,12 @@ class CountingComm(MPI.Intracomm):
         n = _nbytes(recvbuf)
         _note("Allreduce", n, n, self.Get_name())
         return super().Iallreduce(sendbuf, recvbuf, op)
+
+    def Allreduce_init(
+        self, sendbuf: Any, recvbuf: Any, op: Any = MPI.SUM, info: MPI.Info = MPI.INFO_NULL
+    ) -> MPI.Prequest:
+        request = super().Allreduce_init(sendbuf, recvbuf, op, info)
+        return CountingPrequest(request, "Allreduce", _nbytes(recvbuf), self.Get_name())
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         received = _nbytes(recvbuf)
