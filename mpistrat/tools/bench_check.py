@@ -3,9 +3,10 @@
     mpiexec -n 2 python -m mpistrat.tools.bench_check [--size 8] [--iters 2000] [--repeats 15]
 
 Prints microseconds per call (median and best of the repeats) on rank 0 for:
-raw ``comm.Allreduce`` and ``Iallreduce``; ``ReplicaContext.all_reduce`` with the check
+raw ``comm.Allreduce``, ``Iallreduce`` and a persistent ``Allreduce_init`` started and waited
+(what the handshake is, where MPI has it); ``ReplicaContext.all_reduce`` with the check
 off; with the check on (the default); with the check on and a timeout (the handshake is
-then a polled ``Iallreduce``). Then per step: ``strategy.run`` of ``--step-calls`` such
+then polled). Then per step: ``strategy.run`` of ``--step-calls`` such
 ``all_reduce`` calls on strategies whose check is off, ``"step"`` (one handshake per run)
 and on, beside the same number of raw ``Allreduce`` calls.
 """
@@ -53,9 +54,15 @@ def main() -> None:
     strategy = mpistrat.MPIStrategy(world)
     x = np.ones(args.size)
     out = np.empty_like(x)
+    persistent = _persistent(comm, x, out)
     variants: dict[str, Callable[[], Any] | mpistrat.CommunicationOptions] = {
         "raw comm.Allreduce": lambda: comm.Allreduce(x, out, op=MPI.SUM),
         "raw comm.Iallreduce + Wait": lambda: comm.Iallreduce(x, out, op=MPI.SUM).Wait(),
+        **(
+            {"raw persistent Start + Wait": functools.partial(_start_wait, persistent)}
+            if persistent is not None
+            else {}
+        ),
         "all_reduce, check off": mpistrat.CommunicationOptions(check=False),
         "all_reduce, check on (default)": mpistrat.CommunicationOptions(check=True),
         "all_reduce, check on + timeout": mpistrat.CommunicationOptions(check=True, timeout_seconds=600),
@@ -71,6 +78,8 @@ def main() -> None:
             return timed(comm, lambda: ctx.all_reduce("sum", x, options), args.iters, args.repeats)
 
         results[name] = strategy.run(loop)
+    if persistent is not None:
+        persistent.Free()
     steps = _steps(comm, x, out, args.step_calls, max(args.iters // args.step_calls, 10), args.repeats)
     if world.Get_rank() == 0:
         print(f"{world.Get_size()} ranks, {args.size} float64, {args.iters} calls x {args.repeats} repeats")
@@ -82,6 +91,18 @@ def main() -> None:
         for name, (median, best, ratio) in steps.items():
             print(f"{name:34s} {median:10.1f} {best:9.1f} {ratio:6.2f}")
         print("(x off: the median over the repeats of each repeat's time over the check-off time in it)")
+
+
+def _start_wait(request: MPI.Prequest) -> None:
+    request.Start()
+    request.Wait()
+
+
+def _persistent(comm: MPI.Intracomm, x: np.ndarray, out: np.ndarray) -> MPI.Prequest | None:
+    try:
+        return comm.Allreduce_init(x, out, MPI.SUM)
+    except NotImplementedError:  # an MPI before MPI-4
+        return None
 
 
 def _steps(
