@@ -249,8 +249,6 @@ def agree_within(
         stop.requested,  # STOP
     )  # fmt: skip
     began = time.monotonic()
-    entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
-    self.flight.append(entry)
     # Never the blocking form: MPI matches a blocking collective with neither a non-blocking nor a
     # persistent one, and a rank whose timeout is set (per call, or in its environment) must poll.
     if handshake is not None:
@@ -258,6 +256,9 @@ def agree_within(
         request = handshake
     else:
         request = self.comm.Iallreduce(messages[0], messages[1], _MAX)
+    # Recorded while the message travels (no use for anything until the handshake completes).
+    entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
+    self.flight.append(entry)
     monitor = self.monitor
     if not monitor.polled:
         request.Wait()
