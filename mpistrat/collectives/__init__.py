@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -90,7 +89,12 @@ class Collectives:
         # on every call); the stop state it carries.
         send, recv = (np.empty(handshake.SLOTS, dtype=np.int64) for _ in range(2))
         messages = ([send, MPI.INT64_T], [recv, MPI.INT64_T])
-        self.handshake_buffers = (send, recv, handshake.persistent(comm, send, recv), messages, self.stop)
+        request = handshake.persistent(comm, send, recv)
+        self.handshake_buffers = (send, recv, request, messages, self.stop)
+        # The MPI requests freed with the communicator (closer). A handshake whose wait raised takes
+        # its request out: it may still be active, and freeing an active request is erroneous (Open
+        # MPI: MPI_ERR_REQUEST), so it is left to MPI_Finalize.
+        self.requests: list[MPI.Prequest] = [] if request is None else [request]
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
         # Work started over this communicator that every rank must finish before it is freed (a
         # background checkpoint save): name -> what finishes it (collective).
@@ -150,9 +154,9 @@ class Collectives:
             self.pending.popitem()[1]()
 
     def closer(self) -> Callable[[], None]:
-        """What frees this object's own MPI objects (its transports, the persistent handshake) before
-        its communicator is freed; it holds no reference to this object (a finalizer calls it)."""
-        return functools.partial(_close, self.transports, self.handshake_buffers[2])
+        """What frees this object's own MPI objects (its transports, :attr:`requests`) before its
+        communicator is freed; it holds no reference to this object (a finalizer calls it)."""
+        return functools.partial(_close, self.transports, self.requests)
 
     def free(self) -> None:
         """Mark the communicator freed (its strategy was finalized): ``require_open`` then raises."""
@@ -179,7 +183,7 @@ class Collectives:
     exact_mean_in_place = in_place.exact_mean_in_place
 
 
-def _close(transports: Transports, handshake: Any) -> None:
+def _close(transports: Transports, requests: list[MPI.Prequest]) -> None:
     transports.close()
-    if handshake is not None:
-        handshake.Free()
+    while requests:
+        requests.pop().Free()

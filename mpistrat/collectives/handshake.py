@@ -266,8 +266,9 @@ def agree_within(
         try:
             watchdog.wait(monitor, request)
         except BaseException:
-            if handshake is not None:
+            if handshake is not None:  # it may still be active: neither started nor freed again
                 self.handshake_buffers = (send, recv, _Abandoned(seq), messages, stop)
+                self.requests.remove(handshake)
             raise
     entry[ENDED] = ended = time.monotonic()
     top = _PACKING.unpack_from(recv)  # type: ignore[arg-type]

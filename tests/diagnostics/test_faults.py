@@ -107,12 +107,14 @@ def test_a_skipped_collective_times_out_naming_the_missing_rank(how):
 
 def test_a_strategy_whose_handshake_timed_out_raises_at_its_next_collective():
     """A timed-out handshake may still be in flight (the persistent one is still active): calling
-    again on that strategy raises at once, saying why, instead of starting it again."""
+    again on that strategy raises at once, saying why, instead of starting it again, and
+    finalizing the strategy leaves the request to MPI instead of freeing it while active."""
     code, out = run_job("timeout_then_again.py", limit=20)
     assert code != 0, out
     for r in (0, 2):
         assert f"rank {r} timed out" in out, out
         assert re.search(rf"rank {r} again: .*did not complete \(it timed out or was interrupted\)", out), out
+        assert f"rank {r} finalized" in out, out
 
 
 def test_below_thread_multiple_a_timeout_still_ends_the_job():
