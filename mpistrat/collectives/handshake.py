@@ -82,7 +82,8 @@ _STEP_OR_UNSET = (None, "step")  # a call's CommunicationOptions.check that leav
 def persistent(comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray) -> MPI.Prequest | None:
     """The handshake as a persistent collective (MPI-4 ``Allreduce_init``), made by every rank at the
     same point (the strategy's creation) and started by every handshake: no argument parsing, no new
-    schedule, 1.1-1.6 µs less per handshake than ``Iallreduce`` on MPICH, Open MPI and Intel MPI.
+    schedule, 1-1.6 µs less per handshake than ``Iallreduce`` on MPICH, Open MPI and Intel MPI
+    (``benchmarks/closing.py``).
 
     None (every handshake an ``Iallreduce``) where the MPI lacks it, and on one rank, where a
     handshake waits for nobody (the default strategy's ``COMM_SELF``, which ``MPI_Finalize`` frees,

@@ -4,9 +4,8 @@ Every handshake that sends (the check on, or an ``all_gather``) writes one entry
 ring of ``MPISTRAT_FLIGHT_RECORDS`` (default 8): its sequence number, kind, fingerprint,
 when it began and when it completed. Under ``MPISTRAT_CHECK=step`` the collectives that sent
 nothing since the last handshake are shown among them, from their own record (``unchecked``:
-number, kind, code, flat; no times: they waited for nothing), until a handshake checked
-them. The
-watchdog's answers carry the record, so a stall warning or a timeout shows where every rank
+number, kind, code, flat; no times: they waited for nothing), until a handshake checked them.
+The watchdog's answers carry the record, so a stall warning or a timeout shows where every rank
 has been, and an uncaught exception prints this rank's. The call site of each entry is found
 only while the timeline is on (finding it costs about 1 µs); the site of the collective in
 progress is always in the diagnosis.
