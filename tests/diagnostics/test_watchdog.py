@@ -4,6 +4,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 
 import numpy as np
@@ -328,18 +329,31 @@ def test_dropped_strategies_free_their_communicators(world):
 
 
 class Untouchable:
-    """A lock that fails the test when taken."""
+    """A lock that fails the test when the test's own thread takes it. The watchdog thread, which
+    looks a few times a second and may do so while the test runs, takes the real one."""
+
+    def __init__(self, real):
+        self.real, self.owner = real, threading.get_ident()
+
+    def acquire(self, blocking=True, timeout=-1):
+        if threading.get_ident() == self.owner:
+            raise AssertionError("the side channel was touched")
+        return self.real.acquire(blocking, timeout)
+
+    def release(self):
+        self.real.release()
 
     def __enter__(self):
-        raise AssertionError("the side channel was touched")
+        return self.acquire()
 
     def __exit__(self, *exc):
+        self.release()
         return False
 
 
 def test_a_forked_child_does_not_announce_that_its_rank_left(monkeypatch):
     """A child made by os.fork() inherits the exit hook; only the rank's own process may say it left."""
-    monkeypatch.setattr(watchdog.WATCHDOG, "lock", Untouchable())
+    monkeypatch.setattr(watchdog.WATCHDOG, "lock", Untouchable(watchdog.WATCHDOG.lock))
     monkeypatch.setattr(watchdog.WATCHDOG, "pid", -1)  # as in a child: another process
     farewell.leave(watchdog.WATCHDOG)  # returns before the side channel
     monkeypatch.setattr(watchdog.WATCHDOG, "pid", os.getpid())  # the rank itself goes on to it
@@ -351,7 +365,6 @@ def test_a_stall_warning_says_how_long_it_has_waited_when_it_is_printed(monkeypa
     """The stall is noticed at 1 s, and its diagnosis comes 4 s later (a rank that does not answer
     holds the listening for LISTEN): the warning printed then says 5 s, the wait so far. On a clock
     of this thread's own, so nothing here depends on timing."""
-    import threading
     import types
 
     from mpistrat.diagnostics import watchdog
