@@ -4,9 +4,11 @@ to a cross-replica write, a variable creation and a merge_call. None of them may
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import mpistrat
 
+MPI.COMM_WORLD.Barrier()  # every rank has started: the timeout below is for the collectives, not the start
 strategy = mpistrat.MPIStrategy()
 rank = strategy.extended.rank
 with strategy.scope():

@@ -7,9 +7,11 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import mpistrat
 
+MPI.COMM_WORLD.Barrier()  # every rank has started: the timeout below is for the collectives, not the start
 options = None if "--env" in sys.argv else mpistrat.CommunicationOptions(timeout_seconds=5)
 strategy = mpistrat.MPIStrategy(communication_options=options)
 rank = strategy.extended.rank

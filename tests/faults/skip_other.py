@@ -7,9 +7,11 @@ import tempfile
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import mpistrat
 
+MPI.COMM_WORLD.Barrier()  # every rank has started: the timeout below is for the collectives, not the start
 what = sys.argv[1]
 strategy = mpistrat.MPIStrategy()
 rank = strategy.extended.rank
