@@ -11,8 +11,8 @@ around it) and ``results.agree_on_result`` (the result's structure). Then whethe
 between the handshake's ``Start`` and ``Wait`` hides in its latency: about a microsecond of
 interpreted work before ``Start`` + ``Wait``, and the same work between them (where the MPI moves
 the message only inside its own calls, it does not). Last, a one-array ``all_reduce`` with the
-check off against the same call left unchecked (its record). Rank 0 prints microseconds per call, median and best of the repeats, and each line's median
-difference to the first of its group.
+check off against the same call left unchecked (its record). Rank 0 prints microseconds per
+call, median and best of the repeats, and each line's median difference to the first of its group.
 """
 
 from __future__ import annotations
