@@ -257,7 +257,8 @@ def agree_within(
         request = handshake
     else:
         request = self.comm.Iallreduce(messages[0], messages[1], _MAX)
-    # Recorded while the message travels (no use for anything until the handshake completes).
+    # Recorded after the start: where the MPI moves the message on its own this overlaps it (most move
+    # it inside Wait: benchmarks/closing.py), and nothing reads it before the handshake completes.
     entry = [seq, kind, fingerprint, began, None, None, None]  # flight.entry(), built inline: per-call
     self.flight.append(entry)
     monitor = self.monitor
