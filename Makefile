@@ -21,7 +21,7 @@ IMPI_PY   := $(IMPI_VENV)/bin/python
 IMPI_MPIEXEC := $(IMPI_VENV)/bin/mpiexec
 IMPI_SIZES ?= 2 3
 
-.PHONY: install install-gpu demo docs test test-serial test-readme test-slurm test-gpu bench-gpu lint format clean $(addprefix test-,$(SIZES))
+.PHONY: install install-gpu demo docs test test-serial test-readme test-slurm test-gpu bench-gpu gpu-check lint format clean $(addprefix test-,$(SIZES))
 .PHONY: install-openmpi test-openmpi test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 .PHONY: install-impi test-impi test-impi-faults $(addprefix test-impi-,$(IMPI_SIZES)) test-nodes
 
@@ -138,6 +138,11 @@ bench-gpu: install-gpu
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat info
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m mpistrat.tools.bench_gpu \
 		--json results/bench-gpu-$(GPU_RANKS).json
+
+# Every GPU check in one run (jobs/gpu_check.sh): the machine, test-gpu, info, the digits example on
+# the GPU, bandwidth beside bare NCCL; logs and JSON in results/gpu-check. No GPU: it says so, exits 0.
+gpu-check: install-gpu
+	bash jobs/gpu_check.sh
 
 lint: install
 	$(PY) -m ruff check mpistrat tests benchmarks docs/hooks

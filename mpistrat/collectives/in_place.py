@@ -26,7 +26,6 @@ from mpistrat.collectives import exact_sum
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
-from mpistrat.errors import UnsupportedTypeError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
@@ -80,18 +79,35 @@ def reduce_scatter_in_place(
     Compressed: one ``Alltoall`` of 16-bit values, each rank summing its block in float32.
     Deterministic: the exact all-reduce of the whole buffer, this rank's block kept (twice the
     bytes of a reduce-scatter). Blocks beyond the count limit: an all-reduce in pieces, likewise.
+    Device buffers: their transport's reduce-scatter (NCCL, CUDA-aware MPI, or host staging);
+    exact or compressed, the mode's all-reduce through the host, this rank's block kept.
     """
-    _host(buf, kind)
-    mode = self.sum_mode if options is None else sum_mode(self.options.merge(options))
-    (mode if mode.takes(buf.dtype) else PLAIN).reduce_scatter(self, buf, kind)
+    opts = self.options if options is None else self.options.merge(options)
+    mode = self.sum_mode if options is None else sum_mode(opts)
+    module = packing.array_module(buf)
+    if module is np:
+        (mode if mode.takes(buf.dtype) else PLAIN).reduce_scatter(self, buf, kind)
+        return
+    mpi.check_count(buf.size, kind)
+    if mode.takes(buf.dtype):  # exact or compressed: their all-reduce (through the host), this block kept
+        per = buf.size // self.size
+        total = mode.sum(self, buf.reshape(-1), kind=kind, implementation=opts.implementation)
+        buf[:per] = total[self.rank * per : (self.rank + 1) * per]
+        return
+    self.transports.get(module, opts.implementation, buf.dtype, "reduce_scatter").reduce_scatter(buf)
 
 
 @watchdog.collective("all_reduce")
 def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "all_reduce") -> None:
     """``out`` (``n`` elements) becomes the sum over every rank's ``[K, n]`` ``rows`` divided by K,
     exactly and rounded once (``deterministic=True`` with gradient accumulation): the same bits
-    however the rows are spread over the ranks. Two ``Allreduce`` calls, as one exact sum."""
-    _host(rows, kind)
+    however the rows are spread over the ranks. Two ``Allreduce`` calls, as one exact sum; device
+    buffers through the host."""
+    if type(rows) is not np.ndarray:
+        mean = np.empty(out.shape, out.dtype)
+        exact_mean_in_place(self, rows.get(), mean, kind=kind)  # a helper: part of this call
+        out[...] = packing.array_module(out).asarray(mean)
+        return
     rows = np.ascontiguousarray(rows)
     steps = rows.shape[0]
     if not exact_sum.supported(rows.dtype):  # no exact path for this dtype: a plain sum, then the mean
@@ -106,8 +122,11 @@ def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "
 @watchdog.collective("all_gather")
 def all_gather_in_place(self: Collectives, buf: Any, *, kind: str = "all_gather") -> None:
     """Each rank's block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place."""
-    _host(buf, kind)
-    if mpi.COUNT_LIMIT is None:
+    module = packing.array_module(buf)
+    if module is not np:
+        mpi.check_count(buf.size, kind)
+        self.transports.get(module, self.options.implementation, buf.dtype, "allgather").allgather(buf)
+    elif mpi.COUNT_LIMIT is None:
         self.comm.Allgather(MPI.IN_PLACE, buf)
     else:
         mpi.allgather(self.comm, MPI.IN_PLACE, buf)
@@ -125,11 +144,3 @@ def all_gather_bytes(
         return
     displs = [0, *itertools.accumulate(counts[:-1])]
     self.comm.Allgatherv([mine, MPI.BYTE], [out, counts, displs, MPI.BYTE])
-
-
-def _host(buf: Any, kind: str) -> None:
-    if type(buf) is not np.ndarray:
-        raise UnsupportedTypeError(
-            f"{kind}: sharded optimizer state is supported for NumPy arrays; got a {type(buf).__module__} "
-            "array. Use shard_state=False for device arrays"
-        )

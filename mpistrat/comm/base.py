@@ -32,5 +32,14 @@ class Transport:
         """Overwrite ``buf`` on every rank with root's ``buf``."""
         raise NotImplementedError
 
+    def reduce_scatter(self, buf: Any) -> None:
+        """Sum ``buf`` (``size`` equal blocks, in place): rank ``r``'s block of the sum lands at the
+        start of its ``buf``; the rest is left undefined."""
+        raise NotImplementedError
+
+    def allgather(self, buf: Any) -> None:
+        """Rank ``r``'s block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the transport holds (communicators, pinned memory)."""

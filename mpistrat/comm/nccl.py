@@ -79,10 +79,7 @@ class NcclTransport(Transport):
         return int(self.cupy.cuda.get_current_stream().ptr)
 
     def allreduce(self, send: Any, recv: Any) -> None:
-        found = nccl_reduce_type(self.nccl, recv.dtype)
-        if found is None:
-            raise TypeError(f"NCCL cannot reduce dtype {recv.dtype}")
-        datatype, per_item = found
+        datatype, per_item = self._reduce_type(recv.dtype)
         if recv.size == 0:
             return
         self.comm.allReduce(
@@ -111,6 +108,32 @@ class NcclTransport(Transport):
         for r, (count, displ) in enumerate(zip(counts, displs, strict=True)):
             if count:
                 out[displ * item : (displ + count) * item] = padded[r * block : r * block + count * item]
+
+    def reduce_scatter(self, buf: Any) -> None:
+        buf = buf.reshape(-1)
+        per = buf.size // self.size
+        if per == 0:
+            return
+        datatype, per_item = self._reduce_type(buf.dtype)
+        # NCCL's in-place reduce-scatter writes rank r's block where it was; the caller wants it first.
+        own = buf.data.ptr + self.rank * per * buf.dtype.itemsize
+        self.comm.reduceScatter(buf.data.ptr, own, per * per_item, datatype, self._sum, self._stream())
+        if self.rank:
+            buf[:per] = buf[self.rank * per : (self.rank + 1) * per]
+
+    def allgather(self, buf: Any) -> None:
+        buf = buf.reshape(-1)
+        block = buf.nbytes // self.size
+        if block == 0:
+            return
+        base = buf.data.ptr
+        self.comm.allGather(base + self.rank * block, base, block, self._bytes, self._stream())
+
+    def _reduce_type(self, dtype: np.dtype) -> tuple[int, int]:
+        found = nccl_reduce_type(self.nccl, dtype)
+        if found is None:
+            raise TypeError(f"NCCL cannot reduce dtype {dtype}")
+        return found
 
     def close(self) -> None:
         destroy = getattr(self.comm, "destroy", None)

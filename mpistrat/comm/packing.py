@@ -248,10 +248,14 @@ def is_contiguous(arr: Any) -> bool:
 
     An unaligned array (``np.frombuffer(buf, offset=1)``) is contiguous, but mpi4py maps its
     buffer format (``'=d'``) to no MPI datatype (a raw ``KeyError``): it goes through ``pack``,
-    whose copy is aligned, like any non-contiguous leaf.
+    whose copy is aligned, like any non-contiguous leaf. CuPy's flags say nothing of alignment:
+    a device array's pointer is asked instead.
     """
     flags = arr.flags
-    return bool(flags.c_contiguous and flags.aligned)
+    if not flags.c_contiguous:
+        return False
+    aligned = getattr(flags, "aligned", None)
+    return bool(aligned) if aligned is not None else arr.data.ptr % arr.dtype.itemsize == 0
 
 
 def pack(arrays: list[Any], p: Pack, pool: list[Any] | None = None) -> Any:

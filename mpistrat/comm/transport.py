@@ -1,7 +1,8 @@
 """The transports that move one pack, and the choice between them.
 
 A transport moves 1-D contiguous buffers of one dtype: ``allreduce`` (SUM; ``send is recv``
-means in place) and ``allgatherv`` (element counts and displacements per rank).
+means in place), ``allgatherv`` (element counts and displacements per rank), ``bcast``, and the
+in-place ``reduce_scatter`` / ``allgather`` of equal blocks that sharded optimizer state uses.
 
 - ``mpi``: host (NumPy) buffers straight to MPI.
 - ``cuda-aware mpi``: device buffers straight to MPI, after the current stream is synchronized.
@@ -75,6 +76,14 @@ class HostMPI(Transport):
     def bcast(self, buf: Any, root: int) -> None:
         self.comm.Bcast(buffer_spec(_host_if_empty(buf)), root=root)
 
+    # With IN_PLACE, mpi4py takes an explicit count in these two as the count of one rank's block.
+    def reduce_scatter(self, buf: Any) -> None:
+        block = buffer_spec(_host_if_empty(buf), buf.size // self.comm.Get_size())
+        self.comm.Reduce_scatter_block(MPI.IN_PLACE, block, op=MPI.SUM)
+
+    def allgather(self, buf: Any) -> None:
+        self.comm.Allgather(MPI.IN_PLACE, buffer_spec(_host_if_empty(buf), buf.size // self.comm.Get_size()))
+
 
 class CudaAwareMPI(HostMPI):
     """Device buffers straight to a CUDA-aware MPI, once the current stream has finished writing them.
@@ -99,6 +108,14 @@ class CudaAwareMPI(HostMPI):
     def bcast(self, buf: Any, root: int) -> None:
         self.cupy.cuda.get_current_stream().synchronize()
         super().bcast(buf, root)
+
+    def reduce_scatter(self, buf: Any) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+        super().reduce_scatter(buf)
+
+    def allgather(self, buf: Any) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+        super().allgather(buf)
 
 
 class StagedMPI(Transport):
@@ -165,6 +182,33 @@ class StagedMPI(Transport):
         stream.synchronize()
         self.comm.Bcast(buffer_spec(host), root=root)
         if host.size and self.rank != root:
+            buf.set(host, stream=stream)
+            self._pending = stream.record()
+
+    def reduce_scatter(self, buf: Any) -> None:
+        buf = buf.reshape(-1)
+        host = self.staging(buf.nbytes, buf.dtype)
+        stream = self.cupy.cuda.get_current_stream()
+        if host.size:
+            buf.get(stream=stream, out=host)
+        stream.synchronize()
+        per = host.size // self.comm.Get_size()
+        self.comm.Reduce_scatter_block(MPI.IN_PLACE, buffer_spec(host, per), op=MPI.SUM)
+        if per:  # only this rank's block comes back: the rest of buf is left undefined
+            buf[:per].set(host[:per], stream=stream)
+            self._pending = stream.record()
+
+    def allgather(self, buf: Any) -> None:
+        buf = buf.reshape(-1)
+        host = self.staging(buf.nbytes, buf.dtype)
+        stream = self.cupy.cuda.get_current_stream()
+        per = host.size // self.comm.Get_size()
+        mine = slice(self.rank * per, (self.rank + 1) * per)
+        if per:
+            buf[mine].get(stream=stream, out=host[mine])
+        stream.synchronize()
+        self.comm.Allgather(MPI.IN_PLACE, buffer_spec(host, per))
+        if host.size:
             buf.set(host, stream=stream)
             self._pending = stream.record()
 
@@ -319,7 +363,7 @@ class Transports:
         if implementation not in self._chosen:
             self._chosen[implementation] = self._choose(module, implementation)
         chosen = self._chosen[implementation]
-        if op == "allreduce" and not chosen.supports_reduce(dtype):
+        if op in ("allreduce", "reduce_scatter") and not chosen.supports_reduce(dtype):
             return self.ring(module)  # NCCL cannot reduce this dtype; every rank decides the same
         return chosen
 

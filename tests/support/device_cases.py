@@ -192,6 +192,46 @@ def case_checkpoint_round_trip(xp: Any, strategy: Any, comm: Any) -> None:
         agree_close(comm, got, w, "a host file restored onto the device")
 
 
+def case_reduce_scatter_then_all_gather_in_place(xp: Any, strategy: Any, comm: Any) -> None:
+    """Sharded optimizer state's two transfers on device buffers of equal blocks: rank r's block of
+    the sum lands at the start of its buffer, then each rank's block r reaches every rank."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    collectives, per = strategy.extended.collectives, 5
+    for dtype in ("float32", "float64", "float16", "complex64"):
+        total = sum(local(r, (n * per,), "float64") for r in range(n)).astype(dtype)
+        buf = xp.asarray(local(rank, (n * per,), dtype))
+        collectives.reduce_scatter_in_place(buf)
+        agree_close(comm, buf[:per], total[rank * per : (rank + 1) * per], f"{dtype} reduce-scatter")
+        blocks = np.full(n * per, -1, dtype)  # only this rank's block is known before the gather
+        blocks[rank * per : (rank + 1) * per] = total[rank * per : (rank + 1) * per]
+        buf = xp.asarray(blocks)
+        collectives.all_gather_in_place(buf)
+        agree_close(comm, buf, total, f"{dtype} all-gather")
+
+
+def case_adam_steps_sharded_and_not(xp: Any, strategy: Any, comm: Any) -> None:
+    """Adam on device variables of two dtypes, its state replicated and sharded (``shard_state``):
+    weights and slots as the serial float64 NumPy reference of test_flat_optimizers has them, and
+    still on the device."""
+    from tests.training import test_flat_optimizers as flat
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    want = flat.reference_after("adam", size)
+    for shard in (False, True):
+        with strategy.scope():
+            variables = {n: mpistrat.Variable(xp.asarray(flat.initial(n)), name=n) for n in flat.NAMES}
+            opt = flat.make_optimizer("adam", shard)
+        for t in range(flat.STEPS):
+            grads = [(xp.asarray(flat.local_grad(n, t, rank)), variables[n]) for n in flat.NAMES]
+            strategy.run(lambda grads=grads: opt.apply_gradients(grads))
+        values = {n: v.value() for n, v in variables.items()}
+        slots = {f"{n}/{s}": opt.get_slot(v, s).value() for n, v in variables.items() for s in ("m", "v")}
+        kept = all(on_device(x) for x in (*values.values(), *slots.values()))
+        bad = flat.differences({n: host(v) for n, v in values.items()}, want.params)
+        bad += flat.differences({n: host(v) for n, v in slots.items()}, flat.reference_slots(want))
+        all_ranks_agree(comm, kept and not bad, f"shard_state={shard}: on device {kept}; {'; '.join(bad)}")
+
+
 CASES = [
     case_all_reduce_sum,
     case_all_reduce_mixed_nest,
@@ -201,4 +241,6 @@ CASES = [
     case_mixed_kinds_mismatch,
     case_devices_reported,
     case_checkpoint_round_trip,
+    case_reduce_scatter_then_all_gather_in_place,
+    case_adam_steps_sharded_and_not,
 ]

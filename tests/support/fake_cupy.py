@@ -68,6 +68,17 @@ class _Pointer:
         self.ptr = ptr
 
 
+class _Flags:
+    """CuPy's ``ndarray.flags``: these three, and no ``aligned`` or ``writeable``."""
+
+    def __init__(self, flags: Any):
+        self.c_contiguous, self.f_contiguous, self.owndata = (
+            flags.c_contiguous,
+            flags.f_contiguous,
+            flags.owndata,
+        )
+
+
 class ndarray:
     """A device array: NumPy storage, CuPy manners."""
 
@@ -82,7 +93,7 @@ class ndarray:
     nbytes = property(lambda self: self._a.nbytes)
     ndim = property(lambda self: self._a.ndim)
     itemsize = property(lambda self: self._a.itemsize)
-    flags = property(lambda self: self._a.flags)
+    flags = property(lambda self: _Flags(self._a.flags))
     data = property(lambda self: _Pointer(self._a.ctypes.data))
 
     @property
@@ -315,8 +326,23 @@ class NcclCommunicator:
         block = count * dtype.itemsize
         recv = _memory(recvbuf, block * self._size).view(dtype)
         in_place = sendbuf == recvbuf + self._rank * block
+        overlaps = sendbuf < recvbuf + block * self._size and recvbuf < sendbuf + block
+        assert in_place or not overlaps, "fake NCCL: overlapping buffers"
         send = MPI.IN_PLACE if in_place else _memory(sendbuf, block).view(dtype)
         self._comm.Allgather(send, recv)
+
+    def reduceScatter(
+        self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int
+    ) -> None:
+        calls.append("nccl.reduceScatter")
+        assert op == nccl.NCCL_SUM
+        dtype = np.dtype(_NCCL_DTYPES[datatype])
+        block = recvcount * dtype.itemsize
+        overlaps = sendbuf < recvbuf + block and recvbuf < sendbuf + block * self._size
+        # NCCL's one in-place form: the receive buffer is this rank's block of the send buffer.
+        assert not overlaps or recvbuf == sendbuf + self._rank * block, "fake NCCL: overlapping buffers"
+        send = _memory(sendbuf, block * self._size).view(dtype).copy()
+        self._comm.Reduce_scatter_block(send, _memory(recvbuf, block).view(dtype), op=MPI.SUM)
 
     def rank_id(self) -> int:
         return self._rank
