@@ -223,7 +223,7 @@ def case_adam_steps_sharded_and_not(xp: Any, strategy: Any, comm: Any) -> None:
             opt = flat.make_optimizer("adam", shard)
         for t in range(flat.STEPS):
             grads = [(xp.asarray(flat.local_grad(n, t, rank)), variables[n]) for n in flat.NAMES]
-            strategy.run(lambda grads=grads: opt.apply_gradients(grads))
+            strategy.run(opt.apply_gradients, args=(grads,))
         values = {n: v.value() for n, v in variables.items()}
         slots = {f"{n}/{s}": opt.get_slot(v, s).value() for n, v in variables.items() for s in ("m", "v")}
         kept = all(on_device(x) for x in (*values.values(), *slots.values()))
