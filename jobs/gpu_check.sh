@@ -3,7 +3,8 @@
 #   the machine (GPU, driver, CUDA, CuPy, NCCL, MPI), the collective suite over CuPy arrays at 1 and
 #   2 ranks (`make test-gpu`: collectives, merge_call, Adam sharded and not, checkpoints), `mpistrat
 #   info` at 2 ranks, the digits example on the GPU beside the CPU, and device all-reduce bandwidth
-#   beside bare NCCL and host MPI (python -m mpistrat.tools.bench_gpu) at 1 and 2 ranks.
+#   beside bare NCCL and host MPI (python -m mpistrat.tools.bench_gpu) at 1 and 2 ranks, with where
+#   one small device all_reduce spends its time (python -m benchmarks.device_call).
 # Each step has a time limit and a log in $RESULTS; a failed step does not stop the others, and the
 # exit status says whether any failed. Without CuPy or a CUDA device it says why and exits 0.
 #
@@ -72,6 +73,7 @@ digits=(-m mpistrat.examples.digits --checkpoint-dir "" --no-progress)
 step digits-gpu-1 300 "$PY" "${digits[@]}" --device gpu
 step digits-gpu-2 300 "$MPIEXEC" -n 2 "$PY" "${digits[@]}" --device gpu
 step digits-cpu-2 300 "$MPIEXEC" -n 2 "$PY" "${digits[@]}" --device cpu
+step device-call 120 "$PY" -m benchmarks.device_call --no-profile --parts
 for n in 1 2; do
     step "bench-gpu-$n" 600 "$MPIEXEC" -n "$n" "$PY" -m mpistrat.tools.bench_gpu --min "$BENCH_MIN" \
         --max "$BENCH_MAX" --json "$RESULTS/bench-gpu-$n.json"

@@ -48,7 +48,12 @@ def all_reduce(
     ``error``: a bad-input error the caller found on this rank; it is raised on every
     rank (through the handshake) instead of stranding the others in the collective.
     """
-    if options is None and error is None and type(value) is np.ndarray and self.sum_mode is PLAIN:
+    if (
+        options is None
+        and error is None
+        and (type(value) is np.ndarray or packing.is_device_array(value))
+        and self.sum_mode is PLAIN
+    ):
         plan = _array_plan(self, reduce_op, value)
         if plan is not None:
             return _all_reduce_array(self, plan, value, kind)
@@ -177,32 +182,40 @@ def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: Communicat
     return described
 
 
-def _array_plan(self: Collectives, reduce_op: Any, x: np.ndarray) -> tuple[Any, ...] | None:
-    """What ``all_reduce`` of one plain NumPy array needs to know beyond the array: its ReduceOp,
-    fingerprint and pack plan, and whether it goes straight to MPI; None where the one-array path
-    does not take it (a reduce_op not seen yet, a dtype not plain). Remembered per shape: a hit is
-    the same reduce_op and dtype objects, so a loop's calls skip their checks."""
+def _array_plan(self: Collectives, reduce_op: Any, x: Any) -> tuple[Any, ...] | None:
+    """What ``all_reduce`` of one plain NumPy or CuPy array needs to know beyond the array: its
+    ReduceOp, fingerprint and pack plan, and whether it goes straight to MPI; None where the
+    one-array path does not take it (a reduce_op not seen yet, a dtype not plain, a device array
+    summed node by node). Remembered per shape: a hit is the same reduce_op, dtype and array type,
+    so a loop's calls skip their checks. The fingerprint is the one the nest path computes."""
     known = self.caches.arrays.get(x.shape)
-    if known is not None and known[0] is reduce_op and known[1] is x.dtype:
-        return known[2]
+    if known is not None and known[0] is reduce_op and known[1] is x.dtype and known[2] is type(x):
+        return known[3]
     op = lv.known_reduce_op(reduce_op)
     if op is None or not lv.plain(x.dtype):
         return None
     opts = self.options
-    fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], opts.bytes_per_pack)
-    # A small array summed flat: allreduce_arrays' one-leaf branch, without its pack loop.
-    direct = (
-        x.nbytes < packing.POOL_MIN_BYTES
-        and opts.implementation is not CommunicationImplementation.HIERARCHICAL
-    )
+    hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
+    if type(x) is np.ndarray:
+        fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], opts.bytes_per_pack)
+    elif hierarchical_route:
+        return None
+    else:
+        implementation = lv.device_implementation([x], opts)
+        fingerprint = arrays_code(
+            self.caches.codes, op, implementation, lv.LEAF_SPEC, [x], bytes_per_pack=opts.bytes_per_pack
+        )
+        packs = packing.plan_packs([x], opts.bytes_per_pack, None, self.caches.packs)
+    # A small host array summed flat: allreduce_arrays' one-leaf branch, without its pack loop.
+    direct = type(x) is np.ndarray and x.nbytes < packing.POOL_MIN_BYTES and not hierarchical_route
     plan = (op, fingerprint, packs, direct)
-    self.caches.arrays.keep(x.shape, (reduce_op, x.dtype, plan))
+    self.caches.arrays.keep(x.shape, (reduce_op, x.dtype, type(x), plan))
     return plan
 
 
-def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: np.ndarray, kind: str) -> np.ndarray:
-    """``all_reduce`` of one plain NumPy array (``plan``: :func:`_array_plan`'s), without the nest
-    bookkeeping."""
+def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: str) -> Any:
+    """``all_reduce`` of one plain NumPy or CuPy array (``plan``: :func:`_array_plan`'s), without
+    the nest bookkeeping."""
     op, fingerprint, packs, direct = plan
     if not self.check:
         self.seq += 1  # agree_within with the check off, inline: this is every call's path
@@ -211,7 +224,7 @@ def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: np.ndarray, k
             self,
             kind,
             fingerprint=fingerprint,
-            describe=lambda: mismatch.describe(x, op, bytes_per_pack=self.options.bytes_per_pack),
+            describe=lambda: describe(x, op, lv.device_implementation([x], self.options), self.options),
             deferrable=True,
         )
     divisor = self.size if op is ReduceOp.MEAN else None

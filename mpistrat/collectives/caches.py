@@ -45,7 +45,7 @@ class Caches:
         self.flat = Memo(256)  # (container type, keys or length) -> (treespec, leaf order)
         self.plans = Memo(256)  # treespec -> its last (op, bytes_per_pack, signature, fingerprint, packs)
         self.packs = Memo(256)  # (bytes_per_pack, signature) -> pack plan
-        self.arrays = Memo(256)  # one array's shape -> all_reduce's (reduce_op, dtype, plan) for it
+        self.arrays = Memo(256)  # one array's shape -> all_reduce's (reduce_op, dtype, type, plan) for it
         self.codes = Memo(4096)  # what a fingerprint covers -> its 62-bit code
         self.buffers: list[np.ndarray] = []  # large result buffers to recycle (packing.empty)
         # strategy.run's last result: (type, length or None for a leaf, structure, code)

@@ -6,9 +6,13 @@
 Every rank must run it (one rank per GPU for NCCL). For each message size it times,
 on one CuPy buffer, an in-place sum all-reduce through:
 
-- ``mpistrat AUTO|RING|NCCL``: ``ReplicaContext.all_reduce`` with that implementation;
+- ``mpistrat AUTO|RING|NCCL``: ``ReplicaContext.all_reduce`` in ``strategy.run``, on a strategy made
+  with that implementation;
 - ``transport <name>``: the transport alone (NCCL, CUDA-aware MPI, host staging);
-- ``raw nccl``: a bare ``cupy.cuda.nccl`` communicator's ``allReduce``;
+- ``raw nccl``: a bare ``cupy.cuda.nccl`` communicator's ``allReduce`` in place (at one rank NCCL
+  then does nothing);
+- ``raw nccl out of place``: a new CuPy array and the bare ``allReduce`` into it, as ``all_reduce``
+  (which returns a new array) needs at the least;
 - ``raw mpi4py device``: ``Allreduce(IN_PLACE)`` on the device buffer (CUDA-aware MPI only);
 - ``raw mpi4py host``: ``Allreduce(IN_PLACE)`` on a host buffer of the same size.
 
@@ -83,6 +87,8 @@ class Bench:
 
         self.comm, self.cupy = comm, cupy
         self.strategy = mpistrat.MPIStrategy(comm)  # places this rank on its GPU first
+        # One strategy per implementation, set as users set it (a call's options take a longer path).
+        self.by_implementation: dict[str, Any] = {"AUTO": self.strategy}
         caps = device_capabilities(comm, cupy)
         self.nccl_ok = caps.nccl and caps.own_gpu
         self.skipped: list[str] = []
@@ -116,8 +122,12 @@ class Bench:
         for implementation in map(mpistrat.CommunicationImplementation, device_routes):
             if implementation is mpistrat.CommunicationImplementation.NCCL and not self.nccl_ok:
                 continue
-            options = mpistrat.CommunicationOptions(implementation=implementation)
-            steps[f"mpistrat {implementation.value}"] = functools.partial(self._through_run, buf, options)
+            strategy = self.by_implementation.get(implementation.value)
+            if strategy is None:
+                options = mpistrat.CommunicationOptions(implementation=implementation)
+                strategy = mpistrat.MPIStrategy(comm, communication_options=options)
+                self.by_implementation[implementation.value] = strategy
+            steps[f"mpistrat {implementation.value}"] = functools.partial(self._through_run, strategy, buf)
         steps["transport mpi (host staging)"] = functools.partial(self.staged.allreduce, buf, buf)
         if self.direct is not None:
             steps["transport cuda-aware mpi"] = functools.partial(self.direct.allreduce, buf, buf)
@@ -138,16 +148,23 @@ class Bench:
                 self.nccl.NCCL_SUM,
                 stream.ptr,
             )
+            steps["raw nccl out of place"] = functools.partial(
+                self._out_of_place, buf, buf.size * per_item, datatype, stream.ptr
+            )
         steps["raw mpi4py host"] = functools.partial(comm.Allreduce, MPI.IN_PLACE, host, op=MPI.SUM)
         return steps
 
-    def _through_run(self, buf: Any, options: Any) -> Any:
+    def _out_of_place(self, buf: Any, count: int, datatype: int, stream: int) -> Any:
+        """What ``all_reduce`` does with NCCL at the least: a new result array, then the sum into it."""
+        out = self.cupy.empty_like(buf)
+        self.raw_nccl.allReduce(buf.data.ptr, out.data.ptr, count, datatype, self.nccl.NCCL_SUM, stream)
+        return out
+
+    @staticmethod
+    def _through_run(strategy: Any, buf: Any) -> Any:
         from mpistrat.tools.replica import replica_context
 
-        def step() -> Any:
-            return replica_context().all_reduce("sum", buf, options)
-
-        return self.strategy.run(step)
+        return strategy.run(lambda: replica_context().all_reduce("sum", buf))
 
     def close(self) -> None:
         for transport in (self.staged, self.direct, self.nccl_transport):
@@ -155,7 +172,8 @@ class Bench:
                 transport.close()
         if self.raw_nccl is not None:
             self.raw_nccl.destroy()
-        self.strategy.experimental_finalize()
+        for strategy in self.by_implementation.values():
+            strategy.experimental_finalize()
 
 
 def run(comm: MPI.Intracomm, sizes: list[int], dtype: str, iters: int | None) -> tuple[list[dict], list[str]]:

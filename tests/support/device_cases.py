@@ -139,6 +139,22 @@ def case_mixed_kinds_mismatch(xp: Any, strategy: Any, comm: Any) -> None:
     )
 
 
+def case_one_array_fast_path_meets_the_nest_path(xp: Any, strategy: Any, comm: Any) -> None:
+    """One device array alone takes a shorter path than a nest; a rank taking the nest path (it
+    passed options) meets the others in the same collective, and the results are the sum."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    ctx = mpistrat.get_replica_context
+    options = CommunicationOptions() if rank % 2 else None
+    for shape, dtype in (((3,), "float32"), ((2, 2), "float64"), ((4,), "float32")):
+        want = sum(local(r, shape, dtype) for r in range(n))
+        for _ in range(2):  # the second call: the remembered plan
+            x = xp.asarray(local(rank, shape, dtype))
+            got = strategy.run(lambda v: ctx().all_reduce("sum", v, options), args=(x,))
+            agree_close(comm, got, want, f"one {dtype}{list(shape)} array")
+            got = strategy.run(lambda v: ctx().all_reduce("mean", v, options), args=(x,))
+            agree_close(comm, got, want / n, f"the mean of one {dtype}{list(shape)} array")
+
+
 def case_devices_reported(xp: Any, strategy: Any, comm: Any) -> None:
     device = strategy.run(lambda: mpistrat.get_replica_context().devices)[0]
     placement = strategy.extended.placement
@@ -239,6 +255,7 @@ CASES = [
     case_merge_call,
     case_strategy_reduce_and_gather,
     case_mixed_kinds_mismatch,
+    case_one_array_fast_path_meets_the_nest_path,
     case_devices_reported,
     case_checkpoint_round_trip,
     case_reduce_scatter_then_all_gather_in_place,

@@ -23,7 +23,14 @@ def test_runs_every_contender_on_the_fake(tmp_path, monkeypatch):
     with open(path) as f:
         report = json.load(f)
     names = {r["name"] for r in report["rows"]}
-    want = {"mpistrat AUTO", "mpistrat RING", "mpistrat NCCL", "transport nccl", "raw nccl"}
+    want = {
+        "mpistrat AUTO",
+        "mpistrat RING",
+        "mpistrat NCCL",
+        "transport nccl",
+        "raw nccl",
+        "raw nccl out of place",
+    }
     want |= {
         "transport mpi (host staging)",
         "transport cuda-aware mpi",
