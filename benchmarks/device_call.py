@@ -68,7 +68,7 @@ def parts(strategy: Any, cupy: Any, x: Any) -> dict[str, Callable[[], Any]]:
         "leaves.to_arrays": lambda: lv.to_arrays(x, leaves, "all_reduce"),
         "leaves.device_implementation": lambda: lv.device_implementation(arrays, opts),
         "fingerprint.arrays_code": lambda: arrays_code(
-            c.caches.codes, op, "AUTO", spec, arrays, bytes_per_pack=opts.bytes_per_pack
+            c.caches.codes, op, opts.implementation.value, spec, arrays, bytes_per_pack=opts.bytes_per_pack
         ),
         "packing.plan_packs": lambda: packing.plan_packs(arrays, opts.bytes_per_pack, None, c.caches.packs),
         "transports.get": lambda: c.transports.get(cupy, opts.implementation, x.dtype, "allreduce"),

@@ -68,7 +68,7 @@ step test-gpu-1 600 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/comm
 step test-gpu-2 600 "$MPIEXEC" -n 2 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --with-mpi \
     tests/comm/test_gpu.py
 step info-2 120 "$MPIEXEC" -n 2 "$PY" -m mpistrat info
-"$MPIEXEC" -n 2 "$PY" -m mpistrat info --json >"$RESULTS/info-2.json" 2>/dev/null
+step info-2-json 120 bash -c '"$0" -n 2 "$1" -m mpistrat info --json >"$2"' "$MPIEXEC" "$PY" "$RESULTS/info-2.json"
 digits=(-m mpistrat.examples.digits --checkpoint-dir "" --no-progress)
 step digits-gpu-1 300 "$PY" "${digits[@]}" --device gpu
 step digits-gpu-2 300 "$MPIEXEC" -n 2 "$PY" "${digits[@]}" --device gpu

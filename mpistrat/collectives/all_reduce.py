@@ -77,13 +77,11 @@ def all_reduce(
             self.caches.codes, op, impl, treespec, arrays, bytes_per_pack=opts.bytes_per_pack
         )
     mode = sum_mode(opts)
-    hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
-    route = "HIERARCHICAL" if hierarchical_route else None  # named where ranks differ in it
     agree_within(
         self,
         kind,
         fingerprint=fingerprint ^ mode.code ^ hierarchical.route_code(opts.implementation),
-        describe=lambda: describe(value, op, impl or route, opts),
+        describe=lambda: describe(value, op, impl or _route(None, opts), opts),
         error=error,
         options=opts,
         deferrable=True,
@@ -198,6 +196,7 @@ def _array_plan(self: Collectives, reduce_op: Any, x: Any) -> tuple[Any, ...] | 
     hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
     if type(x) is np.ndarray:
         fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], opts.bytes_per_pack)
+        fingerprint ^= hierarchical.route_code(opts.implementation)
     elif hierarchical_route:
         return None
     else:
@@ -224,7 +223,7 @@ def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: st
             self,
             kind,
             fingerprint=fingerprint,
-            describe=lambda: describe(x, op, lv.device_implementation([x], self.options), self.options),
+            describe=lambda: describe(x, op, _route(x, self.options), self.options),
             deferrable=True,
         )
     divisor = self.size if op is ReduceOp.MEAN else None
@@ -235,3 +234,11 @@ def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: st
             self.comm.Allreduce(x, recv, _SUM)
             return recv if divisor is None else lv.divide(recv, divisor)
     return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]
+
+
+def _route(x: Any, opts: CommunicationOptions) -> str | None:
+    """What a mismatch names beside the leaves: the device implementation (device arrays), or the
+    host sums' route where it is not flat MPI; the same on both paths of one call."""
+    if x is not None and packing.is_device_array(x):
+        return opts.implementation.value
+    return "HIERARCHICAL" if opts.implementation is CommunicationImplementation.HIERARCHICAL else None

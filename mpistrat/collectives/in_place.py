@@ -26,6 +26,7 @@ from mpistrat.collectives import exact_sum
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
+from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
@@ -88,12 +89,13 @@ def reduce_scatter_in_place(
     if module is np:
         (mode if mode.takes(buf.dtype) else PLAIN).reduce_scatter(self, buf, kind)
         return
-    mpi.check_count(buf.size, kind)
+    _contiguous(buf, kind)
     if mode.takes(buf.dtype):  # exact or compressed: their all-reduce (through the host), this block kept
         per = buf.size // self.size
         total = mode.sum(self, buf.reshape(-1), kind=kind, implementation=opts.implementation)
         buf[:per] = total[self.rank * per : (self.rank + 1) * per]
         return
+    mpi.check_count(buf.size, kind)
     self.transports.get(module, opts.implementation, buf.dtype, "reduce_scatter").reduce_scatter(buf)
 
 
@@ -120,12 +122,17 @@ def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "
 
 
 @watchdog.collective("all_gather")
-def all_gather_in_place(self: Collectives, buf: Any, *, kind: str = "all_gather") -> None:
-    """Each rank's block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place."""
+def all_gather_in_place(
+    self: Collectives, buf: Any, *, kind: str = "all_gather", options: CommunicationOptions | None = None
+) -> None:
+    """Each rank's block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place; device
+    buffers through the transport of ``options``' implementation (the default: the collectives')."""
     module = packing.array_module(buf)
     if module is not np:
+        _contiguous(buf, kind)
         mpi.check_count(buf.size, kind)
-        self.transports.get(module, self.options.implementation, buf.dtype, "allgather").allgather(buf)
+        implementation = (self.options if options is None else self.options.merge(options)).implementation
+        self.transports.get(module, implementation, buf.dtype, "allgather").allgather(buf)
     elif mpi.COUNT_LIMIT is None:
         self.comm.Allgather(MPI.IN_PLACE, buf)
     else:
@@ -144,3 +151,12 @@ def all_gather_bytes(
         return
     displs = [0, *itertools.accumulate(counts[:-1])]
     self.comm.Allgatherv([mine, MPI.BYTE], [out, counts, displs, MPI.BYTE])
+
+
+def _contiguous(buf: Any, kind: str) -> None:
+    """Refuse a strided device buffer: a transport would move a copy of it and leave it unchanged."""
+    if not buf.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"{kind}: in-place transfers need a contiguous buffer; got a strided {packing.dtype_name(buf)} "
+            f"array of shape {tuple(buf.shape)}"
+        )

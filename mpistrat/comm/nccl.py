@@ -123,7 +123,7 @@ class NcclTransport(Transport):
 
     def allgather(self, buf: Any) -> None:
         buf = buf.reshape(-1)
-        block = buf.nbytes // self.size
+        block = (buf.size // self.size) * buf.dtype.itemsize  # whole elements, as MPI's Allgather
         if block == 0:
             return
         base = buf.data.ptr

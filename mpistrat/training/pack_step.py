@@ -69,7 +69,7 @@ def run(
             else:
                 grad, base = _reduce(collectives, s, grads, k, kind, options)
             update_pack(s, k, grad, base, params, slots, update, lr, step)
-            gather_pack(collectives, s, k, params, kind)
+            gather_pack(collectives, s, k, params, kind, options)
 
 
 def run_reduced_first(
@@ -90,7 +90,7 @@ def run_reduced_first(
         slots = s.group.claim_slots()
         for k, (grad, base) in enumerate(packs):
             update_pack(s, k, grad, base, params, slots, update, lr, step)
-            gather_pack(collectives, s, k, params, kind)
+            gather_pack(collectives, s, k, params, kind, options)
 
 
 def _reduced_packs(
@@ -183,9 +183,16 @@ def update_pack(
             )
 
 
-def gather_pack(collectives: Collectives | None, s: GroupStep, k: int, params: Any, kind: str) -> None:
+def gather_pack(
+    collectives: Collectives | None,
+    s: GroupStep,
+    k: int,
+    params: Any,
+    kind: str,
+    options: CommunicationOptions | None = None,
+) -> None:
     """Sharded: pack ``k``'s parameters from the ranks that updated them to every rank."""
     if s.group.layout.sharded:
         assert collectives is not None
         lo, hi = s.group.layout.bounds(k)
-        collectives.all_gather_in_place(params[lo:hi], kind=kind)
+        collectives.all_gather_in_place(params[lo:hi], kind=kind, options=options)

@@ -112,6 +112,24 @@ def test_ranks_that_would_sum_differently_raise_instead_of_waiting(world):
     )
 
 
+@pytest.mark.mpi(min_size=2)
+def test_one_array_and_the_nest_path_agree_under_a_hierarchical_strategy(world):
+    """One array alone takes a shorter path than a nest, or than a call with options; under a
+    HIERARCHICAL strategy both must mix the route into the handshake alike, or ranks on different
+    paths would raise on a call that agrees."""
+    strategy = mpistrat.MPIStrategy(world.comm, communication_options=HIERARCHICAL)
+    try:
+        c = strategy.extended.collectives
+        mine = contribution(world.rank, "float64", 7)
+        want = np.sum([contribution(r, "float64", 7) for r in range(world.size)], axis=0)
+        c.all_reduce("sum", [mine])  # every rank has seen "sum": the one-array path takes it next
+        options = CommunicationOptions() if world.rank % 2 else None  # the nest path on odd ranks
+        got = c.all_reduce("sum", mine, options)
+        all_ranks_agree(world.comm, np.array_equal(got, want), f"{got} vs {want}")
+    finally:
+        strategy.experimental_finalize()
+
+
 def test_the_name_is_accepted_as_tf_accepts_the_others():
     assert CommunicationOptions(implementation="hierarchical").implementation is (
         CommunicationImplementation.HIERARCHICAL

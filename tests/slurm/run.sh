@@ -263,6 +263,9 @@ if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
         [ "$restarts" = Restarts=0 ] || break
         sleep 0.5
     done
+    # Not in the same second as the requeue: slurmd refuses a credential made in the second the old
+    # run's was revoked ("Killing non-startable batch job: Job credential revoked").
+    sleep 2
     for _ in $(seq 240); do
         job_state=$(squeue -h -j "$preempted" -o %T 2> /dev/null || true)
         case "$job_state" in

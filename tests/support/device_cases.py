@@ -145,7 +145,8 @@ def case_one_array_fast_path_meets_the_nest_path(xp: Any, strategy: Any, comm: A
     n, rank = comm.Get_size(), comm.Get_rank()
     ctx = mpistrat.get_replica_context
     options = CommunicationOptions() if rank % 2 else None
-    for shape, dtype in (((3,), "float32"), ((2, 2), "float64"), ((4,), "float32")):
+    # (3,) twice: one shape in two dtypes, so a plan remembered for the first must not serve the second
+    for shape, dtype in (((3,), "float32"), ((2, 2), "float64"), ((3,), "float64"), ((4,), "int32")):
         want = sum(local(r, shape, dtype) for r in range(n))
         for _ in range(2):  # the second call: the remembered plan
             x = xp.asarray(local(rank, shape, dtype))
@@ -210,12 +211,21 @@ def case_checkpoint_round_trip(xp: Any, strategy: Any, comm: Any) -> None:
 
 def case_reduce_scatter_then_all_gather_in_place(xp: Any, strategy: Any, comm: Any) -> None:
     """Sharded optimizer state's two transfers on device buffers of equal blocks: rank r's block of
-    the sum lands at the start of its buffer, then each rank's block r reaches every rank."""
+    the sum lands at the start of its buffer, then each rank's block r reaches every rank. A call's
+    options choose the transport (an optimizer's own); deterministic sums are exact."""
     n, rank = comm.Get_size(), comm.Get_rank()
     collectives, per = strategy.extended.collectives, 5
-    for dtype in ("float32", "float64", "float16", "complex64"):
-        total = sum(local(r, (n * per,), "float64") for r in range(n)).astype(dtype)
-        buf = xp.asarray(local(rank, (n * per,), dtype))
+    ring = CommunicationOptions(implementation="RING")
+    buf = xp.asarray(local(rank, (n * per,), "float32"))
+    collectives.all_gather_in_place(buf, options=ring)  # before anything else: the only transport used
+    used = collectives.transports.describe()
+    all_ranks_agree(comm, set(used) == {"host", "RING"}, f"RING options gathered through {used}")
+    for dtype in ("float32", "float64", "float16", "int16", "complex64"):
+        values = [local(r, (n * per,), "float64") for r in range(n)]
+        if dtype == "complex64":  # imaginary parts that differ from the real ones
+            values = [v + 1j * (v[::-1] + 3) for v in values]
+        mine, total = values[rank].astype(dtype), sum(values).astype(dtype)
+        buf = xp.asarray(mine)
         collectives.reduce_scatter_in_place(buf)
         agree_close(comm, buf[:per], total[rank * per : (rank + 1) * per], f"{dtype} reduce-scatter")
         blocks = np.full(n * per, -1, dtype)  # only this rank's block is known before the gather
@@ -223,6 +233,14 @@ def case_reduce_scatter_then_all_gather_in_place(xp: Any, strategy: Any, comm: A
         buf = xp.asarray(blocks)
         collectives.all_gather_in_place(buf)
         agree_close(comm, buf, total, f"{dtype} all-gather")
+    exact = CommunicationOptions(deterministic=True)
+    values = [np.linspace(-1, 1, n * per, dtype=np.float32) / (r + 3) for r in range(n)]
+    want = sum(v.astype(np.float64) for v in values).astype(np.float32)  # exact, rounded once
+    buf = xp.asarray(values[rank])
+    collectives.reduce_scatter_in_place(buf, options=exact)
+    got = host(buf[:per])
+    ok = got.tobytes() == want[rank * per : (rank + 1) * per].tobytes()
+    all_ranks_agree(comm, ok, f"deterministic reduce-scatter: {got!r} vs {want!r}")
 
 
 def case_adam_steps_sharded_and_not(xp: Any, strategy: Any, comm: Any) -> None:
