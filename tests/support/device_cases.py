@@ -165,9 +165,14 @@ def case_devices_reported(xp: Any, strategy: Any, comm: Any) -> None:
 
 
 def case_checkpoint_round_trip(xp: Any, strategy: Any, comm: Any) -> None:
-    """Device variables and Adam's slots saved by every rank's share (through host copies of the
-    share) and restored bitwise: into device variables, into host variables, and a host file back
-    onto the device."""
+    """Device variables and Adam's slots, replicated and sharded, saved by every rank's share
+    (through host copies of the share) and restored bitwise: into device variables, into host
+    variables, and a host file back onto the device."""
+    for shard in (False, True):
+        _checkpoint_round_trip(xp, strategy, comm, shard)
+
+
+def _checkpoint_round_trip(xp: Any, strategy: Any, comm: Any, shard: bool) -> None:
     import os
     import tempfile
 
@@ -182,7 +187,7 @@ def case_checkpoint_round_trip(xp: Any, strategy: Any, comm: Any) -> None:
                 )
                 for s in shapes
             ]
-            opt = mpistrat.optimizers.Adam(0.1)
+            opt = mpistrat.optimizers.Adam(0.1, shard_state=shard)
             opt.build(ws)
         return ws, opt
 
