@@ -73,7 +73,7 @@ digits=(-m mpistrat.examples.digits --checkpoint-dir "" --no-progress)
 step digits-gpu-1 300 "$PY" "${digits[@]}" --device gpu
 step digits-gpu-2 300 "$MPIEXEC" -n 2 "$PY" "${digits[@]}" --device gpu
 step digits-cpu-2 300 "$MPIEXEC" -n 2 "$PY" "${digits[@]}" --device cpu
-step device-call 120 "$PY" -m benchmarks.device_call --no-profile --parts
+step device-call 120 "$PY" -m benchmarks.device_call --parts
 for n in 1 2; do
     step "bench-gpu-$n" 600 "$MPIEXEC" -n "$n" "$PY" -m mpistrat.tools.bench_gpu --min "$BENCH_MIN" \
         --max "$BENCH_MAX" --json "$RESULTS/bench-gpu-$n.json"

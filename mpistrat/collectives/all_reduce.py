@@ -81,7 +81,7 @@ def all_reduce(
         self,
         kind,
         fingerprint=fingerprint ^ mode.code ^ hierarchical.route_code(opts.implementation),
-        describe=lambda: describe(value, op, impl or _route(None, opts), opts),
+        describe=lambda: describe(value, op, _route(opts, device=impl is not None), opts),
         error=error,
         options=opts,
         deferrable=True,
@@ -223,7 +223,7 @@ def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: st
             self,
             kind,
             fingerprint=fingerprint,
-            describe=lambda: describe(x, op, _route(x, self.options), self.options),
+            describe=lambda: describe(x, op, _route(self.options, type(x) is not np.ndarray), self.options),
             deferrable=True,
         )
     divisor = self.size if op is ReduceOp.MEAN else None
@@ -236,9 +236,9 @@ def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: st
     return allreduce_arrays(self, [x], 0, self.options.implementation, divisor, packs)[0]
 
 
-def _route(x: Any, opts: CommunicationOptions) -> str | None:
-    """What a mismatch names beside the leaves: the device implementation (device arrays), or the
-    host sums' route where it is not flat MPI; the same on both paths of one call."""
-    if x is not None and packing.is_device_array(x):
+def _route(opts: CommunicationOptions, device: bool) -> str | None:
+    """What a mismatch names beside the leaves: the implementation where device arrays are summed,
+    else the host sums' route where it is not flat MPI; the same on both paths of one call."""
+    if device:
         return opts.implementation.value
     return "HIERARCHICAL" if opts.implementation is CommunicationImplementation.HIERARCHICAL else None
