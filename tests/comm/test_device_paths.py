@@ -12,8 +12,9 @@ import pytest
 import mpistrat
 from mpistrat import CommunicationOptions
 from mpistrat.comm.transport import StagedMPI
-from tests.conftest import all_ranks_agree
+from tests.conftest import WORLD, all_ranks_agree
 from tests.support import fake_cupy
+from tests.support.counting import CountingComm, Ledger
 from tests.support.device_cases import CASES
 
 # (implementation, MPISTRAT_CUDA_AWARE, the transport that must carry device packs)
@@ -167,3 +168,32 @@ def test_a_device_buffer_never_reaches_a_host_only_mpi(fake, monkeypatch):
         buffer_spec(fake.ones(2))
     monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "1")
     assert buffer_spec(fake.ones(2))[1] == 2
+
+
+@pytest.mark.parametrize("aware", ["1", "0"], ids=["cuda-aware", "staged"])
+def test_a_sharded_device_step_moves_what_the_host_step_moves(fake, monkeypatch, aware):
+    """Sharded Adam on device variables makes the host step's MPI calls with the host step's bytes
+    (per pack a reduce-scatter and an all-gather: test_scaling counts those against a ring), and
+    ends with the same weights."""
+    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", aware)
+    rank, shapes = WORLD.Get_rank(), [(300,), (7, 5), ()]
+    ledgers, weights = {}, {}
+    for name, xp in (("host", np), ("device", fake)):
+        options = CommunicationOptions(implementation="RING", bytes_per_pack=512)
+        strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
+        try:
+            with strategy.scope():
+                ws = [mpistrat.Variable(xp.asarray(np.ones(s, np.float32))) for s in shapes]
+                opt = mpistrat.optimizers.Adam(0.1, shard_state=True)
+            grads = [xp.asarray(np.full(s, rank + 1, np.float32)) for s in shapes]
+            strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
+            with Ledger.recording() as ledger:
+                strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
+            ledgers[name] = [(c.name, c.sent, c.received) for c in ledger.log]
+            weights[name] = [np.asarray(fake.asnumpy(w.value()) if xp is fake else w.value()) for w in ws]
+        finally:
+            strategy.experimental_finalize()
+    sharded = WORLD.Get_size() == 1 or any(c[0] == "Reduce_scatter_block" for c in ledgers["host"])
+    same = all(np.array_equal(d, h) for d, h in zip(weights["device"], weights["host"], strict=True))
+    ok = sharded and ledgers["device"] == ledgers["host"] and same
+    all_ranks_agree(WORLD, ok, f"device {ledgers['device']} against host {ledgers['host']}; weights {same}")
