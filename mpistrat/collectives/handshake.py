@@ -28,6 +28,7 @@ collective, at no extra cost.
 from __future__ import annotations
 
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -38,9 +39,10 @@ from mpi4py import MPI
 from mpistrat.collectives import mismatch
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.collectives.step_check import LIMIT
+from mpistrat.diagnostics import monitor as monitoring
 from mpistrat.diagnostics import timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
-from mpistrat.errors import CollectiveTimeoutError
+from mpistrat.errors import CollectiveTimeoutError, ContextError
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ __all__ = [
     "agree_within",
     "check_enabled",
     "check_level",
+    "close_step",
     "defer",
     "level",
     "persistent",
@@ -73,8 +76,9 @@ STOP = 12  # 1: some rank was asked to stop (a preemption signal; see mpistrat.c
 SLOTS = 13
 # Writes and reads the whole vector in one call, straight into the reused NumPy buffers (a
 # tuple assigned to an ndarray slice converts element by element: twice the time).
-_PACKING = struct.Struct(f"={SLOTS}q")
+_PACKING = struct.Struct(f"@{SLOTS}q")  # native: int64, as the buffers
 _MAX = MPI.MAX
+_get_ident = threading.get_ident
 STEP = 3  # MPISTRAT_CHECK=step: a setting, not a level (its handshakes check at level 1)
 _STEP_OR_UNSET = (None, "step")  # a call's CommunicationOptions.check that leaves the setting as it is
 
@@ -203,8 +207,8 @@ def agree_within(
             collectives pass True; a handshake whose news may come from one rank alone (an
             error, a stop) does not.
         closing: a step's closing handshake (``strategy.run``'s): under ``step`` it ends the
-            first step's checking call by call, and after that is sent only when some
-            collective since the last handshake is unchecked.
+            first step's checking call by call (after that a step closes with
+            :func:`close_step`).
 
     Returns:
         With ``extras``, every rank's extras (a table, one row per rank); with
@@ -222,21 +226,91 @@ def agree_within(
         self.seq += 1
         return None
     step = self.step_check
-    if step is not None and not step.learning and (options is None or options.check in _STEP_OR_UNSET):
-        if deferrable:
-            if maximum is None and extras is None:
-                if error is not None:  # as with the check off: the others are in the transfer
-                    self.seq += 1
-                    raise error
-                if defer(self, kind, fingerprint):
-                    return None
-        elif closing and not step.record:
+    if (
+        deferrable
+        and maximum is None
+        and extras is None
+        and step is not None
+        and not step.learning
+        and (options is None or options.check in _STEP_OR_UNSET)
+    ):
+        if error is not None:  # as with the check off: the others are in the transfer
             self.seq += 1
-            return None  # every rank's step closes with nothing unchecked: nothing to send
+            raise error
+        if defer(self, kind, fingerprint):
+            return None
     self.seq += 1
+    top = _exchange(self, kind, fingerprint, describe, error, maximum or 0)
+    if closing and step is not None:
+        step.learned()
+    if extras is None:
+        return None if maximum is None else top[MAXIMUM]
+    mine = np.asarray(extras, dtype=np.int64)
+    everyone = np.empty((self.size, mine.size), dtype=np.int64)
+    if mine.size:
+        self.comm.Allgather(mine, everyone)
+    return everyone
+
+
+def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any]) -> None:
+    """Under ``MPISTRAT_CHECK=step``, once the first step was checked: the handshake that closes a
+    step (``strategy.run``'s, ``kind``) with collectives left unchecked, which it checks beside its
+    own ``fingerprint``. What ``agree`` does for the same call, without its arguments' handling or
+    its generic watch: this is every step's path.
+
+    Watched as every collective is: a stall or timeout in it is named.
+    """
+    monitor = self.monitor
+    me = _get_ident()
+    if not monitor.busy.acquire(False):  # as the watch of every collective does
+        if monitor.thread != me:
+            raise ContextError(monitoring.two_threads(monitor, me, kind))
+        self.seq += 1  # inside this thread's own collective: part of it
+        _exchange(self, kind, fingerprint, describe, None, 0)
+        return
+    monitor.thread = me
+    try:
+        self.seq += 1
+        # The watch that monitor.collective wraps every collective in, inline: every step's path.
+        chosen = self.options.timeout_seconds
+        timeout = chosen or monitor.env_timeout
+        monitor.kind = kind
+        monitor.start = began = time.monotonic()
+        monitor.deadline = None if timeout is None else began + timeout
+        polled = chosen is not None or monitor.env_polled or monitoring.exited  # after the exit hook: polled
+        monitor.polled = timeout is not None and polled
+        try:
+            _exchange(self, kind, fingerprint, describe, None, 0)
+            monitor.completed = self.seq
+        finally:
+            monitor.start = monitor.deadline = None
+            monitor.polled = False
+            monitor.last = (kind, self.seq, ended := time.monotonic())
+            if timeline.writer is not None:
+                timeline.writer.collective(self, kind, began, ended, ())
+    except BaseException:
+        self.failures += 1
+        raise
+    finally:
+        monitor.last_thread, monitor.thread = me, None
+        monitor.busy.release()
+
+
+def _exchange(
+    self: Collectives,
+    kind: str,
+    fingerprint: int,
+    describe: Callable[[], Any] | None,
+    error: BaseException | None,
+    maximum: int,
+) -> tuple[int, ...]:
+    """The handshake of collective #``self.seq`` (numbered by the caller): send, wait, raise on every
+    rank if any rank's differed; returns the combined vector. Under ``step`` it carries the code of
+    the unchecked collectives, and clears them once every rank agreed."""
     seq = self.seq
     codes = self.caches.codes
     kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)  # a miss: the kind's first call
+    step = self.step_check
     if step is not None:
         fingerprint ^= step.code()  # this handshake checks the unchecked collectives too
     send, recv, handshake, messages, stop = self.handshake_buffers  # reused: per-call overhead
@@ -246,7 +320,7 @@ def agree_within(
         send, 0,  # type: ignore[arg-type]  # an ndarray is a buffer
         _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
         -_MAGIC, -seq, -kind_code, -fingerprint,  # at NEGATED
-        error is not None, maximum or 0, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
+        error is not None, maximum, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
         stop.requested,  # STOP
     )  # fmt: skip
     began = time.monotonic()
@@ -289,15 +363,7 @@ def agree_within(
     monitor.agreed = monitor.start  # every rank has entered this collective (for the watchdog)
     if step is not None:
         step.verified()
-        if closing:
-            step.learned()
-    if extras is None:
-        return None if maximum is None else top[MAXIMUM]
-    mine = np.asarray(extras, dtype=np.int64)
-    everyone = np.empty((self.size, mine.size), dtype=np.int64)
-    if mine.size:
-        self.comm.Allgather(mine, everyone)
-    return everyone
+    return top
 
 
 def defer(self: Collectives, kind: str, fingerprint: int) -> bool:
@@ -308,17 +374,13 @@ def defer(self: Collectives, kind: str, fingerprint: int) -> bool:
     check (no error, the strategy's options) may call it first and skip the handshake's arguments.
     """
     step = self.step_check
-    if step is None or step.learning:
+    if step is None or step.learning or len(step.record) >= LIMIT:
         return False
-    record = step.record
-    if len(record) >= LIMIT:
-        return False
-    self.seq += 1
+    self.seq = seq = self.seq + 1
     codes = self.caches.codes
-    kind_code = codes.get(kind) or cached_code(codes, kind, kind.__str__)
     # Its number too: a call that took a number and left no record (bad input raised on one rank, a
     # call with the check off) shifts the pairing of the calls after it.
-    record += (self.seq, kind, kind_code ^ fingerprint)
+    step.record += (seq, kind, (codes.get(kind) or cached_code(codes, kind, kind.__str__)) ^ fingerprint)
     return True
 
 

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives import check_enabled, leaves
+from mpistrat.collectives import leaves
 from mpistrat.collectives.fingerprint import cached_code
+from mpistrat.collectives.handshake import close_step
 from mpistrat.errors import CollectiveMismatchError, StructureMismatchError
 
 if TYPE_CHECKING:
@@ -42,9 +43,21 @@ _MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTre
 def agree_on_result(collectives: Collectives, result: Any, error: Exception | None) -> None:
     """Raise on every rank if some rank's ``fn`` raised (``error``, this rank's own) or if the results'
     structures could not be regrouped (``StructureMismatchError``, an ``AssertionError`` as tf's)."""
-    if not check_enabled(collectives):
+    if not collectives.check:
         if error is not None:
             raise error
+        return
+    step = collectives.step_check
+    if step is not None and not step.learning and error is None:  # MPISTRAT_CHECK=step, after the first step
+        if not step.record:  # nothing went unchecked: nothing to send, numbered as if it were
+            collectives.seq += 1
+            return
+        spec, code = _structure(collectives.caches, result)
+        try:
+            close_step(collectives, KIND, code, lambda: _describe(spec))
+        except StructureMismatchError as exc:
+            _regroup_or_raise(collectives, spec, exc)
+        collectives.stragglers.forget()
         return
     spec = None
     code = 0
@@ -57,15 +70,20 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
         collectives.agree(KIND, fingerprint=code, describe=lambda: _describe(spec), error=told, closing=True)
         collectives.stragglers.forget()  # who arrives last here says nothing new: the step's collectives did
     except StructureMismatchError as exc:  # no rank raised: only the results' structures differ
-        forms = collectives.comm.allgather(_form(spec))  # every rank is here: the handshake said so
-        if not all(fits(forms[0], f) for f in forms[1:]):
-            raise exc from None
-        return  # tf regroups these: replica 0 holds a leaf where another holds a nest
+        _regroup_or_raise(collectives, spec, exc)
     except BaseException:
         if error is None:
             raise
     if error is not None:
         raise error  # this rank's own exception, as it was raised (outside the handler: its context kept)
+
+
+def _regroup_or_raise(collectives: Collectives, spec: Any, exc: StructureMismatchError) -> None:
+    """The results' structures differ (the handshake said so, on every rank): raise ``exc`` unless
+    tf would regroup them (replica 0 holds a leaf where another holds a nest)."""
+    forms = collectives.comm.allgather(_form(spec))  # every rank is here: the handshake said so
+    if not all(fits(forms[0], f) for f in forms[1:]):
+        raise exc from None
 
 
 def _structure(caches: Caches, result: Any) -> tuple[Any, int]:

@@ -111,6 +111,24 @@ def test_a_skipped_collective_times_out_naming_the_missing_rank(how):
         assert "CollectiveTimeoutError" in out, out
 
 
+def test_a_stall_in_a_steps_closing_handshake_under_step_times_out_naming_the_rank():
+    """Under MPISTRAT_CHECK=step a step's closing handshake is the one collective of the step that
+    sends a check (its all_reduce went unchecked): it is watched as any collective, so a rank that
+    never reaches it is named, with where it is, within the timeout."""
+    code, out = run_job(
+        "step_close_stall.py", limit=20, env={"MPISTRAT_CHECK": "step", "MPISTRAT_TIMEOUT": "5"}
+    )
+    assert code != 0, out
+    # 4 steps: the first checks its all_reduce (#1) and closes (#2); each later one defers its
+    # all_reduce (#3, #5, #7) and closes (#4, #6, #8)
+    run_site = site("step_close_stall.py", "    strategy.run(")
+    closing = f"strategy.run (result) (collective #8, called at {run_site} in <module>)"
+    assert f"{closing} did not complete within its timeout of 5 s" in out, out
+    assert "waiting for rank 1: rank 1 is not in a collective (last finished all_reduce #7" in out, out
+    assert f"it is at {site('step_close_stall.py', '        time.sleep(60)')} in step" in out, out
+    assert "#7 all_reduce [fp " in out and "unchecked until the step's closing handshake" in out, out
+
+
 def test_a_strategy_whose_handshake_timed_out_raises_at_its_next_collective():
     """A timed-out handshake may still be in flight (the persistent one is still active): calling
     again on that strategy raises at once, saying why, instead of starting it again, and
