@@ -5,9 +5,10 @@
 First the handshake's message (13 int64, ``MAX``) three ways, interleaved: a blocking
 ``Allreduce``, ``Iallreduce`` + ``Wait``, and a persistent request's ``Start`` + ``Wait`` (what
 the handshake is where MPI has it). Then the closing of a step that left one collective unchecked,
-layer by layer: that raw persistent handshake, ``agree_within`` (the handshake's bookkeeping: its
-number and codes, the flight entry, the straggler tally, the comparison), ``agree`` (the watch
-around it) and ``results.agree_on_result`` (the result's structure). Then whether Python
+layer by layer: that raw persistent handshake, ``handshake.close_step`` (the handshake's
+bookkeeping: its number and codes, the flight entry, the straggler tally, the comparison; and the
+watch around it) and ``results.agree_on_result`` (the result's structure), beside the generic
+``agree`` that a closing goes through in the first step. Then whether Python
 between the handshake's ``Start`` and ``Wait`` hides in its latency: about a microsecond of
 interpreted work before ``Start`` + ``Wait``, and the same work between them (where the MPI moves
 the message only inside its own calls, it does not). Last, a one-array ``all_reduce`` with the
@@ -93,17 +94,17 @@ def main() -> None:
         record.clear()
         start_wait()
 
-    def within() -> None:
+    def close() -> None:
         record.extend(unchecked)
-        handshake.agree_within(collectives, results.KIND, fingerprint=5, closing=True)
-
-    def watched() -> None:
-        record.extend(unchecked)
-        collectives.agree(results.KIND, fingerprint=5, closing=True)
+        handshake.close_step(collectives, results.KIND, 5, lambda: None)
 
     def closing() -> None:
         record.extend(unchecked)
         results.agree_on_result(collectives, result, None)
+
+    def generic() -> None:
+        record.extend(unchecked)
+        collectives.agree(results.KIND, fingerprint=5, closing=True)
 
     if comm.Get_rank() == 0:
         print("strategy.run's closing under MPISTRAT_CHECK=step, one collective unchecked")
@@ -111,9 +112,9 @@ def main() -> None:
         comm,
         {
             "raw persistent handshake": raw,
-            "+ its bookkeeping (agree_within)": within,
-            "+ the watch (agree)": watched,
+            "+ bookkeeping, watch (close_step)": close,
             "+ the result's structure": closing,
+            "the generic agree, for comparison": generic,
         },
         args.iters,
         args.repeats,

@@ -4,8 +4,8 @@
 
 A shared machine moves a microsecond-scale timing by tens of percent between runs; the number of
 instructions a path executes does not. Each line runs one loop under ``valgrind --tool=callgrind``
-twice, ``--short`` and ``--long`` times (one process, ``COMM_SELF``; hash seed, address layout and
-the garbage collector fixed), and prints the difference per iteration: the loop's own cost, the
+twice, ``--short`` and ``--long`` times (one process, ``COMM_SELF``; hash seed, address layout,
+one BLAS thread and the garbage collector fixed), and prints the difference per iteration: the loop's own cost, the
 import and setup cancelled. At two ranks the collectives are watched (``--watched`` marks the
 watchdog's path on, as it is there), and the transfer's waiting comes on top. About 8,500
 instructions take a microsecond on the machine ``docs/performance.md`` quotes.
@@ -65,7 +65,8 @@ def count(path: str, check: str, n: int, watched: bool) -> int:
         *(sys.executable, "-m", "benchmarks.instructions", "--run", path, check, str(n)),
         *(["--watched"] if watched else []),
     ]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    # One BLAS thread: OpenBLAS's idle threads spin, and valgrind counts their instructions too.
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return int(re.search(r"Collected : (\d+)", done.stderr).group(1))  # type: ignore[union-attr]
 

@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives import mismatch
-from mpistrat.collectives.fingerprint import cached_code
+from mpistrat.collectives.fingerprint import cached_code, hash64
 from mpistrat.collectives.step_check import LIMIT
 from mpistrat.diagnostics import monitor as monitoring
 from mpistrat.diagnostics import timeline, watchdog
@@ -374,13 +374,16 @@ def defer(self: Collectives, kind: str, fingerprint: int) -> bool:
     check (no error, the strategy's options) may call it first and skip the handshake's arguments.
     """
     step = self.step_check
-    if step is None or step.learning or len(step.record) >= LIMIT:
+    if step is None or step.learning:
+        return False
+    record = step.record
+    if len(record) >= LIMIT:
         return False
     self.seq = seq = self.seq + 1
-    codes = self.caches.codes
+    kind_code = step.kinds.get(kind) or step.kinds.setdefault(kind, hash64(kind))
     # Its number too: a call that took a number and left no record (bad input raised on one rank, a
     # call with the check off) shifts the pairing of the calls after it.
-    step.record += (seq, kind, (codes.get(kind) or cached_code(codes, kind, kind.__str__)) ^ fingerprint)
+    record += (seq, kind, kind_code ^ fingerprint)
     return True
 
 

@@ -51,11 +51,12 @@ class StepCheck:
     is the flight recorder's list (``Flight.unchecked``): a hang's diagnosis shows what it holds.
     """
 
-    __slots__ = ("learning", "record")
+    __slots__ = ("kinds", "learning", "record")
 
     def __init__(self, record: list[Any]) -> None:
         self.learning = True  # until a step's closing handshake passes: every collective sends
         self.record = record  # appended to by handshake.defer, to LIMIT
+        self.kinds: dict[str, int] = {}  # each kind's code, for the record (a plain dict: read per call)
 
     def code(self) -> int:
         """The code of the unchecked collectives (0: none) that the next handshake carries."""
