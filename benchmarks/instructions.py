@@ -5,10 +5,10 @@
 A shared machine moves a microsecond-scale timing by tens of percent between runs; the number of
 instructions a path executes does not. Each line runs one loop under ``valgrind --tool=callgrind``
 twice, ``--short`` and ``--long`` times (one process, ``COMM_SELF``; hash seed, address layout,
-one BLAS thread and the garbage collector fixed), and prints the difference per iteration: the loop's own cost, the
-import and setup cancelled. At two ranks the collectives are watched (``--watched`` marks the
-watchdog's path on, as it is there), and the transfer's waiting comes on top. About 8,500
-instructions take a microsecond on the machine ``docs/performance.md`` quotes.
+one BLAS thread and the garbage collector fixed), and prints the difference per iteration: the
+loop's own cost, the import and setup cancelled. At two ranks the collectives are watched
+(``--watched`` marks the watchdog's path on, as it is there), and the transfer's waiting comes on
+top. About 8,500 instructions take a microsecond on the machine ``docs/performance.md`` quotes.
 
 Paths: ``raw`` (``comm.Allreduce`` of 8 float64, the floor), ``call`` (``ReplicaContext.all_reduce``
 of the same array) and ``step`` (8 such calls and ``strategy.run``'s closing, as
