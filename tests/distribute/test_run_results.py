@@ -12,6 +12,7 @@ import collections
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpistrat
 from tests.conftest import all_ranks_agree, raises_on_every_rank
@@ -118,3 +119,37 @@ def test_a_collective_that_failed_inside_fn_is_not_waited_for(group):
     raises_on_every_rank(group.comm, ValueError, lambda: s.run(fn))
     after = s.run(lambda: mpistrat.get_replica_context().all_reduce("sum", ONE))
     all_ranks_agree(group.comm, after == n, f"{after}")
+
+
+@pytest.mark.parametrize("case", ["list lengths", "dict keys", "a leaf on replica 0, a list on others"])
+def test_under_step_a_learned_steps_closing_compares_the_results_as_tf(case):
+    """Under ``MPISTRAT_CHECK=step`` a step after the first closes with one handshake when it left a
+    collective unchecked: that handshake carries the result's structure too, so a structure tf
+    rejects raises on every rank there, and one tf regroups is each rank's own result, as with
+    the check on. Steps alike first, so the step that differs is one of the learned ones."""
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        pytest.skip("needs two replicas to differ")
+    make, tf_raises = CASES[case]
+    options = mpistrat.CommunicationOptions(check="step")
+    strategy = mpistrat.MPIStrategy(world, communication_options=options)
+
+    def step(differ):
+        total = mpistrat.get_replica_context().all_reduce("sum", ONE)  # left unchecked once learned
+        return total, make(_replica_id() if differ else 0)
+
+    for _ in range(3):
+        strategy.run(step, args=(False,))
+    learned = not strategy.extended.collectives.step_check.learning
+    if tf_raises:
+        message = raises_on_every_rank(
+            world, AssertionError, lambda: strategy.run(step, args=(True,)), "same nest"
+        )
+        ok = learned
+    else:
+        total, got = strategy.run(step, args=(True,))
+        message = f"{total!r} {got!r}"
+        ok = learned and total == world.Get_size() and type(got) is type(make(world.Get_rank()))
+    after = strategy.run(step, args=(False,))[0]  # the ranks go on together
+    strategy.experimental_finalize()
+    all_ranks_agree(world, ok and after == world.Get_size(), message)
