@@ -34,12 +34,14 @@ from typing import Any, NoReturn
 
 from mpi4py import MPI
 
+from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.mismatch import by_rank
 from mpistrat.errors import CollectiveMismatchError
 
 __all__ = ["LIMIT", "StepCheck"]
 
 LIMIT = 3 * 4096  # the record's length at most (4096 collectives): the next one sends a handshake
+_KINDS = 4096  # kinds' codes remembered at most (a kind may name a variable: a program may make many)
 _MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their negations
 
 
@@ -57,6 +59,14 @@ class StepCheck:
         self.learning = True  # until a step's closing handshake passes: every collective sends
         self.record = record  # appended to by handshake.defer, to LIMIT
         self.kinds: dict[str, int] = {}  # each kind's code, for the record (a plain dict: read per call)
+
+    def kind_code(self, kind: str) -> int:
+        """The code of collective ``kind`` in the record, remembered in :attr:`kinds` (``defer``
+        reads it there first: this is a kind's first unchecked call)."""
+        if len(self.kinds) >= _KINDS:
+            self.kinds.clear()
+        code = self.kinds[kind] = hash64(kind)
+        return code
 
     def code(self) -> int:
         """The code of the unchecked collectives (0: none) that the next handshake carries."""

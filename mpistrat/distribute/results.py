@@ -21,7 +21,7 @@ import optree
 from mpistrat import nest
 from mpistrat.collectives import leaves
 from mpistrat.collectives.fingerprint import cached_code
-from mpistrat.collectives.handshake import close_step
+from mpistrat.collectives.handshake import close_step, skip_closing
 from mpistrat.errors import CollectiveMismatchError, StructureMismatchError
 
 if TYPE_CHECKING:
@@ -48,16 +48,19 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
             raise error
         return
     step = collectives.step_check
-    if step is not None and not step.learning and error is None:  # MPISTRAT_CHECK=step, after the first step
-        if not step.record:  # nothing went unchecked: nothing to send, numbered as if it were
-            collectives.seq += 1
-            return
-        spec, code = _structure(collectives.caches, result)
-        try:
-            close_step(collectives, KIND, code, lambda: _describe(spec))
-        except StructureMismatchError as exc:
-            _regroup_or_raise(collectives, spec, exc)
+    # MPISTRAT_CHECK=step after the first step: one handshake checks what the step left unchecked
+    if step is not None and not step.learning and (error is None or not step.record):
+        if step.record:
+            spec, code = _structure(collectives.caches, result)
+            try:
+                close_step(collectives, KIND, code, lambda: _describe(spec))
+            except StructureMismatchError as exc:
+                _regroup_or_raise(collectives, spec, exc)
+        else:  # nothing went unchecked, on any rank (the last handshake cleared every record)
+            skip_closing(collectives, KIND)
         collectives.stragglers.forget()
+        if error is not None:
+            raise error
         return
     spec = None
     code = 0

@@ -183,3 +183,23 @@ def test_a_training_step_is_one_control_collective():
     ok = len(control) == 2 and np.allclose(w.numpy(), reference, rtol=1e-6)  # one per step
     ok = ok and len(calls(ledger)) == 6  # and per step, the loss's sum and the gradients' pack
     all_ranks_agree(WORLD, ok, f"{calls(ledger)}; w {w.numpy()} vs {reference}")
+
+
+def test_a_step_that_closes_sending_nothing_is_still_the_last_collective_finished():
+    """A learned step with nothing unchecked sends no closing handshake, but its closing is numbered
+    like one: what a stall report or a rank's exit names as its last finished collective is that
+    closing, on every rank. Then a step with a collective closes with one handshake, numbered next."""
+    if WORLD.Get_size() == 1:
+        pytest.skip("one replica's strategy.run has no closing")
+    strategy = make("step")
+    collectives = strategy.extended.collectives
+    strategy.run(small_step, args=(WORLD.Get_rank(),))  # the first step, checked call by call
+    with Ledger.recording() as ledger:
+        strategy.run(lambda: None)
+    seq, monitor = collectives.seq, collectives.monitor
+    ok = ledger.log == [] and monitor.completed == seq and monitor.last[:2] == ("strategy.run (result)", seq)
+    got = strategy.run(small_step, args=(WORLD.Get_rank(),))
+    closed = monitor.last[:2] == ("strategy.run (result)", seq + SMALL + 1)
+    ok = ok and closed and got == expected_sums(WORLD.Get_size())
+    strategy.experimental_finalize()
+    all_ranks_agree(WORLD, ok, f"seq {seq}, completed {monitor.completed}, last {monitor.last}")
