@@ -74,6 +74,7 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
         collectives.stragglers.forget()  # who arrives last here says nothing new: the step's collectives did
     except StructureMismatchError as exc:  # no rank raised: only the results' structures differ
         _regroup_or_raise(collectives, spec, exc)
+        return
     except BaseException:
         if error is None:
             raise
