@@ -142,6 +142,14 @@ SETTINGS: dict[str, Setting] = {
             "the variables every-rank merge functions update.",
         ),
         Setting(
+            "MPISTRAT_NATIVE",
+            _flag,
+            True,
+            "`1`/`on`, `0`/`off`",
+            "Run `MPISTRAT_CHECK=step`'s per-call record and per-step closing compiled where `pip "
+            "install` built them (`mpistrat info` says whether); off, their Python twins.",
+        ),
+        Setting(
             "MPISTRAT_TIMEOUT",
             _seconds,
             1800.0,

@@ -31,16 +31,17 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives import mismatch
 from mpistrat.collectives.fingerprint import cached_code
-from mpistrat.collectives.step_check import LIMIT
+from mpistrat.collectives.native import native_step
+from mpistrat.collectives.step_check import MASK, defer
 from mpistrat.diagnostics import monitor as monitoring
-from mpistrat.diagnostics import timeline, watchdog
+from mpistrat.diagnostics import stragglers, timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
 from mpistrat.errors import CollectiveTimeoutError, ContextError
 from mpistrat.options import CommunicationOptions
@@ -57,7 +58,6 @@ __all__ = [
     "check_enabled",
     "check_level",
     "close_step",
-    "defer",
     "level",
     "persistent",
     "setting",
@@ -238,7 +238,8 @@ def agree_within(
         if error is not None:  # as with the check off: the others are in the transfer
             self.seq += 1
             raise error
-        if defer(self, kind, fingerprint):
+        if defer(step, self.seq + 1, kind, fingerprint):
+            self.seq += 1
             return None
     self.seq += 1
     top = _exchange(self, kind, fingerprint, describe, error, maximum or 0)
@@ -257,10 +258,17 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
     """Under ``MPISTRAT_CHECK=step``, once the first step was checked: the handshake that closes a
     step (``strategy.run``'s, ``kind``) with collectives left unchecked, which it checks beside its
     own ``fingerprint``. What ``agree`` does for the same call, without its arguments' handling or
-    its generic watch: this is every step's path.
+    its generic watch (this is every step's path); then the straggler tally forgets it (who arrives
+    last at a step's end says nothing new: the step's collectives did).
 
-    Watched as every collective is: a stall or timeout in it is named.
+    Watched as every collective is: a stall or timeout in it is named. Its common case (not polled,
+    no timeline) runs compiled where it was built (:mod:`.native`), to the same effect.
     """
+    native = self.native_closing
+    if native is None:
+        native = self.native_closing = _native_closing(self, kind)
+    if native and native.close(self, kind, fingerprint, describe):
+        return
     monitor = self.monitor
     me = _get_ident()
     if not monitor.busy.acquire(False):  # as the watch of every collective does
@@ -268,6 +276,7 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
             raise ContextError(monitoring.two_threads(monitor, me, kind))
         self.seq += 1  # inside this thread's own collective: part of it
         _exchange(self, kind, fingerprint, describe, None, 0)
+        self.stragglers.forget()
         return
     monitor.thread = me
     try:
@@ -295,6 +304,7 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
     finally:
         monitor.last_thread, monitor.thread = me, None
         monitor.busy.release()
+    self.stragglers.forget()
 
 
 def skip_closing(self: Collectives, kind: str) -> None:
@@ -305,6 +315,7 @@ def skip_closing(self: Collectives, kind: str) -> None:
     monitor = self.monitor
     monitor.completed = self.seq
     monitor.last = (kind, self.seq, time.monotonic())
+    self.stragglers.forget()
 
 
 def _exchange(
@@ -356,6 +367,7 @@ def _exchange(
             if handshake is not None:  # it may still be active: neither started nor freed again
                 self.handshake_buffers = (send, recv, _Abandoned(seq), messages, stop)
                 self.requests.remove(handshake)
+                self.native_closing = False  # which would start it
             raise
     entry[ENDED] = ended = time.monotonic()
     top = _PACKING.unpack_from(recv)  # type: ignore[arg-type]
@@ -366,36 +378,65 @@ def _exchange(
     if top[STOP]:
         stop.learned()
     if top[ERROR] or top[0] + top[4] or top[1] + top[5] or top[2] + top[6] or top[3] + top[7]:
-        self.disagreements += 1
-        entry[STATE] = "raised: the ranks disagreed"
-        if step is not None:  # the same on every rank: the setting was agreed at creation
-            step.raise_first_difference(self.comm)
-        mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
+        _disagreed(self, kind, describe, error, entry)
     monitor.agreed = monitor.start  # every rank has entered this collective (for the watchdog)
     if step is not None:
         step.verified()
     return top
 
 
-def defer(self: Collectives, kind: str, fingerprint: int) -> bool:
-    """Under ``MPISTRAT_CHECK=step``, once the first step was checked: number data collective
-    ``kind`` and record it unchecked (True: it sends nothing); else do nothing (False).
-
-    ``agree_within(..., deferrable=True)`` defers through it; a caller that has nothing else to
-    check (no error, the strategy's options) may call it first and skip the handshake's arguments.
-    """
+def _disagreed(
+    self: Collectives,
+    kind: str,
+    describe: Callable[[], Any] | None,
+    error: BaseException | None,
+    entry: list[Any],
+) -> NoReturn:
+    """A handshake found that the ranks differ (on every rank alike): raise, naming what differed."""
+    self.disagreements += 1
+    entry[STATE] = "raised: the ranks disagreed"
     step = self.step_check
-    if step is None or step.learning:
+    if step is not None:  # the same on every rank: the setting was agreed at creation
+        step.raise_first_difference(self.comm)
+    mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
+
+
+def _native_closing(self: Collectives, kind: str) -> Any:
+    """The compiled closing of ``kind`` for these collectives, or False where close_step must run in
+    Python: not built or turned off (:mod:`.native`), no persistent handshake, or a watch that
+    polls (a timeout chosen in the options or the environment)."""
+    send, recv, handshake, _, stop = self.handshake_buffers
+    monitor = self.monitor
+    step = self.step_check
+    if (
+        native_step is None
+        or not isinstance(handshake, MPI.Prequest)
+        or step is None
+        or self.options.timeout_seconds is not None
+        or monitor.env_polled
+    ):
         return False
-    record = step.record
-    if len(record) >= LIMIT:
-        return False
-    self.seq = seq = self.seq + 1
-    kind_code = step.kinds.get(kind) or step.kind_code(kind)
-    # Its number too: a call that took a number and left no record (bad input raised on one rank, a
-    # call with the check off) shifts the pairing of the calls after it.
-    record += (seq, kind, kind_code ^ fingerprint)
-    return True
+    return native_step.Closing(
+        monitor=monitor,
+        busy=monitor.busy,
+        flight=self.flight,
+        tally=self.stragglers,
+        stop=stop,
+        record=step.record,
+        send=send,
+        recv=recv,
+        request=handshake,
+        timeline=timeline,
+        monitoring=monitoring,
+        kind=kind,
+        kind_code=cached_code(self.caches.codes, kind, kind.__str__),
+        magic=_MAGIC,
+        timeout=monitor.env_timeout,
+        disagreed=_disagreed,
+        nothing=stragglers.NOTHING,
+        fold_every=stragglers.FOLD_EVERY,
+        mask=MASK,
+    )
 
 
 # Watched on its own when a caller opens with it alone; a collective already watched opens with

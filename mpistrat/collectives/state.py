@@ -62,6 +62,7 @@ class CollectiveState(Protocol):
     handshake_buffers: tuple[np.ndarray, np.ndarray, Any, tuple[list[Any], list[Any]], Any]
     pending: dict[str, Callable[[], None]]
     requests: list[MPI.Prequest]  # MPI requests freed with the communicator
+    native_closing: Any  # close_step compiled (native_closing.Closing), False: none, None: not yet made
 
     def agree(
         self,

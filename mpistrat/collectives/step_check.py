@@ -30,35 +30,82 @@ entry.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from mpi4py import MPI
 
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.mismatch import by_rank
+from mpistrat.collectives.native import native_step
 from mpistrat.errors import CollectiveMismatchError
 
-__all__ = ["LIMIT", "StepCheck"]
+__all__ = ["LIMIT", "MASK", "StepCheck", "StepState", "defer", "record_code"]
 
 LIMIT = 3 * 4096  # the record's length at most (4096 collectives): the next one sends a handshake
 _KINDS = 4096  # kinds' codes remembered at most (a kind may name a variable: a program may make many)
-_MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their negations
+MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their negations
 
 
-class StepCheck:
+class PythonStepState:
+    """The fields every unchecked call reads: the compiled ``native_step.StepState``'s Python twin."""
+
+    __slots__ = ("kinds", "learning", "limit", "record")
+
+    def __init__(self, record: list[Any], limit: int) -> None:
+        self.learning = True  # until a step's closing handshake passes: every collective sends
+        self.record = record  # appended to by handshake.defer, to limit
+        self.limit = limit
+        self.kinds: dict[str, int] = {}  # each kind's code, for the record (a plain dict: read per call)
+
+
+def python_record_code(record: list[Any]) -> int:
+    """The hash of the record's numbers and codes (``native_step.record_code``'s Python twin)."""
+    return hash((tuple(record[0::3]), tuple(record[2::3])))  # ints hash alike on every rank
+
+
+def python_defer(step: StepCheck | None, seq: int, kind: str, fingerprint: int) -> bool:
+    """Under ``MPISTRAT_CHECK=step``, once the first step was checked (``step`` not learning): record
+    data collective #``seq``, ``kind``, unchecked (True: the caller numbers it and sends nothing);
+    else do nothing (False). ``defer`` is this or its compiled twin (:mod:`.native`).
+
+    ``agree_within(..., deferrable=True)`` defers through it; a caller that has nothing else to
+    check (no error, the strategy's options) may call it first and skip the handshake's arguments.
+    """
+    if step is None or step.learning:
+        return False
+    record = step.record
+    if len(record) >= step.limit:
+        return False
+    kind_code = step.kinds.get(kind) or step.kind_code(kind)
+    # Its number too: a call that took a number and left no record (bad input raised on one rank, a
+    # call with the check off) shifts the pairing of the calls after it.
+    record += (seq, kind, kind_code ^ fingerprint)
+    return True
+
+
+if TYPE_CHECKING:  # the twins alike
+    StepState: TypeAlias = PythonStepState
+    record_code = python_record_code
+    defer = python_defer
+else:  # the compiled ones where they run (mpistrat.collectives.native)
+    StepState = PythonStepState if native_step is None else native_step.StepState
+    record_code = python_record_code if native_step is None else native_step.record_code
+    defer = python_defer if native_step is None else native_step.defer
+
+
+class StepCheck(StepState):
     """One communicator's phase (``learning``: every call sends) and record of unchecked collectives.
 
     ``record``: each unchecked collective's number, kind and code (its kind's code ^ its
-    fingerprint), flat and in order (one list extend per call: every data collective's path). It
-    is the flight recorder's list (``Flight.unchecked``): a hang's diagnosis shows what it holds.
+    fingerprint), flat and in order (three appends per call: every data collective's path), at
+    most ``LIMIT`` long. It is the flight recorder's list (``Flight.unchecked``): a hang's
+    diagnosis shows what it holds.
     """
 
-    __slots__ = ("kinds", "learning", "record")
+    __slots__ = ()
 
     def __init__(self, record: list[Any]) -> None:
-        self.learning = True  # until a step's closing handshake passes: every collective sends
-        self.record = record  # appended to by handshake.defer, to LIMIT
-        self.kinds: dict[str, int] = {}  # each kind's code, for the record (a plain dict: read per call)
+        super().__init__(record, LIMIT)
 
     def kind_code(self, kind: str) -> int:
         """The code of collective ``kind`` in the record, remembered in :attr:`kinds` (``defer``
@@ -71,7 +118,7 @@ class StepCheck:
     def code(self) -> int:
         """The code of the unchecked collectives (0: none) that the next handshake carries."""
         record = self.record
-        return hash((tuple(record[0::3]), tuple(record[2::3]))) & _MASK if record else 0  # ints hash alike
+        return record_code(record) & MASK if record else 0
 
     def learned(self) -> None:
         """A step's closing handshake passed on every rank: repeats may go unchecked from here."""

@@ -36,7 +36,7 @@ RANK_BITS = 20  # ranks up to 2**20 fit below the wait
 _MASK = (1 << RANK_BITS) - 1
 _MAX_WAIT_US = (1 << 40) - 1  # 12 days: the encoded pair stays far inside int64
 _MAX_WAIT_S = _MAX_WAIT_US / 1e6
-_FOLD_EVERY = 8192  # numbers filed before a bulk decode
+FOLD_EVERY = 8192  # numbers filed before a bulk decode
 NOTHING = -(1 << 62)  # "no measured handshake": loses every MAX
 MIN_MEAN_MS = 5.0  # below this on average a rank is not called a straggler (scheduling noise reaches ms)
 # A straggler is last so often that chance would do it with probability below FALSE_ALARM, over
@@ -200,7 +200,7 @@ class Tally:
         if last > NOTHING:
             filed = self._filed
             filed += (last, longest)
-            if len(filed) >= _FOLD_EVERY:
+            if len(filed) >= FOLD_EVERY:
                 self._fold()
         if self.enabled:
             shifted = (int(waited * 1e6) if waited < _MAX_WAIT_S else _MAX_WAIT_US) << RANK_BITS

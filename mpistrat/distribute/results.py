@@ -58,7 +58,6 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
                 _regroup_or_raise(collectives, spec, exc)
         else:  # nothing went unchecked, on any rank (the last handshake cleared every record)
             skip_closing(collectives, KIND)
-        collectives.stragglers.forget()
         if error is not None:
             raise error
         return

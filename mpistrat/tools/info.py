@@ -25,6 +25,7 @@ from typing import Any
 import mpi4py
 from mpi4py import MPI
 
+from mpistrat.collectives import native
 from mpistrat.comm import cuda, devices, transport
 from mpistrat.diagnostics import launch
 from mpistrat.errors import MpistratError
@@ -129,6 +130,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
         "threads": host.threads(),
         "blas_threads": host.blas_threads(),
         "host_transport": transport.HostMPI.name,
+        "step_check": native.describe(),
         "device_transport": first["device_transport"],
         "ranks": ranks,
     }
@@ -163,6 +165,7 @@ def render(info: dict[str, Any]) -> str:
         f"cores             {'; '.join(info['cores'])}"
         + (" (OVERSUBSCRIBED: the ranks take turns on the cores)" if info["oversubscribed"] else ""),
         f"threads           {threads}",
+        f"step check        {info['step_check']} (MPISTRAT_CHECK=step's per-call and per-step paths)",
         f"AUTO transport    host buffers: {info['host_transport']}",
         f"                  device buffers: {plan['AUTO']}",
         f"RING transport    device buffers: {plan['RING']}",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mpistrat.collectives import native
 from mpistrat.diagnostics import side_channel
 from tests.support import launch
 from tests.support.launch import MPIEXEC
@@ -125,8 +126,22 @@ def test_a_stall_in_a_steps_closing_handshake_under_step_times_out_naming_the_ra
     closing = f"strategy.run (result) (collective #8, called at {run_site} in <module>)"
     assert f"{closing} did not complete within its timeout of 5 s" in out, out
     assert "waiting for rank 1: rank 1 is not in a collective (last finished all_reduce #7" in out, out
-    assert f"it is at {site('step_close_stall.py', '        time.sleep(60)')} in step" in out, out
+    assert f"it is at {site('step_close_stall.py', '        time.sleep(stall)')} in step" in out, out
     assert "#7 all_reduce [fp " in out and "unchecked until the step's closing handshake" in out, out
+
+
+def test_a_stall_in_a_steps_compiled_closing_is_warned_of_naming_the_rank():
+    """With the default timeout (not polled) a learned step closes through the compiled closing where
+    it runs, which marks the watchdog's monitor as the Python one does: a rank late to it is named by
+    the stall warning, with the closing's number and where the late rank is, and the job goes on."""
+    env = {"MPISTRAT_CHECK": "step", "MPISTRAT_STALL_WARNING_SECONDS": "1"}
+    code, out = run_job("step_close_stall.py", "4", limit=40, env=env)
+    assert code == 0, out
+    assert out.count("WARNING: strategy.run (result) (collective #8") == 1, out
+    late = r"waited [123] s: waiting for rank 1: rank 1 is not in a collective \(last finished all_reduce #7"
+    assert re.search(late, out), out
+    closing = "Closing" if native.native_step is not None else "bool"
+    assert on_every_rank(out, f"finished, its closing {closing}"), out
 
 
 def test_a_strategy_whose_handshake_timed_out_raises_at_its_next_collective():

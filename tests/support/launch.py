@@ -47,10 +47,16 @@ def launcher_options() -> list[str]:
     return options
 
 
+# Kept: which twins of the step check's compiled paths the suite runs (the Makefile's choice per family).
+_KEPT = {"MPISTRAT_NATIVE"}
+
+
 def job_environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment less the launcher's and the ``MPISTRAT_*`` variables, with the repository
-    on ``PYTHONPATH``, plus ``env``: what a job the tests start runs with."""
-    child = {k: v for k, v in os.environ.items() if not k.startswith((*_LAUNCHER_VARS, "MPISTRAT_"))}
+    """This environment less the launcher's and the ``MPISTRAT_*`` variables (but ``MPISTRAT_NATIVE``),
+    with the repository on ``PYTHONPATH``, plus ``env``: what a job the tests start runs with."""
+    child = {
+        k: v for k, v in os.environ.items() if k in _KEPT or not k.startswith((*_LAUNCHER_VARS, "MPISTRAT_"))
+    }
     child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     child.update(env or {})
     return child
@@ -64,8 +70,8 @@ def run_job(
     env: dict[str, str] | None = None,
     prefix: list[str] | None = None,
 ) -> tuple[int, str]:
-    """Run ``script`` under ``mpiexec -n ranks`` from the repository root, with this environment less
-    the launcher's and the ``MPISTRAT_*`` variables (plus ``env``); return (exit code, stdout + stderr).
+    """Run ``script`` under ``mpiexec -n ranks`` from the repository root, with :func:`job_environment`
+    (plus ``env``); return (exit code, stdout + stderr).
     ``prefix`` goes before ``mpiexec`` (a command that runs the rest, e.g. in a mount namespace).
 
     A job still running after ``limit`` seconds is killed with all its processes, and the test fails.

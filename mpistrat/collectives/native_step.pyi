@@ -1,0 +1,42 @@
+from collections.abc import Callable
+from typing import Any
+
+class Closing:
+    def __init__(
+        self,
+        *,
+        monitor: Any,
+        busy: Any,
+        flight: Any,
+        tally: Any,
+        stop: Any,
+        record: list[Any],
+        send: Any,
+        recv: Any,
+        request: Any,
+        timeline: Any,
+        monitoring: Any,
+        kind: str,
+        kind_code: int,
+        magic: int,
+        timeout: float | None,
+        disagreed: Callable[..., Any],
+        nothing: int,
+        fold_every: int,
+        mask: int,
+    ) -> None: ...
+    def close(self, collectives: Any, kind: str, fingerprint: int, describe: Callable[[], Any]) -> bool: ...
+
+def record_code(record: list[Any]) -> int: ...
+
+class StepState:
+    learning: bool
+    @property
+    def record(self) -> list[Any]: ...
+    @property
+    def kinds(self) -> dict[str, int]: ...
+    @property
+    def limit(self) -> int: ...
+    def __init__(self, record: list[Any], limit: int) -> None: ...
+
+def defer(step: StepState | None, seq: int, kind: str, fingerprint: int) -> bool: ...
