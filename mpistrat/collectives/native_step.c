@@ -16,6 +16,10 @@
 #include <time.h>
 #include <structmember.h>
 
+#if SIZEOF_PY_HASH_T != 8
+#error "the record's code reproduces CPython's 64-bit tuple hash: a 32-bit Python runs the Python twins"
+#endif
+
 enum { SLOTS = 13, ERROR = 8, LAST_ARRIVAL = 10, LONGEST_WAIT = 11, STOP = 12, ENDED = 4 };
 
 typedef struct {
@@ -26,6 +30,7 @@ typedef struct {
     Py_buffer send, recv;
     int64_t magic, kind_code, nothing, fold_every, mask;
     double timeout; /* < 0: none */
+    Py_ssize_t closes; /* the closings done here (the others went to Python) */
 } Closing;
 
 static PyObject *s_seq, *s_thread, *s_last_thread, *s_kind, *s_start, *s_deadline,
@@ -73,9 +78,9 @@ static Py_hash_t pair_hash(Py_hash_t a, Py_hash_t b) {
 static int record_hash(PyObject *record, Py_hash_t *out) {
     Py_ssize_t n = PyList_GET_SIZE(record);
     PyObject **items = ((PyListObject *)record)->ob_item;
-    Py_hash_t numbers = tuple_hash_of(items, n, n / 3, 0); /* the record holds whole triples */
+    Py_hash_t numbers = tuple_hash_of(items, n, (n + 2) / 3, 0); /* len(record[0::3]) */
     if (numbers == -1) return -1;
-    Py_hash_t codes = tuple_hash_of(items, n, n / 3, 2);
+    Py_hash_t codes = tuple_hash_of(items, n, n / 3, 2); /* len(record[2::3]) */
     if (codes == -1) return -1;
     *out = pair_hash(numbers, codes);
     return 0;
@@ -152,6 +157,10 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *collectives = args[0];
+    if (self->record == NULL) {
+        PyErr_SetString(PyExc_TypeError, "close() needs an initialised Closing");
+        return NULL;
+    }
     if (args[1] != self->kind) Py_RETURN_FALSE; /* another kind than this closing's */
     int overflow;
     long long fingerprint = PyLong_AsLongLongAndOverflow(args[2], &overflow);
@@ -197,7 +206,7 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     long long last = -1, longest = -1;
     if (PyTuple_Check(outgoing) && PyTuple_GET_SIZE(outgoing) == 2) {
         last = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 0));
-        longest = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 1));
+        if (!(last == -1 && PyErr_Occurred())) longest = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 1));
     } else {
         PyErr_SetString(PyExc_TypeError, "the straggler tally's outgoing is not a pair");
     }
@@ -228,7 +237,8 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     if (end == NULL || PyList_SetItem(entry, ENDED, end) < 0) goto marks;
     int64_t top[SLOTS];
     memcpy(top, self->recv.buf, sizeof top);
-    /* the straggler tally: the previous handshake's arrivals (Tally.learn), then forget() */
+    /* the straggler tally: the previous handshake's arrivals (Tally.learn); then forget(), which
+       close_step does whatever comes of the closing */
     if (top[LAST_ARRIVAL] > self->nothing) {
         PyObject *filed = PyObject_GetAttr(self->tally, s_filed);
         if (filed == NULL) goto marks;
@@ -268,6 +278,7 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     Py_DECREF(completed);
     if (r < 0) goto marks;
     failed = 0;
+    self->closes++;
 
 marks: /* close_step's finally clauses, keeping the exception that is under way */
     {
@@ -377,6 +388,10 @@ static PyObject *defer(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     }
     StepState *step = (StepState *)args[0];
     PyObject *record = step->record, *kind = args[2];
+    if (record == NULL) {
+        PyErr_SetString(PyExc_TypeError, "defer() needs an initialised StepState");
+        return NULL;
+    }
     if (step->learning || PyList_GET_SIZE(record) >= step->limit) Py_RETURN_FALSE;
     PyObject *code = PyDict_GetItemWithError(step->kinds, kind); /* borrowed */
     if (code != NULL) {
@@ -387,10 +402,17 @@ static PyObject *defer(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     PyObject *entry = PyNumber_Xor(code, args[3]);
     Py_DECREF(code);
     if (entry == NULL) return NULL;
+    Py_ssize_t before = PyList_GET_SIZE(record);
     int failed = PyList_Append(record, args[1]) < 0 || PyList_Append(record, kind) < 0 ||
                  PyList_Append(record, entry) < 0;
     Py_DECREF(entry);
-    if (failed) return NULL;
+    if (failed) { /* all three or none, as the Python twin's += */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (PyList_SetSlice(record, before, PyList_GET_SIZE(record), NULL) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+        return NULL;
+    }
     Py_RETURN_TRUE;
 }
 
@@ -504,6 +526,11 @@ static PyMethodDef Closing_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Closing_members[] = {
+    {"closes", T_PYSSIZET, offsetof(Closing, closes), READONLY, "The closings done here, not in Python."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject ClosingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "mpistrat.collectives.native_step.Closing",
@@ -516,6 +543,7 @@ static PyTypeObject ClosingType = {
     .tp_traverse = (traverseproc)Closing_traverse,
     .tp_clear = (inquiry)Closing_clear,
     .tp_methods = Closing_methods,
+    .tp_members = Closing_members,
 };
 
 static PyMethodDef module_methods[] = {

@@ -2,6 +2,8 @@ from collections.abc import Callable
 from typing import Any
 
 class Closing:
+    @property
+    def closes(self) -> int: ...
     def __init__(
         self,
         *,

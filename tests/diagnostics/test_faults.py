@@ -135,13 +135,14 @@ def test_a_stall_in_a_steps_compiled_closing_is_warned_of_naming_the_rank():
     it runs, which marks the watchdog's monitor as the Python one does: a rank late to it is named by
     the stall warning, with the closing's number and where the late rank is, and the job goes on."""
     env = {"MPISTRAT_CHECK": "step", "MPISTRAT_STALL_WARNING_SECONDS": "1"}
-    code, out = run_job("step_close_stall.py", "4", limit=40, env=env)
+    code, out = run_job("step_close_stall.py", "8", limit=60, env=env)
     assert code == 0, out
     assert out.count("WARNING: strategy.run (result) (collective #8") == 1, out
-    late = r"waited [123] s: waiting for rank 1: rank 1 is not in a collective \(last finished all_reduce #7"
+    late = r"waited \d+ s: waiting for rank 1: rank 1 is not in a collective \(last finished all_reduce #7"
     assert re.search(late, out), out
-    closing = "Closing" if native.native_step is not None else "bool"
-    assert on_every_rank(out, f"finished, its closing {closing}"), out
+    # the learned steps' closings (the 2nd to 4th), the stalled one included
+    closings = "3 compiled" if native.native_step is not None else "0 compiled"
+    assert on_every_rank(out, f"finished, its closings {closings}"), out
 
 
 def test_a_strategy_whose_handshake_timed_out_raises_at_its_next_collective():
