@@ -96,7 +96,7 @@ class Collectives:
         # its request out: it may still be active, and freeing an active request is erroneous (Open
         # MPI: MPI_ERR_REQUEST), so it is left to MPI_Finalize.
         self.requests: list[MPI.Prequest] = [] if request is None else [request]
-        # close_step's compiled form (handshake.native_closing), made at the first learned closing;
+        # close_step's compiled form (a native_step.Closing), made at its first learned closing;
         # False: none (not built, turned off, or not this strategy's kind of watch).
         self.native_closing: Any = None
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)

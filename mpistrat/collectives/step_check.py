@@ -53,7 +53,7 @@ class PythonStepState:
 
     def __init__(self, record: list[Any], limit: int) -> None:
         self.learning = True  # until a step's closing handshake passes: every collective sends
-        self.record = record  # appended to by handshake.defer, to limit
+        self.record = record  # appended to by defer, to limit
         self.limit = limit
         self.kinds: dict[str, int] = {}  # each kind's code, for the record (a plain dict: read per call)
 
