@@ -410,7 +410,7 @@ def _disagreed(
 def _native_closing(self: Collectives, kind: str) -> Any:
     """The compiled closing of ``kind`` for these collectives, or False where close_step must run in
     Python: not built or turned off (:mod:`.native`), no persistent handshake, or a watch that
-    polls (a timeout chosen in the options or the environment)."""
+    polls (a timeout chosen in the options, or set in the environment and not ``off``)."""
     send, recv, handshake, _, stop = self.handshake_buffers
     monitor = self.monitor
     step = self.step_check
@@ -419,7 +419,7 @@ def _native_closing(self: Collectives, kind: str) -> Any:
         or not isinstance(handshake, MPI.Prequest)
         or step is None
         or self.options.timeout_seconds is not None
-        or monitor.env_polled
+        or (monitor.env_polled and monitor.env_timeout is not None)
     ):
         return False
     return native_step.Closing(

@@ -166,14 +166,18 @@ def marks(strategy, before):
 
 @pytest.mark.mpi(min_size=2)
 @needs_compiled
-@pytest.mark.parametrize("timeout", [None, 30.0])
-def test_a_compiled_closing_leaves_the_marks_the_python_closing_leaves(monkeypatch, timeout):
+@pytest.mark.parametrize(
+    ("timeout", "environment"), [(None, None), (None, "off"), (30.0, None), (None, "30")]
+)
+def test_a_compiled_closing_leaves_the_marks_the_python_closing_leaves(monkeypatch, timeout, environment):
     """The same steps on two strategies, one closing in Python: the same numbers, monitor marks,
     flight record and tally after each learned step, whose unchecked calls follow a checked one.
-    Counted: the compiled closing closed each learned step. A timeout chosen in the options polls
-    the wait, which the compiled closing leaves to Python: it is then not made, and both close alike
-    in Python."""
+    Counted: the compiled closing closed each learned step. A timeout chosen in the options or the
+    environment polls the wait, which the compiled closing leaves to Python: it is then not made, and
+    both close alike in Python. ``MPISTRAT_TIMEOUT=off`` polls nothing: compiled."""
     rank = WORLD.Get_rank()
+    if environment is not None:
+        monkeypatch.setenv("MPISTRAT_TIMEOUT", environment)  # read when a strategy is created
     options = CommunicationOptions(check="step", timeout_seconds=timeout)
     compiled_one = mpistrat.MPIStrategy(WORLD, communication_options=options)
     python_one = mpistrat.MPIStrategy(WORLD, communication_options=options)
@@ -191,7 +195,8 @@ def test_a_compiled_closing_leaves_the_marks_the_python_closing_leaves(monkeypat
     compiled_one.experimental_finalize()
     python_one.experimental_finalize()
     got, want = seen[compiled_one], seen[python_one]
-    ok = got == want and closes == (2 if timeout is None else None)
+    polled = timeout is not None or environment not in (None, "off")
+    ok = got == want and closes == (None if polled else 2)
     ok = ok and want[-1]["last"] == (KIND, want[-1]["seq"]) and want[-1]["completed"] == want[-1]["seq"]
     ok = ok and want[-1]["outgoing"] == (stragglers.NOTHING,) * 2 and want[-1]["record"] == []
     ok = ok and all(step["sums"] and step["times in order"] for step in want)
