@@ -137,7 +137,8 @@ def test_ranks_running_either_twin_agree_and_name_the_same_first_difference(monk
     closing = strategy.extended.collectives.native_closing
     closes = WORLD.allgather(closing.closes if closing else None)
     strategy.experimental_finalize()
-    # compiled: the 2nd and 3rd steps, and the last two (the 1st and 4th after the error closed in Python)
+    # closed compiled: the 2nd and 3rd steps before the error and after it (a first step is checked
+    # call by call and closes generically; the divergent step raised)
     ok = ok and closes == [None] + [4] * (size - 1)
     all_ranks_agree(WORLD, ok, f"closings done compiled {closes}; {messages}")
 
