@@ -43,46 +43,42 @@ static double monotonic(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* CPython's tuple hash (xxHash's round, Objects/tupleobject.c) over items start, start+3, ... */
+/* CPython's tuple hash (Objects/tupleobject.c): xxHash's round per item, then the length. */
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
 #define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)
 #define XXPRIME_5 ((Py_uhash_t)2870177450012600261ULL)
-#define XXROTATE(x) ((x << 31) | (x >> 33))
 
-static Py_hash_t tuple_hash_of(PyObject **items, Py_ssize_t n, Py_ssize_t count, Py_ssize_t start) {
-    Py_uhash_t acc = XXPRIME_5;
-    for (Py_ssize_t i = start; i < n; i += 3) {
-        Py_uhash_t lane = (Py_uhash_t)PyObject_Hash(items[i]);
-        if (lane == (Py_uhash_t)-1) return -1;
-        acc += lane * XXPRIME_2;
-        acc = XXROTATE(acc);
-        acc *= XXPRIME_1;
-    }
-    acc += (Py_uhash_t)count ^ (XXPRIME_5 ^ 3527539UL);
+static Py_uhash_t xx_round(Py_uhash_t acc, Py_uhash_t lane) {
+    acc += lane * XXPRIME_2;
+    acc = (acc << 31) | (acc >> 33);
+    return acc * XXPRIME_1;
+}
+
+static Py_hash_t xx_end(Py_uhash_t acc, Py_ssize_t length) {
+    acc += (Py_uhash_t)length ^ (XXPRIME_5 ^ 3527539UL);
     return acc == (Py_uhash_t)-1 ? 1546275796 : (Py_hash_t)acc;
 }
 
-static Py_hash_t pair_hash(Py_hash_t a, Py_hash_t b) {
+/* hash(tuple(items[start::3])), the tuple unbuilt; -1 with an exception where an item has no hash */
+static Py_hash_t every_third_hash(PyObject **items, Py_ssize_t n, Py_ssize_t start) {
     Py_uhash_t acc = XXPRIME_5;
-    Py_hash_t lanes[2] = {a, b};
-    for (int i = 0; i < 2; i++) {
-        acc += (Py_uhash_t)lanes[i] * XXPRIME_2;
-        acc = XXROTATE(acc);
-        acc *= XXPRIME_1;
+    for (Py_ssize_t i = start; i < n; i += 3) {
+        Py_hash_t lane = PyObject_Hash(items[i]);
+        if (lane == -1) return -1;
+        acc = xx_round(acc, (Py_uhash_t)lane);
     }
-    acc += (Py_uhash_t)2 ^ (XXPRIME_5 ^ 3527539UL);
-    return acc == (Py_uhash_t)-1 ? 1546275796 : (Py_hash_t)acc;
+    return xx_end(acc, n > start ? (n - start + 2) / 3 : 0);
 }
 
 /* hash((tuple(record[0::3]), tuple(record[2::3]))): StepCheck.code() before its mask. */
 static int record_hash(PyObject *record, Py_hash_t *out) {
     Py_ssize_t n = PyList_GET_SIZE(record);
     PyObject **items = ((PyListObject *)record)->ob_item;
-    Py_hash_t numbers = tuple_hash_of(items, n, (n + 2) / 3, 0); /* len(record[0::3]) */
+    Py_hash_t numbers = every_third_hash(items, n, 0);
     if (numbers == -1) return -1;
-    Py_hash_t codes = tuple_hash_of(items, n, n / 3, 2); /* len(record[2::3]) */
+    Py_hash_t codes = every_third_hash(items, n, 2);
     if (codes == -1) return -1;
-    *out = pair_hash(numbers, codes);
+    *out = xx_end(xx_round(xx_round(XXPRIME_5, (Py_uhash_t)numbers), (Py_uhash_t)codes), 2);
     return 0;
 }
 
