@@ -26,6 +26,7 @@ from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import all_ranks_agree, raises_on_every_rank
 
 FORMAT1 = Path(__file__).parent / "data" / "format1"
+FORMAT2 = Path(__file__).parent / "data" / "format2"
 DTYPES = ["float32", "float64", "float16", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"]
 DTYPES += ["uint64", "complex64"]  # every dtype a variable may have (no bool)
 
@@ -273,6 +274,36 @@ def test_a_format_1_checkpoint_of_the_previous_version_restores_at_any_rank_coun
     first = np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(batch))])
     ok = ok and first[0].tolist() == [32.0, 33.0]
     all_ranks_agree(group.comm, ok, f"{got} {first[:1]}")
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_format_2_checkpoint_of_an_earlier_version_restores_at_any_rank_count(group, shard):
+    """ckpt-1 was written at 2 ranks by an earlier version (data/format2/make_format2.py): its header
+    has no checksum of its own, and its dict key holding a dot is not escaped (``model/head.b``)."""
+    want = json.loads((FORMAT2 / "ckpt-1.json").read_text())
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros((3, 4), np.float32), name="w")
+        b = mpistrat.Variable(np.zeros(5), name="b")
+        head = mpistrat.Variable(np.zeros(2, np.float32), name="head")
+        step = mpistrat.Variable(np.int64(0), name="step")
+        seen = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="seen")
+        opt = Adam(0.01, shard_state=shard)
+    data = mpistrat.ArrayDataset(np.arange(64, dtype=np.float32).reshape(32, 2), 8)
+    iterator = iter(group.strategy.experimental_distribute_dataset(data))
+    model = {"w": w, "b": b, "head.b": head}
+    ckpt = mpistrat.Checkpoint(model=model, step=step, seen=seen, opt=opt, data=iterator)
+    ckpt.restore(str(FORMAT2 / "ckpt-1")).assert_consumed()
+    with group.strategy.scope():
+        slots = {f"{v.name}/{n}": opt.get_slot(v, n).numpy() for v in (w, b, head) for n in opt.slot_names}
+        got = [int(step.numpy()), float(seen.numpy()), int(opt.iterations.numpy()), int(ckpt.save_counter)]
+        values = {f"model/{k}": v.numpy() for k, v in model.items()}
+    ok = all(np.array_equal(v, np.asarray(want[k], v.dtype)) for k, v in values.items())
+    ok = ok and got == [want["step"], want["seen"], want["opt/iterations"], 1]
+    ok = ok and all(np.array_equal(v, np.asarray(want["slots"][k], v.dtype)) for k, v in slots.items())
+    batch = next(iterator)  # two of the four global batches were taken when it was saved
+    first = np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(batch))])
+    ok = ok and first[0].tolist() == [32.0, 33.0]
+    all_ranks_agree(group.comm, ok, f"{got} {values} {first[:1]}")
 
 
 def format_1_file(path, arrays):
