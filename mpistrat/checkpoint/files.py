@@ -146,7 +146,7 @@ def checkpoint_state(directory: str) -> tuple[str | None, list[str]]:
             if not isinstance(names, list) or not all(isinstance(n, str) for n in [state["latest"], *names]):
                 raise TypeError(f"expected names of files; got {state!r}")
             candidate = os.path.join(directory, os.path.basename(state["latest"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             problem = f"is truncated or corrupt ({type(exc).__name__}: {exc})"
         else:
             if os.path.isfile(candidate):

@@ -181,7 +181,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
     text = f.read(length)
     try:
         header = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise corrupt(path, f"the header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise corrupt(path, "the header is not a JSON object")
@@ -204,7 +204,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
             int(meta["num_replicas"]) if "num_replicas" in meta else None,
             json.loads(meta.get("positions", "{}")),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise corrupt(path, f"the metadata is incomplete ({type(exc).__name__}: {exc})") from None
     if not isinstance(table.positions, dict):
         raise corrupt(path, "the positions are not a JSON object")

@@ -36,6 +36,7 @@ _DAMAGE = (
     OSError,
     NotImplementedError,
     struct.error,
+    RecursionError,  # JSON nested too deep
 )
 
 

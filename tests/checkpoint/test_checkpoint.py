@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -281,7 +282,15 @@ def test_restore_of_a_missing_file_is_still_file_not_found(group, tmp_path):
     raises_on_every_rank(group.comm, FileNotFoundError, lambda: ckpt.restore(os.path.join(directory, "none")))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "names a deleted file"])
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot follow (RecursionError)
+
+
+def deeply_nested_file():
+    """A file shaped like a checkpoint (an 8-byte length, then the JSON header) nested 100,000 deep."""
+    return struct.pack("<Q", len(DEEP)) + DEEP.encode()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "nested deep", "names a deleted file"])
 def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable(
     group, tmp_path, damage, mpistrat_log
 ):
@@ -301,6 +310,7 @@ def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable
         np.savez(Path(directory, "foreign.npz"), v=np.zeros(4))
         Path(directory, "notes.txt").write_text("not a checkpoint")
         Path(directory, "ckpt-5.tmp123-host").write_bytes(Path(directory, "ckpt-3").read_bytes())
+        Path(directory, "ckpt-6").write_bytes(deeply_nested_file())
         text = index.read_text()
         if damage == "truncated":
             index.write_text(text[: len(text) // 2])
@@ -308,9 +318,11 @@ def test_latest_falls_back_to_the_newest_valid_file_when_the_index_is_unreadable
             index.write_bytes(b"\x00\xff" * 8)
         elif damage == "empty":
             index.write_text("")
+        elif damage == "nested deep":
+            index.write_text(DEEP)
         else:
             os.remove(Path(directory, "ckpt-3"))
-        for name in ("ckpt-4", "foreign.npz", "notes.txt", "ckpt-5.tmp123-host"):
+        for name in ("ckpt-4", "foreign.npz", "notes.txt", "ckpt-5.tmp123-host", "ckpt-6"):
             os.utime(Path(directory, name), (now, now))
     group.comm.Barrier()
     want = os.path.join(directory, "ckpt-2" if damage == "names a deleted file" else "ckpt-3")

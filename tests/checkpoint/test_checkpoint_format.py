@@ -212,6 +212,10 @@ def damaged_headers(path):
     yield "negative", changed(lambda h: h[name].update(data_offsets=[-8, end - begin - 8])), ">= 0"
     yield "no checksum", changed(lambda h: h["__metadata__"].update(crc32="{}")), "metadata"
     yield "not json", struct.pack("<Q", 20) + b"{not json at all....." + data, "not JSON"
+    deep = b"[" * 100_000 + b"]" * 100_000  # valid JSON, deeper than Python's parser follows
+    yield "nested deep", struct.pack("<Q", len(deep)) + deep + data, "not JSON"
+    deep_positions = changed(lambda h: h["__metadata__"].update(positions=deep.decode()))
+    yield "positions nested deep", deep_positions, "metadata"
     yield "huge length", struct.pack("<Q", 1 << 40) + data, "header of"
     yield "truncated", with_header(header, data[:-3]), "truncated"
     yield "extra bytes", with_header(header, data + b"xx"), "extra bytes"
@@ -353,3 +357,8 @@ def test_read_table_names_the_file_and_what_is_wrong(tmp_path):
     (tmp_path / "text").write_text("hello, world: not a checkpoint")
     with pytest.raises(InvalidArgumentError, match=str(tmp_path / "text")):
         read_table(str(tmp_path / "text"))
+    # Format 1 whose marks nest too deep.
+    with zipfile.ZipFile(tmp_path / "deep", "w") as archive, archive.open("__mpistrat__.npy", "w") as member:
+        np.lib.format.write_array(member, np.array("[" * 100_000 + "]" * 100_000))
+    with pytest.raises(InvalidArgumentError, match="RecursionError"):
+        read_table(str(tmp_path / "deep"))

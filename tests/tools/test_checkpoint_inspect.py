@@ -1,6 +1,7 @@
 """``mpistrat checkpoint inspect``: what a file holds, checked against what was saved and against zlib."""
 
 import json
+import struct
 import zlib
 from pathlib import Path
 
@@ -57,13 +58,17 @@ def test_json_and_a_directory_means_its_latest(saved, capsys):
 
 def test_unreadable_files_exit_2_with_one_line(tmp_path, capsys):
     (tmp_path / "junk").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    deep = b"[" * 100_000 + b"]" * 100_000  # valid JSON, deeper than Python's parser follows
+    (tmp_path / "deep").write_bytes(struct.pack("<Q", len(deep)) + deep)
     assert checkpoint_inspect.main(["inspect", str(tmp_path / "junk")]) == 2
+    assert checkpoint_inspect.main(["inspect", str(tmp_path / "deep")]) == 2
     assert checkpoint_inspect.main(["inspect", str(tmp_path / "missing")]) == 2
     assert checkpoint_inspect.main(["inspect", str(tmp_path)]) == 2  # a directory with no index
     err = capsys.readouterr().err.splitlines()
     assert (
-        len(err) == 3
+        len(err) == 4
         and "truncated or corrupt" in err[0]
-        and "No such file" in err[1]
-        and "no index" in err[2]
+        and "deep is truncated or corrupt" in err[1]
+        and "No such file" in err[2]
+        and "no index" in err[3]
     )
