@@ -42,6 +42,7 @@ __all__ = [
     "dtype_code",
     "encode_header",
     "header_rows",
+    "integer",
     "lay_out",
     "read_table",
 ]
@@ -168,7 +169,8 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
 
     Checks, before anything is restored: the header's length and JSON, every entry's dtype, shape
     and byte range (inside the file, no overlaps, no gaps, as safetensors requires), the data's
-    length against the file's, and a checksum for every entry.
+    length against the file's, a checksum for every entry, and the metadata's numbers (the save
+    counter, the rank count, the datasets' positions: int64 integers).
     """
     f.seek(0)
     start = f.read(_LENGTH.size)
@@ -200,15 +202,41 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
                 for n, e in sorted(entries.items(), key=_by_offset)
             },
             data_start,
-            int(meta["save_counter"]) if "save_counter" in meta else None,
-            int(meta["num_replicas"]) if "num_replicas" in meta else None,
-            json.loads(meta.get("positions", "{}")),
+            positions=json.loads(meta.get("positions", "{}")),
         )
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise corrupt(path, f"the metadata is incomplete ({type(exc).__name__}: {exc})") from None
+    if "save_counter" in meta:
+        table.counter = integer(path, "save_counter", meta["save_counter"])
+    if "num_replicas" in meta:
+        table.num_replicas = integer(path, "num_replicas", meta["num_replicas"], 1)
     if not isinstance(table.positions, dict):
         raise corrupt(path, "the positions are not a JSON object")
+    for name, position in table.positions.items():
+        _int64s(path, f"the position of {name}", position)
     return table
+
+
+def integer(path: str, what: str, value: Any, least: int = 0) -> int:
+    """A number of the metadata (``value``, its text) as an int64 of at least ``least``; else the
+    file is corrupt."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise corrupt(path, f"{what} is {str(value)[:40]!r}, not an integer") from None
+    if not least <= number < 2**63:
+        raise corrupt(path, f"{what} is {str(value)[:40]}, outside [{least}, 2**63)")
+    return number
+
+
+def _int64s(path: str, what: str, value: Any) -> None:
+    """``value`` (a saved position) is int64s, a number or a rectangular nest of lists of them."""
+    try:
+        ok = np.asarray(value, np.int64).tolist() == value  # beyond int64: OverflowError
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise corrupt(path, f"{what} is {str(value)[:60]}, not int64 integers")
 
 
 def _by_offset(item: tuple[str, Entry]) -> int:

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from mpistrat.checkpoint.format import Entry, Table, corrupt
+from mpistrat.checkpoint.format import Entry, Table, corrupt, integer
 
 __all__ = ["read_table"]
 
@@ -52,10 +52,19 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
                 raise ValueError(f"unknown format {meta!r}")
             counter = infos.pop(_COUNTER, None)
             entries = {name: _entry(f, info) for name, info in infos.items()}
-            saved = None if counter is None else int(_small(archive, counter))
+            saved = None if counter is None else _small(archive, counter)
     except _DAMAGE as exc:
         raise corrupt(path, f"{type(exc).__name__}: {exc}") from None
-    return Table(path, entries, 0, saved, meta.get("num_replicas"), {}, 1)
+    replicas = meta.get("num_replicas")
+    return Table(
+        path,
+        entries,
+        0,
+        None if saved is None else integer(path, "save_counter", saved),
+        None if replicas is None else integer(path, "num_replicas", replicas, 1),
+        {},
+        1,
+    )
 
 
 def _small(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> Any:

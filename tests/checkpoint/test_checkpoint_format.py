@@ -249,6 +249,58 @@ def test_damaged_headers_are_one_clear_error_on_every_rank_and_nothing_is_assign
     all_ranks_agree(group.comm, all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)))
 
 
+def test_header_numbers_beyond_int64_are_an_error_naming_the_file_and_nothing_is_assigned(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.arange(4.0), name="w")
+    data = mpistrat.ArrayDataset(np.arange(64.0).reshape(32, 2), 8)
+    iterator = iter(group.strategy.experimental_distribute_dataset(data))
+    next(iterator)
+    ckpt = mpistrat.Checkpoint(w=w, data=iterator)
+    path = ckpt.write(os.path.join(directory, "good"))
+    cases = []
+    if group.rank == 0:
+        header, data_bytes = header_of(path)
+        positions = json.loads(header["__metadata__"]["positions"])
+        for name, key, value in [
+            ("counter", "save_counter", str(2**63)),
+            ("counter20", "save_counter", "9" * 20),
+            ("ranks", "num_replicas", str(2**64)),
+            ("position", "positions", json.dumps({"data": [10**20, *positions["data"][1:]]})),
+            ("fraction", "positions", json.dumps({"data": [0.5, *positions["data"][1:]]})),
+        ]:
+            edited = json.loads(json.dumps(header))
+            edited["__metadata__"][key] = value
+            Path(directory, name).write_bytes(with_header(edited, data_bytes))
+            cases.append((os.path.join(directory, name), "outside [" if key != "positions" else "int64"))
+    cases = group.comm.bcast(cases, root=0)
+    with group.strategy.scope():
+        ckpt.save_counter.assign(np.int64(5))
+    for target, says in cases:
+        refused_with_nothing_assigned(group, ckpt, w, target, says)
+    # The dataset stayed where it was: its second global batch comes next (rows 8-15).
+    first = first_row_of_the_next_batch(group, iterator)
+    all_ranks_agree(group.comm, first == [16.0, 17.0], f"the dataset moved: {first}")
+
+
+def refused_with_nothing_assigned(group, ckpt, w, target, says):
+    """``ckpt.restore(target)`` is an error naming it on every rank, and neither ``w`` (zeroed first)
+    nor the save counter was assigned."""
+    counter = int(ckpt.save_counter.numpy())
+    with group.strategy.scope():
+        w.assign(np.zeros(w.shape))
+    message = raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.restore(target), says)
+    with group.strategy.scope():
+        untouched = not w.numpy().any() and int(ckpt.save_counter.numpy()) == counter and target in message
+    all_ranks_agree(group.comm, untouched, f"{target}: assigned before the error")
+
+
+def first_row_of_the_next_batch(group, iterator):
+    return np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(next(iterator)))])[
+        0
+    ].tolist()
+
+
 # -- format 1 ----------------------------------------------------------------------------------
 
 
