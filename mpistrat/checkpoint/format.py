@@ -4,9 +4,14 @@ A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON, then
 
 - the JSON maps each entry's name to ``{"dtype": "F32", "shape": [...], "data_offsets": [b, e]}``
   (bytes ``b`` to ``e`` after the header, C order), and ``__metadata__`` (strings only) to
-  ``format`` (``mpistrat/2``), ``num_replicas``, ``save_counter``, ``positions`` (a JSON object:
-  each dataset's position) and ``crc32`` (a JSON object: each entry's CRC-32 as 8 hex digits,
-  what ``zlib.crc32`` gives over its bytes);
+  ``header_crc32``, ``format`` (``mpistrat/2``), ``num_replicas``, ``save_counter``,
+  ``positions`` (a JSON object: each dataset's position) and ``crc32`` (a JSON object: each
+  entry's CRC-32 as 8 hex digits, what ``zlib.crc32`` gives over its bytes);
+- the header covers itself: it begins ``{"__metadata__":{"header_crc32":"``, and the 8 hex
+  digits that follow are the CRC-32 of the file's first ``8 + N`` bytes (the length and the
+  JSON) with those 8 digits left out, so a byte changed anywhere in the header or its metadata
+  is found (files of earlier versions have no ``header_crc32``: their header is checked for
+  consistency only);
 - the entries tile the data without gaps, in the order :func:`lay_out` is given (the replicated
   values first, then each sharded slot group: every rank's share is then one run of bytes);
 - the JSON is padded with spaces so the data starts at a multiple of 8.
@@ -18,7 +23,7 @@ the checksums in at the end. :func:`read_table` checks a header before anything 
 >>> import numpy as np
 >>> table, head = lay_out([("w", np.dtype("float32"), (2, 3))], {"save_counter": "1"})
 >>> table.entries["w"].offset, table.entries["w"].nbytes, len(head) % 8
-(160, 24, 0)
+(184, 24, 0)
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from typing import IO, Any
 
 import numpy as np
@@ -41,6 +47,7 @@ __all__ = [
     "corrupt",
     "dtype_code",
     "encode_header",
+    "header_crc",
     "header_rows",
     "integer",
     "lay_out",
@@ -48,6 +55,9 @@ __all__ = [
 ]
 
 FORMAT = "mpistrat/2"
+# The header begins so: the 8 hex digits of its own CRC-32 follow, at a fixed offset.
+_SEALED = b'{"__metadata__":{"header_crc32":"'
+_LEGACY_KEYS = {"format", "num_replicas", "save_counter", "positions", "crc32"}  # a header without its CRC
 _LENGTH = struct.Struct("<Q")
 _MAX_HEADER = 100 << 20  # as safetensors: a header this large is damage, not a checkpoint
 _CODES = {
@@ -96,6 +106,7 @@ class Table:
     num_replicas: int | None = None  # the ranks that saved it
     positions: dict[str, Any] = dataclasses.field(default_factory=dict)  # datasets' positions
     format: int = 2
+    sealed: bool = True  # the header and metadata are covered by a checksum (not in early format-2 files)
 
 
 def dtype_code(dtype: np.dtype, name: str) -> str:
@@ -140,13 +151,26 @@ def encode_header(
     crcs: dict[str, int],
 ) -> bytes:
     """The length and JSON header of entries ``(name, dtype, shape, begin, end)`` (data offsets)."""
-    meta = {"format": FORMAT, **metadata, "crc32": json.dumps({n: f"{crcs.get(n, 0):08x}" for n, *_ in rows})}
+    meta = {
+        "header_crc32": "00000000",  # filled in below, once the rest is known
+        "format": FORMAT,
+        **metadata,
+        "crc32": json.dumps({n: f"{crcs.get(n, 0):08x}" for n, *_ in rows}),
+    }
     header: dict[str, Any] = {"__metadata__": meta}
     for name, dtype, shape, begin, end in rows:
         header[name] = {"dtype": dtype_code(dtype, name), "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + _LENGTH.size) % 8)
-    return _LENGTH.pack(len(text)) + text
+    head = _LENGTH.pack(len(text)) + text
+    at = _LENGTH.size + len(_SEALED)
+    return head[:at] + f"{header_crc(head):08x}".encode() + head[at + 8 :]
+
+
+def header_crc(head: bytes) -> int:
+    """The CRC-32 of a header (its length and JSON) less the 8 digits that hold it."""
+    at = _LENGTH.size + len(_SEALED)
+    return zlib.crc32(head[at + 8 :], zlib.crc32(head[:at]))
 
 
 def header_rows(table: Table) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
@@ -190,6 +214,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return None
+    sealed = _check_seal(path, start + text, meta)
     data_start = _LENGTH.size + length
     entries = {name: _entry(path, name, spec, data_start) for name, spec in header.items()}
     _check_tiling(path, list(entries.values()), data_start, size)
@@ -203,6 +228,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
             },
             data_start,
             positions=json.loads(meta.get("positions", "{}")),
+            sealed=sealed,
         )
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise corrupt(path, f"the metadata is incomplete ({type(exc).__name__}: {exc})") from None
@@ -215,6 +241,23 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
     for name, position in table.positions.items():
         _int64s(path, f"the position of {name}", position)
     return table
+
+
+def _check_seal(path: str, head: bytes, meta: dict[str, Any]) -> bool:
+    """Whether the header has its own CRC-32, which matches it; a header without one (an earlier
+    version's) may hold only the metadata those versions wrote (a changed key is not taken for an
+    older file)."""
+    if "header_crc32" not in meta:
+        if unknown := sorted(set(meta) - _LEGACY_KEYS):
+            raise corrupt(path, f"unknown metadata {unknown} and no header_crc32")
+        return False
+    at = _LENGTH.size + len(_SEALED)
+    written = meta["header_crc32"]
+    if not head.startswith(_SEALED, _LENGTH.size) or head[at : at + 8] != str(written).encode():
+        raise corrupt(path, "the header's checksum is not where the format puts it")
+    if written != f"{header_crc(head):08x}":
+        raise corrupt(path, "the header's checksum differs: a byte of the header or its metadata changed")
+    return True
 
 
 def integer(path: str, what: str, value: Any, least: int = 0) -> int:

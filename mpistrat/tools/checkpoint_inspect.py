@@ -2,7 +2,8 @@
 
 Prints the format, the rank count and save counter it was written with, dataset positions, and
 one row per entry (dtype, shape, bytes, CRC-32), then checks every entry's checksum, reading the
-file once in pieces (``--no-verify`` skips that). ``--json`` prints the same as one JSON object.
+file once in pieces (``--no-verify`` skips that); the header's own checksum is checked first.
+``--json`` prints the same as one JSON object.
 One process does it all: run it without ``mpiexec``. Exit status: 0 intact, 1 a checksum does not
 match, 2 the file cannot be read as a checkpoint.
 
@@ -58,6 +59,7 @@ def _describe(table: Table, bad: list[str] | None) -> dict[str, Any]:
         "num_replicas": table.num_replicas,
         "save_counter": table.counter,
         "positions": table.positions,
+        "header_checksum": table.sealed,
         "entries": [
             {
                 "name": e.name,
@@ -78,6 +80,8 @@ def _text(info: dict[str, Any]) -> str:
         f"{info['path']}: mpistrat checkpoint, format {info['format']}, {info['bytes']} bytes",
         f"saved by {info['num_replicas']} rank(s), save_counter {info['save_counter']}",
     ]
+    if not info["header_checksum"]:
+        lines.append("the header has no checksum of its own (an earlier version's file)")
     lines += [f"position of {name}: {value}" for name, value in info["positions"].items()]
     entries = info["entries"]
     width = max([len(e["name"]) for e in entries] + [5])

@@ -184,9 +184,25 @@ def header_of(path):
     return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
+SEAL = b'{"__metadata__":{"header_crc32":"'  # how the header begins; its own CRC-32 follows
+
+
+def sealed(head):
+    """``head`` (the length and the JSON) with its checksum as the format describes it: the CRC-32 of
+    those bytes with the 8 hex digits after ``SEAL`` left out, written there."""
+    at = 8 + len(SEAL)
+    assert head[8:at] == SEAL, head[:at]
+    return head[:at] + b"%08x" % zlib.crc32(head[:at] + head[at + 8 :]) + head[at + 8 :]
+
+
 def with_header(header, data):
-    text = json.dumps(header).encode()
-    return struct.pack("<Q", len(text)) + text + data
+    """A file of ``header`` and ``data``; sealed as a save seals it, unless the header has no seal."""
+    if "header_crc32" not in header["__metadata__"]:
+        text = json.dumps(header).encode()
+        return struct.pack("<Q", len(text)) + text + data
+    meta = {"header_crc32": "00000000", **header["__metadata__"]}
+    text = json.dumps({**header, "__metadata__": meta}, separators=(",", ":")).encode()
+    return sealed(struct.pack("<Q", len(text)) + text) + data
 
 
 def damaged_headers(path):
@@ -299,6 +315,78 @@ def first_row_of_the_next_batch(group, iterator):
     return np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(next(iterator)))])[
         0
     ].tolist()
+
+
+@pytest.mark.serial("one process reads the files")
+def test_every_flipped_bit_of_the_header_and_its_metadata_is_found(tmp_path):
+    """Any one bit changed in the length or the JSON header makes the file unreadable as a checkpoint."""
+    w = mpistrat.Variable(np.arange(3.0), name="w")
+    data = mpistrat.ArrayDataset(np.arange(16.0).reshape(8, 2), 4)
+    iterator = iter(mpistrat.get_strategy().experimental_distribute_dataset(data))
+    next(iterator)
+    good = Path(mpistrat.Checkpoint(model={"w": w}, data=iterator).save(tmp_path / "ckpt"))
+    content = good.read_bytes()
+    (length,) = struct.unpack("<Q", content[:8])
+    damaged = tmp_path / "damaged"
+    unnoticed = []
+    for at in range(8 + length):
+        for bit in range(8):
+            flipped = bytearray(content)
+            flipped[at] ^= 1 << bit
+            damaged.write_bytes(flipped)
+            try:
+                noticed = read_table(str(damaged)) is None  # None: not an mpistrat checkpoint
+            except InvalidArgumentError:
+                noticed = True
+            if not noticed:
+                unnoticed.append((at, bit, bytes(content[max(at - 8, 0) : at + 8])))
+    assert not unnoticed, unnoticed[:10]
+
+
+def test_a_changed_position_or_counter_in_the_header_is_an_error_and_nothing_is_assigned(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.arange(4.0), name="w")
+    data = mpistrat.ArrayDataset(np.arange(96.0).reshape(48, 2), 8)
+    iterator = iter(group.strategy.experimental_distribute_dataset(data))
+    for _ in range(4):
+        next(iterator)
+    ckpt = mpistrat.Checkpoint(w=w, data=iterator)
+    path = ckpt.save(os.path.join(directory, "ckpt"))
+    cases = []
+    if group.rank == 0:
+        content = Path(path).read_bytes()
+        positions = json.loads(header_of(path)[0]["__metadata__"]["positions"])
+        examples = str(positions["data"][-1]).encode()  # the examples taken: 32
+        for name, old, new in [
+            ("position", b'"positions":"{\\"data\\": [' + str(positions["data"][0]).encode(), None),
+            ("examples", b", " + examples + b"]", b", " + examples.replace(b"3", b"4") + b"]"),
+            ("counter", b'"save_counter":"1"', b'"save_counter":"7"'),
+        ]:
+            assert content.count(old) == 1, (old, content[:400])
+            new = new or old[:-1] + bytes([old[-1] ^ 1])  # the digest's last digit, one bit flipped
+            Path(directory, name).write_bytes(content.replace(old, new))
+            cases.append(os.path.join(directory, name))
+    cases = group.comm.bcast(cases, root=0)
+    for target in cases:
+        refused_with_nothing_assigned(group, ckpt, w, target, "checksum")
+    first = first_row_of_the_next_batch(group, iterator)
+    all_ranks_agree(group.comm, first == [64.0, 65.0], f"the dataset moved: {first}")
+
+
+@pytest.mark.serial("one process reads the files")
+def test_an_earlier_versions_header_with_a_changed_key_is_not_taken_for_an_old_file(tmp_path):
+    """A file without the header's checksum is read (data/format2), but only with the metadata those
+    versions wrote: a flipped bit in a key (or in ``header_crc32``'s name) is not an older file."""
+    old = (FORMAT2 / "ckpt-1").read_bytes()
+    assert read_table(str(FORMAT2 / "ckpt-1")).counter == 1
+    w = mpistrat.Variable(np.arange(3.0), name="w")
+    new = Path(mpistrat.Checkpoint(w=w).write(tmp_path / "new")).read_bytes()
+    for content, key in [(old, b'"save_counter"'), (new, b'"header_crc32"')]:
+        changed = key[:1] + bytes([key[1] ^ 0x20]) + key[2:]  # its first letter's case
+        (tmp_path / "changed").write_bytes(content.replace(key, changed, 1))
+        with pytest.raises(InvalidArgumentError, match="unknown metadata"):
+            read_table(str(tmp_path / "changed"))
 
 
 # -- format 1 ----------------------------------------------------------------------------------

@@ -72,3 +72,16 @@ def test_unreadable_files_exit_2_with_one_line(tmp_path, capsys):
         and "No such file" in err[2]
         and "no index" in err[3]
     )
+
+
+def test_a_changed_header_exits_2_and_an_earlier_versions_file_says_it_has_no_header_checksum(saved, capsys):
+    path, _ = saved
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"save_counter":"2"', b'"save_counter":"3"'))
+    assert checkpoint_inspect.main(["inspect", str(path)]) == 2
+    assert "the header's checksum differs" in capsys.readouterr().err
+    earlier = Path(__file__).parents[1] / "checkpoint" / "data" / "format2" / "ckpt-1"
+    assert checkpoint_inspect.main(["inspect", str(earlier), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["header_checksum"] is False
+    assert checkpoint_inspect.main(["inspect", str(earlier)]) == 0
+    assert "the header has no checksum of its own" in capsys.readouterr().out
