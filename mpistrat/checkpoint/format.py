@@ -5,8 +5,11 @@ A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON, then
 - the JSON maps each entry's name to ``{"dtype": "F32", "shape": [...], "data_offsets": [b, e]}``
   (bytes ``b`` to ``e`` after the header, C order), and ``__metadata__`` (strings only) to
   ``header_crc32``, ``format`` (``mpistrat/2``), ``num_replicas``, ``save_counter``,
-  ``positions`` (a JSON object: each dataset's position) and ``crc32`` (a JSON object: each
-  entry's CRC-32 as 8 hex digits, what ``zlib.crc32`` gives over its bytes);
+  ``positions`` (a JSON object: each dataset's position), ``crc32`` (a JSON object: each
+  entry's CRC-32 as 8 hex digits, what ``zlib.crc32`` gives over its bytes) and, where an
+  entry is complex128, ``dtypes`` (a JSON object naming those entries: safetensors has no
+  complex128, so they are stored as ``F64`` with a last dimension of 2, the real and imaginary
+  parts, NumPy's own layout);
 - the header covers itself: it begins ``{"__metadata__":{"header_crc32":"``, and the 8 hex
   digits that follow are the CRC-32 of the file's first ``8 + N`` bytes (the length and the
   JSON) with those 8 digits left out, so a byte changed anywhere in the header or its metadata
@@ -79,6 +82,9 @@ _CODES = {
     "float8_e5m2": "F8_E5M2",
 }
 _NAMES = {code: name for name, code in _CODES.items()}
+# dtypes safetensors has no code for, stored as pairs of a dtype it has (the last dimension, of 2,
+# is the real and imaginary parts: NumPy's own layout), with the dtype in the metadata's ``dtypes``.
+_PAIRS = {"complex128": np.dtype("float64")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +116,13 @@ class Table:
 
 
 def dtype_code(dtype: np.dtype, name: str) -> str:
-    """safetensors' name of ``dtype``, or an error naming the entry that has it."""
-    code = _CODES.get(np.dtype(dtype).name)
-    if code is None or np.dtype(dtype).byteorder == ">":
+    """safetensors' name of the dtype ``dtype`` is stored as, or an error naming the entry that has it."""
+    dtype = np.dtype(dtype)
+    code = _CODES.get(_PAIRS.get(dtype.name, dtype).name)
+    if code is None or dtype.byteorder == ">":
         raise InvalidArgumentError(
-            f"Checkpoint: {name} is {np.dtype(dtype)}, which the checkpoint format (safetensors) cannot "
-            f"hold; expected one of {', '.join(sorted(_CODES))} (little-endian)"
+            f"Checkpoint: {name} is {dtype}, which the checkpoint format (safetensors) cannot hold; "
+            f"expected one of {', '.join(sorted([*_CODES, *_PAIRS]))} (little-endian)"
         )
     return code
 
@@ -157,9 +164,12 @@ def encode_header(
         **metadata,
         "crc32": json.dumps({n: f"{crcs.get(n, 0):08x}" for n, *_ in rows}),
     }
+    if pairs := {name: dtype.name for name, dtype, *_ in rows if dtype.name in _PAIRS}:
+        meta["dtypes"] = json.dumps(pairs)
     header: dict[str, Any] = {"__metadata__": meta}
     for name, dtype, shape, begin, end in rows:
-        header[name] = {"dtype": dtype_code(dtype, name), "shape": list(shape), "data_offsets": [begin, end]}
+        stored = [*shape, 2] if dtype.name in _PAIRS else list(shape)
+        header[name] = {"dtype": dtype_code(dtype, name), "shape": stored, "data_offsets": [begin, end]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + _LENGTH.size) % 8)
     head = _LENGTH.pack(len(text)) + text
@@ -220,6 +230,8 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
     _check_tiling(path, list(entries.values()), data_start, size)
     try:
         crcs = json.loads(meta["crc32"])
+        for name, dtype in json.loads(meta.get("dtypes", "{}")).items():
+            entries[name] = _as_pairs(path, entries[name], dtype)
         table = Table(
             path,
             {
@@ -230,7 +242,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
             positions=json.loads(meta.get("positions", "{}")),
             sealed=sealed,
         )
-    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise corrupt(path, f"the metadata is incomplete ({type(exc).__name__}: {exc})") from None
     if "save_counter" in meta:
         table.counter = integer(path, "save_counter", meta["save_counter"])
@@ -280,6 +292,15 @@ def _int64s(path: str, what: str, value: Any) -> None:
         ok = False
     if not ok:
         raise corrupt(path, f"{what} is {str(value)[:60]}, not int64 integers")
+
+
+def _as_pairs(path: str, entry: Entry, dtype: str) -> Entry:
+    """``entry``, stored as pairs of ``_PAIRS[dtype]`` (its last dimension, of 2), as ``dtype``."""
+    if _PAIRS.get(dtype) != entry.dtype or entry.shape[-1:] != (2,):
+        raise corrupt(
+            path, f"entry {entry.name!r} is {entry.dtype}{list(entry.shape)}, not {dtype} stored as pairs"
+        )
+    return dataclasses.replace(entry, dtype=np.dtype(dtype), shape=entry.shape[:-1])
 
 
 def _by_offset(item: tuple[str, Entry]) -> int:

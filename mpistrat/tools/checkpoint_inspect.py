@@ -85,10 +85,10 @@ def _text(info: dict[str, Any]) -> str:
     lines += [f"position of {name}: {value}" for name, value in info["positions"].items()]
     entries = info["entries"]
     width = max([len(e["name"]) for e in entries] + [5])
-    lines.append(f"{'entry':<{width}}  {'dtype':<9} {'shape':<18} {'bytes':>12}  crc32")
+    lines.append(f"{'entry':<{width}}  {'dtype':<10} {'shape':<18} {'bytes':>12}  crc32")
     for e in entries:
         shape = "(" + ", ".join(map(str, e["shape"])) + ("," if len(e["shape"]) == 1 else "") + ")"
-        lines.append(f"{e['name']:<{width}}  {e['dtype']:<9} {shape:<18} {e['bytes']:>12}  {e['crc32']}")
+        lines.append(f"{e['name']:<{width}}  {e['dtype']:<10} {shape:<18} {e['bytes']:>12}  {e['crc32']}")
     if not info["verified"]:
         lines.append("checksums not verified (--no-verify)")
     elif info["mismatched"]:
