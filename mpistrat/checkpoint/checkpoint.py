@@ -37,8 +37,8 @@ import numpy as np
 from mpistrat import context
 from mpistrat.checkpoint import background, restoring, saving
 from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
-from mpistrat.checkpoint.format import Table
-from mpistrat.checkpoint.tracking import tracked
+from mpistrat.checkpoint.format import Table, renamed
+from mpistrat.checkpoint.tracking import name_before_escaping, tracked
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
@@ -83,6 +83,11 @@ class Checkpoint:
                     f"Checkpoint: {SAVE_COUNTER!r} and names starting with '__' are reserved; got {key!r}"
                 )
             for name, leaf in tracked(key, value):
+                if name in self._variables or name in self._optimizers or name in self._inputs:
+                    raise InvalidArgumentError(
+                        f"Checkpoint: two tracked objects are named {name!r} (keys whose text is the same, "
+                        "such as 1 and '1'); rename one"
+                    )
                 if isinstance(leaf, Variable):
                     self._variables[name] = leaf
                 elif isinstance(leaf, Optimizer):
@@ -270,6 +275,8 @@ class Checkpoint:
         )
         if table is None:
             raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
+        if not table.escaped:  # an earlier version's file: its names in this version's words
+            table = renamed(table, name_before_escaping)
         index: Index = {n: (e.dtype, e.shape) for n, e in table.entries.items()}
         index.update({n: (np.dtype(np.int64), np.shape(p)) for n, p in table.positions.items()})
         self._build_slots(sorted(index))

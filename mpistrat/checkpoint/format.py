@@ -37,6 +37,7 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = [
     "integer",
     "lay_out",
     "read_table",
+    "renamed",
 ]
 
 FORMAT = "mpistrat/2"
@@ -113,6 +115,7 @@ class Table:
     positions: dict[str, Any] = dataclasses.field(default_factory=dict)  # datasets' positions
     format: int = 2
     sealed: bool = True  # the header and metadata are covered by a checksum (not in early format-2 files)
+    escaped: bool = True  # names escape "." and "/" in keys (files with a sealed header do; earlier ones not)
 
 
 def dtype_code(dtype: np.dtype, name: str) -> str:
@@ -191,6 +194,13 @@ def header_rows(table: Table) -> list[tuple[str, np.dtype, tuple[int, ...], int,
     ]
 
 
+def renamed(table: Table, rename: Callable[[str], str]) -> Table:
+    """``table`` with every entry and position named ``rename(name)``."""
+    entries = {rename(n): dataclasses.replace(e, name=rename(n)) for n, e in table.entries.items()}
+    positions = {rename(n): p for n, p in table.positions.items()}
+    return dataclasses.replace(table, entries=entries, positions=positions, escaped=True)
+
+
 def corrupt(path: str, why: str) -> InvalidArgumentError:
     return InvalidArgumentError(
         f"Checkpoint.restore: {path} is truncated or corrupt and cannot be read ({why})"
@@ -241,6 +251,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
             data_start,
             positions=json.loads(meta.get("positions", "{}")),
             sealed=sealed,
+            escaped=sealed,  # both came in one version
         )
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise corrupt(path, f"the metadata is incomplete ({type(exc).__name__}: {exc})") from None

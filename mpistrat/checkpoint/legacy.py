@@ -64,6 +64,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
         None if replicas is None else integer(path, "num_replicas", replicas, 1),
         {},
         1,
+        escaped=False,
     )
 
 

@@ -7,7 +7,10 @@ walked attribute by attribute, in name order, as tf's ``Checkpoint`` tracks a ``
 An object with no public attribute to track is tracked by its ``trainable_variables`` or
 ``variables`` (a list), as a Keras model exposes them. Names are the key paths,
 ``model/dense/kernel``; something reached twice (a shared layer, a list of the layers, a
-reference back to the model) is tracked once, under its shortest name.
+reference back to the model) is tracked once, under its shortest name. As tf's checkpoints
+name objects, a ``.`` in a key is written ``..`` and a ``/`` is written ``.S``, so two paths
+never share a name: ``{"dense/kernel": k1, "dense": {"kernel": k2}}`` under ``model`` holds
+``model/dense.Skernel`` and ``model/dense/kernel``.
 
 >>> import numpy as np
 >>> from mpistrat.training.variables import Variable
@@ -37,7 +40,7 @@ from mpistrat.input.datasets import input_position
 from mpistrat.training.optimizers import Optimizer
 from mpistrat.training.variables import Variable
 
-__all__ = ["tracked"]
+__all__ = ["escaped", "name_before_escaping", "tracked"]
 
 _DEPTH = 64  # nests and objects deeper than this are a mistake (or a structure that never ends)
 _EXPECTED = (
@@ -53,7 +56,7 @@ def tracked(key: str, value: Any) -> list[tuple[str, Any]]:
     nothing to track (a number, a function, a configuration object) is passed over."""
     out: list[tuple[str, Any]] = []
     seen: set[int] = set()
-    queue = collections.deque([(key, value, 0, True)])
+    queue = collections.deque([(escaped(key), value, 0, True)])
     while queue:
         name, item, depth, strict = queue.popleft()
         if id(item) in seen:
@@ -67,19 +70,38 @@ def tracked(key: str, value: Any) -> list[tuple[str, Any]]:
             out.append((name, position))
         elif isinstance(item, (dict, list, tuple)):
             for path, leaf in nest.flatten_with_paths(item):
-                queue.append(("/".join([name, *map(str, path)]), leaf, depth + 1, strict))
+                queue.append(("/".join([name, *(escaped(str(k)) for k in path)]), leaf, depth + 1, strict))
         else:
             attributes = _attributes(item) if _may_hold(item) else []
             if not attributes and strict and depth > 0:
                 raise InvalidArgumentError(
                     f"Checkpoint: {name} must be {_EXPECTED}; got {type(item).__name__}"
                 )
-            queue.extend((f"{name}/{a}", child, depth + 1, False) for a, child in attributes)
+            queue.extend((f"{name}/{escaped(a)}", child, depth + 1, False) for a, child in attributes)
     if not out and not isinstance(value, (dict, list, tuple)):
         raise InvalidArgumentError(
             f"Checkpoint: {key} ({type(value).__name__}) holds nothing to track; expected {_EXPECTED}"
         )
     return out
+
+
+def escaped(key: str) -> str:
+    """``key`` as one part of an entry's name, as tf escapes it: ``.`` as ``..``, ``/`` as ``.S``.
+
+    >>> escaped("dense/kernel"), escaped("head.b")
+    ('dense.Skernel', 'head..b')
+    """
+    return key.replace(".", "..").replace("/", ".S")
+
+
+def name_before_escaping(name: str) -> str:
+    """The name of an entry in a file of an earlier version, which wrote keys as they are, in this
+    version's words: its dots doubled (a ``/`` was the separator, or a key's: it stays one).
+
+    >>> name_before_escaping("model/head.b")
+    'model/head..b'
+    """
+    return name.replace(".", "..")
 
 
 def _attributes(obj: Any) -> list[tuple[str, Any]]:

@@ -610,6 +610,41 @@ def test_a_model_object_is_tracked_by_its_attributes_and_round_trips(group, tmp_
     all_ranks_agree(group.comm, ok, f"{names} {got} {want}")
 
 
+def test_keys_holding_a_slash_or_a_dot_are_escaped_as_tf_names_them_and_both_round_trip(group, tmp_path):
+    """tf names checkpointed objects by their path with '.' written '..' and '/' written '.S', so
+    ``{"dense/kernel": k1, "dense": {"kernel": k2}}`` saves two entries (k2 was lost before)."""
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        k1 = mpistrat.Variable(np.full(3, 1.0, np.float32))
+        k2 = mpistrat.Variable(np.full(3, 2.0, np.float32))
+        head = mpistrat.Variable(np.full(2, 3.0))
+        opt = SGD(0.5, momentum=0.9)
+    model = {"dense/kernel": k1, "dense": {"kernel": k2}, "head.b": head}
+    group.strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), k1), (np.ones(2), head)]))
+    ckpt = mpistrat.Checkpoint(model=model, opt=opt)
+    path = ckpt.save(os.path.join(directory, "ckpt"))
+    names = group.comm.bcast(sorted(load_names(path)) if group.rank == 0 else None)
+    want = ["model/dense.Skernel", "model/dense/kernel", "model/head..b", "opt/iterations"]
+    want += ["opt/slots/model/dense.Skernel/momentum", "opt/slots/model/head..b/momentum"]
+    with group.strategy.scope():
+        saved = [k1.numpy(), k2.numpy(), head.numpy(), opt.get_slot(k1, "momentum").numpy()]
+        for v in (k1, k2, head):
+            v.assign(np.zeros(v.shape, v.dtype))
+    status = ckpt.restore(path)
+    status.assert_consumed()
+    with group.strategy.scope():
+        got = [k1.numpy(), k2.numpy(), head.numpy(), opt.get_slot(k1, "momentum").numpy()]
+    ok = names == sorted(want) and all(np.array_equal(a, b) for a, b in zip(got, saved, strict=True))
+    ok = ok and got[1].tolist() == [2.0, 2.0, 2.0]
+    all_ranks_agree(group.comm, ok, f"{names} {got} {saved}")
+
+
+def test_two_keys_whose_text_is_the_same_are_refused():
+    a, b = mpistrat.Variable(np.zeros(2)), mpistrat.Variable(np.ones(2))
+    with pytest.raises(InvalidArgumentError, match="two tracked objects are named 'model/1'"):
+        mpistrat.Checkpoint(model={1: a, "1": b})
+
+
 def load_names(path):
     from safetensors import safe_open
 
