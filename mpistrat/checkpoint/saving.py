@@ -33,7 +33,8 @@ from mpi4py import MPI
 from mpistrat.checkpoint import crc, files, mpiio
 from mpistrat.checkpoint.format import Table, dtype_code, encode_header, header_rows, lay_out
 from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, share, spans_of_share
-from mpistrat.collectives.fingerprint import hash64
+from mpistrat.collectives.fingerprint import code_of, hash64
+from mpistrat.collectives.handshake import check_enabled
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.position import InputPosition
@@ -41,7 +42,7 @@ from mpistrat.options import CommunicationOptions
 from mpistrat.training.accumulation import RankShare
 from mpistrat.training.optimizer_state import storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
-from mpistrat.training.variables import Variable
+from mpistrat.training.variables import Variable, VariableSynchronization
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -132,11 +133,49 @@ def begin(
     except Exception as exc:  # a device-to-host copy: every rank must hear of it
         error = InvalidArgumentError(f"Checkpoint.{method}: {type(exc).__name__}: {exc}")
     mine = calls(pieces)
-    rounds = collectives.agree("checkpoint.save (plan)", maximum=len(mine), error=error, options=ALWAYS)
+    copies = _copies(entries, whole, collectives) if error is None else []
+    rounds = collectives.agree(
+        "checkpoint.save (plan)",
+        fingerprint=code_of(*copies),
+        describe=lambda: {
+            "leaves": [(repr(n), f"copy with CRC-32 {c:08x}", None) for n, c in copies],
+            "advice": DIFFERENT_COPIES,
+        },
+        maximum=len(mine),
+        error=error,
+        options=ALWAYS,
+    )
     target, tmp = collectives.on_root(lambda: _name_temporary(path), kind=f"checkpoint.{method} (prepare)")
     save = Save(method, target, tmp, table, header, metadata, mine, rounds, after, keep)
     _create(save, collectives, io_hints)
     return save
+
+
+DIFFERENT_COPIES = (
+    "Checkpoint.save: the ranks' copies of a value every rank holds differ, and each rank writes its "
+    "share of the file from its own copy, so the file would mix them; nothing was written. Copies differ "
+    "only through a bug: a write on one rank alone, or arithmetic that differs between ranks "
+    "(MPISTRAT_CHECK=strict compares them after every optimizer step)."
+)
+
+
+def _copies(
+    entries: dict[str, Any], whole: dict[str, Any], collectives: Collectives
+) -> list[tuple[str, int]]:
+    """``(name, CRC-32)`` of this rank's copy of each value every rank holds (not a sync-on-read
+    variable: what it saves is the aggregate, the same everywhere): the ranks compare them before
+    anything is written. None at one rank, or with the check off (``MPISTRAT_CHECK=0``).
+
+    It costs one pass over this rank's copies and nothing sent but the handshake: ruling out a
+    file that mixes copies needs every byte of rank 0's copy read anyway, so the other ranks
+    reading theirs meanwhile adds no wait."""
+    if collectives.size == 1 or not check_enabled(collectives):
+        return []
+    return [
+        (name, zlib.crc32(_host_bytes(value, 0, None, []).data))
+        for name, value in whole.items()
+        if getattr(entries[name], "synchronization", None) is not VariableSynchronization.ON_READ
+    ]
 
 
 def _memory_order(name: str, value: Any) -> tuple[int, int, int, str]:

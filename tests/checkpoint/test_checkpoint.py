@@ -17,6 +17,7 @@ import mpistrat
 import mpistrat.checkpoint.files as checkpoint_files
 from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD
+from mpistrat.values import local_variable
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import launcher_options
 from tests.training.test_optimizers import CONFIGS, numpy_reference
@@ -344,6 +345,47 @@ def test_latest_without_an_index_is_still_none(group, tmp_path, mpistrat_log):
     with group.strategy.scope():
         assert mpistrat.latest_checkpoint(directory) is None
     assert not [m for lv, m in mpistrat_log if lv == "WARNING"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_mirrored_variable_whose_copies_differ_is_refused_on_every_rank_and_nothing_is_written(
+    group, tmp_path, dtype
+):
+    """tf's MirroredVariableSaveRestoreTest sets the copies to 3.0 and 4.0 and restores the first
+    replica's value; here each rank writes its share from its own copy, so the file would mix them:
+    the ranks compare their copies' checksums first and refuse, naming the variable. With the
+    check off they are not compared (the file then holds each rank's share of its own copy)."""
+    if group.size == 1:
+        pytest.skip("needs two copies to differ")
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.zeros(1000, dtype), name="v")
+        same = mpistrat.Variable(np.ones(3, dtype), name="same")
+        seen = mpistrat.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="seen")
+    group.strategy.run(lambda: seen.assign_add(mpistrat.get_replica_context().replica_id_in_sync_group + 1.0))
+    local_variable(v).assign(np.full(1000, 3.0 if group.rank < group.size - 1 else 4.0, dtype))
+    ckpt = mpistrat.Checkpoint(model={"v": v, "same": same}, seen=seen)
+    message = raises_on_every_rank(
+        group.comm,
+        mpistrat.CollectiveMismatchError,
+        lambda: ckpt.save(os.path.join(directory, "ckpt")),
+        "the ranks' copies of a value every rank holds differ",
+    )
+    left = group.comm.bcast(sorted(os.listdir(directory)) if group.rank == 0 else None)
+    ok = "'model/v'" in message and "'model/same'" not in message.split(". ")[0] and left == []
+    all_ranks_agree(group.comm, ok and int(ckpt.save_counter.numpy()) == 0, f"{left}: {message}")
+    unchecked = mpistrat.MPIStrategy(
+        group.comm, communication_options=mpistrat.CommunicationOptions(check=False)
+    )
+    try:
+        with unchecked.scope():
+            w = mpistrat.Variable(np.zeros(4, dtype), name="w")
+        local_variable(w).assign(np.full(4, group.rank, dtype))
+        with unchecked.scope():
+            path = mpistrat.Checkpoint(w=w).write(os.path.join(directory, "unchecked"))
+        all_ranks_agree(group.comm, os.path.exists(path), "the save with the check off was refused")
+    finally:
+        unchecked.experimental_finalize()
 
 
 def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
