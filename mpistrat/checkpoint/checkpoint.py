@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import context
-from mpistrat.checkpoint import background, restoring, saving
+from mpistrat.checkpoint import background, mpiio, restoring, saving
 from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
 from mpistrat.checkpoint.format import Table, renamed
 from mpistrat.checkpoint.tracking import name_before_escaping, tracked
+from mpistrat.collectives.fingerprint import hash64
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
@@ -232,17 +233,11 @@ class Checkpoint:
         strategy = self._strategy("restore")
         collectives = strategy.replicas.collectives
         background.wait_for_saves(collectives)
-        # Collective even for None, so a rank that found no checkpoint fails every rank instead of hanging.
-        collectives.agree(
-            "checkpoint.restore",
-            fingerprint=int(save_path is None),
-            describe=lambda: {"leaves": [("save_path", "None" if save_path is None else "a path", ())]},
-            options=saving.ALWAYS,
-        )
+        hints = _agree_to_read(collectives, save_path, options, "restore")
         if save_path is None:
             return CheckpointLoadStatus(None, [], [])
         return self._load(
-            os.fspath(save_path), "restore", collectives, strategy.replicas.writes_in_sync, options
+            os.fspath(save_path), "restore", collectives, strategy.replicas.writes_in_sync, hints
         )
 
     def read(
@@ -254,10 +249,8 @@ class Checkpoint:
         strategy = self._strategy("read")
         collectives = strategy.replicas.collectives
         background.wait_for_saves(collectives)
-        collectives.agree("checkpoint.restore", options=saving.ALWAYS)
-        return self._load(
-            os.fspath(save_path), "read", collectives, strategy.replicas.writes_in_sync, options
-        )
+        hints = _agree_to_read(collectives, save_path, options, "read")
+        return self._load(os.fspath(save_path), "read", collectives, strategy.replicas.writes_in_sync, hints)
 
     def _load(
         self,
@@ -265,11 +258,11 @@ class Checkpoint:
         method: str,
         collectives: Collectives,
         writes_in_sync: Callable[[], AbstractContextManager[None]],
-        options: CheckpointOptions | None,
+        hints: dict[str, str],
     ) -> CheckpointLoadStatus:
         """Rank 0 reads the file's table of contents and every rank gets it; then every rank reads
-        its part (:func:`restoring.load`): checked before anything is assigned."""
-        options = _checked_options(options, f"Checkpoint.{method}")
+        its part (:func:`restoring.load`, with the MPI-IO ``hints``): checked before anything is
+        assigned."""
         table: Table | None = collectives.on_root(
             lambda: read_table(path), kind=f"checkpoint.{method} (read)"
         )
@@ -283,7 +276,7 @@ class Checkpoint:
         entries = self._entries()
         _check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
         targets = {n: v for n, v in entries.items() if n in index}
-        restoring.load(table, targets, collectives, writes_in_sync, options.io_hints, method)
+        restoring.load(table, targets, collectives, writes_in_sync, hints, method)
         if table.counter is not None:
             self._save_counter.assign(np.int64(table.counter))
         missing = [n for n in entries if n not in index]
@@ -332,6 +325,33 @@ def write_file(
     saving.finish(save, collectives)
     if on_success is not None:
         on_success()
+
+
+def _agree_to_read(
+    collectives: Collectives, save_path: Any, options: CheckpointOptions | None, method: str
+) -> dict[str, str]:
+    """The MPI-IO hints to read with, once every rank agreed to read a file (or none: ``restore(None)``)
+    with the same hints: a rank that found no checkpoint, or that would open the file with other hints
+    (where an MPI library may wait forever), fails every rank instead (collective)."""
+    hints: dict[str, str] = {}
+    error = None
+    try:
+        hints = mpiio.hints(_checked_options(options, f"Checkpoint.{method}").io_hints)
+    except InvalidArgumentError as exc:
+        error = exc
+    leaves = [("save_path", "None" if save_path is None else "a path", ()), mpiio.described(hints)]
+    collectives.agree(
+        "checkpoint.restore",
+        fingerprint=hash64(repr(leaves)),
+        describe=lambda: {
+            "leaves": leaves,
+            "advice": "Every rank must restore a checkpoint (or None), with the same MPI-IO hints "
+            "(MPISTRAT_IO_HINTS, CheckpointOptions.io_hints).",
+        },
+        error=error,
+        options=saving.ALWAYS,
+    )
+    return hints
 
 
 def _checked_options(options: CheckpointOptions | None, where: str) -> CheckpointOptions:

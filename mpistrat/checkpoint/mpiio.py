@@ -26,7 +26,16 @@ from mpi4py import MPI
 from mpistrat import config
 from mpistrat.checkpoint.pieces import Piece, joined
 
-__all__ = ["DEFAULT_HINTS", "hints", "open_file", "os_error", "posix_write", "read", "write_rounds"]
+__all__ = [
+    "DEFAULT_HINTS",
+    "described",
+    "hints",
+    "open_file",
+    "os_error",
+    "posix_write",
+    "read",
+    "write_rounds",
+]
 
 # MPI error classes and the errno they mean, for an OSError a user can catch like any other.
 _ERRNO = {
@@ -53,8 +62,13 @@ DEFAULT_HINTS = {"collective_buffering": "false"}
 
 def hints(extra: dict[str, str] | None) -> dict[str, str]:
     """The MPI-IO hints of a checkpoint: :data:`DEFAULT_HINTS`, ``MPISTRAT_IO_HINTS`` over them,
-    then ``extra`` over those."""
+    then ``extra`` over those. The ranks agree on them before they open a file together."""
     return {**DEFAULT_HINTS, **(config.read("MPISTRAT_IO_HINTS") or {}), **(extra or {})}
+
+
+def described(io_hints: dict[str, str]) -> tuple[str, str, None]:
+    """The hints as a leaf of a save's or a restore's first handshake, which the ranks agree on."""
+    return ("MPI-IO hints", str(dict(sorted(io_hints.items()))), None)
 
 
 def os_error(exc: BaseException, what: str, path: str) -> OSError:

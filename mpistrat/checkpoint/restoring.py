@@ -62,11 +62,12 @@ def load(
     targets: dict[str, Any],
     collectives: Collectives,
     writes_in_sync: Callable[[], AbstractContextManager[None]],
-    io_hints: dict[str, str] | None,
+    hints: dict[str, str],
     method: str,
 ) -> None:
     """Read the entries of ``table`` that ``targets`` (name: variable, sharded slot or dataset
-    position, shapes already checked) restore, check them, and assign them (collective)."""
+    position, shapes already checked) restore, check them, and assign them (collective; ``hints``:
+    the MPI-IO hints the ranks agreed on)."""
     wanted = [table.entries[n] for n in table.entries if n in targets]  # file order
     parted = [e for e in wanted if isinstance(targets[e.name], (ShardedSlot, RankShare)) and not e.fortran]
     windows = _windows([e for e in wanted if e not in parted], collectives.size, _adjacent(targets))
@@ -87,7 +88,7 @@ def load(
         pieces.append(Piece(entry.name, start, entry.offset + start, staging[at : at + int(part.nbytes)]))
         at += int(part.nbytes)
     mine = calls(pieces)
-    fh, error = mpiio.open_file(collectives.comm, table.path, MPI.MODE_RDONLY, mpiio.hints(io_hints))
+    fh, error = mpiio.open_file(collectives.comm, table.path, MPI.MODE_RDONLY, hints)
     if fh is not None:
         error = mpiio.read(fh, mine, table.path)
         with contextlib.suppress(MPI.Exception):

@@ -89,10 +89,12 @@ def begin(
     io_hints: dict[str, str] | None,
     after: Callable[[], None] | None = None,
 ) -> Save:
-    """Agree on ``entries`` (name: variable, sharded slot or dataset position), lay the file out,
-    create it (collective). Errors found on any rank are raised on every rank before anything is
-    written."""
-    described = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
+    """Agree on ``entries`` (name: variable, sharded slot or dataset position) and the MPI-IO
+    hints, lay the file out, create it (collective). Errors found on any rank are raised on every
+    rank before anything is written."""
+    hints = mpiio.hints(io_hints)  # part of the plan: ranks that open a file with other hints may hang
+    described: list[Any] = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
+    described.append(mpiio.described(hints))
     error: MpistratError | None = None
     try:
         for name, value in entries.items():
@@ -103,7 +105,11 @@ def begin(
     collectives.agree(
         "checkpoint.save",
         fingerprint=hash64(repr(described)),
-        describe=lambda: {"leaves": described},
+        describe=lambda: {
+            "leaves": described,
+            "advice": "Every rank must save the same entries (names, dtypes, shapes), with the same "
+            "MPI-IO hints (MPISTRAT_IO_HINTS, CheckpointOptions.io_hints).",
+        },
         error=error,
         options=ALWAYS,
     )
@@ -147,7 +153,7 @@ def begin(
     )
     target, tmp = collectives.on_root(lambda: _name_temporary(path), kind=f"checkpoint.{method} (prepare)")
     save = Save(method, target, tmp, table, header, metadata, mine, rounds, after, keep)
-    _create(save, collectives, io_hints)
+    _create(save, collectives, hints)
     return save
 
 
@@ -226,11 +232,11 @@ def _name_temporary(path: str) -> tuple[str, str]:
     return path, files.temporary(path)
 
 
-def _create(save: Save, collectives: Collectives, io_hints: dict[str, str] | None) -> None:
-    """Every rank creates the temporary file (with the hints) and keeps it open; rank 0 writes the
-    header. Any rank's failure is raised on every rank, the file removed."""
+def _create(save: Save, collectives: Collectives, hints: dict[str, str]) -> None:
+    """Every rank creates the temporary file (with the agreed hints) and keeps it open; rank 0
+    writes the header. Any rank's failure is raised on every rank, the file removed."""
     mode = MPI.MODE_CREATE | MPI.MODE_WRONLY
-    fh, error = mpiio.open_file(collectives.comm, save.tmp, mode, mpiio.hints(io_hints))
+    fh, error = mpiio.open_file(collectives.comm, save.tmp, mode, hints)
     if fh is not None and collectives.rank == 0:
         try:
             fh.Write_at(0, np.frombuffer(save.header, np.uint8))

@@ -388,6 +388,40 @@ def test_a_mirrored_variable_whose_copies_differ_is_refused_on_every_rank_and_no
         unchecked.experimental_finalize()
 
 
+@pytest.mark.timeout(60)  # before the hints were agreed on, MPI.File.Open waited forever
+def test_mpi_io_hints_that_differ_between_ranks_are_an_error_on_every_rank_not_a_hang(
+    group, tmp_path, monkeypatch
+):
+    if group.size == 1:
+        pytest.skip("needs two ranks to differ")
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.arange(4.0), name="w")
+    ckpt = mpistrat.Checkpoint(w=w)
+    path = os.path.join(directory, "good")
+    with monkeypatch.context() as patched:
+        if group.rank == group.size - 1:
+            patched.setenv("MPISTRAT_IO_HINTS", "romio_cb_write=enable")
+        save = lambda: ckpt.save(os.path.join(directory, "ckpt"))  # noqa: E731
+        raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, save, "leaf MPI-IO hints")
+    ckpt.write(path)
+    with monkeypatch.context() as patched:
+        if group.rank == group.size - 1:
+            patched.setenv("MPISTRAT_IO_HINTS", "romio_cb_write=enable")
+        restore = lambda: ckpt.restore(path)  # noqa: E731
+        raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, restore, "leaf MPI-IO hints")
+    options = mpistrat.CheckpointOptions(io_hints={"cb_nodes": "1"}) if group.rank == 0 else None
+    for call in (lambda: ckpt.read(path, options), lambda: ckpt.write(os.path.join(directory, "x"), options)):
+        raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, call, "leaf MPI-IO hints")
+    with group.strategy.scope():
+        w.assign(np.zeros(4))
+    ckpt.restore(path).assert_consumed()  # the same hints everywhere: as before
+    with group.strategy.scope():
+        ok = w.numpy().tolist() == [0.0, 1.0, 2.0, 3.0] and int(ckpt.save_counter.numpy()) == 0
+    left = group.comm.bcast(sorted(os.listdir(directory)) if group.rank == 0 else None)
+    all_ranks_agree(group.comm, ok and left == ["good"], f"{w!r} {left}")
+
+
 def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
