@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint import mpiio
-from mpistrat.checkpoint.saving import Save, checksums, close, finish
+from mpistrat.checkpoint.saving import ALWAYS, Save, checksums, close, finish
 from mpistrat.log import logger
 
 if TYPE_CHECKING:
@@ -103,8 +103,20 @@ def writing() -> bool:
 
 
 def wait_for_saves(collectives: Collectives) -> None:
-    """Finish every background save over ``collectives`` (collective); raise the first failure."""
+    """Finish every background save over ``collectives`` (collective); raise the first failure.
+
+    The ranks agree first, so they forget their pending saves together: a rank that called this
+    alone (the others in another collective) fails with them and keeps its saves for the next call.
+    """
     mine = [p for p in _pending if p[1] is collectives]
+    if not mine:
+        return
+    collectives.agree(
+        "checkpoint (background saves)",
+        fingerprint=len(mine),
+        describe=lambda: {"leaves": [("background saves", f"{len(mine)} pending", None)]},
+        options=ALWAYS,
+    )
     failure: BaseException | None = None
     for item in mine:
         _pending.remove(item)

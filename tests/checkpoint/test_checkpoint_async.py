@@ -48,6 +48,24 @@ def test_a_background_save_holds_the_values_of_its_call(group, tmp_path):
     all_ranks_agree(group.comm, ok and left == ["checkpoint", "ckpt-1"], f"{left} {now[0][0, :2]}")
 
 
+def test_sync_on_one_rank_alone_leaves_every_rank_with_its_save_until_every_rank_syncs(group, tmp_path):
+    """Rank 0 calls sync() alone while the others reduce: both fail on every rank, and every rank
+    still holds its pending save, so the next sync() on every rank puts the file in place."""
+    if group.size == 1:
+        pytest.skip("needs a rank to call sync alone")
+    directory = shared_dir(group, tmp_path)
+    _, _, ckpt = model(group)
+    path = ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)
+    alone = ckpt.sync if group.rank == 0 else lambda: group.strategy.reduce("SUM", np.ones(3), axis=None)
+    raises_on_every_rank(group.comm, mpistrat.CollectiveMismatchError, alone, "different collectives")
+    ckpt.sync()
+    with group.strategy.scope():
+        latest = mpistrat.latest_checkpoint(directory)
+        total = group.strategy.reduce("SUM", group.strategy.run(lambda: np.ones(3)), axis=None)
+    ok = latest == path and os.path.exists(path) and np.asarray(total).tolist() == [group.size] * 3
+    all_ranks_agree(group.comm, ok, f"{latest} {total}")
+
+
 def test_the_next_checkpoint_call_finishes_a_background_save_first(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     w, _, ckpt = model(group)
