@@ -44,11 +44,12 @@ __all__ = [
 
 INDEX = "checkpoint"  # in a checkpoint's directory: names the latest one
 
-# Temporary files are named ``<path>.tmp<pid>-<host>``. A later save in the same directory
-# removes one when it is certainly abandoned: written on this host by a process that is
-# no longer alive, or (another host, a reused PID, or a name from before the host was
-# recorded: ``<path>.tmp<pid>``) last modified more than _STALE_AFTER seconds ago.
-_TMP_NAME = re.compile(r"^(?P<target>.+)\.tmp(?P<pid>[0-9]+)(?:-(?P<host>[A-Za-z0-9._-]+))?$")
+# Temporary files are named ``<path>.tmp<pid>-<host>``, the host's name holding a letter (a
+# checkpoint a save numbers, ``exp.tmp2025-1``, is thus never taken for one). A later save in the
+# same directory removes one when it is certainly abandoned: written on this host by a process
+# that is no longer alive, or (another host, a reused PID) last modified more than _STALE_AFTER
+# seconds ago.
+_TMP_NAME = re.compile(r"^(?P<target>.+)\.tmp(?P<pid>[0-9]+)-(?P<host>[\w.-]*[A-Za-z][\w.-]*)$", re.ASCII)
 _STALE_AFTER = 3600.0
 # Only files that start like what a save writes: an .npz (format 1, a zip), the index's JSON, or
 # format 2 (safetensors: an 8-byte length, then the JSON header's '{').
@@ -183,8 +184,10 @@ def _newest_valid(directory: str) -> str | None:
 
 
 def _host() -> str:
-    """This host's name as it appears in temporary files' names."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
+    """This host's name as it appears in temporary files' names (with a letter: ``host`` leads a
+    name without one, such as an address)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+    return name if re.search("[A-Za-z]", name) else f"host{name}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -202,12 +205,13 @@ def _pid_alive(pid: int) -> bool:
 def _stale_temporaries(directory: str, now: float | None = None) -> list[str]:
     """Temporary files in ``directory`` that a killed save abandoned and no save still writes.
 
-    A file is one of ours if its name is ``<name>.tmp<pid>-<host>`` (or ``<name>.tmp<pid>``)
-    and it starts like an ``.npz`` or the index; anything else is never touched. One of
-    ours is stale if it names this host and a PID that is not alive here (and not this
-    process), or if it was last modified more than ``_STALE_AFTER`` seconds ago (another
-    host's save, a reused PID, an old-style name). A concurrent save by another job thus
-    keeps its temporary: its process is alive, or it is on another host and recent.
+    A file is one of ours if its name is ``<name>.tmp<pid>-<host>`` (the host's name holding a
+    letter), the directory's index does not list it, and it starts like a checkpoint or the
+    index; anything else is never touched. One of ours is stale if it names this host and a
+    PID that is not alive here (and not this process), or if it was last modified more than
+    ``_STALE_AFTER`` seconds ago (another host's save, a reused PID). A concurrent save by
+    another job thus keeps its temporary: its process is alive, or it is on another host and
+    recent.
     """
     now = time.time() if now is None else now
     host, stale = _host(), []
@@ -215,9 +219,10 @@ def _stale_temporaries(directory: str, now: float | None = None) -> list[str]:
         entries = list(os.scandir(directory))
     except OSError:
         return []
+    listed = _listed(directory)
     for entry in entries:
         match = _TMP_NAME.match(entry.name)
-        if not match:
+        if not match or entry.name in listed:
             continue
         with contextlib.suppress(OSError):
             if not entry.is_file(follow_symlinks=False):
@@ -231,6 +236,16 @@ def _stale_temporaries(directory: str, now: float | None = None) -> list[str]:
             if start.startswith(_TMP_STARTS) or start[8:9] == b"{":
                 stale.append(entry.path)
     return sorted(stale)
+
+
+def _listed(directory: str) -> set[str]:
+    """The names the directory's index lists (none when it has no readable index)."""
+    try:
+        with open(os.path.join(directory, INDEX), "rb") as f:
+            state = json.loads(f.read().decode())
+        return {n for n in [state["latest"], *state.get("all", [])] if isinstance(n, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return set()
 
 
 def remove_stale_temporaries(directory: str) -> None:

@@ -443,8 +443,9 @@ def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
         f"ckpt.tmp{dead}-": (npz, True, False),  # nor this
         f"ckpt.tmp{dead}-elsewhere.example": (npz, False, False),  # maybe saving now, on another host
         f"ckpt-2.tmp{dead}-elsewhere.example": (npz, True, True),  # long abandoned there
-        f"ckpt.tmp{dead}": (npz, False, False),  # the old naming, recent: maybe another host's
-        f"ckpt-3.tmp{dead}": (npz, True, True),  # the old naming, long abandoned
+        f"ckpt.tmp{dead}": (npz, True, False),  # no host: a name anyone may choose ("run.tmp1")
+        f"ckpt.tmp{dead}-2": (npz, True, False),  # a host without a letter: a save's "<prefix>-2"
+        f"ckpt-6.tmp{dead}-elsewhere.example": (npz, True, False),  # listed in the index: a checkpoint
         f"notes.tmp{dead}-{host}": (b"my notes", True, False),  # our naming, not our content
         f"empty.tmp{dead}-{host}": (b"", True, False),  # nothing to reclaim, maybe not ours
         "data.bin": (npz, True, False),
@@ -454,6 +455,7 @@ def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
             Path(directory, name).write_bytes(content)
             if is_old:
                 os.utime(Path(directory, name), (old, old))
+        checkpoint_files.write_index(directory, ["ckpt-1", f"ckpt-6.tmp{dead}-elsewhere.example"])
     group.comm.Barrier()
     ckpt.save(os.path.join(directory, "ckpt"))  # ckpt-2
     present = set(os.listdir(directory))
@@ -616,6 +618,26 @@ def test_killed_save_leaves_the_old_checkpoint_loadable(tmp_path):
     # The restored save_counter numbers the next save, which reclaims the killed one's temporary file.
     assert ckpt.save(tmp_path / "ckpt") == str(tmp_path / "ckpt-2")
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1", "ckpt-2"]
+
+
+def test_a_manager_whose_name_ends_like_a_temporary_keeps_its_checkpoints(group, tmp_path):
+    """checkpoint_name="exp.tmp2025" names files exp.tmp2025-1, -2: checkpoints, however old, not the
+    temporaries of a killed save on a host named "1" (which earlier versions took them for)."""
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    manager = mpistrat.CheckpointManager(ckpt, directory, max_to_keep=None, checkpoint_name="exp.tmp2025")
+    first, second = manager.save(), manager.save()
+    if group.rank == 0:
+        old = time.time() - 2 * 3600
+        for path in (first, second):
+            os.utime(path, (old, old))
+    group.comm.Barrier()
+    third = manager.save()
+    present = group.comm.bcast(sorted(os.listdir(directory)) if group.rank == 0 else None)
+    want = ["checkpoint", "exp.tmp2025-1", "exp.tmp2025-2", "exp.tmp2025-3"]
+    ok = present == want and manager.checkpoints == [first, second, third]
+    ckpt.restore(first).assert_consumed()
+    all_ranks_agree(group.comm, ok, f"{present} {manager.checkpoints}")
 
 
 def test_a_name_that_only_looks_like_a_temporary_never_fails_a_save(group, tmp_path):
