@@ -24,7 +24,9 @@ import json
 import os
 import re
 import socket
+import stat
 import time
+from typing import IO
 
 from mpistrat.checkpoint import format, legacy
 from mpistrat.checkpoint.format import Table
@@ -35,6 +37,7 @@ __all__ = [
     "INDEX",
     "checkpoint_state",
     "is_valid",
+    "open_regular",
     "read_table",
     "remove_stale_temporaries",
     "replace_durably",
@@ -101,12 +104,30 @@ def replace_durably(tmp: str, path: str, flushed: bool = False) -> None:
 def read_table(path: str) -> Table | None:
     """What the checkpoint file ``path`` holds, checked (see :func:`format.read_table`); None for
     a file that is not an mpistrat checkpoint. Format-1 files (``.npz``, a zip) are read by
-    :mod:`~mpistrat.checkpoint.legacy`. A missing file raises what ``open`` raises. On one rank
-    (rank 0 reads it for all)."""
-    with open(path, "rb") as f:
+    :mod:`~mpistrat.checkpoint.legacy`. A missing file raises what ``open`` raises, anything but a
+    regular file (a FIFO, a device, a directory) ``InvalidArgumentError``. On one rank (rank 0
+    reads it for all)."""
+    with open_regular(path, "Checkpoint.restore") as f:
         if f.read(2) == b"PK":
             return legacy.read_table(path, f)
         return format.read_table(path, f)
+
+
+def open_regular(path: str, where: str) -> IO[bytes]:
+    """``path`` open for reading if it is a regular file; else ``InvalidArgumentError`` saying what
+    it is (a FIFO would block the open until a writer came, a device never end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, writer or not
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device")]
+            kind = next((name for test, name in kinds if test(mode)), "not a file")
+            raise InvalidArgumentError(f"{where}: {path} is {kind}, not a regular file: a checkpoint is one")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def is_valid(path: str) -> bool:
@@ -134,11 +155,11 @@ def checkpoint_state(directory: str) -> tuple[str | None, list[str]]:
     """
     index = os.path.join(directory, INDEX)
     try:
-        with open(index, "rb") as f:
+        with open_regular(index, "latest_checkpoint") as f:
             raw = f.read()
     except FileNotFoundError:
         return None, []  # nothing was ever saved here
-    except OSError as exc:
+    except (OSError, InvalidArgumentError) as exc:
         problem = f"cannot be read ({type(exc).__name__}: {exc})"
     else:
         try:
@@ -241,10 +262,17 @@ def _stale_temporaries(directory: str, now: float | None = None) -> list[str]:
 def _listed(directory: str) -> set[str]:
     """The names the directory's index lists (none when it has no readable index)."""
     try:
-        with open(os.path.join(directory, INDEX), "rb") as f:
+        with open_regular(os.path.join(directory, INDEX), "Checkpoint.save") as f:
             state = json.loads(f.read().decode())
         return {n for n in [state["latest"], *state.get("all", [])] if isinstance(n, str)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        RecursionError,
+    ):  # InvalidArgumentError too
         return set()
 
 

@@ -422,6 +422,18 @@ def test_mpi_io_hints_that_differ_between_ranks_are_an_error_on_every_rank_not_a
     all_ranks_agree(group.comm, ok and left == ["good"], f"{w!r} {left}")
 
 
+@pytest.mark.timeout(60)  # a FIFO opened for reading waits for a writer
+def test_restoring_a_fifo_says_it_is_not_a_file_on_every_rank(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    fifo = os.path.join(directory, "ckpt-1")
+    if group.rank == 0:
+        os.mkfifo(fifo)
+    group.comm.Barrier()
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    message = raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.restore(fifo), "is a FIFO")
+    all_ranks_agree(group.comm, fifo in message and "not a regular file" in message, message)
+
+
 def test_save_removes_only_stale_temporaries_of_its_own(group, tmp_path):
     directory = shared_dir(group, tmp_path)
     ckpt = mpistrat.Checkpoint(v=make_state(group)[0])

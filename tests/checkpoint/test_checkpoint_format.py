@@ -546,6 +546,8 @@ def test_read_table_names_the_file_and_what_is_wrong(tmp_path):
     (tmp_path / "text").write_text("hello, world: not a checkpoint")
     with pytest.raises(InvalidArgumentError, match=str(tmp_path / "text")):
         read_table(str(tmp_path / "text"))
+    with pytest.raises(InvalidArgumentError, match="is a directory, not a regular file"):
+        read_table(str(tmp_path))
     # Format 1 whose marks nest too deep.
     with zipfile.ZipFile(tmp_path / "deep", "w") as archive, archive.open("__mpistrat__.npy", "w") as member:
         np.lib.format.write_array(member, np.array("[" * 100_000 + "]" * 100_000))

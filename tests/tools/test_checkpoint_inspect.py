@@ -1,7 +1,10 @@
 """``mpistrat checkpoint inspect``: what a file holds, checked against what was saved and against zlib."""
 
 import json
+import os
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 
 import mpistrat
 from mpistrat.tools import checkpoint_inspect
+from tests.support.launch import job_environment
 
 pytestmark = pytest.mark.serial("reads files with one process: nothing here depends on the number of ranks")
 
@@ -85,3 +89,18 @@ def test_a_changed_header_exits_2_and_an_earlier_versions_file_says_it_has_no_he
     assert json.loads(capsys.readouterr().out)["header_checksum"] is False
     assert checkpoint_inspect.main(["inspect", str(earlier)]) == 0
     assert "the header has no checksum of its own" in capsys.readouterr().out
+
+
+def test_a_fifo_is_refused_with_one_line_not_waited_on(tmp_path):
+    """Run as the command line runs: a FIFO opened for reading would wait for a writer forever."""
+    os.mkfifo(tmp_path / "fifo")
+    done = subprocess.run(
+        [sys.executable, "-m", "mpistrat", "checkpoint", "inspect", str(tmp_path / "fifo")],
+        env=job_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
+    assert f"{tmp_path / 'fifo'} is a FIFO, not a regular file" in lines[0], lines
