@@ -204,8 +204,9 @@ def _metadata(
 def _before_the_sweep(
     world: MPI.Intracomm, args: Any, ops: list[str], sizes: list[int], loads: list[host.HostLoad]
 ) -> list[str]:
-    """What keeps the sweep from starting, the same on every rank (collective): an output file rank 0
-    cannot write, a largest size whose buffers would not fit in a host's memory."""
+    """What keeps the sweep from starting, the same on every rank (collective): an output file or a
+    checkpoint directory rank 0 cannot write, a largest size whose buffers would not fit in a host's
+    memory."""
     mine = []
     if world.Get_rank() == 0:  # rank 0 writes the files, so rank 0 alone tries them
         mine = [
@@ -213,6 +214,10 @@ def _before_the_sweep(
             for flag, path in (("json", args.json), ("csv", args.csv))
             if (why := bench_args.unwritable(path))
         ]
+        where = args.checkpoint_dir or os.getcwd()
+        checkpoints = any(op.startswith("checkpoint") for op in ops)
+        if checkpoints and (why := bench_args.unusable_directory(where)):
+            mine.append(f"--checkpoint-dir {where}: cannot write checkpoints there ({why})")
     if sizes:
         here = next(h for h in loads if h.host == host.name())
         available = host.memory_available()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -21,7 +23,7 @@ from mpistrat.tools.bench_ops import DEFAULT_OPS, GROUPS, OPS, OPT_IN
 from mpistrat.tools.host import HostLoad
 from mpistrat.tools.sizes import parse_size
 
-__all__ = ["memory_problem", "notes", "parser", "tolerance", "unwritable", "validate"]
+__all__ = ["memory_problem", "notes", "parser", "tolerance", "unusable_directory", "unwritable", "validate"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -164,6 +166,25 @@ def unwritable(path: str | None) -> str | None:
             pass
         if not existed:
             os.remove(target)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def unusable_directory(path: str | None) -> str | None:
+    """Why the checkpoint ops cannot write their files under ``path`` (None: the current directory),
+    or None: tried before the sweep (a folder and a file made in it, then removed)."""
+    parent = os.path.abspath(path or os.getcwd())
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        return "not a directory"
+    try:
+        os.makedirs(parent, exist_ok=True)
+        trial = tempfile.mkdtemp(prefix="mpistrat-bench-trial-", dir=parent)
+        try:
+            with open(os.path.join(trial, "file"), "wb") as f:
+                f.write(b"x")
+        finally:
+            shutil.rmtree(trial, ignore_errors=True)
     except OSError as exc:
         return exc.strerror or str(exc)
     return None

@@ -135,6 +135,25 @@ def test_an_unwritable_output_is_refused_before_the_sweep(tmp_path, capsys):
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
+@pytest.mark.parametrize("where", ["a regular file", "/proc"])
+def test_a_checkpoint_dir_that_cannot_hold_files_is_one_line_and_exit_2_on_every_rank(
+    tmp_path, capsys, where
+):
+    bad = str(tmp_path / "a-file") if where == "a regular file" else "/proc/mpistrat-bench"
+    if where == "a regular file":
+        Path(bad).write_text("")
+    code = bench.main(["--ops", "checkpoint", *SMALL, "--checkpoint-dir", bad, "--no-progress"])
+    out = capsys.readouterr()
+    problems = [] if code == 2 else [f"exit code {code}"]
+    if "## checkpoint" in out.out or "Traceback" in out.err:
+        problems.append("the sweep ran")
+    lines = out.err.splitlines()
+    said = f"--checkpoint-dir {bad}: cannot write checkpoints there"
+    if WORLD.Get_rank() == 0 and not (len(lines) == 1 and said in lines[0]):
+        problems.append(f"stderr {out.err[-300:]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
 def test_a_max_between_powers_of_two_is_said(tmp_path, capsys):
     code = bench.main(["--ops", "all_reduce", "--min", "3", "--max", "3000", "--iters", "2", "--quiet"])
     err = capsys.readouterr().err
