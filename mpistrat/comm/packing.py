@@ -61,7 +61,9 @@ def empty(shape: tuple[int, ...], dtype: Any, module: Any = np, pool: list[Any] 
 
     ``pool`` (a strategy's ``Caches.buffers``) holds arrays this function returned before; one
     is recycled when the pool's is its only remaining reference (no caller holds it, a view of
-    it, or a buffer exported from it).
+    it, or a buffer exported from it). A recycled array is writable again: what it was handed out
+    as may have been marked read-only (a variable's ``value()`` marks its own array so), and the
+    caller receives into it.
     """
     if module is not np or pool is None:
         return module.empty(shape, dtype=dtype)
@@ -74,6 +76,7 @@ def empty(shape: tuple[int, ...], dtype: Any, module: Any = np, pool: list[Any] 
         arr = pool[i]
         # three references: the pool's list, ``arr`` here, getrefcount's argument
         if sys.getrefcount(arr) == 3 and arr.shape == shape and arr.dtype == dtype:
+            arr.flags.writeable = True  # nobody holds it: a mark of a read's is no one's any more
             pool.append(pool.pop(i))  # most recently used last
             return arr
     arr = np.empty(shape, dtype=dtype)

@@ -177,6 +177,17 @@ def test_large_buffers_are_recycled_only_when_nothing_refers_to_them():
     del view, exported
 
 
+def test_a_recycled_buffer_is_writable_whatever_its_last_holder_marked():
+    shape, pool = (packing.POOL_MIN_BYTES // 8 + 3,), []
+    a = packing.empty(shape, np.float64, np, pool)
+    a.flags.writeable = False  # as a variable's value() marks its own array
+    first = id(a)
+    del a
+    b = packing.empty(shape, np.float64, np, pool)
+    assert id(b) == first and b.flags.writeable  # MPI receives into it
+    b[:] = 1.0
+
+
 def test_all_reduce_results_stay_valid_when_the_next_call_reuses_memory(group):
     big = np.arange(packing.POOL_MIN_BYTES // 4, dtype=np.float32)
 

@@ -67,3 +67,39 @@ def test_reads_of_every_kind_of_variable_are_read_only(group):
         and mirrored.numpy().tolist() == [1, 1]
     )
     all_ranks_agree(group.comm, ok, f"refused {refused}; {plain.numpy()} {mirrored.numpy()}")
+
+
+# Above the size whose results the collectives recycle (comm/packing.py's POOL_MIN_BYTES) in both dtypes.
+LARGE = 40000
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_read_given_back_as_a_gradient_leaves_no_read_only_buffer_behind(group, dtype):
+    # The variable's first array is its creation's broadcast result; the read marks it read-only and
+    # the step's flat storage lets it go: the next broadcast of that size must not receive into it.
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.full(LARGE, 2, dtype), name="w")
+        opt = mpistrat.optimizers.SGD(0.25)
+    group.strategy.run(lambda: opt.apply_gradients([(w.value(), w)]))  # weight decay written by hand
+    with group.strategy.scope():
+        fresh = mpistrat.Variable(np.full(LARGE, 3, dtype), name="fresh")
+    want = dtype(2) - dtype(0.25) * dtype(2 * group.size)
+    ok = np.all(w.numpy() == want) and np.all(fresh.numpy() == 3) and fresh.dtype == dtype
+    all_ranks_agree(group.comm, bool(ok), f"w {w.numpy()[:2]} want {want}; fresh {fresh.numpy()[:2]}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_read_held_across_replica_writes_of_a_sum_variable_keeps_its_value(group, dtype):
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros(LARGE, dtype), aggregation="SUM", name="w")
+
+    def step(i):
+        held = w.value()
+        w.assign(np.full(LARGE, i + 1, dtype))  # each replica's value summed: (i + 1) * size
+        return held
+
+    helds = [group.strategy.run(step, args=(i,)) for i in range(3)]
+    seen = [float(h[0]) for h in helds] + [float(w.numpy()[0])]
+    want = [0.0] + [float((i + 1) * group.size) for i in range(3)]
+    ok = seen == want and all(np.all(h == h[0]) for h in helds)
+    all_ranks_agree(group.comm, ok, f"held then final {seen}; want {want}")
