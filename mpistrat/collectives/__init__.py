@@ -16,6 +16,7 @@
 ``broadcast.py``    root's arrays everywhere, one ``Bcast`` per pack
 ``objects.py``      pickled transfers to and from rank 0, and :func:`on_root`
 ``in_place.py``     one flat buffer in place, after the caller's own handshake
+``failure.py``      what a collective that fails on some ranks tells the rest of the program
 ==================  ==========================================================
 
 A new collective is a function ``name(self: Collectives, ..., *, kind=...)`` in a file

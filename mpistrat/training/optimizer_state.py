@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mpistrat.collectives import failure
 from mpistrat.collectives.fingerprint import code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, SumMode, sum_mode
@@ -383,10 +384,14 @@ class FlatState:
         ]
         # an overflow found once data has moved must raise before the first pack is written
         run = pack_step.run_reduced_first if _fails_late(mode, plan) else pack_step.run
-        if rows:
-            pack_step.run(collectives, work, update, lr, step, kind, options, rows)
-        else:
-            run(collectives, work, update, lr, step, kind, options)
+        try:
+            if rows:
+                pack_step.run(collectives, work, update, lr, step, kind, options, rows)
+            else:
+                run(collectives, work, update, lr, step, kind, options)
+        except BaseException:  # an update raising on one rank leaves the others in a transfer
+            failure.abandon(collectives)
+            raise
         if collectives is not None and check_level(collectives) > 1:
             _compare_copies(collectives, plan, kind)
 

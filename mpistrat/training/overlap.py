@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat.collectives import nonblocking
+from mpistrat.collectives import failure, nonblocking
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi
@@ -277,16 +277,20 @@ def step(
         raise
     assert plan is not None and params is not None and slots is not None
     steps = {id(s.group): n for n, s in enumerate(plan.steps)}
-    for (i, k), request in zip(stream.order, stream.requests, strict=True):
-        nonblocking.complete(collectives, request, kind=kind)
-        n = steps.get(id(state.groups[i]))
-        if n is None:  # no rank gave this group a gradient
-            continue
-        s, lay = plan.steps[n], state.groups[i].layout
-        lo, hi = lay.bounds(k)
-        buf = stream.staging[i].buffer
-        grad, base = (buf[lo : lo + lay.per_rank], lay.owned(k)[0]) if lay.sharded else (buf[lo:hi], lo)
-        pack_step.update_pack(s, k, grad, base, params[n], slots[n], update, lr, step)
-        pack_step.gather_pack(collectives, s, k, params[n], kind)
+    try:
+        for (i, k), request in zip(stream.order, stream.requests, strict=True):
+            nonblocking.complete(collectives, request, kind=kind)
+            n = steps.get(id(state.groups[i]))
+            if n is None:  # no rank gave this group a gradient
+                continue
+            s, lay = plan.steps[n], state.groups[i].layout
+            lo, hi = lay.bounds(k)
+            buf = stream.staging[i].buffer
+            grad, base = (buf[lo : lo + lay.per_rank], lay.owned(k)[0]) if lay.sharded else (buf[lo:hi], lo)
+            pack_step.update_pack(s, k, grad, base, params[n], slots[n], update, lr, step)
+            pack_step.gather_pack(collectives, s, k, params[n], kind)
+    except BaseException:  # an update raising on one rank leaves the others in a transfer
+        failure.abandon(collectives)
+        raise
     if check_level(collectives) > 1:
         _compare_copies(collectives, plan, kind)

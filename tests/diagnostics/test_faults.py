@@ -55,6 +55,37 @@ def test_exception_in_run_ends_the_job_with_that_ranks_traceback(check):
     assert "calling MPI_Abort" in out, out
 
 
+@pytest.mark.parametrize("step_kind", ["sharded", "groups"])
+def test_an_update_that_raises_on_one_rank_inside_a_step_ends_the_job_at_once(step_kind):
+    # The others wait in the step's all-gather (sharded) or the next group's all-reduce: the error
+    # cannot be shared in strategy.run's closing handshake, so the exception hook ends the job.
+    code, out = run_job("update_raises.py", step_kind, limit=15)
+    assert code != 0, out
+    assert "[rank 1] FloatingPointError: the update failed on rank 1" in out, out
+    assert "[rank 1] mpistrat: calling MPI_Abort to end the job" in out, out
+
+
+def test_a_rank_that_leaves_by_an_update_error_inside_a_step_is_named_by_the_others():
+    # With the hook off rank 1 exits; it counts as having left after the collective before the step,
+    # so the others, in the step's transfer, end at once naming it.
+    code, out = run_job("update_raises.py", "stream", limit=15, env={"MPISTRAT_ABORT_ON_EXCEPTION": "0"})
+    assert code != 0, out
+    assert "cannot complete: rank 1 exited after collective #6 (an uncaught FloatingPointError)" in out, out
+
+
+def test_an_update_error_caught_inside_a_step_ends_the_job_by_the_timeout():
+    code, out = run_job("update_raises.py", "sharded", "caught", limit=20, env={"MPISTRAT_TIMEOUT": "3"})
+    assert code != 0, out
+    assert "rank 1 caught the update failed on rank 1" in out, out
+    assert "did not complete within its timeout of 3 s" in out, out
+    # whichever rank's deadline comes first speaks: rank 1 in the next step, or the others in this one
+    assert (
+        "rank 1 is in apply_gradients (collective #8)" in out
+        or "rank 0 is in apply_gradients (collective #7)" in out
+    ), out
+    assert "finished" not in out, out
+
+
 def test_exception_in_a_thread_ends_the_job():
     code, out = run_job("thread_raises.py", limit=10)
     assert code != 0, out
