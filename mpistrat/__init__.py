@@ -29,6 +29,7 @@ from mpistrat.distribute.strategy import MPIStrategy, MultiWorkerMirroredStrateg
 from mpistrat.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    CommunicationError,
     ContextError,
     InvalidArgumentError,
     MergeCallError,
@@ -74,6 +75,7 @@ __all__ = [
     "CheckpointOptions",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CommunicationError",
     "CommunicationImplementation",
     "CommunicationOptions",
     "ContextError",

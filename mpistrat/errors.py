@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveMismatchError",
     "StructureMismatchError",
     "CollectiveTimeoutError",
+    "CommunicationError",
     "MergeCallError",
     "portable",
     "enum_member",
@@ -58,6 +59,11 @@ class StructureMismatchError(CollectiveMismatchError, AssertionError):
 
 class CollectiveTimeoutError(MpistratError, TimeoutError):
     """A collective did not complete within its timeout."""
+
+
+class CommunicationError(MpistratError, RuntimeError):
+    """MPI reported an error in a collective's transfer on this rank (its communicator is left
+    mid-operation: the job ends)."""
 
 
 class MergeCallError(MpistratError, RuntimeError):

@@ -45,6 +45,7 @@ from mpistrat.collectives import (
     all_reduce,
     broadcast,
     caches,
+    failure,
     handshake,
     hierarchical,
     in_place,
@@ -73,6 +74,7 @@ class Collectives:
         self, comm: MPI.Intracomm, options: CommunicationOptions | None = None, owner: str = "Collectives"
     ):
         self.comm = comm
+        comm.Set_errhandler(MPI.ERRORS_RETURN)  # MPI's errors return to failure.from_mpi, not abort
         self.freed = False  # set by free(): its owner freed the communicator (see require_open)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -181,6 +183,7 @@ class Collectives:
     broadcast_from_root = objects.broadcast_from_root
     scatter_from_root = objects.scatter_from_root
     on_root = objects.on_root
+    failed_in_mpi = failure.from_mpi
     all_reduce_in_place = in_place.all_reduce_in_place
     reduce_scatter_in_place = in_place.reduce_scatter_in_place
     all_gather_in_place = in_place.all_gather_in_place

@@ -14,6 +14,14 @@ A collective decorated with ``@watchdog.collective`` counts its own failures; a 
 moves data through several of them after one handshake calls :func:`abandon` when that part
 raises.
 
+MPI's own errors return too: the private communicators carry ``MPI.ERRORS_RETURN``, and an
+``MPI.Exception`` out of a collective becomes a ``CommunicationError`` in one place,
+:func:`from_mpi`, which says what MPI said, where the collective was called and, from every rank's
+flight record (asked for over the side channel), the first collective in which the ranks differed:
+under ``MPISTRAT_CHECK=step`` a shape that differs in an unchecked collective is what MPI finds
+first (Open MPI: ``MPI_ERR_TRUNCATE``). Some errors MPI does not return: MPICH aborts the job on a
+message truncated inside a collective, whatever the error handler.
+
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
 >>> c = Collectives(MPI.COMM_SELF.Dup())
@@ -29,10 +37,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mpi4py import MPI
+
+from mpistrat.diagnostics import abort, diagnosis, watchdog
+from mpistrat.diagnostics.callsite import call_site
+from mpistrat.errors import CommunicationError
+
 if TYPE_CHECKING:
     from mpistrat.collectives.state import CollectiveState as Collectives
 
-__all__ = ["abandon"]
+__all__ = ["abandon", "from_mpi"]
 
 
 def abandon(collectives: Collectives | None) -> None:
@@ -43,3 +57,37 @@ def abandon(collectives: Collectives | None) -> None:
         collectives.failures += 1
         monitor = collectives.monitor
         monitor.completed = min(monitor.completed, collectives.seq - 1)
+
+
+def from_mpi(collectives: Collectives, exc: MPI.Exception, kind: str) -> CommunicationError:
+    """The error MPI's ``exc`` in collective ``kind`` (#``collectives.seq``, on this rank) is raised as.
+
+    Asks every rank for its flight record (the side channel, up to ``side_channel.GRACE``) to name
+    the first collective in which the ranks differed, and dooms the job: it ends with ``MPI_Abort``
+    ``ABORT_DELAY`` seconds later if the error is caught (a collective MPI failed leaves its
+    communicator mid-operation), at once through the exception hook if not.
+    """
+    seq, mon = collectives.seq, collectives.monitor
+    headline = f"{kind} (collective #{seq}, called at {call_site()}) failed in MPI on rank {collectives.rank}"
+    answers = watchdog.WATCHDOG.ask(mon, None) if mon.watched else None
+    if answers is None:
+        answers = {collectives.rank: mon.state()}
+    differed = diagnosis.first_difference(
+        {r: a.get("entries", []) for r, a in answers.items()}, collectives.size
+    )
+    if differed is not None:
+        first, what = differed
+        cause = (
+            f"The ranks differed first at collective #{first}: {what}. Every rank must call the same "
+            "collectives, with the same structures, dtypes and shapes, in the same order"
+            + ("; run with MPISTRAT_CHECK=1 to stop at the call itself" if collectives.step_check else "")
+        )
+    elif len(answers) < collectives.size:
+        cause = "The other ranks' flight records did not come: where the ranks differed is unknown"
+    else:
+        cause = "The ranks' flight records agree: MPI's error is not one of differing arguments"
+    abort.abort_later(watchdog.ABORT_DELAY, f"{kind} (collective #{seq}) failed in MPI")
+    return CommunicationError(
+        f"{headline}: {exc.Get_error_string()}. {cause}. The job is aborted: a collective MPI failed "
+        "leaves the communicator unusable." + diagnosis.records(mon, answers)
+    )

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives import mismatch
+from mpistrat.collectives import failure, mismatch
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.collectives.native import native_step
 from mpistrat.collectives.step_check import MASK, defer
@@ -267,12 +267,15 @@ def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callabl
     native = self.native_closing
     if native is None:
         native = self.native_closing = _native_closing(self, kind)
-    if native and native.close(self, kind, fingerprint, describe):
-        return
     try:
-        _close_in_python(self, kind, fingerprint, describe)
-    finally:
-        self.stragglers.forget()
+        if native and native.close(self, kind, fingerprint, describe):
+            return
+        try:
+            _close_in_python(self, kind, fingerprint, describe)
+        finally:
+            self.stragglers.forget()
+    except MPI.Exception as exc:  # as the watch of every other collective turns it
+        raise failure.from_mpi(self, exc, kind) from exc
 
 
 def _close_in_python(self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any]) -> None:

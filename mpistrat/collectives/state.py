@@ -78,6 +78,8 @@ class CollectiveState(Protocol):
         closing: bool = False,
     ) -> Any: ...
 
+    def failed_in_mpi(self, exc: MPI.Exception, kind: str) -> MpistratError: ...
+
     def all_reduce(
         self,
         reduce_op: Any,

@@ -12,7 +12,8 @@ the next closing handshake passes.
 
 Whether a call sends is decided only from what every rank shares (the phase, agreed at a
 handshake), never from the call's own arguments: ranks whose arguments differ still make the
-same calls. A divergence that stops the transfer itself (ranks in collectives of different
+same calls. A divergence MPI reports in the transfer is raised where it does (see
+:mod:`.failure`). A divergence that stops the transfer itself (ranks in collectives of different
 sizes) is named by the watchdog from the flight records, where each unchecked collective has its
 entry.
 

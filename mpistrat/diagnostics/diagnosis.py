@@ -27,6 +27,7 @@ __all__ = [
     "departed",
     "exit_reason",
     "explain",
+    "first_difference",
     "headline",
     "on_hosts",
     "pointer",
@@ -74,6 +75,36 @@ def on_hosts(numbers: list[int], hosts: tuple[str, ...]) -> str:
         return ""
     more = f" and {len(names) - SHOWN_HOSTS} more" if len(names) > SHOWN_HOSTS else ""
     return f" on {', '.join(names[:SHOWN_HOSTS])}{more}"
+
+
+def first_difference(entries: dict[int, list[Any]], size: int) -> tuple[int, str] | None:
+    """The first collective whose ``(seq, kind, fingerprint)`` entries (a flight record's, or the
+    step check's record of unchecked collectives) differ between the ``size`` ranks, and what each
+    had there, ranks grouped; None if they agree or a rank's are missing. Only the collectives
+    every rank's entries still hold count (a flight record keeps its last few).
+
+    >>> first_difference({0: [(4, "all_reduce", 1), (5, "x", 1)], 1: [(4, "all_reduce", 2)]}, 2)
+    (4, 'rank 0: all_reduce [fp 00000001]; rank 1: all_reduce [fp 00000002]')
+    >>> first_difference({0: [(4, "all_reduce", 1)], 1: [(4, "all_reduce", 1)]}, 2) is None
+    True
+    """
+    if len(entries) < size:
+        return None
+    by_seq = [{e[0]: tuple(e) for e in entries[r]} for r in range(size)]
+    held = [seqs for seqs in by_seq if seqs]
+    since = max((min(seqs) for seqs in held), default=0)  # older ones fell out of some rank's record
+    for seq in sorted(set().union(*by_seq)):
+        if seq < since:
+            continue
+        here = [b.get(seq) for b in by_seq]
+        if any(e != here[0] for e in here):
+            groups: dict[str, list[int]] = {}
+            for r, e in enumerate(here):
+                groups.setdefault(
+                    "no collective" if e is None else f"{e[1]} [fp {e[2] & 0xFFFFFFFF:08x}]", []
+                ).append(r)
+            return seq, "; ".join(f"{ranks(rs)}: {what}" for what, rs in groups.items())
+    return None
 
 
 def _where(rank: int, answer: dict[str, Any], hosts: tuple[str, ...]) -> str:

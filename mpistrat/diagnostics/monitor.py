@@ -108,6 +108,7 @@ class Monitor:
             "last": None if self.last is None else (self.last[0], self.last[1], now - self.last[2]),
             "site": call_site(frame) if frame is not None else "<no Python frame>",
             "flight": _flight(self, now, start),
+            "entries": _entries(self),
         }
 
 
@@ -117,6 +118,15 @@ def _flight(mon: Monitor, now: float, start: float | None) -> str | None:
         return None
     busy = start is not None
     return owner.flight.describe(now, busy=busy, agreed=busy and mon.agreed == start)
+
+
+def _entries(mon: Monitor) -> list[tuple[int, str, int]]:
+    """The flight record's entries as ``(seq, kind, fingerprint)``: what ranks compare to find where
+    they first differed (``collectives/failure.py``)."""
+    owner = mon.owner()
+    if owner is None or not hasattr(owner, "flight"):
+        return []
+    return [(e[0], e[1], e[2]) for e in owner.flight.entries()]
 
 
 _get_ident = threading.get_ident
@@ -170,6 +180,10 @@ def collective(default_kind: str) -> Callable[[F], F]:
                     mon.last = (kind, self.seq, time.monotonic())
                     if timeline.writer is not None:
                         timeline.writer.collective(self, kind, now, mon.last[2], args)
+            except MPI.Exception as exc:  # the private communicators return MPI's errors (ERRORS_RETURN)
+                self.failures += 1
+                kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
+                raise self.failed_in_mpi(exc, kind) from exc
             except BaseException:
                 self.failures += 1  # strategy.run then knows its error came out of a collective
                 raise

@@ -255,12 +255,25 @@ class SideChannel:
         This rank counts as waiting. The watchdog does not call this on every waiting rank:
         one rank asks for all of them (see the module docstring).
         """
-        seq, kind, side = mon.seq, mon.kind, mon.side
+        seq, kind = mon.seq, mon.kind
+        answers = self.ask(mon, start, grace)
+        if answers is None:
+            return (diagnosis.NO_SIDE_CHANNEL if mon.side is None else diagnosis.FINALIZED), [mon.rank]
+        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace, mon.hosts)
+        return explanation + diagnosis.records(mon, answers), waiting
+
+    def ask(
+        self, mon: Monitor, start: float | None, grace: float = GRACE
+    ) -> dict[int, dict[str, Any]] | None:
+        """Every rank's answer to where it is (``Monitor.state``), this rank's too, from this thread:
+        those that came within ``grace`` seconds (or while ``mon`` stays in the collective begun at
+        ``start``). None without a side channel, or once ``mon`` is no longer watched."""
+        side = mon.side
         if side is None:
-            return diagnosis.NO_SIDE_CHANNEL, [mon.rank]
+            return None
         with self.lock:
             if mon not in self.registry:
-                return diagnosis.FINALIZED, [mon.rank]
+                return None
             qid = self.query(mon, side)
         end = time.monotonic() + grace
         while time.monotonic() < end and len(side.answers[qid]) < mon.size - 1 and mon.start == start:
@@ -269,5 +282,4 @@ class SideChannel:
         with self.lock:
             answers = side.answers.pop(qid)
         answers[mon.rank] = mon.state()
-        explanation, waiting = diagnosis.explain(seq, kind, answers, mon.size, {mon.rank}, grace, mon.hosts)
-        return explanation + diagnosis.records(mon, answers), waiting
+        return answers

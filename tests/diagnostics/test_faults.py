@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 
 from mpistrat.collectives import native
 from mpistrat.diagnostics import side_channel
@@ -84,6 +85,36 @@ def test_an_update_error_caught_inside_a_step_ends_the_job_by_the_timeout():
         or "rank 0 is in apply_gradients (collective #7)" in out
     ), out
     assert "finished" not in out, out
+
+
+def test_an_mpi_error_in_a_transfer_is_an_mpistrat_error_and_ends_the_job_even_if_caught():
+    code, out = run_job("mpi_error.py", "transfer", limit=20)
+    assert code != 0, out
+    called = site("mpi_error.py", "    return mpistrat.get_replica_context().all_reduce")
+    assert (
+        f"rank 1 caught CommunicationError: all_reduce (collective #3, called at {called} in step) failed "
+        "in MPI on rank 1: "
+    ) in out, out
+    assert "The ranks' flight records agree: MPI's error is not one of differing arguments" in out, out
+    assert "[rank 1] mpistrat: calling MPI_Abort to end the job" in out, out
+    assert "finished" not in out, out
+
+
+def test_a_shape_that_differs_in_an_unchecked_collective_names_the_collective_whatever_mpi_makes_of_it():
+    code, out = run_job("mpi_error.py", "shapes", limit=20, env={"MPISTRAT_CHECK": "step"})
+    assert code != 0, out
+    called = site("mpi_error.py", "    return mpistrat.get_replica_context().all_reduce")
+    family = MPI.Get_library_version()
+    if family.startswith("MPICH"):  # it aborts inside the Allreduce, whatever the error handler
+        assert "Message truncated" in out, out
+        return
+    fingerprints = r"ranks 0, 2: all_reduce \[fp [0-9a-f]{8}\]; rank 1: all_reduce \[fp [0-9a-f]{8}\]"
+    if family.startswith("Open MPI"):  # it returns MPI_ERR_TRUNCATE on the ranks that received too much
+        assert f"all_reduce (collective #11, called at {called} in step) failed in MPI" in out, out
+        assert "MPI_ERR_TRUNCATE" in out, out
+        assert re.search("The ranks differed first at collective #11: " + fingerprints, out), out
+    else:  # Intel MPI completes it: the step's closing handshake finds the difference
+        assert re.search("collective #11 ran unchecked .*" + fingerprints, out), out
 
 
 def test_exception_in_a_thread_ends_the_job():
