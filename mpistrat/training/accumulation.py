@@ -29,7 +29,9 @@ is kept and raised on every rank by the K-th call's handshake.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -86,22 +88,44 @@ class Accumulator:
 
     def add(self, grads: list[Any], variables: list[Any]) -> list[Any] | None:
         """Keep one call's gradients; None on a quiet call, the K-th call's gradients to reduce:
-        means (sums) or ``[K, *shape]`` stacks (rows)."""
+        means (sums, new arrays) or ``[K, *shape]`` stacks (rows). The K-th call leaves the cycle
+        as it was before it until its step ends (:meth:`applying`)."""
         count, self.restoring = self.count, False
+        last = count + 1 >= self.steps
+        means: list[Any] = []
         try:
-            self._add(count, grads, variables)
+            means = self._add(count, grads, variables, last)
         except MpistratError as exc:  # a gradient that is no array: kept, as any bad input
             self._keep(exc)
-        count += 1
-        if count < self.steps:
-            self._set_count(count)
+        if not last:
+            self._set_count(count + 1)
             return None
+        if self.pending is not None:  # the step's handshake raises it on every rank: nothing is reduced
+            return list(grads)
+        return [self.buffers[id(v)][1] for v in variables] if self.rows else means
+
+    @contextlib.contextmanager
+    def applying(self, strategy: Any) -> Iterator[None]:
+        """The K-th call's step. Once it succeeds the cycle ends. If it raises after every rank agreed
+        to it (a 16-bit overflow found in the reduction, on every rank), the cycle stays as it was
+        before the K-th call, so that a retry of that call applies it once; if its handshake failed
+        (bad input on some rank, this call's or a quiet call's), the cycle is dropped on every rank and
+        the next call starts a new one. ``strategy``: the optimizer's (None: one process)."""
+        collectives = None if strategy is None else strategy.replicas.collectives
+        disagreements = None if collectives is None else collectives.disagreements
+        try:
+            yield
+        except BaseException:
+            self.pending = None
+            if collectives is None or collectives.disagreements != disagreements:
+                self._set_count(0)
+            raise
         self._set_count(0)
-        out = [self.buffers[id(v)][1] for v in variables]
-        if not self.rows:
-            for total in out:
-                total /= self.steps
-        return out
+
+    def drop(self) -> None:
+        """Forget the cycle in progress (its K-th call raised before its step)."""
+        self.pending = None
+        self._set_count(0)
 
     def prepare(self, variables: list[Variable], rows: bool) -> None:
         """Buffers for ``variables`` (zeros), e.g. for a checkpoint to restore into."""
@@ -140,7 +164,9 @@ class Accumulator:
         error, self.pending = self.pending, None
         return error
 
-    def _add(self, count: int, grads: list[Any], variables: list[Any]) -> None:
+    def _add(self, count: int, grads: list[Any], variables: list[Any], last: bool) -> list[Any]:
+        """Call ``count + 1``'s gradients into the buffers; the last call's means (sums) are new arrays,
+        the buffers left holding the earlier calls' sum."""
         if {id(v) for v in variables} != self.buffers.keys() or len(variables) != len(self.buffers):
             if count:
                 self._keep(
@@ -150,9 +176,10 @@ class Accumulator:
                         "of a cycle the same variables"
                     )
                 )
-                return
+                return []
             self.buffers.clear()
             self.prepare(variables, self.rows)
+        means = []
         for grad, var in zip(grads, variables, strict=True):
             buf = self.buffers[id(var)][1]
             if type(grad) is not type(buf):
@@ -160,10 +187,19 @@ class Accumulator:
             target = buf[count, ...] if self.rows else buf
             if grad.shape != target.shape:
                 self._keep(_bad_shape(self._name, grad, var))
-            elif self.rows or count == 0:
+            elif self.rows or (count == 0 and not last):
                 target[...] = grad
+            elif last:  # the buffer keeps the earlier calls' sum until the step succeeded
+                mean = packing.array_module(buf).empty_like(buf)
+                if count:
+                    packing.array_module(buf).add(buf, grad, out=mean)
+                else:
+                    mean[...] = grad
+                mean /= self.steps
+                means.append(mean)
             else:
                 target += grad
+        return means
 
     def _keep(self, error: MpistratError) -> None:
         if self.pending is None:

@@ -320,24 +320,26 @@ class Optimizer:
             pairs, rows = list(zip(kept, variables, strict=True)), (acc.steps if acc.rows else 0)
             pending = acc.take_pending()
             if pending is not None and (state is None or strategy is None):
+                acc.drop()
                 raise pending
-        if state is None:  # one variable at a time, without merge_call (Keras's path)
-            self._apply_each(replica, pairs)
-            return self.iterations
-        counter = own_copy(self.iterations)
-        step = int(counter.local_array)
-        state.step(
-            None if strategy is None else strategy.replicas.collectives,
-            [g for g, _ in pairs],
-            variables,
-            self._update_flat,
-            self.learning_rate(step),
-            step,
-            plan=plan,
-            options=self._communication_options,
-            pending=pending,
-            rows=rows,
-        )
+        with contextlib.nullcontext() if acc is None else acc.applying(strategy):
+            if state is None:  # one variable at a time, without merge_call (Keras's path)
+                self._apply_each(replica, pairs)
+                return self.iterations
+            counter = own_copy(self.iterations)
+            step = int(counter.local_array)
+            state.step(
+                None if strategy is None else strategy.replicas.collectives,
+                [g for g, _ in pairs],
+                variables,
+                self._update_flat,
+                self.learning_rate(step),
+                step,
+                plan=plan,
+                options=self._communication_options,
+                pending=pending,
+                rows=rows,
+            )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
         return self.iterations

@@ -158,6 +158,28 @@ def test_bad_gradient_on_a_quiet_call_raises_on_every_rank_at_the_update(group, 
     all_ranks_agree(group.comm, same and int(opt.iterations.numpy()) == 0, "a variable was written")
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_kth_call_whose_step_overflows_applies_the_cycle_once_when_retried(group, shard, dtype):
+    """fp16 compression overflows in the K-th call's reduction: nothing is written, on every rank, and
+    retrying that call (a smaller loss scale) applies the cycle's mean once, as a step without
+    accumulation does."""
+    options = CommunicationOptions(compression="fp16")
+    strategy = mpistrat.MPIStrategy(group.comm, communication_options=options)
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(4, dtype), name="w")
+        opt = SGD(1.0, shard_state=shard, gradient_accumulation_steps=2)
+    call = lambda g: strategy.run(lambda: opt.apply_gradients([(np.full(4, g, dtype), w)]))  # noqa: E731
+    call(2.0)
+    raises_on_every_rank(group.comm, InvalidArgumentError, lambda: call(2e5), match="fp16")  # a mean of 1e5
+    unwritten = np.all(w.numpy() == 0) and int(opt.iterations.numpy()) == 0
+    call(2.0)  # the retry: the cycle's mean is (2 + 2) / 2 on each rank
+    want = -2.0 * group.size
+    ok = unwritten and np.all(w.numpy() == want) and int(opt.iterations.numpy()) == 1
+    strategy.experimental_finalize()
+    all_ranks_agree(group.comm, ok, f"unwritten {unwritten}; w {w.numpy()} want {want}")
+
+
 # -- checkpoints: a job saved mid-cycle resumes it ----------------------------------------------
 
 
