@@ -169,11 +169,13 @@ class Accumulator:
         the buffers left holding the earlier calls' sum."""
         if {id(v) for v in variables} != self.buffers.keys() or len(variables) != len(self.buffers):
             if count:
+                given = ", ".join(repr(v.name) for v in variables)
+                first = ", ".join(repr(v.name) for v, _ in self.buffers.values())
                 self._keep(
                     InvalidArgumentError(
                         f"{self._name}.apply_gradients: call {count + 1} of {self.steps} of an accumulation "
-                        "cycle gives gradients for other variables than its first call; give every call "
-                        "of a cycle the same variables"
+                        f"cycle gives gradients for other variables than its first call: {given}, where "
+                        f"the first gave {first}; give every call of a cycle the same variables"
                     )
                 )
                 return []

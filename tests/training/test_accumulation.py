@@ -180,6 +180,30 @@ def test_a_kth_call_whose_step_overflows_applies_the_cycle_once_when_retried(gro
     all_ranks_agree(group.comm, ok, f"unwritten {unwritten}; w {w.numpy()} want {want}")
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["quiet call", "kth call"])
+def test_a_call_with_other_variables_is_an_error_naming_them_and_the_next_cycle_is_clean(
+    group, strategy, last
+):
+    with strategy.scope():
+        w, b, c = (mpistrat.Variable(np.zeros(2, np.float32), name=n) for n in "wbc")
+        opt = SGD(1.0, gradient_accumulation_steps=K)
+    opt.build([w, b, c])
+    ones = np.ones(2, np.float32)
+    call = lambda *vs: strategy.run(lambda: opt.apply_gradients([(ones, v) for v in vs]))  # noqa: E731
+    for t in range(K - 1):
+        call(w, c) if t == K - 2 and not last else call(w, b)
+    raises_on_every_rank(
+        group.comm,
+        InvalidArgumentError,
+        lambda: call(w, c) if last else call(w, b),
+        match="'w', 'c', where the",
+    )
+    for _ in range(K):  # a clean cycle: each variable moves by the mean of K ones, summed over the ranks
+        call(w, b)
+    ok = np.all(w.numpy() == -group.size) and np.all(c.numpy() == 0) and int(opt.iterations.numpy()) == 1
+    all_ranks_agree(group.comm, ok, f"w {w.numpy()} c {c.numpy()} iterations {int(opt.iterations.numpy())}")
+
+
 # -- checkpoints: a job saved mid-cycle resumes it ----------------------------------------------
 
 
