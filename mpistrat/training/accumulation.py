@@ -189,6 +189,13 @@ class Accumulator:
             target = buf[count, ...] if self.rows else buf
             if grad.shape != target.shape:
                 self._keep(_bad_shape(self._name, grad, var))
+            elif grad.dtype != buf.dtype and not np.can_cast(grad.dtype, buf.dtype, "same_kind"):
+                self._keep(
+                    InvalidArgumentError(
+                        f"{self._name}.apply_gradients: the gradient of {var.name!r} is {grad.dtype}; its "
+                        f"variable is {buf.dtype}, which it cannot be cast to without losing information"
+                    )
+                )
             elif self.rows or (count == 0 and not last):
                 target[...] = grad
             elif last:  # the buffer keeps the earlier calls' sum until the step succeeded

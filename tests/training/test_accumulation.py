@@ -204,6 +204,31 @@ def test_a_call_with_other_variables_is_an_error_naming_them_and_the_next_cycle_
     all_ranks_agree(group.comm, ok, f"w {w.numpy()} c {c.numpy()} iterations {int(opt.iterations.numpy())}")
 
 
+@pytest.mark.parametrize("call", [0, K - 2], ids=["first call", "later call"])
+def test_a_complex_gradient_for_a_float_variable_on_one_rank_is_an_error_on_every_rank(group, strategy, call):
+    """Kept, as a wrong shape is: not cast to its real part (the first call) nor a NumPy error on one
+    rank (a later call), which left that rank's cycle a call behind the others'."""
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(2, np.float32), name="w")
+        opt = SGD(1.0, gradient_accumulation_steps=K)
+
+    def micro(t):
+        grad = (
+            np.ones(2, np.complex128)
+            if t == call and group.rank == group.size - 1
+            else np.ones(2, np.float32)
+        )
+        strategy.run(lambda: opt.apply_gradients([(grad, w)]))
+
+    for t in range(K - 1):
+        micro(t)
+    raises_on_every_rank(group.comm, InvalidArgumentError, lambda: micro(K - 1), match="is complex128")
+    for t in range(K):  # a clean cycle on every rank
+        micro(K + t)
+    ok = np.all(w.numpy() == -group.size) and int(opt.iterations.numpy()) == 1
+    all_ranks_agree(group.comm, ok, f"w {w.numpy()} iterations {int(opt.iterations.numpy())}")
+
+
 # -- checkpoints: a job saved mid-cycle resumes it ----------------------------------------------
 
 
