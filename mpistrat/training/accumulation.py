@@ -6,7 +6,9 @@ MPI call at all); on the K-th it hands them to the optimizer, which reduces once
 applies their mean. Two kinds of buffer:
 
 - **sums** (the default): each variable's running sum; the K-th call returns
-  ``(sum + g) / K``, as Keras 3 computes it.
+  ``(sum + g) / K``, as Keras 3 computes it. A cycle restored from a checkpoint saved with
+  another K ends at the first call that brings it to K calls or more, with the mean of all of
+  them (its count is saved; K is the optimizer's).
 - **rows** (``CommunicationOptions(deterministic=True)``): each variable's K gradients
   side by side, ``[K, *shape]``, so that the one exact reduction adds every microbatch of
   every rank exactly and divides by K with one rounding: the same bits whatever the number
@@ -204,7 +206,7 @@ class Accumulator:
                     packing.array_module(buf).add(buf, grad, out=mean)
                 else:
                     mean[...] = grad
-                mean /= self.steps
+                mean /= count + 1  # K, or more for a cycle a checkpoint saved with a larger K
                 means.append(mean)
             else:
                 target += grad

@@ -271,6 +271,34 @@ def test_a_checkpoint_saved_mid_cycle_resumes_it_bit_for_bit(group, tmp_path, sh
     all_ranks_agree(group.comm, ok, f"differ: {bad}, iterations {resumed_iterations}")
 
 
+@pytest.mark.parametrize("restored_steps", [2, 6])
+def test_a_cycle_restored_into_another_k_applies_the_mean_of_all_its_calls(
+    group, strategy, tmp_path, restored_steps
+):
+    """Saved after 3 of K=4 calls: restored with K=2 the next call ends the cycle, with K=6 the third
+    one does; either way the update is the mean of every call's gradient (not their sum over the new K)."""
+
+    def fresh(steps):
+        with strategy.scope():
+            w = mpistrat.Variable(np.zeros(2, np.float64), name="w")
+            return w, SGD(1.0, gradient_accumulation_steps=steps)
+
+    w, opt = fresh(4)
+    checkpoint = mpistrat.Checkpoint(model={"w": w}, opt=opt)
+    call = lambda t: strategy.run(lambda: opt.apply_gradients([(np.full(2, t + 1.0), w)]))  # noqa: E731
+    for t in range(3):
+        call(t)
+    path = checkpoint.save(f"{shared_dir(group, tmp_path)}/ckpt")
+    w, opt = fresh(restored_steps)
+    mpistrat.Checkpoint(model={"w": w}, opt=opt).restore(path).assert_consumed()
+    calls = max(restored_steps, 4)  # the cycle's calls in all: the restored 3 and these
+    for t in range(3, calls):
+        call(t)
+    want = -group.size * sum(t + 1.0 for t in range(calls)) / calls
+    ok = np.all(w.numpy() == want) and int(opt.iterations.numpy()) == 1
+    all_ranks_agree(group.comm, ok, f"w {w.numpy()} want {want}, iterations {int(opt.iterations.numpy())}")
+
+
 def test_a_checkpoint_saved_between_cycles_forgets_a_cycle_in_progress(group, strategy, tmp_path):
     variables = make_variables(strategy)
     with strategy.scope():
