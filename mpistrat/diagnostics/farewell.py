@@ -15,6 +15,12 @@ Now each rank, per watched strategy, at exit:
 3. rank 0 waits for every other rank's ``left``, then sends each of them ``bye``; the others
    read until their ``bye`` comes.
 
+Each ``left`` carries the rank's record of the collectives nothing has checked yet
+(``MPISTRAT_CHECK=step``: those after the last handshake, such as a cross-replica ``reduce``
+after the last step; nearly always none). Rank 0 compares them with its own once every rank has
+left: where they differ, no handshake will ever check them, so it names the first collective in
+which the ranks differed and ends the job non-zero (``MPI_Abort``), as the handshake would have.
+
 When rank 0 has every ``left``, no rank has an unread message from anyone but rank 0 (step 1
 and 2: each rank's earlier messages were received before it said ``left``), and MPI delivers
 rank 0's messages to a rank in the order it sent them, ``bye`` last. So a rank that read its
@@ -35,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from mpistrat.diagnostics import diagnosis
+from mpistrat.diagnostics import abort, diagnosis
 from mpistrat.diagnostics.side_channel import TAG, SideChannel
 
 if TYPE_CHECKING:
@@ -73,11 +79,12 @@ def leave(channel: SideChannel) -> None:
                 said = True
                 for mon in mons:
                     coordinator = 1 if mon.rank == 0 else 0
-                    left = ("left", mon.rank, mon.completed, why, world)
+                    left = ("left", mon.rank, mon.completed, why, world, _unchecked(mon))
                     sent.append(mon.comm.isend(left, dest=coordinator, tag=TAG))
             if said:
                 for mon in mons:
                     if mon.rank == 0 and id(mon) not in done and _everyone_left(mon):
+                        _compare_unchecked(mon)
                         sent += [mon.comm.isend(("bye", 0), dest=r, tag=TAG) for r in range(1, mon.size)]
                         done.add(id(mon))
         if len(done) < len(mons):
@@ -87,6 +94,30 @@ def leave(channel: SideChannel) -> None:
         time.sleep(_NAP)
     with channel.lock:
         channel.sends += sent  # a request still under way stays alive until MPI_Finalize
+
+
+def _unchecked(mon: Monitor) -> list[object]:
+    """This rank's record of the collectives no handshake has checked yet (flat), if any."""
+    owner = mon.owner()
+    return list(owner.flight.unchecked) if owner is not None and hasattr(owner, "flight") else []
+
+
+def _compare_unchecked(mon: Monitor) -> None:
+    """Rank 0, once every rank has left: end the job if the ranks' unchecked collectives differ."""
+    assert mon.side is not None
+    records = {**mon.side.unchecked, 0: _unchecked(mon)}
+    entries = {r: list(zip(rec[0::3], rec[1::3], rec[2::3], strict=True)) for r, rec in records.items()}
+    differed = diagnosis.first_difference(entries, mon.size)
+    if differed is None:
+        return
+    seq, what = differed
+    abort.abort_job(
+        f"CollectiveMismatchError at exit: collective #{seq} ran unchecked (MPISTRAT_CHECK=step) and the "
+        f"ranks were not in the same collective with the same arguments: {what}. No handshake checked it "
+        "before the program ended (experimental_finalize() or the next step would have raised this). "
+        "Every rank must call the same collectives, with the same structures, dtypes and shapes, in the "
+        "same order; run with MPISTRAT_CHECK=1 to stop at the call itself."
+    )
 
 
 def _everyone_left(mon: Monitor) -> bool:
@@ -107,6 +138,7 @@ def _read(mon: Monitor) -> bool:
         what, ref, *payload = message.recv()
         if what == "left":
             side.departed.setdefault(ref, (payload[0], payload[1]))
+            side.unchecked[ref] = payload[3] if len(payload) > 3 else []
         elif what == "bye":
             bye = True
     return bye and mon.rank != 0

@@ -86,6 +86,9 @@ class Channel:
         self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
         self.told: dict[Event, set[int]] = {}  # the ranks a result was sent to (each gets it once)
         self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
+        # rank -> its record of collectives left unchecked (MPISTRAT_CHECK=step) when it exited, flat
+        # (seq, kind, code, ...): rank 0 compares them once every rank has left (farewell.py)
+        self.unchecked: dict[int, list[Any]] = {}
 
 
 def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:
@@ -192,6 +195,8 @@ class SideChannel:
                     _remember(side.results, tuple(ref), (payload[0], int(payload[1])))
                 elif what == "left":  # ref: the rank that exited; payload: its last collective, why, world
                     self.depart(mon, side, ref, payload[0], payload[1], payload[2], told_by=source)
+                    if len(payload) > 3 and source == ref:  # its unchecked collectives (farewell.py)
+                        side.unchecked[ref] = payload[3]
 
     def advance(self, mon: Monitor) -> None:
         """Finish the diagnoses whose answers are in (or overdue), and send out their results."""

@@ -177,6 +177,11 @@ class StrategyExtended:
 
     def finalize(self) -> None:
         self._collectives.finish_pending()  # a background checkpoint save, while MPI still can
+        step = self._collectives.step_check
+        if (
+            step is not None and not step.learning
+        ):  # MPISTRAT_CHECK=step: what went unchecked since the last step
+            self._collectives.agree("experimental_finalize")
         detached = self._release.detach() if self._release is not None else None
         if self._comm is not None and detached is not None:
             _, release, args, _ = detached

@@ -121,6 +121,28 @@ def test_a_divergence_after_the_first_step_raises_on_every_rank_naming_the_first
     all_ranks_agree(WORLD, ok, message)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_unchecked_reduce_after_the_last_step_is_checked_when_the_strategy_is_finalized(dtype):
+    """A cross-replica reduce after the last step sends nothing under step, and no later step checks
+    it: finalizing does, on every rank, before the communicator goes (shapes of the same size)."""
+    size = WORLD.Get_size()
+    if size < 2:
+        pytest.skip("ranks can only differ with 2 or more")
+    strategy = make("step")
+    rank = WORLD.Get_rank()
+    strategy.run(small_step, args=(rank,))
+    value = np.ones((3, 2) if rank == size - 1 else (2, 3), dtype)
+    strategy.reduce("sum", value, axis=None)  # unchecked: MPI moves the same bytes
+    seq = strategy.extended.collectives.seq
+    message = raises_on_every_rank(
+        WORLD,
+        CollectiveMismatchError,
+        strategy.experimental_finalize,
+        match=f"collective #{seq} ran unchecked",
+    )
+    all_ranks_agree(WORLD, f"rank {size - 1}: reduce" in message, message)
+
+
 def test_calls_numbered_apart_by_bad_input_on_some_ranks_raise_on_every_rank():
     """Bad input at an unchecked call is raised on its rank alone, after taking its number. If it
     comes first on some ranks and second on others, each rank's good call meets another number on

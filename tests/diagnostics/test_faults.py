@@ -117,6 +117,14 @@ def test_a_shape_that_differs_in_an_unchecked_collective_names_the_collective_wh
         assert re.search("collective #11 ran unchecked .*" + fingerprints, out), out
 
 
+def test_an_unchecked_collective_that_differed_is_named_when_the_program_ends():
+    code, out = run_job("unchecked_at_exit.py", limit=15, env={"MPISTRAT_CHECK": "step"})
+    assert code != 0, out
+    assert on_every_rank(out, "reached the end"), out
+    assert "at exit: collective #3 ran unchecked (MPISTRAT_CHECK=step)" in out, out
+    assert "ranks 0, 2: reduce [fp" in out and "rank 1: reduce [fp" in out, out
+
+
 def test_exception_in_a_thread_ends_the_job():
     code, out = run_job("thread_raises.py", limit=10)
     assert code != 0, out
