@@ -58,7 +58,8 @@ def not_floating(name: str, variables: list[Variable]) -> InvalidArgumentError |
 
 
 SAME_BUILD = (
-    "Every rank must build the optimizer with the same shard_state and for the same variables: "
+    "Every rank must build the optimizer with the same shard_state and communication_options and for "
+    "the same variables: "
     "create the optimizer the same way on every rank and pass every rank the same variables."
 )
 

@@ -197,9 +197,11 @@ class Optimizer:
         if distributed:
             collectives = extended.collectives
             bytes_per_pack = collectives.options.bytes_per_pack
+            route = collectives.options.merge(self._communication_options).implementation
             described = [
                 ("shard_state", str(self._shard_state), None),
                 ("bytes_per_pack", str(bytes_per_pack), None),
+                ("CommunicationOptions.implementation", route.value, None),
             ] + [(repr(v.name), f"variable #{creation_order(v)} {v.dtype}", v.shape) for v in new]
             collectives.agree(
                 f"{self._name}.build",

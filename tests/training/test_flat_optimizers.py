@@ -637,6 +637,31 @@ def test_shard_state_differing_between_ranks_raises_on_every_rank(world, kind):
     all_ranks_agree(world.comm, not bad, "; ".join(bad))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_a_hierarchical_sum_in_one_ranks_optimizer_options_raises_on_every_rank(world, shard):
+    """Its gradients would be summed within nodes and between their leaders while the others sum
+    them over every rank at once: the build names the difference, before any step (list or stream)."""
+    variables = make_variables(world.strategy)
+    route = CommunicationOptions(implementation="HIERARCHICAL") if world.rank == 0 else None
+    with world.strategy.scope():
+        opt = SGD(LR, shard_state=shard, communication_options=route)
+    pairs = [(local_grad(n, 0, world.rank), variables[n]) for n in NAMES]
+    raises_on_every_rank(
+        world.comm,
+        CollectiveMismatchError,
+        lambda: run_step(world.strategy, opt, pairs),
+        "CommunicationOptions.implementation: rank 0: CommunicationOptions.implementation HIERARCHICAL",
+    )
+    with world.strategy.scope():
+        opt = SGD(LR, shard_state=shard)  # the same everywhere: the step goes through
+    run_step(world.strategy, opt, pairs)
+    ref = Reference("sgd")
+    ref.step({n: summed_grad(n, 0, world.size) for n in NAMES})
+    bad = differences(weights(variables), ref.params, ROUNDING)
+    all_ranks_agree(world.comm, not bad, "; ".join(bad))
+
+
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 def test_a_variable_of_another_strategy_raises_on_every_rank(group, shard):
     other = mpistrat.MPIStrategy(group.comm)
