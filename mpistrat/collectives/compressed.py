@@ -139,8 +139,12 @@ def _sum_overflows(encoded: np.ndarray, parts: np.ndarray, codec: str) -> bool:
     return bool(np.isfinite(parts[:, _not_finite(encoded, codec)]).all(axis=0).any())
 
 
-def _raise_overflow(flags: np.ndarray, codec: str, where: str) -> None:
+def _raise_overflow(flags: np.ndarray, codec: str, where: str, nodes: list[list[int]] | None = None) -> None:
     ranks = np.flatnonzero(flags).tolist()
+    on = f"on rank(s) {ranks}"
+    if nodes:  # the ranks were nodes' leaders, each sending its node's sum: name the strategy's ranks there
+        members = sorted(r for leader in ranks for r in nodes[leader])
+        on = f"on rank(s) {members} (their node's sum, between nodes)"
     advice = (
         "Use compression='bf16' (float32's range), scale the values down (a loss scale), or turn "
         "compression off"
@@ -148,18 +152,24 @@ def _raise_overflow(flags: np.ndarray, codec: str, where: str) -> None:
         else "Scale the values down, or turn compression off"
     )
     raise InvalidArgumentError(
-        f"{where}: compression={codec!r} overflowed on rank(s) {ranks}: a finite value or a partial sum "
+        f"{where}: compression={codec!r} overflowed {on}: a finite value or a partial sum "
         f"beyond +-{_LARGEST[codec]:g}, {codec}'s largest finite value, which would come back as an "
         f"infinity. {advice}"
     )
 
 
 def compressed_sum(
-    comm: MPI.Intracomm, x: np.ndarray, codec: str, mean: bool = False, where: str = "all_reduce"
+    comm: MPI.Intracomm,
+    x: np.ndarray,
+    codec: str,
+    mean: bool = False,
+    where: str = "all_reduce",
+    nodes: list[list[int]] | None = None,
 ) -> np.ndarray:
     """The sum (or mean) over ranks of the 1-D float32/float64 host array ``x``, 16 bits on the wire.
 
     Collective: one ``Alltoall`` and one ``Allgather``. Returns a new array of ``x``'s dtype.
+    ``nodes``: ``comm`` is the nodes' leaders, and an overflow names the ranks of ``nodes[leader]``.
     """
     size = comm.Get_size()
     total, overflow, parts = _blocks(comm, x, codec)
@@ -172,7 +182,7 @@ def compressed_sum(
     gathered = np.empty((size, block + 1), dtype=np.uint16)
     mpi.allgather(comm, mine, gathered.reshape(-1))
     if gathered[:, block].any():
-        _raise_overflow(gathered[:, block], codec, where)
+        _raise_overflow(gathered[:, block], codec, where, nodes)
     return decode(np.ascontiguousarray(gathered[:, :block]).reshape(-1)[: x.size], codec).astype(x.dtype)
 
 

@@ -52,7 +52,7 @@ def compressed_sum(self: Collectives, x: np.ndarray, codec: str, mean: bool, whe
     if h.between_nodes:
         assert h.leaders is not None
         try:
-            total[:-1] = compressed.compressed_sum(h.leaders, total[:-1], codec, False, where)
+            total[:-1] = compressed.compressed_sum(h.leaders, total[:-1], codec, False, where, h.nodes)
         except InvalidArgumentError as exc:  # raised alike on every leader
             error, total[-1] = str(exc), 1
     if h.node.Get_size() > 1:

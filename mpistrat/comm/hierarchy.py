@@ -37,7 +37,9 @@ NODE, LEADERS = "mpistrat node", "mpistrat leaders"  # the sub-communicators' na
 
 class Hierarchy:
     """One communicator's ranks split by node: ``node`` (this node's ranks) and, on each node's
-    leader, ``leaders`` (one rank per node; ``None`` on the other ranks). Collective to make."""
+    leader, ``leaders`` (one rank per node; ``None`` on the other ranks) and ``nodes`` (for each
+    leader, in the leaders' order, the ranks of ``comm`` on its node: what an error found between
+    the leaders names). Collective to make."""
 
     def __init__(self, comm: MPI.Intracomm):
         rank = comm.Get_rank()
@@ -47,8 +49,13 @@ class Hierarchy:
         self.leader = self.node.Get_rank() == 0
         leaders = comm.Split(0 if self.leader else MPI.UNDEFINED, key=rank)
         self.leaders = cast(MPI.Intracomm, leaders) if self.leader else None
+        self.nodes: list[list[int]] = []
         if self.leaders is not None:
             self.leaders.Set_name(LEADERS)
+            mine = MPI.Group.Translate_ranks(
+                self.node.Get_group(), range(self.node.Get_size()), comm.Get_group()
+            )
+            self.nodes = self.leaders.allgather(sorted(mine))
 
     @property
     def between_nodes(self) -> bool:

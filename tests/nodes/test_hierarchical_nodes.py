@@ -45,3 +45,12 @@ def test_only_leaders_send_between_nodes_compressed_halves_it_and_errors_stay_wi
                 assert c["leaders"] == ["Alltoall", "Allgather"], where
                 assert c["leaders_ring_bytes"] <= (0.51 if dtype == "float32" else 0.26) * plain, where
                 assert c["of_rounding"] > 1.0, where  # rounded to 16 bits: beyond float rounding
+
+
+def test_an_overflow_between_nodes_names_the_ranks_of_the_node_not_the_leaders_numbering():
+    """fp16 between the leaders; world rank 3 (nodeb) passes a value beyond 65504. The leaders'
+    communicator numbers nodeb's leader 1: world rank 1 (nodea) did nothing wrong."""
+    code, out = nodes.run_job(["tests/nodes/jobs/overflow_named.py", "3"], limit=60)
+    assert code == 0, out
+    named = "compression='fp16' overflowed on rank(s) [2, 3] (their node's sum, between nodes)"
+    assert all(f"rank {r}: InvalidArgumentError: all_reduce: {named}" in out for r in range(4)), out
