@@ -17,6 +17,7 @@ WARNING; ``configure(level="WARNING")`` keeps only the latter.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TextIO
 
@@ -24,7 +25,7 @@ from mpi4py import MPI
 
 from mpistrat import config
 
-__all__ = ["ANY_RANK", "configure", "logger", "world_rank"]
+__all__ = ["ANY_RANK", "configure", "from_terminal", "logger", "world_rank"]
 
 ANY_RANK = {"any_rank": True}
 FORMAT = "[mpistrat rank %(rank)s] %(levelname)s: %(message)s"
@@ -40,6 +41,20 @@ def world_rank() -> int:
     except Exception:  # a logger must never fail
         pass
     return 0
+
+
+def from_terminal() -> bool:
+    """Whether a person watches this process's output: stderr is a terminal, or (under ``mpiexec``,
+    where every rank's output is a pipe) the process still has a controlling terminal. False in
+    batch jobs, CI and ``nohup``: progress is then a line at a time, never a redrawn bar."""
+    if sys.stderr.isatty():
+        return True
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:  # no controlling terminal
+        return False
+    os.close(fd)
+    return True
 
 
 def _everyone() -> bool:

@@ -26,8 +26,11 @@ import dataclasses
 import datetime
 import os
 import platform
+import signal
 import socket
 import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -35,7 +38,8 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat.collectives import Collectives, check_enabled
-from mpistrat.tools import bench_args, bench_meta, bench_report, host
+from mpistrat.tools import bench_args, bench_load, bench_meta, bench_report, host
+from mpistrat.tools import bench_progress as progress
 from mpistrat.tools.bench_ops import OPS, Case, Setup
 from mpistrat.tools.sizes import parse_size
 
@@ -43,6 +47,9 @@ __all__ = ["main", "parse_size", "iterations", "sizes_between"]
 
 # Above this many bytes the iteration count shrinks in proportion to the size (OSU's "large").
 LARGE = 8 << 10
+# Slurm's time limit (SIGTERM) and its warning (--signal=USR1@...): the sweep ends after the current size.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOPPED = 75  # the exit status of a sweep a signal stopped (EX_TEMPFAIL, as a preempted training job's)
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -228,23 +235,62 @@ def _before_the_sweep(
 
 def _oversubscribed(meta: dict[str, Any]) -> list[str]:
     return [
-        f"WARNING: {load}: oversubscribed. The ranks take turns on the cores, so the times measure that "
-        "sharing, not mpistrat (the rows are marked oversubscribed). Start at most one rank per core"
+        f"WARNING: {load}: {bench_report.OVERSUBSCRIBED} (the rows are marked oversubscribed). "
+        "Start at most one rank per core"
         for load in meta["oversubscribed"]
     ]
 
 
-def _from_terminal() -> bool:
-    """Whether this job was started from a terminal: stderr is one, or (under mpiexec, where every
-    rank's stderr is a pipe) the process still has a controlling terminal to open."""
-    if sys.stderr.isatty():
-        return True
-    try:
-        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
-    except OSError:  # batch jobs, CI, nohup: none
-        return False
-    os.close(fd)
-    return True
+class _Signals:
+    """SIGTERM and SIGUSR1 (Slurm's time limit and its warning) noted, not fatal, while the sweep
+    runs: the ranks stop together after the row they are in (:meth:`agreed`)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.seen = signum
+
+    def agreed(self, comm: MPI.Intracomm) -> int:
+        """The signal some rank saw, or 0 (collective: every rank stops after the same row)."""
+        return int(comm.allreduce(self.seen, op=MPI.MAX))
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+
+
+class _Outputs:
+    """Rank 0's files: the JSON and the CSV, rewritten whole after every row."""
+
+    def __init__(self, args: Any):
+        self.paths = {
+            flag: (path, write)
+            for flag, path, write in (
+                ("json", args.json, bench_report.write_json),
+                ("csv", args.csv, bench_report.write_csv),
+            )
+            if path
+        }
+        self.failed = False
+
+    def write(self, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        for flag, (path, write) in list(self.paths.items()):
+            try:
+                write(path, meta, rows)
+            except OSError as exc:  # say so once and keep the other file
+                print(
+                    f"mpistrat bench: --{flag} {path}: could not write the results ({exc})", file=sys.stderr
+                )
+                del self.paths[flag]
+                self.failed = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,64 +322,29 @@ def main(argv: list[str] | None = None) -> int:
         for note in bench_args.notes(args, sizes) + _oversubscribed(meta):
             print(f"mpistrat bench: {note}", file=sys.stderr, flush=True)
     tasks = [(o, s) for o in ops for s in sizes]
-    show = args.progress if args.progress is not None else rank == 0 and _from_terminal()
-    bar = _progress(len(tasks), rank == 0 and show, asked=bool(args.progress))
-    rows: list[dict[str, Any]] = []
-    seen: set[tuple[str, int]] = set()
-    try:  # closed before an interrupt is reported, so the bar does not redraw after the message
-        for op_name, nbytes in tasks:
-            bar.set_postfix_str(f"{op_name} {bench_report.human(nbytes)}", refresh=False)
-            dtype = np.dtype(args.dtype)
-            setup = Setup(
-                strategy,
-                comm,
-                dtype,
-                nbytes,
-                args.leaves,
-                args.batch,
-                args.scaling,
-                args.shard,
-                rtol,
-                args.checkpoint_dir,
-            )
-            # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
-            case, timed = _run_case(strategy, op_name, setup, args, seen)
-            if setup.cleanups:  # the checkpoint ops' files, once every rank is done with them
-                comm.Barrier()
-                for cleanup in setup.cleanups:
-                    cleanup()
-            bar.update(1)
-            if timed is None:
-                continue
-            seen.add((op_name, case.nbytes))
-            rows.append(
-                {**_record(comm, op_name, case, timed, args), "oversubscribed": bool(meta["oversubscribed"])}
-            )
+    outputs = _Outputs(args) if rank == 0 else None
+    watch = bench_load.Watch(comm, loads)
+    meta["load"] = watch.record()
+    shown = progress.choose(args.progress, rank == 0, len(tasks), quiet=args.quiet)
+    try:  # the bar closed before an interrupt is reported, so it does not redraw after the message
+        rows = _sweep(strategy, comm, tasks, args, rtol, meta, outputs, shown)
     finally:
-        bar.close()
+        shown.close()
+    meta["load"] = watch.finish()
     failed = [
         f"{r['op']} {r['bytes']} B ({side})"
         for r in rows
         for side in ("mpistrat", "raw", "raw2")
         if r[side] and not r[side]["ok"]
     ]
-    code = 1 if failed else 0
-    if rank == 0:
-        if not args.quiet:
-            print(bench_report.table(meta, rows), flush=True)
-        for flag, path, write in (
-            ("json", args.json, bench_report.write_json),
-            ("csv", args.csv, bench_report.write_csv),
-        ):
-            if not path:
-                continue
-            try:
-                write(path, meta, rows)
-            except OSError as exc:  # written at the end: say so and keep the other file
-                print(
-                    f"mpistrat bench: --{flag} {path}: could not write the results ({exc})", file=sys.stderr
-                )
-                code = 1
+    code = 1 if failed else STOPPED if meta["partial"] else 0
+    if outputs is not None:
+        outputs.write(meta, rows)
+        shown.lines(bench_report.foot(meta, rows))
+        for warning in bench_report.warnings({**meta, "oversubscribed": []}, rows):
+            print(f"mpistrat bench: WARNING: {warning}", file=sys.stderr, flush=True)
+        if outputs.failed:
+            code = 1
         if failed:
             print("mpistrat bench: WRONG RESULTS for " + ", ".join(failed), file=sys.stderr, flush=True)
     strategy.experimental_finalize()
@@ -341,37 +352,86 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-class _NoBar:
-    """No progress bar: where none is wanted, or tqdm is not installed."""
-
-    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, show: bool, asked: bool = False) -> Any:
-    """tqdm's bar on stderr where tqdm is installed (the ``progress`` extra), else none.
-
-    Without tqdm an explicit ``--progress`` (``asked``) says so once; the sweep runs as ever.
-    """
-    if not show:
-        return _NoBar()
+def _sweep(
+    strategy: mpistrat.MPIStrategy,
+    comm: MPI.Intracomm,
+    tasks: list[tuple[str, int]],
+    args: Any,
+    rtol: float,
+    meta: dict[str, Any],
+    outputs: _Outputs | None,
+    shown: progress.Display,
+) -> list[dict[str, Any]]:
+    """Every size of every operation, each row shown and written as it is measured (rank 0);
+    ``meta['partial']`` says why the rows stop short, None once they are all there."""
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[str, int]] = set()
+    meta["partial"] = "the sweep did not finish (0 of its sizes measured)"
+    if outputs is not None:
+        shown.lines(bench_report.head(meta))
+        outputs.write(meta, rows)
+    done, began = 0, time.monotonic()
     try:
-        from tqdm import tqdm
-    except ImportError:
-        if asked:
-            print(
-                "mpistrat bench: --progress needs tqdm (pip install tqdm, or the progress extra): no bar",
-                file=sys.stderr,
-                flush=True,
-            )
-        return _NoBar()
-    return tqdm(total=total, desc="mpistrat bench", unit="size", file=sys.stderr, dynamic_ncols=True)
+        with _Signals() as signals:
+            for op_name, nbytes in tasks:
+                case, timed = _one(strategy, comm, op_name, nbytes, args, rtol, seen)
+                done += 1
+                if timed is not None:
+                    seen.add((op_name, case.nbytes))
+                    row = _record(comm, op_name, case, timed, args)
+                    row["oversubscribed"] = bool(meta["oversubscribed"])
+                    rows.append(row)
+                    meta["partial"] = f"the sweep did not finish ({done} of its {len(tasks)} sizes measured)"
+                    if outputs is not None:
+                        if len(rows) == 1 or rows[-2]["op"] != op_name:
+                            shown.lines(bench_report.block_head(op_name, row["raw2"] is not None))
+                        shown.lines([bench_report.row_line(row)])
+                        outputs.write(meta, rows)
+                shown.step(done, f"{op_name} {bench_report.human(nbytes)}", time.monotonic() - began)
+                if stop := signals.agreed(comm):
+                    meta["partial"] = (
+                        f"stopped by {signal.Signals(stop).name} after {done} of its {len(tasks)} sizes "
+                        f"({len(tasks) - done} not measured)"
+                    )
+                    return rows
+    except KeyboardInterrupt:  # each rank on its own: rank 0 keeps what was measured, says why
+        if outputs is not None:
+            meta["partial"] = f"interrupted (SIGINT) after {done} of its {len(tasks)} sizes"
+            outputs.write(meta, rows)
+        raise
+    meta["partial"] = None
+    return rows
+
+
+def _one(
+    strategy: mpistrat.MPIStrategy,
+    comm: MPI.Intracomm,
+    op_name: str,
+    nbytes: int,
+    args: Any,
+    rtol: float,
+    seen: set[tuple[str, int]],
+) -> tuple[Case, dict[str, Any] | None]:
+    """One size of one operation: its case and timings (none for a size already timed)."""
+    setup = Setup(
+        strategy,
+        comm,
+        np.dtype(args.dtype),
+        nbytes,
+        args.leaves,
+        args.batch,
+        args.scaling,
+        args.shard,
+        rtol,
+        args.checkpoint_dir,
+    )
+    # sizes below an op's smallest message (nest ops: one element per leaf) repeat it: time it once
+    case, timed = _run_case(strategy, op_name, setup, args, seen)
+    if setup.cleanups:  # the checkpoint ops' files, once every rank is done with them
+        comm.Barrier()
+        for cleanup in setup.cleanups:
+            cleanup()
+    return case, timed
 
 
 if __name__ == "__main__":

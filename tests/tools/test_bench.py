@@ -6,12 +6,15 @@ counts, nccl-tests bandwidths) recomputed here from its own raw numbers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +22,16 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.tools import bench, bench_args, bench_meta, bench_optimizer, bench_report, host
+from mpistrat.tools import (
+    bench,
+    bench_args,
+    bench_load,
+    bench_meta,
+    bench_optimizer,
+    bench_progress,
+    bench_report,
+    host,
+)
 from mpistrat.tools.bench_ops import DEFAULT_OPS, OPS, Setup
 from tests.conftest import all_ranks_agree
 from tests.support.launch import launcher_options
@@ -262,7 +274,7 @@ def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
     if rank == 0:
         data = json.loads(out.read_text())
         problems += validate(data, n, DEFAULT_OPS, 1024, oversubscribed=over)
-        if over != ("oversubscribed. The ranks take turns" in captured.err):
+        if over != (bench_report.OVERSUBSCRIBED in captured.err):
             problems.append(f"oversubscribed {over}, stderr {captured.err[-300:]!r}")
         problems += [f"table lacks {op}" for op in DEFAULT_OPS if f"## {op}:" not in printed]
         csv_lines = (tmp_path / "run.csv").read_text().splitlines()
@@ -275,10 +287,15 @@ def test_bench_at_this_size_writes_checked_json_and_csv(tmp_path, capsys):
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
+def _said(err: str) -> str:
+    """stderr without the warnings a busy or crowded machine adds (tested on their own)."""
+    return "".join(line for line in err.splitlines(True) if "WARNING: " not in line)
+
+
 @pytest.mark.parametrize("tqdm", ["installed", "missing"])
-def test_progress_is_tqdms_bar_and_without_tqdm_the_same_sweep(tmp_path, capsys, monkeypatch, tqdm):
-    """tqdm is optional (the ``progress`` extra): without it ``--progress`` runs the same checked
-    sweep and says, once, that there is no bar."""
+def test_progress_is_tqdms_bar_and_without_tqdm_a_line_per_size(tmp_path, capsys, monkeypatch, tqdm):
+    """tqdm is optional (the ``progress`` extra): without it ``--progress`` says so once and shows a
+    line per size; the sweep and its files are the same."""
     if tqdm == "missing":
         monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` raises ImportError
     else:
@@ -288,7 +305,7 @@ def test_progress_is_tqdms_bar_and_without_tqdm_the_same_sweep(tmp_path, capsys,
     out = tmp_path / "run.json"
     code = bench.main([*SMALL, "--json", str(out), "--csv", str(tmp_path / "run.csv"), "--progress"])
     printed = capsys.readouterr()
-    err = "".join(line for line in printed.err.splitlines(True) if "oversubscribed." not in line)
+    err = _said(printed.err)
     problems = [f"exit code {code}"] if code else []
     if rank == 0:
         data = json.loads(out.read_text())
@@ -298,13 +315,67 @@ def test_progress_is_tqdms_bar_and_without_tqdm_the_same_sweep(tmp_path, capsys,
         if len(csv_lines) != 1 + len(data["results"]) or "time_avg_us" not in csv_lines[0]:
             problems.append(f"csv: {csv_lines[:2]}")
         tasks = len(DEFAULT_OPS) * len(bench.sizes_between(4, 1024))
-        if tqdm == "installed" and f"{tasks}/{tasks}" not in err:
+        if tqdm == "installed" and (f"{tasks}/{tasks}" not in err or "sizes measured" in err):
             problems.append(f"no finished bar in stderr {err[-300:]!r}")
-        said = "mpistrat bench: --progress needs tqdm (pip install tqdm, or the progress extra): no bar\n"
-        if tqdm == "missing" and err != said:
+        said = "mpistrat bench: --progress: tqdm is not installed (pip install tqdm, or the progress extra)"
+        lines = err.splitlines()
+        if tqdm == "missing" and not (
+            lines[0].startswith(said)
+            and lines[-1].startswith(f"mpistrat bench: {tasks}/{tasks} sizes measured")
+        ):
             problems.append(f"stderr {err[-300:]!r}")
     elif printed.out or err:
         problems.append(f"rank {rank} printed {printed.out[:80]!r} {err[:80]!r}")
+    all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_without_a_terminal_progress_is_a_line_per_size_and_the_table_comes_row_by_row(
+    tmp_path, capsys, monkeypatch
+):
+    """In a batch log (no terminal) rank 0 prints no bar: a line per size on stderr, and each row of
+    the table on stdout once measured, between the lines of the sizes before and after it."""
+    monkeypatch.setattr(bench_progress, "from_terminal", lambda: False)
+    events: list[tuple[str, str]] = []  # (stream, line), in the order they were written
+
+    class Tap:
+        def __init__(self, name, real):
+            self.name, self.real = name, real
+
+        def write(self, text):
+            events.extend((self.name, line) for line in text.splitlines() if line)
+            return self.real.write(text)
+
+        def flush(self):
+            self.real.flush()
+
+    monkeypatch.setattr(sys, "stdout", Tap("out", sys.stdout))
+    monkeypatch.setattr(sys, "stderr", Tap("err", sys.stderr))
+    code = bench.main(
+        ["--ops", "all_reduce", "--min", "4", "--max", "16", "--iters", "3", "--min-iters", "2"]
+    )
+    capsys.readouterr()
+    problems = [f"exit code {code}"] if code else []
+    if WORLD.Get_rank() == 0:
+        sizes = {"4 B", "8 B", "16 B"}
+        seen = [
+            line[:9].strip() if stream == "out" else line.split("),")[0] + ")"
+            for stream, line in events
+            if (stream == "out" and line[:9].strip() in sizes) or "sizes measured" in line
+        ]
+        want = [
+            "4 B",
+            "mpistrat bench: 1/3 sizes measured (all_reduce 4 B)",
+            "8 B",
+            "mpistrat bench: 2/3 sizes measured (all_reduce 8 B)",
+            "16 B",
+            "mpistrat bench: 3/3 sizes measured (all_reduce 16 B)",
+        ]
+        if seen != want:
+            problems.append(f"order {seen}")
+        if any("\r" in line for _, line in events):
+            problems.append("a carriage return: a redrawn bar")
+    elif events:
+        problems.append(f"rank {WORLD.Get_rank()} printed {events[:2]}")
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
 
 
@@ -474,6 +545,129 @@ def test_optimizer_steps_under_mpiexec(tmp_path, ranks):
     assert validate(json.loads(out.read_text()), ranks, OPTIMIZER_OPS, 1024) == []
 
 
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """The process of ``rank`` in a job whose command line holds ``marker`` (MPICH's Hydra and Open
+    MPI set PMI_RANK / OMPI_COMM_WORLD_RANK), or None while it has not started."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if marker.encode() not in cmdline or b"mpiexec" in cmdline or b"prterun" in cmdline:
+                continue
+            env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
+        except (OSError, ValueError):
+            continue
+        if env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK")) == str(rank).encode():
+            return int(entry.name)
+    return None
+
+
+def _files_as_read(json_path: Path, csv_path: Path, rows: int, limit: float) -> tuple[dict, list[dict]]:
+    """Read both files every 50 ms, as another program would while the sweep writes them, until the
+    JSON holds ``rows`` rows: each read must parse whole (a cut or half-written file would not)."""
+    import csv
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if json_path.exists() and csv_path.exists():
+            data = json.loads(json_path.read_text())  # raises on a partial file
+            table = list(csv.DictReader(csv_path.open()))
+            assert [(r["op"], int(r["bytes"])) for r in table] == [
+                (r["op"], r["bytes"]) for r in data["results"][: len(table)]
+            ], (table, data["results"])
+            if len(data["results"]) >= rows:
+                return data, table
+        time.sleep(0.05)
+    pytest.fail(f"no {rows} rows in {json_path} after {limit} s")
+
+
+@pytest.mark.serial
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds a rank's process in /proc")
+@pytest.mark.parametrize("how", ["SIGTERM to rank 1", "SIGKILL"])
+def test_a_cut_sweep_leaves_valid_files_of_its_finished_rows(tmp_path, how):
+    """Every row goes to the JSON and the CSV as it is measured, each rewritten and renamed into place,
+    so a job killed at any moment leaves valid files; SIGTERM on any one rank (Slurm's time limit)
+    ends the sweep on every rank after the size it is in, with the files marked partial (exit 75)."""
+    import csv
+
+    json_path, csv_path = tmp_path / "run.json", tmp_path / "run.csv"
+    ranks = 3 if how.startswith("SIGTERM") else 2  # 3: the signal reaches one rank of an uneven job
+    args = ["--ops", "all_reduce", "--min", "4", "--max", "64MiB", "--iters", "300", "--min-iters", "300"]
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpistrat", "bench", *args]
+    cmd += ["--json", str(json_path), "--csv", str(csv_path), "--no-progress"]
+    with subprocess.Popen(
+        cmd,
+        env=mpiexec_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            before, _ = _files_as_read(json_path, csv_path, 2, limit=90)
+            assert before["meta"]["partial"].startswith("the sweep did not finish"), before["meta"]
+            if how == "SIGKILL":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                pid = _rank_pid(str(json_path), 1)
+                assert pid is not None, "rank 1's process not found"
+                os.kill(pid, signal.SIGTERM)
+            out, err = proc.communicate(timeout=90)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    data = json.loads(json_path.read_text())
+    table = list(csv.DictReader(csv_path.open()))
+    rows = data["results"]
+    assert validate(data, ranks, ["all_reduce"]) == []
+    assert len(rows) >= 2 and rows[0]["bytes"] == 4 and rows[-1]["bytes"] < 64 << 20, rows
+    assert [int(r["bytes"]) for r in table] == [r["bytes"] for r in rows][: len(table)]
+    if how == "SIGKILL":  # the last row may have reached the JSON alone
+        assert len(rows) - 1 <= len(table) <= len(rows)
+        assert data["meta"]["partial"].startswith("the sweep did not finish"), data["meta"]
+        return
+    assert proc.returncode == bench.STOPPED, err[-2000:]
+    assert len(table) == len(rows) and {r["partial"] for r in table} == {data["meta"]["partial"]}
+    assert data["meta"]["partial"].startswith(f"stopped by SIGTERM after {len(rows)} of its 25 sizes"), data
+    assert "partial results: stopped by SIGTERM" in err, err[-2000:]
+    assert out.count("\n    ") >= len(rows) and out.count(" yes") == len(rows), out  # the rows, printed
+    assert data["meta"]["load"][0]["seconds"] > 0, data["meta"]["load"]  # read again at the stop
+
+
+@pytest.mark.serial
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins processes to a core (Linux)")
+def test_a_busy_loop_beside_the_bench_is_warned_about_and_reported(tmp_path):
+    """The rank and two busy loops share CPU 0: the rank gets a third of it, the loops the rest, and
+    bench says the host was busy (others kept about 0.67 of the rank's one core busy, none left free),
+    in its table, on stderr and in the JSON, which ``report`` then repeats."""
+    loop = [sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"]
+    busy = [subprocess.Popen(loop) for _ in range(2)]
+    try:
+        out = tmp_path / "run.json"
+        args = ["--ops", "all_reduce", "--max", "64", "--iters", "500", "--json", str(out), "--no-progress"]
+        cmd = ["taskset", "-c", "0", *mpiexec(), "-n", "1", sys.executable, "-m", "mpistrat", "bench", *args]
+        if shutil.which("taskset") is None:
+            pytest.skip("needs taskset (util-linux)")
+        done = subprocess.run(cmd, env=mpiexec_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    load = json.loads(out.read_text())["meta"]["load"]
+    assert len(load) == 1 and load[0]["cores"] == 1 and load[0]["ranks"] == 1, load
+    assert load[0]["others_cores"] >= 0.5, load  # two loops against one rank: about 0.67
+    said = f"other processes kept {load[0]['others_cores']:g} of the ranks' 1 cores busy during the sweep"
+    assert said in done.stderr and "WARNING:" in done.stderr, done.stderr[-2000:]
+    assert f"# WARNING: {load[0]['host']} was busy: " in done.stdout, done.stdout[-2000:]
+    report = subprocess.run(
+        [sys.executable, "-m", "mpistrat", "report", str(out)],
+        env=mpiexec_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert report.returncode == 0 and said in report.stdout, report.stdout + report.stderr
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("mode", [["--deterministic"], ["--compression", "bf16"], ["--compression", "fp16"]])
 def test_bench_times_exact_and_compressed_reductions_and_records_the_mode(tmp_path, mode):
@@ -573,3 +767,56 @@ def test_a_host_load_counts_ranks_against_the_union_of_their_bindings():
     assert host.loads([("a", [0], 2), ("a", [0], 2), ("a", [1], 2)]) == [host.HostLoad("a", 3, 2)]
     unbound = host.loads([("b", None, 4)] * 4 + [("c", None, 4)] * 5)
     assert [(h.host, h.oversubscribed) for h in unbound] == [("b", False), ("c", True)]
+
+
+def test_the_cores_others_kept_busy_come_from_proc_stat_and_the_ranks_own_cpu_time(tmp_path):
+    """/proc/stat's lines of the ranks' cores only; busy = all - idle - iowait - steal; what the
+    ranks did not use of it, per second, is the others'; warned about beyond the free cores + SLACK."""
+    stat = tmp_path / "proc/stat"
+    stat.parent.mkdir(parents=True)
+    # cpu user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text(
+        "cpu  900 0 100 1000 0 0 0 0 0 0\n"
+        "cpu0 300 0 0 100 50 0 0 10 7 0\n"
+        "cpu1 400 0 0 200 0 0 0 0 0 0\n"
+        "cpu2 5 0 0 999 0 0 0 0 0 0\n"
+        "intr 1 2 3\n"
+    )
+    assert bench_load.ticks([0, 1], tmp_path) == bench_load.Ticks(total=1060, idle=350, steal=10)
+    assert bench_load.ticks(None, tmp_path) == bench_load.Ticks(total=2064, idle=1349, steal=10)
+    assert bench_load.ticks([0], tmp_path / "elsewhere") is None
+    # 2 cores for 4 s: 800 ticks; 700 of them busy (7 s), 40 stolen; the ranks used 3 s: others 4 s / 4 s
+    start = bench_load.Reading(10.0, 1.0, [0.5, 0.5, 0.5], bench_load.Ticks(1000, 300, 0), 8)
+    end = bench_load.Reading(14.0, 4.0, [3.0, 1.0, 0.5], bench_load.Ticks(1800, 360, 40), 8)
+    assert bench_load.assess(start, end, cores=2, hz=100) == {
+        "seconds": 4.0,
+        "others_cores": 1.0,
+        "steal": 0.05,
+    }
+    entry = {"host": "n1", "ranks": 2, "cores": 2, "logical_cores": 8, "loadavg_before": [0.5, 0.5, 0.5]}
+    assert bench_load.warnings([{**entry, "others_cores": 0.5}]) == []  # 0 free + SLACK
+    (warned,) = bench_load.warnings([{**entry, "others_cores": 0.51, "steal": 0.05}])
+    assert warned.startswith(
+        "n1 was busy: other processes kept 0.51 of the ranks' 2 cores busy during the sweep"
+    )
+    assert "the hypervisor took 5% of the cores' time" in warned
+    # the load average before: against the machine's 8 logical cores less the 2 ranks
+    assert bench_load.warnings([{**entry, "loadavg_before": [6.5, 1, 1]}]) == []
+    (warned,) = bench_load.warnings([{**entry, "loadavg_before": [6.6, 1, 1]}])
+    assert "the load average was 6.6 before the sweep, with 6 of its 8 logical cores left free" in warned
+
+
+def test_rows_whose_mean_is_over_twice_their_median_are_marked_and_warned_about():
+    def row(avg, p50, raw_avg=10.0, raw_p50=10.0):
+        side = lambda a, p: {"time_us": {"avg": a, "p50": p, "min": a, "max": a}}  # noqa: E731
+        return {"op": "all_reduce", "bytes": 4, "mpistrat": side(avg, p50), "raw": side(raw_avg, raw_p50)}
+
+    assert bench_report.skewed(row(20.0, 10.0)) == []  # twice: not more than twice
+    assert bench_report.skewed(row(1476.0, 320.0)) == ["mpistrat"]
+    assert bench_report.skewed(row(5.0, 5.0, raw_avg=30.0)) == ["raw"]
+    assert (
+        bench_report.skewed({"mpistrat": {"time_us": {"avg": 9.0}}, "raw": None}) == []
+    )  # no p50: older file
+    (said,) = bench_report.warnings({}, [row(1476.0, 320.0), row(5.0, 5.0)])
+    assert said.startswith("1 row(s) marked 'skewed' have a mean more than 2x their median (p50) ")
+    assert "(all_reduce 4 B: mean 1476.00 us, p50 320.00)" in said
