@@ -31,7 +31,14 @@ from typing import Any
 
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.tools import heatmap
-from mpistrat.tools.bench_report import human, load, mode_title, scaling_mode
+from mpistrat.tools.bench_report import (
+    OVERSUBSCRIBED,
+    human,
+    load,
+    mode_title,
+    oversubscription,
+    scaling_mode,
+)
 from mpistrat.tools.sizes import parse_size
 
 __all__ = ["main", "speedup_efficiency"]
@@ -126,13 +133,24 @@ _SIDES = {"mpistrat": "mpistrat", "raw": "raw mpi4py", "raw2": "raw, second form
 _RATIOS = {"raw": "mpistrat / raw mpi4py", "raw2": "mpistrat / raw, second form (fused call; flat step)"}
 
 
+def _label(run: dict[str, Any]) -> str:
+    """A run's name in a legend: its label, ``*`` when oversubscribed, ``(partial)`` when cut short."""
+    meta = run["meta"]
+    return meta["label"] + " *" * bool(oversubscription(meta)) + " (partial)" * bool(meta.get("partial"))
+
+
+def _footnote(fig: Any, runs: list[dict[str, Any]]) -> bool:
+    """The note under a figure with oversubscribed points, in report's words; whether there is one."""
+    crowded = list(dict.fromkeys(load for run in runs for load in oversubscription(run["meta"])))
+    if crowded:
+        fig.text(0.01, 0.01, f"* {OVERSUBSCRIBED}: {'; '.join(crowded)}", fontsize=8, ha="left", va="bottom")
+    return bool(crowded)
+
+
 def _legend(fig: Any, runs: list[dict[str, Any]], sides: list[str], colours: list[Any], kind: str) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [
-        Line2D([], [], color=c, lw=2, label=run["meta"]["label"])
-        for run, c in zip(runs, colours, strict=True)
-    ]
+    handles = [Line2D([], [], color=c, lw=2, label=_label(run)) for run, c in zip(runs, colours, strict=True)]
     names = _RATIOS if kind == "ratio" else _SIDES
     handles += [Line2D([], [], color="0.3", ls=_STYLES[s], label=names[s]) for s in sides]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), frameon=False)
@@ -182,6 +200,7 @@ def _per_size(plt: Any, runs: list[dict[str, Any]], ops: list[str], kind: str, m
     if kind == "ratio":
         sides = [s for s in sides if s != "mpistrat"]
     _legend(fig, runs, sides, colours, kind)
+    _footnote(fig, runs)
     return fig
 
 
@@ -209,9 +228,12 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
     fig, axes = plt.subplots(len(modes), 3, figsize=(15, 4.0 * len(modes) + 0.8), squeeze=False)
     for row_axes, mode in zip(axes, modes, strict=True):
         by_ranks: dict[int, dict[str, list[float]]] = {}
+        crowded: set[int] = set()  # rank counts with an oversubscribed run, marked as report marks them
         for run in runs:
             if scaling_mode(run["meta"]) != mode:
                 continue
+            if oversubscription(run["meta"]):
+                crowded.add(run["meta"]["ranks"])
             rows = [r for r in run["results"] if r["op"] == op and r["bytes"] == size]
             if not rows:
                 raise InvalidArgumentError(
@@ -239,19 +261,32 @@ def _scaling(plt: Any, runs: list[dict[str, Any]], op: str | None, size: int | N
                     color="C0" if side == "mpistrat" else "C1",
                     label=label,
                 )
+                marked = [(n, v) for n, v in zip(ranks, y, strict=True) if n in crowded]
+                if marked:  # a red ring around each oversubscribed point, one legend entry per axis
+                    ax.plot(
+                        *zip(*marked, strict=True),
+                        ls="none",
+                        marker="o",
+                        ms=12,
+                        mfc="none",
+                        mec="red",
+                        mew=1.5,
+                        label="* oversubscribed" if side == "mpistrat" else None,
+                    )
         ideal_speedup = [n / ranks[0] for n in ranks]
         row_axes[1].plot(ranks, ideal_speedup, color="0.6", lw=0.8, label="ideal")
         row_axes[2].plot(ranks, [1.0] * len(ranks), color="0.6", lw=0.8, label="ideal")
         titles = (f"time per call ({unit})", "speed-up", "parallel efficiency")
         for ax, title in zip(row_axes, titles, strict=True):
             ax.set_xscale("log", base=2)
-            ax.set_xticks(ranks, [str(n) for n in ranks])
+            ax.set_xticks(ranks, [f"{n}*" if n in crowded else str(n) for n in ranks])
             ax.set_xlabel("ranks")
             ax.set_title(f"{mode_title(mode)}: {title}", fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
         row_axes[2].set_ylim(0, max(1.1, row_axes[2].get_ylim()[1]))
     fig.suptitle(f"{op} at {human(size)}", y=0.995)
+    _footnote(fig, runs)
     return fig
 
 
@@ -306,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.title:
         fig.suptitle(args.title)
-    fig.tight_layout(rect=(0, 0, 1, 0.93 if kind != "scaling" else 0.97))
+    noted = any(oversubscription(run["meta"]) for run in runs)  # room for the footnote
+    fig.tight_layout(rect=(0, 0.04 if noted else 0, 1, 0.93 if kind != "scaling" else 0.97))
     try:
         fig.savefig(args.output, dpi=110)
     except OSError as exc:

@@ -29,18 +29,28 @@ the cores rather than the library (:mod:`mpistrat.tools.host`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.tools import report_gate
-from mpistrat.tools.bench_report import human, load, mode_title, scaling_mode
+from mpistrat.tools.bench_report import (
+    OVERSUBSCRIBED,
+    human,
+    load,
+    mode_title,
+    oversubscription,
+    scaling_mode,
+    skewed,
+    warnings,
+)
 from mpistrat.tools.plot import speedup_efficiency
 from mpistrat.tools.sizes import parse_size
 
-__all__ = ["main", "oversubscription", "result_rows", "scaling_rows", "scaling_table"]
+__all__ = ["main", "result_rows", "scaling_rows", "scaling_table"]
 ROW_COLUMNS = (
     "file",
     "op",
@@ -54,6 +64,7 @@ ROW_COLUMNS = (
     "ratio",
     "busbw_GBps",
     "oversubscribed",
+    "skewed",
 )
 SCALING_COLUMNS = (
     "mode",
@@ -70,21 +81,6 @@ SCALING_COLUMNS = (
     "raw_efficiency",
     "oversubscribed",
 )
-
-
-def oversubscription(meta: dict[str, Any]) -> list[str]:
-    """The hosts of a run where more ranks ran than the cores they may use, as bench says them.
-
-    Files written before bench recorded it: one node and more ranks than rank 0's logical cores.
-    """
-    if "oversubscribed" in meta:
-        return list(meta["oversubscribed"])
-    cores = (meta.get("cpu") or {}).get("logical_cores")
-    ranks, nodes = meta.get("ranks", 0), meta.get("nodes", 1)
-    if nodes == 1 and cores and ranks > cores:
-        host = (meta.get("hosts") or ["its host"])[0]
-        return [f"{ranks} ranks on {cores} logical cores of {host}"]
-    return []
 
 
 def result_rows(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -108,6 +104,7 @@ def result_rows(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                     "ratio": r["ratio"],
                     "busbw_GBps": r["mpistrat"]["busbw_GBps"],
                     "oversubscribed": crowded,
+                    "skewed": bool(skewed(r)),
                 }
             )
     return out
@@ -278,7 +275,8 @@ def _scaling_title(rows: list[dict[str, Any]], mode: str) -> str:
     return f"{mode_title(mode)} of {first['op']} at {first['size']}, relative to {ranks} ({formula})"
 
 
-_CROWDED = "* oversubscribed, so the times measure the ranks taking turns on the cores, not mpistrat: "
+_CROWDED = f"* {OVERSUBSCRIBED}: "
+_P99 = "p99 '-': fewer timed iterations than a 99th percentile needs, or a file written before percentiles."
 
 
 def render(
@@ -295,6 +293,7 @@ def render(
         crowded = [load for _, run in runs for load in oversubscription(run["meta"])]
         if crowded:
             lines += [_CROWDED + "; ".join(dict.fromkeys(crowded)), ""]
+    without_p99 = False
     for path, run in runs:
         meta = run["meta"]
         n = meta["ranks"]
@@ -303,25 +302,30 @@ def render(
         lines += [h + f"{path}{label}: {about}", ""]
         if crowded := oversubscription(meta):
             lines += [_CROWDED + "; ".join(crowded), ""]
+        if said := warnings({**meta, "oversubscribed": []}, run["results"]):
+            lines += [*(f"WARNING: {w}" for w in said), ""]
         rows = result_rows([(path, run)])
         if not rows:
             lines += ["(no rows: the file's results list is empty)", ""]
             continue
         lines += _text(_ROW_HEAD, [_row_cells(r) for r in rows], markdown)
-        if any(r["p99_us"] is None for r in rows):
-            lines += [
-                "",
-                "p99 '-': fewer timed iterations than a 99th percentile needs, "
-                "or a file written before percentiles.",
-            ]
         lines.append("")
+        without_p99 = without_p99 or any(r["p99_us"] is None for r in rows)
+    if without_p99:
+        lines.append(_P99)
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _open(path: str) -> contextlib.AbstractContextManager[TextIO]:
+    """``path`` opened to write, its folder made; ``-``: standard output (left open)."""
+    if path == "-":
+        return contextlib.nullcontext(sys.stdout)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "w", newline="")
+
+
 def write_csv(path: str, records: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with _open(path) as f:
         writer = csv.DictWriter(f, fieldnames=list(columns))
         writer.writeheader()
         for r in records:
@@ -348,8 +352,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--size", type=parse_size, default=None, help="scaling table: the size (default the largest)"
     )
-    p.add_argument("--csv", metavar="PATH", help="write the table --table names as CSV")
-    p.add_argument("--markdown", metavar="PATH", help="write the printed tables as Markdown")
+    p.add_argument("--csv", metavar="PATH", help="write the table --table names as CSV ('-': to stdout)")
+    p.add_argument(
+        "--markdown", metavar="PATH", help="write the printed tables as Markdown ('-': to stdout, instead)"
+    )
     p.add_argument(
         "--reference",
         metavar="REF.json",
@@ -383,12 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         scaling = (
             scaling_table([run for _, run in runs], args.op, args.size) if (many or want_scaling) else None
         )
-        if not args.quiet:
+        if not args.quiet and "-" not in (args.markdown, args.csv):  # "-": that one on stdout instead
             print(render(runs, scaling, markdown=False), end="")
         if args.markdown:
-            folder = os.path.dirname(os.path.abspath(args.markdown))
-            os.makedirs(folder, exist_ok=True)
-            with open(args.markdown, "w") as f:
+            with _open(args.markdown) as f:
                 f.write(render(runs, scaling, markdown=True))
         if args.csv:
             if want_scaling:
@@ -406,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"mpistrat report: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(report_gate.verdict(verdict, args.reference, args.metric, args.tolerance))
+    taken = "-" in (args.markdown, args.csv)  # stdout holds a file: the verdict goes beside it
+    print(
+        report_gate.verdict(verdict, args.reference, args.metric, args.tolerance),
+        file=sys.stderr if taken else None,
+    )
     return 0 if verdict.passed else 1
 
 

@@ -163,3 +163,52 @@ def test_the_ratio_legend_says_each_line_is_mpistrat_over_a_raw_side(runs):
         sides = ["raw", "raw2"] if kind == "ratio" else ["mpistrat", "raw", "raw2"]
         assert labels == [run["meta"]["label"] for run in loaded] + [names[s] for s in sides], labels
     assert plot._RATIOS["raw"] == "mpistrat / raw mpi4py"
+
+
+def test_oversubscribed_points_are_marked_as_report_marks_them(tmp_path, monkeypatch, capsys):
+    """The figure ``mpistrat plot`` writes, read back: the 4-rank point (from an oversubscribed run) is
+    ringed on every axis, its tick says ``4*`` as report's tables do, and the note under the figure is
+    report's note, word for word; the bandwidth figure's legend marks that run ``*`` too."""
+    from matplotlib.figure import Figure
+
+    paths = []
+    for ranks, crowded in ((1, False), (2, False), (4, True)):
+        run = _fake_run(ranks, "strong", 10.0)
+        if crowded:
+            run["meta"]["oversubscribed"] = ["4 ranks on 2 logical cores of h"]
+        paths.append(tmp_path / f"r{ranks}.json")
+        paths[-1].write_text(json.dumps(run))
+    drawn: list = []
+    save = Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        drawn.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    args = [*map(str, paths), "--op", "all_reduce", "--size", "1KiB"]
+    assert plot.main([*args, "-o", str(tmp_path / "s.png"), "--kind", "scaling"]) == 0
+    (fig,) = drawn
+    # all_reduce at 1 KiB: 10 * 2 * (1 + n/4) * 1.1 us (mpistrat's side of _fake_run), strong scaling
+    t = {n: 10.0 * 2 * (1 + n / 4) * 1.1 for n in (1, 2, 4)}
+    expected = [t[4], t[1] / t[4], t[1] / t[4] * 1 / 4]  # time, speed-up, efficiency at 4 ranks
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 3
+    for ax, value in zip(axes, expected, strict=True):
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4*"]
+        rings = [line for line in ax.get_lines() if line.get_label() == "* oversubscribed"]
+        assert len(rings) == 1 and list(rings[0].get_xdata()) == [4], [
+            line.get_label() for line in ax.get_lines()
+        ]
+        assert rings[0].get_ydata()[0] == pytest.approx(value)
+        assert rings[0].get_marker() == "o" and rings[0].get_markerfacecolor() == "none"
+    notes = [text.get_text() for text in fig.texts if text.get_text().startswith("*")]  # not the title
+    assert notes == [f"* {bench_report.OVERSUBSCRIBED}: 4 ranks on 2 logical cores of h"], notes
+    from mpistrat.tools import report
+
+    assert report.main(list(map(str, paths))) == 0
+    assert notes[0] in capsys.readouterr().out.splitlines()  # report's own note, the same line
+    assert plot.main([*args, "-o", str(tmp_path / "b.png"), "--kind", "bandwidth"]) == 0
+    legend = [t.get_text() for t in drawn[-1].legends[0].get_texts()]
+    assert legend[:3] == ["1 ranks", "2 ranks", "4 ranks *"], legend
+    assert [text.get_text() for text in drawn[-1].texts if text.get_text().startswith("*")] == notes

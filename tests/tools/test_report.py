@@ -361,3 +361,38 @@ def test_a_sweep_without_a_scaling_mode_is_not_called_weak_scaling(here, capsys)
     assert "weak scaling of" not in out and "sweeps (no --scaling; computed as weak scaling)" in out, out
     rows = report.scaling_table([bench_report.load(f) for f in files])
     assert [(r["mode"], r["ranks"], r["efficiency"]) for r in rows] == [("sweep", 1, 1.0), ("sweep", 2, 0.5)]
+
+
+def test_a_files_warnings_are_carried_and_the_p99_note_said_once(here, capsys):
+    """What bench warned about (a busy host, rows whose mean is over twice their median, a sweep a
+    signal stopped) is printed under the file's title, in bench's words; the note on p99 '-' comes
+    once after every file, not once per file."""
+    busy = bench_file(here / "busy.json", 2, None, {("all_reduce", 4): (1476.0, 9.0, 320.0, None)})
+    data = json.loads(Path(busy).read_text())
+    data["meta"]["load"] = [
+        {"host": "h", "ranks": 2, "cores": 2, "logical_cores": 2, "loadavg_before": [10.2, 9.0, 8.0]}
+    ]
+    data["meta"]["partial"] = "stopped by SIGTERM after 1 of its 19 sizes (18 not measured)"
+    Path(busy).write_text(json.dumps(data))
+    quiet = bench_file(here / "quiet.json", 2, None, {("all_reduce", 8): (10.0, 9.0, 10.0, None)})
+    assert report.main([busy, quiet, "--csv", str(here / "rows.csv")]) == 0
+    out = capsys.readouterr().out
+    said = bench_report.warnings(data["meta"], data["results"])
+    assert len(said) == 3 and all(f"WARNING: {w}" in out for w in said), out
+    assert "h was busy: the load average was 10.2 before the sweep, with 0 of its 2 logical cores" in said[0]
+    assert said[1].startswith("1 row(s) marked 'skewed'") and said[2].startswith("partial results: stopped")
+    assert out.index("WARNING") > out.index("busy.json") and out.count("WARNING") == 3, out
+    assert out.count("p99 '-'") == 1 and out.rstrip().endswith("before percentiles."), out
+    rows = {r["bytes"]: r["skewed"] for r in csv.DictReader((here / "rows.csv").open())}
+    assert rows == {"4": "True", "8": "False"}, rows
+
+
+def test_a_dash_writes_the_markdown_or_csv_to_standard_output(here, capsys):
+    one = bench_file(here / "one.json", 2, None, {("all_reduce", 4): (10.0, 9.0)})
+    assert report.main([one, "--markdown", "-"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## ") and "| op | size | ranks |" in out and not (here / "-").exists(), out
+    assert out.count("all_reduce") == 1  # the Markdown alone, not the text tables before it
+    assert report.main([one, "--csv", "-"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("file,op,bytes,size,ranks") and len(lines) == 2, lines
