@@ -68,7 +68,10 @@ def run_example(ranks: int, tmp_path: Path, module: str, *options: str) -> str:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     command = [mpiexec, *launcher_options(), "-n", str(ranks), sys.executable, "-m", module, *options]
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # A session of its own: no controlling terminal, as in a batch job, wherever the suite is run from.
+    done = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, start_new_session=True
+    )
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -119,6 +122,19 @@ def test_resuming_at_another_rank_count_continues_the_same_run(tmp_path):
     resumed = train(1, tmp_path, "resumed", "--epochs", "3", "--checkpoint-dir", "b", "--resume")
     for name in straight:
         np.testing.assert_allclose(resumed[name], straight[name], rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.serial
+@pytest.mark.timeout(300)
+def test_in_a_batch_log_progress_is_a_line_per_epoch_and_never_a_redrawn_bar(tmp_path):
+    """Without a terminal (a Slurm log: this test's pipes, and no controlling terminal) rank 0 prints
+    one line per epoch, with the epoch's steps, loss and accuracy; no carriage return, no bar."""
+    out = run_example(2, tmp_path, "mpistrat.examples.digits", "--epochs", "2", "--checkpoint-dir", "")
+    lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    steps = -(-round(1797 * 0.8) // 64)  # the training split in global batches of 64
+    pattern = rf"epoch [12]/2: {steps} steps, loss [\d.]+, acc [\d.]+, [\d.]+ s"
+    assert len(lines) == 2 and all(re.fullmatch(pattern, line) for line in lines), out
+    assert "\r" not in out and "it/s" not in out and "step/s" not in out, out
 
 
 EPOCH_LINE = re.compile(

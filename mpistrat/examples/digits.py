@@ -27,6 +27,7 @@ import numpy as np
 
 import mpistrat
 from mpistrat.examples import mlp
+from mpistrat.log import from_terminal
 
 __all__ = ["bundled_digits", "load_digits", "main", "parse_args"]
 
@@ -64,7 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="NumPy (cpu) or CuPy (gpu)")
     p.add_argument("--weights-out", default=None, metavar="PATH", help="save the final weights (.npz)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress: neither the bar (from a terminal) nor the line per epoch (in a batch log)",
+    )
     args = p.parse_args(argv)
     if args.learning_rate is None:
         args.learning_rate = 0.005 if args.optimizer == "adam" else 0.1
@@ -139,7 +144,7 @@ def _epoch_rng(seed: int, epoch: int) -> np.random.Generator:
 
 
 class _NoBar:
-    """No progress bar: tqdm (the examples extra) is not installed."""
+    """No progress: --no-progress, or a rank other than 0."""
 
     def set_postfix(self, **kwargs: Any) -> None:
         pass
@@ -151,12 +156,36 @@ class _NoBar:
         pass
 
 
+class _EpochLine(_NoBar):
+    """Progress as one line per epoch, where nobody watches a bar (a batch log) or tqdm is missing."""
+
+    def __init__(self, desc: str):
+        self.desc, self.steps, self.start = desc, 0, time.perf_counter()
+        self.postfix: dict[str, Any] = {}
+
+    def set_postfix(self, refresh: bool = True, **kwargs: Any) -> None:
+        self.postfix = kwargs
+
+    def update(self, n: int = 1) -> None:
+        self.steps += n
+
+    def close(self) -> None:
+        said = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        print(f"{self.desc}: {self.steps} steps{said}, {time.perf_counter() - self.start:.2f} s", flush=True)
+
+
 def _progress(total: int, desc: str, enabled: bool) -> Any:
-    try:
-        from tqdm import tqdm
-    except ImportError:  # optional: the run is the same without a bar
+    """tqdm's bar where a person watches (from a terminal) and tqdm is installed, else a line per epoch."""
+    if not enabled:
         return _NoBar()
-    return tqdm(total=total, desc=desc, disable=not enabled, unit="step", leave=True, file=sys.stdout)
+    if from_terminal():
+        try:
+            from tqdm import tqdm
+        except ImportError:  # optional: the run is the same without a bar
+            pass
+        else:
+            return tqdm(total=total, desc=desc, unit="step", leave=True, file=sys.stdout)
+    return _EpochLine(desc)
 
 
 def main(argv: list[str] | None = None) -> int:
