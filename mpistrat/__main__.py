@@ -2,13 +2,16 @@
 
 Each subcommand lives in its own module with a ``main(argv)``; this file only dispatches (``python -m
 mpistrat`` runs it too).
-Ctrl-C ends a command with one line and exit status 130, as a shell reports SIGINT.
+Ctrl-C ends a command with one line and exit status 130, as a shell reports SIGINT; a reader
+that stops reading (``mpistrat checkpoint inspect PATH | head``) ends it quietly with status 141,
+as a shell reports SIGPIPE.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -29,6 +32,7 @@ COMMANDS = {
     ),
 }
 INTERRUPTED = 130  # 128 + SIGINT
+BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
 def _usage() -> str:
@@ -79,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         if _rank() == 0:
             print(f"\nmpistrat {argv[0]}: interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED
+    except BrokenPipeError:
+        # What is left in the buffer goes nowhere, or flushing it at exit would raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -46,3 +46,19 @@ def test_ctrl_c_ends_with_one_line_and_status_130():
     text = err.decode().replace("\r", "\n")
     assert proc.returncode == 130, text[-2000:]
     assert "Traceback" not in text and text.rstrip().endswith("mpistrat bench: interrupted")
+
+
+@pytest.mark.serial
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    """``mpistrat checkpoint inspect PATH | head``: once head has its lines, the rest of the output
+    meets a closed pipe; the command ends with status 141 (128 + SIGPIPE), no traceback."""
+    import numpy as np
+
+    variables = {f"v{i:04d}": mpistrat.Variable(np.zeros(1, np.float32)) for i in range(3000)}
+    path = mpistrat.Checkpoint(**variables).save(tmp_path / "ckpt")  # its listing: far over a pipe's 64 KiB
+    cmd = [sys.executable, "-m", "mpistrat", "checkpoint", "inspect", path]
+    with subprocess.Popen(cmd, env=mpiexec_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(path.encode())
+        proc.stdout.close()  # as head does after its lines
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == b"", err.decode()[-2000:]
