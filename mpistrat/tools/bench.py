@@ -340,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     code = 1 if failed else STOPPED if meta["partial"] else 0
     if outputs is not None:
         outputs.write(meta, rows)
-        shown.lines(bench_report.foot(meta, rows))
-        for warning in bench_report.warnings({**meta, "oversubscribed": []}, rows):
+        shown.lines(
+            bench_report.foot(meta, rows)
+        )  # the warnings close the table; without one, stderr has them
+        for warning in bench_report.warnings({**meta, "oversubscribed": []}, rows) if args.quiet else ():
             print(f"mpistrat bench: WARNING: {warning}", file=sys.stderr, flush=True)
         if outputs.failed:
             code = 1
