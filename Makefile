@@ -159,6 +159,7 @@ format: install
 	$(PY) -m ruff check --fix mpistrat tests benchmarks docs/hooks
 
 clean:
-	rm -rf $(VENV) $(OPENMPI_VENV) $(IMPI_VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache results site
+	rm -rf $(VENV) $(OPENMPI_VENV) $(IMPI_VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache site
+	find results -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	rm -f mpistrat/collectives/*.so

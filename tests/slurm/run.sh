@@ -276,9 +276,16 @@ if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
     done
 fi
 
-say "waiting for jobs ${ids[*]} (at most $TIMEOUT s)"
+# A bench job whose sweep outlasts its one-minute time limit: the script's --signal=USR1@60 warns it
+# (Slurm sends it up to 60 s early: here about at once), and the sweep ends after the size it is in.
+# It must leave valid JSON and CSV with the rows it finished, marked partial, and plots of them.
+limited=$(BENCH_ARGS="--ops all_reduce --max 64MiB --iters 20000 --min-iters 20000" sbatch --parsable --ntasks=1 \
+    --time=1 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
+say "submitted jobs/bench.sbatch --time=1 with a longer sweep: job $limited"
+
+say "waiting for jobs ${ids[*]} $limited (at most $TIMEOUT s)"
 deadline=$((SECONDS + TIMEOUT))
-while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]}")" 2> /dev/null)" ]; do
+while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]},$limited")" 2> /dev/null)" ]; do
     [ $SECONDS -lt $deadline ] || { say "jobs still queued or running after $TIMEOUT s"; squeue; exit 1; }
     sleep 2
 done
@@ -291,7 +298,38 @@ for id in "${ids[@]}"; do
     say "job $id: $job_state, exit code $code"
     [ "$job_state" = COMPLETED ] && [ "$code" = 0:0 ] || fail=1
 done
+info=$(scontrol show job "$limited")
+limited_state=$(echo "$info" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2)
+code=$(echo "$info" | grep -o ' ExitCode=[0-9:]*' | cut -d= -f2)
+say "job $limited: $limited_state, exit code $code"  # stopped by the warning (exit 75), or by the limit itself
+case "$limited_state:$code" in FAILED:75:0 | TIMEOUT:*) ;; *) fail=1 ;; esac
 [ $fail -eq 0 ] || exit 1
+"$PYTHON" - "$WORK/results" "$limited" "$limited_state" << 'PY'
+import csv, os, sys
+
+results, job, state = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+from mpistrat.tools.bench_report import load
+
+run = load(f"{results}/{job}/bench.json")  # valid JSON, of the rows measured
+rows, partial = run["results"], run["meta"]["partial"]
+warned = state == "FAILED"
+stops = ("stopped by SIGUSR1",) if warned else ("stopped by SIGTERM", "the sweep did not finish")
+assert rows and partial and partial.startswith(stops), (state, partial, len(rows))
+assert all(r["mpistrat"]["ok"] and r["raw"]["ok"] for r in rows) and rows[-1]["bytes"] < 64 << 20, rows
+table = list(csv.DictReader(open(f"{results}/{job}/bench.csv")))
+killed = partial.startswith("the sweep did not finish")  # after Slurm's KillWait: the CSV may lack the last row
+assert [int(r["bytes"]) for r in table] == [r["bytes"] for r in rows][: len(table)], (table, rows)
+assert len(rows) - killed <= len(table) and all(r["partial"].startswith(stops) for r in table), table
+text = open(f"{results}/{job}/bench.txt").read()  # the table, row by row through tee
+assert sum(line.rstrip().endswith(("yes", "skewed")) for line in text.splitlines()) >= len(rows) - killed, text
+log = open(f"{results}/slurm-{job}.out").read()
+assert "\r" not in log and log.count("sizes measured (all_reduce") >= len(rows) - killed, log[-3000:]
+if warned:  # the plots drawn from the rows measured
+    assert os.path.exists(f"{results}/{job}/bandwidth.png"), os.listdir(f"{results}/{job}")
+print(f"test-slurm: job {job} ({state}) ended early, {partial}; its {len(rows)} rows are in bench.json, "
+      "bench.csv and bench.txt")
+PY
 
 "$PYTHON" - "$WORK/results" "$bench" "$collect" "$viampiexec" << 'PY'
 import json, os, sys
