@@ -1,12 +1,26 @@
-"""Background saves (``CheckpointOptions(enable_async=True)``): written while training goes on.
+"""Background saves (``CheckpointOptions(enable_async=True)``): written while training goes on, put in
+place as soon as every rank's share is written.
 
-:func:`start` copies this rank's share aside (the values of the moment of the call) and hands
-it to a thread that writes it with POSIX calls at a lower priority, then checksums it. MPI-IO
-is not used there: an MPI-IO call holds the MPI library's lock (MPICH's global critical
-section) for the whole transfer, and the training step's collectives in the main thread would
-wait for it. :func:`wait_for_saves` (the next checkpoint call, ``sync()``, a strategy's
-finalize, or the end of the job) joins the thread and finishes the save on every rank
-(:func:`mpistrat.checkpoint.saving.finish`), raising a failure on every rank there.
+A save copies this rank's share aside (the values of the moment of the call) and hands it to a
+thread that writes it with POSIX calls at a lower priority, then checksums it. The thread uses no
+MPI: an MPI-IO call holds the MPI library's lock (MPICH's global critical section) for the whole
+transfer, and the training step's collectives in the main thread would wait for it.
+
+The file is put in place (:func:`mpistrat.checkpoint.saving.finish`: the checksums to rank 0,
+which completes the header and renames the file) on every rank at the same point, the first of:
+
+- the end of a ``strategy.run`` step after which every rank's share is written. While a save is
+  pending, each step ends with one small agreement (one handshake: ``Allreduce(MAX)`` of whether
+  this rank's writer is still busy); the step after which no rank's is, finishes the save. No
+  message is added to a step while no save is pending;
+- the next checkpoint call, ``sync()``, the strategy's finalize, or the end of the job, which
+  wait for the writers.
+
+A save that fails is raised on every rank at the next checkpoint call or ``sync()`` (a failure
+found at the end of a step is logged there and kept for it), never out of the training step.
+
+All of a strategy's background saves in flight on this rank are one :class:`BackgroundSaves`
+(:func:`saves_of`): its :class:`Writer` records and a kept failure.
 """
 
 from __future__ import annotations
@@ -14,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
 import threading
@@ -32,13 +45,117 @@ from mpistrat.log import logger
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["start", "wait_for_saves", "writing"]
+__all__ = ["BackgroundSaves", "Writer", "saves_of", "start", "wait_for_saves", "writing"]
 
 # A background writer's niceness (Linux, this thread only): the training step keeps its CPU.
 WRITER_NICENESS = 10
+# What a step's end agrees on while a save is pending (the name in a mismatch or a stall warning).
+POLL = "checkpoint (background save written?)"
 
 
-_pending: list[tuple[Save, Collectives, Callable[[], None]]] = []
+@dataclasses.dataclass
+class Writer:
+    """One background save on this rank: the save, its thread, and what runs once it is in place."""
+
+    save: Save
+    on_success: Callable[[], None]
+    thread: threading.Thread
+
+    @property
+    def busy(self) -> bool:
+        return self.thread.is_alive()
+
+
+class BackgroundSaves:
+    """The background saves over one strategy's collectives that this rank has started and not yet
+    finished, and a failure found at the end of a step, kept for the next checkpoint call.
+
+    Every rank holds the same saves in the same order (a save is collective), so each decision
+    below is taken on every rank alike. States: a save is *written* on a rank once its writer's
+    thread ended; it is *in place* once :meth:`finish` ran (collective), and then leaves
+    :attr:`writers`.
+    """
+
+    def __init__(self, collectives: Collectives):
+        self.collectives = collectives
+        self.writers: list[Writer] = []
+        self.failure: BaseException | None = None  # from a finish at a step's end, raised at the next call
+
+    def start(self, save: Save, on_success: Callable[[], None]) -> None:
+        """Copy this rank's pieces aside and write them in a thread (:func:`start`)."""
+        close(save)  # collective; the thread writes with POSIX calls
+        _stage(save)
+        header = save.header if self.collectives.rank == 0 else b""
+        thread = threading.Thread(target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True)
+        save.thread = thread
+        thread.start()
+        self.writers.append(Writer(save, on_success, thread))
+        self.collectives.pending["checkpoint saves"] = self.wait
+        self.collectives.after_step["checkpoint saves"] = self.poll
+
+    def busy(self) -> bool:
+        """Whether a writer of this rank is still writing."""
+        return any(w.busy for w in self.writers)
+
+    def poll(self) -> None:
+        """At the end of a step (collective): put the saves in place if every rank's share is written.
+        One handshake; a failure is logged and kept for the next checkpoint call."""
+        if self.collectives.agree(POLL, maximum=int(self.busy()), options=ALWAYS):
+            return  # some rank still writes: the next step asks again
+        try:
+            self.finish()
+        except Exception as exc:  # every rank alike: raised at the next checkpoint call, not out of the step
+            self.failure = exc
+            logger.warning("Checkpoint: a background save failed (the next checkpoint call raises): %s", exc)
+
+    def finish(self) -> None:
+        """Finish every save (collective): wait for its writers, put it in place (rank 0 completes
+        the header and renames the file), run its ``on_success``; raise the first failure."""
+        self.collectives.after_step.pop("checkpoint saves", None)
+        self.collectives.pending.pop("checkpoint saves", None)
+        failure: BaseException | None = None
+        while self.writers:
+            writer = self.writers.pop(0)
+            save = writer.save
+            try:
+                seconds = finish(save, self.collectives)
+            except BaseException as exc:
+                failure = failure or exc
+                continue
+            logger.info(
+                "Checkpoint.%s: %s in place (%.1f MiB written in the background in %.2f s)",
+                save.method,
+                save.path,
+                save.nbytes / 2**20,
+                seconds or 0.0,
+            )
+            writer.on_success()
+        if failure is not None:
+            raise failure
+
+    def wait(self) -> None:
+        """Finish every save (collective), and raise a failure kept from a step's end or found now.
+
+        The ranks agree first, so they forget their saves together: a rank that called this alone
+        (the others in another collective) fails with them and keeps its saves for the next call.
+        """
+        if not self.writers and self.failure is None:
+            return
+        self.collectives.agree(
+            "checkpoint (background saves)",
+            fingerprint=len(self.writers),
+            describe=lambda: {"leaves": [("background saves", f"{len(self.writers)} pending", None)]},
+            options=ALWAYS,
+        )
+        kept, self.failure = self.failure, None
+        if self.writers:
+            self.finish()
+        if kept is not None:
+            raise kept
+
+
+# The saves of each strategy's collectives (by id: held while a save is in flight or a failure kept).
+_saves: dict[int, BackgroundSaves] = {}
 _exit_hook = False
 # The last staging buffer, kept for the next background save: a fresh one page-faults on every
 # byte it is copied into (0.23 s for 100 MiB here, longer than writing it to the page cache).
@@ -47,13 +164,43 @@ _exit_hook = False
 _staging: np.ndarray | None = None
 
 
+def saves_of(collectives: Collectives) -> BackgroundSaves:
+    """The background saves over ``collectives`` (made at the first)."""
+    saves = _saves.get(id(collectives))
+    if saves is None:
+        saves = _saves[id(collectives)] = BackgroundSaves(collectives)
+    return saves
+
+
 def start(save: Save, collectives: Collectives, on_success: Callable[[], None]) -> None:
-    """Copy this rank's pieces aside and write them in a thread; :func:`wait_for_saves` (or the
-    end of the job) finishes the save, then runs ``on_success`` on every rank."""
+    """Copy this rank's pieces aside and write them in a thread; the file is put in place at the end
+    of the first step after which every rank's share is written, or by the next checkpoint call
+    (or the end of the job), which then runs ``on_success`` on every rank."""
     global _exit_hook
-    close(save)  # collective; the thread writes with POSIX calls
+    saves_of(collectives).start(save, on_success)
+    if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
+        atexit.register(_finish_at_exit)
+        _exit_hook = True
+
+
+def wait_for_saves(collectives: Collectives) -> None:
+    """Finish every background save over ``collectives`` (collective); raise the first failure.
+    Called on one rank alone, it fails on every rank, and each keeps its saves."""
+    saves = _saves.get(id(collectives))
+    if saves is not None:
+        saves.wait()
+        del _saves[id(collectives)]
+
+
+def writing() -> bool:
+    """Whether a background save is still being written on this rank (its thread has not ended)."""
+    return any(saves.busy() for saves in list(_saves.values()))
+
+
+def _stage(save: Save) -> None:
+    """The share at this moment, copied into the staging buffer: training may change the arrays."""
     total = sum(p.nbytes for call in save.calls for p in call)
-    staged = _staging_buffer(total)  # the share at this moment: training may change the arrays
+    staged = _staging_buffer(total)
     at, copied = 0, []
     for call in save.calls:
         pieces = []
@@ -63,16 +210,6 @@ def start(save: Save, collectives: Collectives, on_success: Callable[[], None]) 
             at += p.nbytes
         copied.append(pieces)
     save.calls, save.keep = copied, [staged]
-    header = save.header if collectives.rank == 0 else b""
-    save.thread = threading.Thread(
-        target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True
-    )
-    save.thread.start()
-    _pending.append((save, collectives, on_success))
-    collectives.pending["checkpoint saves"] = functools.partial(wait_for_saves, collectives)
-    if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
-        atexit.register(_finish_at_exit)
-        _exit_hook = True
 
 
 def _staging_buffer(nbytes: int) -> np.ndarray:
@@ -84,7 +221,8 @@ def _staging_buffer(nbytes: int) -> np.ndarray:
 
 
 def _drain(save: Save, header: bytes) -> None:
-    """The background writer: POSIX writes of this rank's pieces, their checksums, fsync."""
+    """The background writer: POSIX writes of this rank's pieces, their checksums, fsync; how long it took."""
+    began = time.monotonic()
     if sys.platform.startswith("linux"):  # a thread's own niceness: Linux only (elsewhere the process's)
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
@@ -95,56 +233,19 @@ def _drain(save: Save, header: bytes) -> None:
         save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
     except BaseException as exc:  # whatever it is, every rank must hear of it at the wait
         save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
-
-
-def writing() -> bool:
-    """Whether a background save is still writing on this rank (its thread has not finished)."""
-    return any(save.thread is not None and save.thread.is_alive() for save, _, _ in _pending)
-
-
-def wait_for_saves(collectives: Collectives) -> None:
-    """Finish every background save over ``collectives`` (collective); raise the first failure.
-
-    The ranks agree first, so they forget their pending saves together: a rank that called this
-    alone (the others in another collective) fails with them and keeps its saves for the next call.
-    """
-    mine = [p for p in _pending if p[1] is collectives]
-    if not mine:
-        return
-    collectives.agree(
-        "checkpoint (background saves)",
-        fingerprint=len(mine),
-        describe=lambda: {"leaves": [("background saves", f"{len(mine)} pending", None)]},
-        options=ALWAYS,
-    )
-    failure: BaseException | None = None
-    for item in mine:
-        _pending.remove(item)
-        save, _, on_success = item
-        try:
-            finish(save, collectives)
-        except BaseException as exc:
-            failure = failure or exc
-            continue
-        logger.info(
-            "Checkpoint.%s: %s written in the background (%.1f MiB, %.2f s)",
-            save.method,
-            save.path,
-            save.nbytes / 2**20,
-            time.monotonic() - save.began,
-        )
-        on_success()
-    if failure is not None:
-        raise failure
+    save.seconds = time.monotonic() - began
 
 
 def _finish_at_exit() -> None:
     """At the end of the job: finish what is still being written (every rank is here)."""
-    for collectives in list({id(c): c for _, c, _ in _pending}.values()):
-        if MPI.Is_finalized() or collectives.freed:
+    while _saves:
+        saves = _saves.popitem()[1]
+        if not saves.writers:  # a failure kept from a step's end was logged there
+            continue
+        if MPI.Is_finalized() or saves.collectives.freed:
             logger.error("Checkpoint: a background save could not finish: MPI is finalized")
             continue
         try:
-            wait_for_saves(collectives)
+            saves.finish()
         except BaseException as exc:
             logger.error("Checkpoint: a background save failed at exit: %s", exc)

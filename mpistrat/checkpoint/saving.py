@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -73,7 +72,7 @@ class Save:
     # (entry, start, crc, length) of each piece, once written in the background
     crcs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     thread: threading.Thread | None = None
-    began: float = dataclasses.field(default_factory=time.monotonic)
+    seconds: float | None = None  # how long a background writer took to write and checksum this rank's share
 
     @property
     def nbytes(self) -> int:
@@ -308,21 +307,26 @@ def _final_header(save: Save, records: list[list[tuple[str, int, int, int]]]) ->
     return encode_header(header_rows(save.table), save.metadata, crcs)
 
 
-def finish(save: Save, collectives: Collectives) -> None:
+def finish(save: Save, collectives: Collectives) -> float | None:
     """Every rank's errors (and a background save's checksums) to rank 0, which completes the file
-    and renames it into place (or removes it); raises the first error on every rank (collective)."""
+    and renames it into place (or removes it); raises the first error on every rank (collective).
+    Returns how long the slowest background writer took (None for a save written at once)."""
     if save.thread is not None:
         save.thread.join()
     error = None if save.error is None else (save.error.errno, str(save.error))
-    reports = collectives.gather_to_root((error, save.crcs), kind=f"checkpoint.{save.method} (errors)")
-    collectives.on_root(lambda: _complete(save, reports or []), kind=f"checkpoint.{save.method} (rename)")
+    reports = collectives.gather_to_root(
+        (error, save.crcs, save.seconds), kind=f"checkpoint.{save.method} (errors)"
+    )
+    return collectives.on_root(
+        lambda: _complete(save, reports or []), kind=f"checkpoint.{save.method} (rename)"
+    )
 
 
-def _complete(save: Save, reports: list[Any]) -> None:
+def _complete(save: Save, reports: list[Any]) -> float | None:
     """On rank 0: the header with the checksums unless written already, fsync, rename, ``after``;
-    or the first error."""
+    or the first error. Returns the slowest writer's seconds."""
     try:
-        failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
+        failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e is not None]
         if failed:
             rank, (code, text) = failed[0]
             others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
@@ -330,7 +334,7 @@ def _complete(save: Save, reports: list[Any]) -> None:
         if save.final:  # written with the data and flushed with it
             files.replace_durably(save.tmp, save.path, flushed=True)
         else:
-            header = _final_header(save, [records for _, records in reports])
+            header = _final_header(save, [records for _, records, _ in reports])
             fd = os.open(save.tmp, os.O_WRONLY)
             try:
                 os.pwrite(fd, header, 0)
@@ -343,3 +347,4 @@ def _complete(save: Save, reports: list[Any]) -> None:
         raise
     if save.after is not None:
         save.after()
+    return max((seconds for _, _, seconds in reports if seconds is not None), default=None)

@@ -106,6 +106,10 @@ class Collectives:
         # Work started over this communicator that every rank must finish before it is freed (a
         # background checkpoint save): name -> what finishes it (collective).
         self.pending: dict[str, Callable[[], None]] = {}
+        # Work that strategy.run gives a turn at the end of each step while it is pending, on every rank
+        # at the same point (a background save put in place once every rank wrote its share): name ->
+        # what does it (collective). Empty, a step sends nothing for it.
+        self.after_step: dict[str, Callable[[], None]] = {}
         # The check: the options', else the environment (read once, here). Under ``step`` the
         # handshakes that are sent check at level 1, and repeats are checked once per step.
         check = self.options.check
@@ -159,6 +163,11 @@ class Collectives:
         """Finish the work in :attr:`pending` (collective: before the communicator is freed)."""
         while self.pending:
             self.pending.popitem()[1]()
+
+    def step_ended(self) -> None:
+        """A ``strategy.run`` step ended on every rank: :attr:`after_step`'s work runs (collective)."""
+        for work in list(self.after_step.values()):
+            work()
 
     def closer(self) -> Callable[[], None]:
         """What frees this object's own MPI objects (its transports, :attr:`requests`) before its

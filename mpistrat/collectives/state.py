@@ -61,6 +61,7 @@ class CollectiveState(Protocol):
     # buffers as MPI messages, and the stop state.
     handshake_buffers: tuple[np.ndarray, np.ndarray, Any, tuple[list[Any], list[Any]], Any]
     pending: dict[str, Callable[[], None]]
+    after_step: dict[str, Callable[[], None]]
     requests: list[MPI.Prequest]  # MPI requests freed with the communicator
     native_closing: Any  # close_step compiled (native_closing.Closing), False: none, None: not yet made
 

@@ -154,21 +154,24 @@ class Strategy:
         kwargs = self._unwrap(dict(kwargs), rank) if kwargs else {}
         if collectives.size == 1:  # one replica: nothing to regroup, no one to tell
             with ReplicaContext(self, rank):
-                return fn(*args, **kwargs)
-        failures = collectives.failures
-        try:
-            with ReplicaContext(self, rank):  # its replica mode is the current mode; nothing reads below it
                 result = fn(*args, **kwargs)
-        except Exception as exc:
-            # An error out of a collective inside fn is not shared: one that failed on every rank told
-            # everyone already (a rank that raised early met the others there), and after a timeout or a
-            # failed transfer the others may be anywhere. A closing handshake would wait for nobody.
-            # Under MPISTRAT_CHECK=step the others may be in a collective that sends no handshake,
-            # which this one would pair with: the error leaves this rank alone, as with the check off.
-            if collectives.failures == failures and collectives.step_check is None:
-                results.agree_on_result(collectives, None, exc)
-            raise
-        results.agree_on_result(collectives, result, None)
+        else:
+            failures = collectives.failures
+            try:
+                with ReplicaContext(self, rank):  # its replica mode is the current mode; none reads below it
+                    result = fn(*args, **kwargs)
+            except Exception as exc:
+                # An error out of a collective inside fn is not shared: one that failed on every rank told
+                # everyone already (a rank that raised early met the others there), and after a timeout or
+                # a failed transfer the others may be anywhere. A closing handshake would wait for nobody.
+                # Under MPISTRAT_CHECK=step the others may be in a collective that sends no handshake,
+                # which this one would pair with: the error leaves this rank alone, as with the check off.
+                if collectives.failures == failures and collectives.step_check is None:
+                    results.agree_on_result(collectives, None, exc)
+                raise
+            results.agree_on_result(collectives, result, None)
+        if collectives.after_step:  # a background save to put in place once every rank wrote its share
+            collectives.step_ended()
         return result
 
     experimental_run_v2 = run

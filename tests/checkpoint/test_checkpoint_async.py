@@ -2,8 +2,13 @@
 written while training goes on, finished by the next checkpoint call, ``sync()`` or the end of the
 job, and a failure raised on every rank there."""
 
+import contextlib
 import errno
 import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +20,9 @@ from mpistrat import CheckpointOptions, InvalidArgumentError
 from mpistrat.optimizers import SGD
 from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
-from tests.support.launch import run_job
+from tests.support.launch import MPIEXEC, ROOT, job_environment, launcher_options, run_job
+
+HERE = Path(__file__).resolve().parent
 
 ASYNC = CheckpointOptions(enable_async=True)
 
@@ -207,3 +214,102 @@ def test_the_end_of_the_job_finishes_a_background_save(tmp_path):
     mpistrat.Checkpoint(v=v).restore(mpistrat.latest_checkpoint(tmp_path)).assert_consumed()
     assert np.array_equal(v.numpy(), np.arange(50000.0))
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["checkpoint", "ckpt-1", "job.py"]
+
+
+def _read_until(proc, text, limit):
+    """Lines of ``proc``'s output up to the first holding ``text``; fail (killing it) past ``limit``."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return lines
+        if len(lines) > limit:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"no {text!r} in the job's first {len(lines)} lines:\n{''.join(lines)}")
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("how", ["killed", "interrupted"])
+def test_a_background_save_is_in_place_steps_later_without_another_checkpoint_call(tmp_path, how):
+    """A job saves ckpt-5 in the background and trains on, calling no checkpoint method again; a few
+    steps later the file is in place (it used to wait for the next checkpoint call, so a job killed
+    or interrupted then resumed from the save before), and a job killed (SIGKILL) or interrupted
+    (Ctrl-C: SIGINT through mpiexec) three steps after that resumes from step 5."""
+    cmd = [str(MPIEXEC), *launcher_options(), "-n", "3", sys.executable, str(HERE / "async_job.py")]
+    with subprocess.Popen(
+        [*cmd, str(tmp_path), "train"],
+        cwd=ROOT,
+        env=job_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            said = _read_until(proc, "ckpt-5 in place", limit=300)[-1]
+            # the log of the save: its own writing time, not the wait for the next checkpoint call
+            assert re.search(
+                r"INFO: Checkpoint.save: .*ckpt-5 in place \([\d.]+ MiB written in the background", said
+            )
+            now = _read_until(proc, "rank 0 step", limit=50)[-1]
+            _read_until(proc, f"rank 0 step {int(now.split()[3]) + 3} ", limit=50)
+            if how == "killed":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.send_signal(signal.SIGINT)  # mpiexec passes it to every rank
+            proc.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    code, out = run_job(HERE / "async_job.py", str(tmp_path), "resume", ranks=3, limit=60)
+    assert code == 0, out
+    assert all(f"rank {r} restored ckpt-5: step 5, w [5.0]" in out for r in range(3)), out
+
+
+def test_the_log_gives_the_writes_own_time_and_steps_send_nothing_more_once_it_is_in_place(
+    group, tmp_path, monkeypatch, mpistrat_log
+):
+    """Counted per step (a CountingComm under the strategy): a step sends what it sends without a save;
+    while a save is being written, one handshake more (whether every rank's share is written); once it
+    is in place, nothing more again. The log's time is the writers' own (each held 0.3 s here), not the
+    1.5 s the job waited before its next step, which put the file in place."""
+    import time
+
+    from tests.support.counting import CountingComm, Ledger
+
+    strategy = mpistrat.MPIStrategy(CountingComm(group.comm))
+    directory = shared_dir(group, tmp_path)
+    with strategy.scope():
+        w = mpistrat.Variable(np.zeros(1000, np.float32), name="w")
+    ckpt = mpistrat.Checkpoint(w=w)
+
+    def step():
+        with Ledger.recording() as ledger:
+            strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", np.float32(1)))
+        return [(c.name, c.sent) for c in ledger.log]
+
+    step()  # the first, checked in full
+    alone = step()
+    real = mpiio.posix_write
+
+    def slow(path, header, calls):
+        time.sleep(0.3)
+        real(path, header, calls)
+
+    monkeypatch.setattr(mpiio, "posix_write", slow)
+    path = ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)
+    writing = step()  # the writers sleep: not written yet on any rank
+    time.sleep(1.5)
+    committing = step()
+    in_place = os.path.exists(path)
+    after = [step() for _ in range(2)]
+    strategy.experimental_finalize()
+    poll = ("Allreduce", 104)  # one handshake: 13 int64
+    ok = writing == [*alone, poll] and committing[: len(alone) + 1] == [*alone, poll] and in_place
+    ok = ok and after == [alone, alone]
+    said = [m for level, m in mpistrat_log if "in place" in m]
+    seconds = [float(x) for m in said for x in re.findall(r"in the background in ([\d.]+) s", m)]
+    if WORLD.Get_rank() == 0:  # the logger passes world rank 0's INFO (rank 0 of its group, too)
+        ok = ok and len(seconds) == 1 and 0.3 <= seconds[0] < 1.2
+    all_ranks_agree(group.comm, ok, f"{alone} | {writing} | {committing[:6]} | {after} | {said}")
