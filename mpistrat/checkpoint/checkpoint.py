@@ -97,6 +97,7 @@ class Checkpoint:
                     self._inputs[name] = leaf
         # Plain on every rank: saves and restores are collective, so every rank holds the same count.
         self._save_counter = plain_variable(np.zeros((), np.int64), SAVE_COUNTER)
+        self._warned_mid_window = False  # said once: a save part-way through an accumulation window
 
     @property
     def save_counter(self) -> Variable:
@@ -317,6 +318,17 @@ def write_file(
     """
     options = _checked_options(options, f"Checkpoint.{method}")
     background.wait_for_saves(collectives)
+    if not checkpoint._warned_mid_window and (windows := accumulating(checkpoint)):
+        checkpoint._warned_mid_window = True
+        logger.warning(
+            "Checkpoint.%s: saved part-way through a gradient accumulation window (optimizer %s): the file "
+            "holds each rank's accumulated gradients, so it restores only at %d ranks. Saved after a "
+            "window's last apply_gradients, it restores at any rank count: CheckpointManager(..., "
+            "save_at_window_end=True) waits for it (said once)",
+            method,
+            ", ".join(windows),
+            collectives.size,
+        )
     save = saving.begin(checkpoint._entries(), collectives, path, method, counter, options.io_hints, after)
     if options.enable_async:
         background.start(save, collectives, on_success or (lambda: None))
@@ -352,6 +364,16 @@ def _agree_to_read(
         options=saving.ALWAYS,
     )
     return hints
+
+
+def accumulating(checkpoint: Checkpoint) -> list[str]:
+    """The tracked optimizers part-way through a gradient accumulation window, as ``'opt' (1 of 4
+    calls)`` (the same on every rank: every rank calls ``apply_gradients`` alike)."""
+    return [
+        f"{name!r} ({int(cycle[0].numpy())} of {opt.gradient_accumulation_steps} calls)"
+        for name, opt in checkpoint._optimizers.items()
+        if (cycle := opt.accumulation_state()) is not None
+    ]
 
 
 def _checked_options(options: CheckpointOptions | None, where: str) -> CheckpointOptions:

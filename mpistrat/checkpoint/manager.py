@@ -11,19 +11,26 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mpistrat.checkpoint import background
-from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of, write_file
+from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, write_file
 from mpistrat.checkpoint.files import checkpoint_state, write_index
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
 from mpistrat.training.variables import Variable
 
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+
 __all__ = ["CheckpointManager"]
+
+WINDOW_END = "checkpoint at an accumulation window's end"  # its work in Collectives.after_step and .pending
 
 
 class CheckpointManager:
@@ -46,6 +53,15 @@ class CheckpointManager:
         directory: where the files and the ``checkpoint`` index go (rank 0's counts).
         max_to_keep: how many checkpoints to keep (the oldest are deleted); None keeps all.
         checkpoint_name: the files' prefix.
+        save_at_window_end: with gradient accumulation, a ``save()`` called part-way through a
+            window (after an ``apply_gradients`` call that only accumulated) waits for the window's
+            last call: it is made at the end of the first ``strategy.run`` step after which every
+            tracked optimizer is between windows, so the file holds no rank's accumulated gradients
+            and restores at any rank count (a file saved mid-window restores only at the rank
+            count it was saved at). ``save()`` returns the path it will have; ``sync()`` (and the
+            strategy's finalize) makes a save still waiting at once. A
+            :class:`~mpistrat.checkpoint.preemption.PreemptionCheckpointHandler` over this
+            manager stops at a window's end too.
     """
 
     def __init__(
@@ -54,6 +70,8 @@ class CheckpointManager:
         directory: str | os.PathLike[str],
         max_to_keep: int | None,
         checkpoint_name: str = "ckpt",
+        *,
+        save_at_window_end: bool = False,
     ):
         if not isinstance(checkpoint, Checkpoint):
             raise InvalidArgumentError(
@@ -66,9 +84,15 @@ class CheckpointManager:
             raise InvalidArgumentError(
                 f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep!r}."
             )
+        if not isinstance(save_at_window_end, bool):
+            raise InvalidArgumentError(
+                f"CheckpointManager: save_at_window_end must be True or False; got {save_at_window_end!r}"
+            )
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep
+        self.save_at_window_end = save_at_window_end
+        self._waiting: tuple[int, CheckpointOptions | None] | None = None  # a save for a window's end
         collectives = collectives_of(checkpoint, "CheckpointManager")
         background.wait_for_saves(collectives)
         collectives.agree("checkpoint.manager")
@@ -113,6 +137,14 @@ class CheckpointManager:
         background.wait_for_saves(collectives)
         counter = int(self._checkpoint.save_counter.numpy()) + 1
         number = counter if checkpoint_number is None else _integer(checkpoint_number)
+        if self.save_at_window_end and (windows := accumulating(self._checkpoint)):
+            return self._wait_for_window_end(collectives, number, options, windows)
+        self._waiting = None  # a save waiting for a window's end is overtaken by this one
+        return self._save_now(collectives, number, options)
+
+    def _save_now(self, collectives: Collectives, number: int, options: CheckpointOptions | None) -> str:
+        """Write ``<prefix>-<number>`` (collective): :meth:`save`'s work."""
+        counter = int(self._checkpoint.save_counter.numpy()) + 1
         path = f"{self._prefix}-{number}"
         kept = [p for p in self._checkpoints if p != path] + [path]
         doomed = kept[: -self._max_to_keep] if self._max_to_keep else []
@@ -144,8 +176,36 @@ class CheckpointManager:
         return path
 
     def sync(self) -> None:
-        """Wait for a background save to be written and in place (collective), as tf's."""
+        """Wait for a background save to be written and in place (collective), as tf's; a save waiting
+        for the end of an accumulation window (``save_at_window_end``) is made now."""
+        self._save_waiting(collectives_of(self._checkpoint, "sync"))
         self._checkpoint.sync()
+
+    def _wait_for_window_end(
+        self, collectives: Collectives, number: int, options: CheckpointOptions | None, windows: list[str]
+    ) -> str:
+        """Keep a save for the end of the first step after which no tracked optimizer is mid-window."""
+        path = f"{self._prefix}-{number}"
+        if self._waiting is None:
+            said = "CheckpointManager.save: %s waits for the accumulation window's end (optimizer %s)"
+            logger.info(said, path, ", ".join(windows))
+        self._waiting = (number, options)
+        collectives.after_step[WINDOW_END] = functools.partial(self._at_step_end, collectives)
+        collectives.pending[WINDOW_END] = functools.partial(self._save_waiting, collectives)
+        return path
+
+    def _at_step_end(self, collectives: Collectives) -> None:
+        if not accumulating(self._checkpoint):  # on every rank alike
+            self._save_waiting(collectives)
+
+    def _save_waiting(self, collectives: Collectives) -> None:
+        """The save kept for a window's end, now (collective)."""
+        collectives.after_step.pop(WINDOW_END, None)
+        collectives.pending.pop(WINDOW_END, None)
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            number, options = waiting
+            self._save_now(collectives, number, options)
 
 
 def _integer(number: Any) -> int:

@@ -8,7 +8,8 @@ handler only sets a flag. The flag rides in the handshake every collective opens
 (``Allreduce(MAX)``), so at the next collective every rank knows, whichever rank saw it and
 at no cost while nothing is pending. Every rank then finishes the same
 :meth:`~PreemptionCheckpointHandler.run` call, the ranks save one checkpoint together before
-the next, and ``exit_fn`` runs: by default, under Slurm, rank 0 requeues the job
+the next (with a manager made with ``save_at_window_end=True``, after the calls that end a gradient
+accumulation window it stopped in), and ``exit_fn`` runs: by default, under Slurm, rank 0 requeues the job
 (``scontrol requeue``) and every rank exits with status 0; elsewhere every rank exits with
 :data:`RESTART_EXIT_CODE` (75), which a wrapper script can loop on.
 
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint.checkpoint import Checkpoint, collectives_of, track
+from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, track
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import InvalidArgumentError
@@ -160,6 +161,7 @@ class PreemptionCheckpointHandler:
         self._reasons: list[str] = []  # what this rank saw (filled by signal handlers and the watcher)
         self._reported = 0
         self._checked_at = -1  # handshakes seen at the last check
+        self._window_said = False  # a stop waiting for an accumulation window's end was logged
 
         path = manager.latest_checkpoint
         if path is not None:
@@ -253,6 +255,16 @@ class PreemptionCheckpointHandler:
             collectives.agree("preemption check", extras=[])
         self._checked_at = collectives.handshakes
         if collectives.stop.agreed:
+            manager = self._manager
+            if manager.save_at_window_end and (windows := accumulating(manager.checkpoint)):
+                if not self._window_said:  # this call's step runs; the check comes again at the next
+                    self._window_said = True
+                    logger.warning(
+                        "PreemptionCheckpointHandler: stopping at the end of the accumulation window "
+                        "(optimizer %s; save_at_window_end)",
+                        ", ".join(windows),
+                    )
+                return
             self._save_and_exit(save_args, save_kwargs)
 
     def _save_and_exit(self, save_args: tuple[Any, ...], save_kwargs: dict[str, Any]) -> None:

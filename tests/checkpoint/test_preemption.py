@@ -305,3 +305,41 @@ def test_normal_events_are_info_and_a_checkpoint_without_a_run_count_says_so(wor
         stopping = [level for level, m in said if "stops after" in m or "Handler: saved " in m]
         assert stopping == ["WARNING", "WARNING"], said
     assert again.total_run_calls == 2
+
+
+@pytest.mark.parametrize("at_window_end", [False, True])
+def test_a_stop_mid_window_waits_for_the_windows_end_when_the_manager_says_so(group, tmp_path, at_window_end):
+    """A stop agreed after the first of 3 accumulating calls: by default the handler saves at once
+    (the file holds the window's gradients); with save_at_window_end it runs the window's last two
+    calls first, so the file holds the update and no accumulation entries (it restores at any count)."""
+    from mpistrat.checkpoint.files import read_table
+    from mpistrat.optimizers import SGD
+
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros(4, np.float32), name="w")
+        opt = SGD(0.5, gradient_accumulation_steps=3)
+    manager = mpistrat.CheckpointManager(
+        mpistrat.Checkpoint(w=w, opt=opt), directory, max_to_keep=1, save_at_window_end=at_window_end
+    )
+    handler = mpistrat.PreemptionCheckpointHandler(
+        manager, termination_config=mpistrat.TerminationConfig(exit_fn=stop)
+    )
+
+    def accumulate():
+        if group.rank == group.size - 1 and handler.total_run_calls == 0:  # in the first call
+            handler._request("a test's stop")
+        group.strategy.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w)]))
+
+    stopped = run_until_stopped(handler, accumulate, 10)
+    names = sorted(read_table(manager.latest_checkpoint).entries)
+    accumulated = [n for n in names if "/accumulation/" in n]
+    with group.strategy.scope():
+        now = w.numpy().tolist()
+    # 3 calls of gradient 1 on every rank: one update by -0.5 times their mean, summed over the ranks
+    want = (
+        (3, [], [-0.5 * group.size] * 4)
+        if at_window_end
+        else (1, ["opt/accumulation/count", "opt/accumulation/w"], [0.0] * 4)
+    )
+    all_ranks_agree(group.comm, (stopped, accumulated, now) == want, f"{stopped} {names} {now}")

@@ -9,6 +9,8 @@ counts updates, as Keras 3's does.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -339,3 +341,74 @@ def test_a_cycle_saved_part_way_resumes_only_at_its_rank_count(tmp_path):
         WORLD, InvalidArgumentError, lambda: checkpoint.restore(path), match="resumes only at the rank count"
     )
     alone.experimental_finalize()
+
+
+def test_a_save_part_way_through_a_window_is_said_once(group, strategy, tmp_path, mpistrat_log):
+    """On rank 0, once: the window the save fell in, and the rank count the file then restores at;
+    nothing for a save between windows."""
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make("momentum", False)
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    prefix = f"{shared_dir(group, tmp_path)}/ckpt"
+    for t in range(K):
+        micro_step(strategy, opt, variables, t, group.rank)
+    checkpoint.save(prefix)  # between windows
+    between = [m for _, m in mpistrat_log if "accumulation window" in m]
+    micro_step(strategy, opt, variables, K, group.rank)
+    checkpoint.save(prefix)  # 1 of 3 calls into the next window
+    micro_step(strategy, opt, variables, K + 1, group.rank)
+    checkpoint.save(prefix)  # 2 of 3: said already
+    said = [(level, m) for level, m in mpistrat_log if "accumulation window" in m]
+    want = (
+        "Checkpoint.save: saved part-way through a gradient accumulation window (optimizer 'opt' "
+        f"(1 of {K} calls)): the file holds each rank's accumulated gradients, so it restores only at "
+        f"{group.size} ranks"
+    )
+    if WORLD.Get_rank() == 0:  # the logger passes world rank 0's warnings
+        ok = between == [] and len(said) == 1 and said[0][0] == "WARNING" and said[0][1].startswith(want)
+        ok = ok and "CheckpointManager(..., save_at_window_end=True)" in said[0][1]
+    else:
+        ok = said == []
+    all_ranks_agree(group.comm, ok, f"{between} {said}")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_manager_told_to_saves_at_the_windows_end_and_the_file_restores_at_one_rank(
+    group, strategy, tmp_path, asynchronous
+):
+    """save_at_window_end: a save() called after the window's first call returns its path at once and
+    is made at the end of the step whose call ends the window: the weights after that update (the
+    serial reference's), no accumulation entries, so one rank restores it; a save between windows is
+    made at once, as without the option."""
+    from mpistrat.checkpoint.files import read_table
+
+    directory = shared_dir(group, tmp_path)
+    variables = make_variables(strategy)
+    with strategy.scope():
+        opt = make("momentum", False)
+    checkpoint = mpistrat.Checkpoint(model=variables, opt=opt)
+    manager = mpistrat.CheckpointManager(checkpoint, directory, max_to_keep=None, save_at_window_end=True)
+    options = mpistrat.CheckpointOptions(enable_async=asynchronous)
+    micro_step(strategy, opt, variables, 0, group.rank)
+    path = manager.save(options=options)  # 1 of 3 calls
+    made = [os.path.exists(path)]
+    for t in (1, 2):
+        micro_step(strategy, opt, variables, t, group.rank)
+        made.append(os.path.exists(path))
+    manager.sync()
+    ref = Reference("momentum")
+    ref.step({n: sum(summed_grad(n, t, group.size) for t in range(K)) / K for n in NAMES})
+    table = read_table(path)
+    ok = made[:2] == [False, False] and (made[2] or asynchronous) and manager.latest_checkpoint == path
+    ok = ok and not [n for n in table.entries if "/accumulation/" in n]
+    first = manager.save()  # between windows: at once
+    ok = ok and os.path.exists(first) and first != path
+    alone = mpistrat.MPIStrategy(MPI.COMM_SELF.Dup())  # another rank count than the one that saved
+    restored = make_variables(alone)
+    with alone.scope():
+        opt1 = make("momentum", False)
+    mpistrat.Checkpoint(model=restored, opt=opt1).restore(path).assert_consumed()
+    bad = differences(weights(restored), ref.params)
+    alone.experimental_finalize()
+    all_ranks_agree(group.comm, ok and not bad, f"{made} {sorted(table.entries)} {bad}")
