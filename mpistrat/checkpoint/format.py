@@ -5,11 +5,12 @@ A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON, then
 - the JSON maps each entry's name to ``{"dtype": "F32", "shape": [...], "data_offsets": [b, e]}``
   (bytes ``b`` to ``e`` after the header, C order), and ``__metadata__`` (strings only) to
   ``header_crc32``, ``format`` (``mpistrat/2``), ``num_replicas``, ``save_counter``,
-  ``positions`` (a JSON object: each dataset's position), ``crc32`` (a JSON object: each
-  entry's CRC-32 as 8 hex digits, what ``zlib.crc32`` gives over its bytes) and, where an
-  entry is complex128, ``dtypes`` (a JSON object naming those entries: safetensors has no
-  complex128, so they are stored as ``F64`` with a last dimension of 2, the real and imaginary
-  parts, NumPy's own layout);
+  ``positions`` (a JSON object: each dataset's position), ``datasets`` (where there is split
+  input: its positions in words, the epoch, the batches and examples taken and the seed, for
+  people), ``crc32`` (a JSON object: each entry's CRC-32 as 8 hex digits, what ``zlib.crc32``
+  gives over its bytes) and, where an entry is complex128, ``dtypes`` (a JSON object naming
+  those entries: safetensors has no complex128, so they are stored as ``F64`` with a last
+  dimension of 2, the real and imaginary parts, NumPy's own layout);
 - the header covers itself: it begins ``{"__metadata__":{"header_crc32":"``, and the 8 hex
   digits that follow are the CRC-32 of the file's first ``8 + N`` bytes (the length and the
   JSON) with those 8 digits left out, so a byte changed anywhere in the header or its metadata
@@ -116,6 +117,8 @@ class Table:
     format: int = 2
     sealed: bool = True  # the header and metadata are covered by a checksum (not in early format-2 files)
     escaped: bool = True  # names escape "." and "/" in keys (files with a sealed header do; earlier ones not)
+    # split input's positions in words: epoch, batches and examples taken, seed (not in older files)
+    datasets: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def dtype_code(dtype: np.dtype, name: str) -> str:
@@ -198,7 +201,8 @@ def renamed(table: Table, rename: Callable[[str], str]) -> Table:
     """``table`` with every entry and position named ``rename(name)``."""
     entries = {rename(n): dataclasses.replace(e, name=rename(n)) for n, e in table.entries.items()}
     positions = {rename(n): p for n, p in table.positions.items()}
-    return dataclasses.replace(table, entries=entries, positions=positions, escaped=True)
+    datasets = {rename(n): d for n, d in table.datasets.items()}
+    return dataclasses.replace(table, entries=entries, positions=positions, datasets=datasets, escaped=True)
 
 
 def corrupt(path: str, why: str) -> InvalidArgumentError:
@@ -250,6 +254,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
             },
             data_start,
             positions=json.loads(meta.get("positions", "{}")),
+            datasets=json.loads(meta.get("datasets", "{}")),
             sealed=sealed,
             escaped=sealed,  # both came in one version
         )
@@ -261,6 +266,8 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
         table.num_replicas = integer(path, "num_replicas", meta["num_replicas"], 1)
     if not isinstance(table.positions, dict):
         raise corrupt(path, "the positions are not a JSON object")
+    if not isinstance(table.datasets, dict):
+        raise corrupt(path, "the datasets' positions in words are not a JSON object")
     for name, position in table.positions.items():
         _int64s(path, f"the position of {name}", position)
     return table

@@ -113,11 +113,15 @@ def begin(
         options=ALWAYS,
     )
     positions: dict[str, Any] = {}
+    datasets: dict[str, Any] = {}  # the split input's positions in words, for people (inspect)
     whole: dict[str, Any] = {}
     sharded: dict[str, ShardedSlot | RankShare] = {}
     for name, value in entries.items():  # collective for positions and sync-on-read variables
         if isinstance(value, InputPosition):
-            positions[name] = value.value().tolist()
+            row, words = value.saved()
+            positions[name] = row.tolist()
+            if words is not None:
+                datasets[name] = words
         elif isinstance(value, (ShardedSlot, RankShare)):
             sharded[name] = value
         else:
@@ -130,6 +134,8 @@ def begin(
         "save_counter": str(counter),
         "positions": json.dumps(positions, sort_keys=True),
     }
+    if datasets:
+        metadata["datasets"] = json.dumps(datasets, sort_keys=True)
     table, header = lay_out([(n, entries[n].dtype, tuple(entries[n].shape)) for n in order], metadata)
     keep: list[Any] = []
     pieces: list[Piece] = []

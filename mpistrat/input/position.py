@@ -39,6 +39,8 @@ class Resumable(Protocol):
 
     def checkpoint_row(self) -> list[int]: ...
 
+    def progress(self) -> tuple[int, int | None]: ...
+
     def check_saved(self, where: str, saved: saved_row.Saved) -> saved_row.Saved: ...
 
     def reposition(self, saved: saved_row.Saved) -> None: ...
@@ -177,16 +179,35 @@ class InputPosition:
 
     def value(self) -> np.ndarray:
         """The position to save (collective: every rank's, gathered; for split input they must agree)."""
-        table = self.collectives.agree(f"checkpoint.save ({self.what})", extras=self.source.checkpoint_row())
+        return self.saved()[0]
+
+    def saved(self) -> tuple[np.ndarray, dict[str, int | None] | None]:
+        """The position to save, and for split input the same in words: the epoch, the batches and
+        examples taken in it, the shuffling seed (None where the dataset has none). Collective:
+        every rank's, gathered; for split input they must agree, the batches and seed too."""
+        batches, seed = self.source.progress()
+        known = seed if seed is not None and 0 <= seed < 2**63 else -1  # an int64 of the agreement
+        table = self.collectives.agree(
+            f"checkpoint.save ({self.what})", extras=[*self.source.checkpoint_row(), batches, known]
+        )
         if self.per_rank:
-            return table
+            return table[:, :2].copy(), None
         if (table != table[0]).any():
-            found = ", ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table))
+            found = ", ".join(
+                f"rank {r}: {_describe(row[:2])}, {row[2]} batches" for r, row in enumerate(table)
+            )
             raise CollectiveMismatchError(
                 f"Checkpoint.save: the ranks are at different positions of {self.what} ({found}); every "
                 "rank must iterate it the same way"
             )
-        return table[0].copy()
+        row = saved_row.decode(table[0, :2])
+        words = {
+            "epoch": row.epoch,
+            "batches": batches,
+            "examples": row.examples,
+            "seed": None if known < 0 else known,
+        }
+        return table[0, :2].copy(), words
 
     def assign(self, value: Any) -> InputPosition:
         """Restore a saved position (collective: an error on any rank is raised on every rank)."""

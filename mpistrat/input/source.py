@@ -123,6 +123,12 @@ class Source:
             return [position.epoch, position.step]
         return saved_row.encode(position.epoch, position.examples, self.identity)
 
+    def progress(self) -> tuple[int, int | None]:
+        """The batches taken in the pass in progress, and the seed it is shuffled with (None: an
+        ArrayDataset that does not shuffle, or another iterable, whose order is its own)."""
+        arrays = self._arrays
+        return self._position.step, arrays.seed if arrays is not None and arrays.shuffle else None
+
     def check_saved(self, where: str, saved: saved_row.Saved) -> saved_row.Saved:
         """``saved``, checked against this dataset: a valid position, of this dataset (its order and
         number of examples as when it was saved), within a pass."""

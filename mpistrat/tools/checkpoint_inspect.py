@@ -1,6 +1,7 @@
 """``mpistrat checkpoint inspect PATH``: what a checkpoint file holds, and whether its bytes are intact.
 
-Prints the format, the rank count and save counter it was written with, dataset positions, and
+Prints the format, the rank count and save counter it was written with, where each dataset stands
+(its epoch, the batches and examples taken in it, its shuffling seed), and
 one row per entry (dtype, shape, bytes, CRC-32), then checks every entry's checksum, reading the
 file once in pieces (``--no-verify`` skips that); the header's own checksum is checked first.
 ``--json`` prints the same as one JSON object.
@@ -19,10 +20,13 @@ import sys
 import zlib
 from typing import Any
 
+import numpy as np
+
 from mpistrat.checkpoint import crc
 from mpistrat.checkpoint.files import read_table
 from mpistrat.checkpoint.format import Entry, Table
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.input import saved_row
 
 __all__ = ["main", "verify"]
 
@@ -60,6 +64,7 @@ def _describe(table: Table, bad: list[str] | None) -> dict[str, Any]:
         "save_counter": table.counter,
         "positions": table.positions,
         "header_checksum": table.sealed,
+        "datasets": {name: _dataset(table, name) for name in table.positions},
         "entries": [
             {
                 "name": e.name,
@@ -75,6 +80,39 @@ def _describe(table: Table, bad: list[str] | None) -> dict[str, Any]:
     }
 
 
+def _dataset(table: Table, name: str) -> Any:
+    """A dataset's position in words: what the file says of it (the epoch, the batches and examples
+    taken, the seed), else what its row says (a file of an earlier version, or per-rank input: one
+    for each rank); None where the row cannot be read."""
+    if name in table.datasets:
+        return table.datasets[name]
+    rows = np.asarray(table.positions[name])
+    if rows.ndim == 2:
+        return [_decoded(row) for row in rows]
+    return _decoded(rows)
+
+
+def _decoded(row: Any) -> dict[str, Any]:
+    saved = saved_row.decode(row)
+    return {"epoch": saved.epoch, "batches": saved.batches, "examples": saved.examples, "seed": None}
+
+
+def _said(about: Any) -> str:
+    """``epoch 3, 17 batches and 1088 examples taken, seed 7``; for a list, each rank's.
+
+    >>> _said({"epoch": 3, "batches": 17, "examples": 1088, "seed": 7})
+    'epoch 3, 17 batches and 1088 examples taken, seed 7'
+    """
+    if isinstance(about, list):
+        return "; ".join(f"rank {r}: {_said(one)}" for r, one in enumerate(about))
+    counts = ((about.get("batches"), "batches"), (about.get("examples"), "examples"))
+    taken = " and ".join(f"{n} {what}" for n, what in counts if n is not None) or "nothing"
+    seed = about.get("seed")
+    return f"epoch {about['epoch']}, {taken} taken, " + (
+        f"seed {seed}" if seed is not None else "no seed recorded (not shuffled, or its order is its own)"
+    )
+
+
 def _text(info: dict[str, Any]) -> str:
     lines = [
         f"{info['path']}: mpistrat checkpoint, format {info['format']}, {info['bytes']} bytes",
@@ -82,7 +120,7 @@ def _text(info: dict[str, Any]) -> str:
     ]
     if not info["header_checksum"]:
         lines.append("the header has no checksum of its own (an earlier version's file)")
-    lines += [f"position of {name}: {value}" for name, value in info["positions"].items()]
+    lines += [f"position of {name}: {_said(about)}" for name, about in info["datasets"].items()]
     entries = info["entries"]
     width = max([len(e["name"]) for e in entries] + [5])
     lines.append(f"{'entry':<{width}}  {'dtype':<10} {'shape':<18} {'bytes':>12}  crc32")

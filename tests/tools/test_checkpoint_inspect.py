@@ -104,3 +104,58 @@ def test_a_fifo_is_refused_with_one_line_not_waited_on(tmp_path):
     lines = done.stderr.splitlines()
     assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
     assert f"{tmp_path / 'fifo'} is a FIFO, not a regular file" in lines[0], lines
+
+
+def test_a_datasets_position_is_said_as_epoch_batches_examples_and_seed(tmp_path, capsys):
+    """A shuffled ArrayDataset (seed 7, batches of 8) in its second pass after 3 batches; a dataset of
+    another iterable after 2 batches of 5: no seed. What the --json says is the same."""
+    strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    shuffled = strategy.experimental_distribute_dataset(
+        mpistrat.ArrayDataset(np.arange(40.0), 8, shuffle=True, seed=7)
+    )
+    plain = strategy.experimental_distribute_dataset([np.arange(5.0)] * 4)
+    list(shuffled)  # the first pass, whole
+    it = iter(shuffled)
+    for _ in range(3):
+        next(it)
+    other = iter(plain)
+    next(other), next(other)
+    path = mpistrat.Checkpoint(data=shuffled, other=plain).save(tmp_path / "ckpt")
+    assert checkpoint_inspect.main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "position of data: epoch 1, 3 batches and 24 examples taken, seed 7" in out.splitlines(), out
+    said = "position of other: epoch 0, 2 batches and 10 examples taken, no seed recorded"
+    assert any(line.startswith(said) for line in out.splitlines()), out
+    assert checkpoint_inspect.main(["inspect", path, "--json"]) == 0
+    datasets = json.loads(capsys.readouterr().out)["datasets"]
+    assert datasets == {
+        "data": {"epoch": 1, "batches": 3, "examples": 24, "seed": 7},
+        "other": {"epoch": 0, "batches": 2, "examples": 10, "seed": None},
+    }, datasets
+    strategy.experimental_finalize()
+
+
+def test_a_position_of_an_earlier_version_is_decoded_from_its_row(tmp_path):
+    """A file of an earlier version has the row alone (the epoch in the low 32 bits of its first number,
+    the examples taken in its second; or, earlier still, the epoch and the batches): inspect says the
+    epoch and what was taken, and that no seed was recorded. Per-rank input: one row per rank."""
+    import dataclasses
+
+    from mpistrat.checkpoint.files import read_table
+    from mpistrat.input import saved_row
+
+    strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    dist = strategy.experimental_distribute_dataset(mpistrat.ArrayDataset(np.arange(40.0), 8))
+    path = mpistrat.Checkpoint(data=dist).save(tmp_path / "ckpt")
+    strategy.experimental_finalize()
+    row = saved_row.encode(2, 96, saved_row.Identity(order=5, length=9))
+    rows = {"data": row, "old": [4, 3], "pipelines": [[1, 16], [1, 24]]}
+    earlier = dataclasses.replace(read_table(path), positions=rows, datasets={})
+    lines = checkpoint_inspect._text(checkpoint_inspect._describe(earlier, [])).splitlines()
+    none = "no seed recorded (not shuffled, or its order is its own)"
+    assert f"position of data: epoch 2, 96 examples taken, {none}" in lines, lines
+    assert f"position of old: epoch 4, 3 batches taken, {none}" in lines, lines
+    assert (
+        f"position of pipelines: rank 0: epoch 1, 16 batches taken, {none}; "
+        f"rank 1: epoch 1, 24 batches taken, {none}"
+    ) in lines, lines
