@@ -18,6 +18,12 @@ and 99th percentile are ``p50`` and ``p99`` (nearest rank). A p99 needs at least
 ``bench_report.P99_MIN_ITERS`` (100) timed iterations: with fewer it is ``null`` in the
 JSON, empty in the CSV and ``-`` in the table, which says so.
 Sizes are spelled as ``mpistrat.tools.sizes.parse_size`` reads them: ``4``, ``64KiB``, ``1MB``, ``1g``.
+
+Rank 0 prints each row as it is measured and rewrites ``--json``/``--csv`` with every row so far
+(:mod:`~mpistrat.tools.bench_report`), so a job cut at any moment keeps what it measured.
+``SIGTERM`` or ``SIGUSR1`` on any rank ends the sweep on every rank after the size in progress
+(one ``MAX`` per size agrees on it), the files marked partial, exit status :data:`STOPPED`. The
+load on each host before and after is recorded and warned about (:mod:`~mpistrat.tools.bench_load`).
 """
 
 from __future__ import annotations
@@ -340,11 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     code = 1 if failed else STOPPED if meta["partial"] else 0
     if outputs is not None:
         outputs.write(meta, rows)
-        shown.lines(
-            bench_report.foot(meta, rows)
-        )  # the warnings close the table; without one, stderr has them
-        for warning in bench_report.warnings({**meta, "oversubscribed": []}, rows) if args.quiet else ():
-            print(f"mpistrat bench: WARNING: {warning}", file=sys.stderr, flush=True)
+        shown.lines(bench_report.foot(meta, rows))  # its warnings close the table
+        if args.quiet:  # no table: stderr has them
+            for warning in bench_report.warnings({**meta, "oversubscribed": []}, rows):
+                print(f"mpistrat bench: WARNING: {warning}", file=sys.stderr, flush=True)
         if outputs.failed:
             code = 1
         if failed:

@@ -135,12 +135,12 @@ def _read(comm: MPI.Intracomm, place: _Place) -> list[tuple[str, Reading]] | Non
     cpu: dict[str, float] = {}
     for (name, seconds), _ in gathered:
         cpu[name] = cpu.get(name, 0.0) + seconds
-    return [
-        (name, Reading(when, cpu[name], load, counted, logical))
-        for (name, _), found in gathered
-        if found is not None
-        for when, load, counted, logical in [found]
-    ]
+    readings = []
+    for (name, _), found in gathered:
+        if found is not None:  # a host's first rank
+            when, load, counted, logical = found
+            readings.append((name, Reading(when, cpu[name], load, counted, logical)))
+    return readings
 
 
 class Watch:
