@@ -62,9 +62,10 @@ class Checkpoint:
 
     Entries are named by their keyword and key path, e.g. ``model/w``, or attribute path
     for an object holding variables (a model class: ``model/dense/kernel``, see
-    :mod:`~mpistrat.checkpoint.tracking`). An optimizer contributes ``<name>/iterations``
-    and one entry per slot, ``<name>/slots/<variable's entry>/<slot>``, so its variables
-    must be tracked by the same checkpoint. A distributed dataset or iterator contributes
+    :mod:`~mpistrat.checkpoint.tracking`). An optimizer contributes ``<name>/iterations``,
+    ``<name>/learning_rate`` (a number's; as in Keras, a restore sets it back) and one entry
+    per slot, ``<name>/slots/<variable's entry>/<slot>``, so its variables must be tracked
+    by the same checkpoint. A distributed dataset or iterator contributes
     its position (the pass and the examples taken in it), which ``restore`` sets back, so
     the next pass resumes there. Every file also holds ``save_counter``.
 
@@ -113,6 +114,8 @@ class Checkpoint:
         names = {id(v): n for n, v in self._variables.items()}
         for opt_name, opt in self._optimizers.items():
             entries[f"{opt_name}/iterations"] = opt.iterations
+            if isinstance(rate := opt.learning_rate, Variable):  # a schedule is code: nothing to save
+                entries[f"{opt_name}/learning_rate"] = rate
             for var, slots in opt.slots_by_variable():
                 if id(var) not in names:
                     raise InvalidArgumentError(

@@ -42,7 +42,17 @@ if TYPE_CHECKING:
     from mpistrat.options import CommunicationOptions
     from mpistrat.training.variables import Variable
 
-__all__ = ["BLOCK", "WHOLE", "FlatState", "Group", "Layout", "creation_order", "own_copy", "storage_place"]
+__all__ = [
+    "BLOCK",
+    "WHOLE",
+    "FlatState",
+    "Group",
+    "Layout",
+    "creation_order",
+    "own_copy",
+    "rate_code",
+    "storage_place",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,11 +378,12 @@ class FlatState:
             mode = collectives.sum_mode if options is None else sum_mode(collectives.options.merge(options))
             described = [
                 ("gradient reduction", mode.name or "plain MPI sum", None),
+                ("learning_rate", repr(lr), None),
                 *described,
             ]  # named if it differs
             collectives.agree(
                 kind,
-                fingerprint=(0 if plan is None else plan.fingerprint) ^ mode.code,
+                fingerprint=(0 if plan is None else plan.fingerprint) ^ mode.code ^ rate_code(lr),
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
                 error=error,  # always sent: it checks the step's unchecked collectives before any write
             )
@@ -394,6 +405,11 @@ class FlatState:
             raise
         if collectives is not None and check_level(collectives) > 1:
             _compare_copies(collectives, plan, kind)
+
+
+def rate_code(lr: float) -> int:
+    """The code of a step's learning rate in its handshake: ranks that set different rates raise."""
+    return code_of("learning_rate", lr)
 
 
 def _fails_late(mode: SumMode, plan: _Plan) -> bool:

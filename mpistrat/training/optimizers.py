@@ -42,7 +42,7 @@ from mpistrat.training.accumulation import Accumulator, checked_steps, exact_row
 from mpistrat.training.optimizer_checks import SAME_BUILD, compare_copies, not_floating, own_replica_strategy
 from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
 from mpistrat.training.sharded_slot import ShardedSlot
-from mpistrat.training.variables import Variable, VariableAggregation, Writable
+from mpistrat.training.variables import Variable, VariableAggregation, Writable, plain_variable
 from mpistrat.values import local_copy
 
 __all__ = ["Optimizer", "SGD", "Adam", "ShardedSlot"]
@@ -78,12 +78,14 @@ class Optimizer:
             )
         # How the gradients are summed (deterministic, compression, ...) over the strategy's options.
         self._communication_options = communication_options
-        if not (callable(learning_rate) or isinstance(learning_rate, (int, float, np.floating, np.integer))):
-            raise InvalidArgumentError(
-                f"{name}: learning_rate must be a number or a callable of the step; got {learning_rate!r}"
-            )
-        self._learning_rate = learning_rate
         self._name = name
+        # a schedule (a callable of the step) or a plain float64 variable: set in place, checkpointed
+        self._learning_rate: Variable | Callable[[int], float]
+        if callable(learning_rate):
+            self._learning_rate = learning_rate
+        else:
+            rate = np.array(_checked_rate(learning_rate, name), np.float64)
+            self._learning_rate = plain_variable(rate, f"{name}/learning_rate")
         self._strategy = context.get_strategy() if context.has_strategy() else None
         self._iterations: Variable | None = None
         self._slots: dict[int, tuple[Variable, dict[str, Any]]] = {}  # slots: Variable or ShardedSlot
@@ -149,10 +151,52 @@ class Optimizer:
                     )
         return self._iterations
 
-    def learning_rate(self, step: int) -> float:
-        """The learning rate at ``step`` (the callable's value, or the constant)."""
-        lr = self._learning_rate
-        return float(lr(step) if callable(lr) else lr)
+    @property
+    def learning_rate(self) -> Variable | float:
+        """The learning rate, as Keras 3 has it: a number's variable (float64), or a schedule's value
+        at the current ``iterations``.
+
+        Settable between steps: a number (written into the variable; the next step uses it) or a
+        schedule (a callable of the step, replacing the rate). A rate made from a schedule takes
+        only another schedule, as in Keras. Every rank must set the same rate: the step's handshake
+        compares them (see :meth:`apply_gradients`).
+
+        >>> opt = SGD(0.1)
+        >>> opt.learning_rate = 0.01
+        >>> float(opt.learning_rate)
+        0.01
+        """
+        if isinstance(self._learning_rate, Variable):
+            return self._learning_rate
+        return self._learning_rate(self._step_now())
+
+    @learning_rate.setter
+    def learning_rate(self, value: float | Callable[[int], float]) -> None:
+        if callable(value):
+            self._learning_rate = value
+            return
+        rate = self._learning_rate
+        if not isinstance(rate, Variable):
+            raise InvalidArgumentError(
+                f"{self._name}: this optimizer was made with a schedule as its learning_rate, so its "
+                f"rate is not settable to a number (got {value!r}); set another schedule, or make the "
+                "optimizer with a number to set it by hand"
+            )
+        with Writable(rate) as held:
+            held[...] = _checked_rate(value, self._name)
+
+    def _rate_at(self, step: int) -> tuple[float, InvalidArgumentError | None]:
+        """The rate the step ``step`` applies, and the error that stops it (not a finite number)."""
+        rate = self._learning_rate
+        value = float(rate.local_array) if isinstance(rate, Variable) else rate(step)
+        try:
+            return _checked_rate(value, self._name, f"at step {step}"), None
+        except InvalidArgumentError as exc:
+            return math.nan, exc
+
+    def _step_now(self) -> int:
+        """``iterations`` on this rank, without creating it (0 before the first step)."""
+        return 0 if self._iterations is None else int(own_copy(self._iterations).local_array)
 
     def get_slot(self, var: Variable, slot_name: str) -> Variable | ShardedSlot:
         """The slot variable ``slot_name`` of ``var``."""
@@ -169,8 +213,10 @@ class Optimizer:
         return list(self._slots.values())
 
     def variables(self) -> list[Variable | ShardedSlot]:
-        """The step counter and every slot variable."""
+        """The step counter, the learning rate's variable (a number's) and every slot variable."""
         out: list[Variable | ShardedSlot] = [self.iterations]
+        if isinstance(self._learning_rate, Variable):
+            out.append(self._learning_rate)
         for _, slots in self._slots.values():
             out.extend(slots[n] for n in self.slot_names)
         return out
@@ -289,7 +335,7 @@ class Optimizer:
             accumulating, options = self._accumulator is not None, self._communication_options
             streamed = overlap.Optimizer(
                 self._name, self._strategy, self._state, options, accumulating,
-                self._adopt, self._update_flat, self.iterations, self.learning_rate,
+                self._adopt, self._update_flat, self.iterations, self._rate_at,
             )  # fmt: skip
             if (grads_and_vars := overlap.apply(streamed, grads_and_vars)) is None:
                 return self.iterations
@@ -330,16 +376,17 @@ class Optimizer:
                 return self.iterations
             counter = own_copy(self.iterations)
             step = int(counter.local_array)
+            lr, bad_rate = self._rate_at(step)
             state.step(
                 None if strategy is None else strategy.replicas.collectives,
                 [g for g, _ in pairs],
                 variables,
                 self._update_flat,
-                self.learning_rate(step),
+                lr,
                 step,
                 plan=plan,
                 options=self._communication_options,
-                pending=pending,
+                pending=pending or bad_rate,
                 rows=rows,
             )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
@@ -369,7 +416,10 @@ class Optimizer:
         summed = replica.all_reduce(ReduceOp.SUM, [g for g, _ in pairs], self._communication_options)
         counter = own_copy(self.iterations)
         step = int(counter.local_array)
-        lr, extended = self.learning_rate(step), replica.strategy.replicas
+        lr, bad_rate = self._rate_at(step)
+        if bad_rate is not None:  # a schedule's value: every rank computes the same
+            raise bad_rate
+        extended = replica.strategy.replicas
         for grad, (_, var) in zip(summed, pairs, strict=True):
             slots = self._slots[id(var)][1]
             extended.update(
@@ -393,6 +443,22 @@ class Optimizer:
         every variable's block in a few vectorised passes, and ``shard_state=True`` works.
         """
         raise NotImplementedError
+
+
+def _checked_rate(value: Any, name: str, where: str = "") -> float:
+    """A learning rate as a float: a finite real number, else an error naming what came."""
+    if isinstance(value, Variable):
+        value = value.local_array
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if ok and math.isfinite(value):
+        return float(value)
+    got = f"a {type(value).__name__}" if not ok else repr(float(value))
+    raise InvalidArgumentError(
+        f"{name}: learning_rate{' ' + where if where else ''} must be a finite number (or a schedule "
+        f"returning one); got {got}"
+    )
 
 
 class SGD(Optimizer):

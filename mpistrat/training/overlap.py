@@ -49,6 +49,7 @@ from mpistrat.training.optimizer_state import (
     _checked_gradients,
     _compare_copies,
     own_copy,
+    rate_code,
 )
 from mpistrat.training.variables import Variable, Writable
 
@@ -71,7 +72,7 @@ class Optimizer:
     adopt: Callable[[Any], None]  # registers a variable it updates
     update: pack_step.Update  # its in-place update of flat blocks
     iterations: Variable
-    learning_rate: Callable[[int], float]
+    rate_at: Callable[[int], tuple[float, BaseException | None]]  # a step's rate, or why it has none
 
 
 def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | None:
@@ -99,8 +100,8 @@ def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] |
 
     counter = own_copy(optimizer.iterations)
     now = int(counter.local_array)
-    lr = optimizer.learning_rate(now)
-    step(collectives, state, pairs, where, optimizer.update, lr, now, name=optimizer.name)
+    lr, bad_rate = optimizer.rate_at(now)
+    step(collectives, state, pairs, where, optimizer.update, lr, now, name=optimizer.name, pending=bad_rate)
     with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
         count += 1
     return None
@@ -209,18 +210,20 @@ def step(
     *,
     name: str,
     kind: str = "apply_gradients",
+    pending: BaseException | None = None,
 ) -> None:
     """One step over ``pairs`` as they come (see the module's docstring).
 
     ``where(variable)`` gives the variable's group and index there, raising ``KeyError`` for one
     not built and ``MpistratError`` for one this optimizer cannot update. The gradients are not
-    kept past their copy, so that their memory is reused while the stream runs.
+    kept past their copy, so that their memory is reused while the stream runs. ``pending``: an
+    error found before the stream (a learning rate that is not a number), raised on every rank.
     """
     stream = _Stream(collectives, state.groups)
     index = {id(g): i for i, g in enumerate(state.groups)}
     known = _KNOWN.setdefault(state, {})
     variables: list[Any] = []
-    error: BaseException | None = None
+    error: BaseException | None = pending
     try:
         for grad, var in pairs:
             if grad is None:
@@ -250,7 +253,7 @@ def step(
         if not variables:
             raise InvalidArgumentError(f"{name}.apply_gradients: no gradients provided for any variable")
     except Exception as exc:  # bad input or the stream itself raised: every rank will raise it
-        error = exc
+        error = error or exc
     stream.start(final=True)
     plan = params = slots = None
     if error is None:
@@ -263,9 +266,13 @@ def step(
     try:
         collectives.agree(
             kind,
-            fingerprint=(0 if plan is None else plan.fingerprint) ^ PLAIN.code,
+            fingerprint=(0 if plan is None else plan.fingerprint) ^ PLAIN.code ^ rate_code(lr),
             describe=lambda: {
-                "leaves": [("gradient reduction", "plain MPI sum", None), *(plan.described if plan else [])],
+                "leaves": [
+                    ("gradient reduction", "plain MPI sum", None),
+                    ("learning_rate", repr(lr), None),
+                    *(plan.described if plan else []),
+                ],
                 "advice": _SAME_VARIABLES,
             },
             error=error,

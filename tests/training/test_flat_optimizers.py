@@ -94,9 +94,9 @@ class Reference:
         self.slots = {n: {s: np.zeros_like(p) for s in SLOTS[kind]} for n, p in self.params.items()}
         self.t = 0  # steps applied: one counter for every variable (the optimizer's iterations)
 
-    def step(self, grads: dict[str, np.ndarray]) -> None:
+    def step(self, grads: dict[str, np.ndarray], lr: float = LR) -> None:
         """One step; variables left out of ``grads`` (a None gradient) and their slots stay as they are."""
-        lr, t = LR, self.t + 1
+        t = self.t + 1
         for name, g in grads.items():
             p, s = self.params[name], self.slots[name]
             if self.kind == "sgd":
@@ -364,7 +364,7 @@ def test_a_variable_first_given_later_is_built_then(group, strategy, kind, shard
         bad.append(f"state_nbytes over the steps: {nbytes}")
     got = weights(variables)
     bad += differences(got, ref.params) + differences(slots(opt, variables, kind), reference_slots(ref))
-    if len(opt.variables()) != 1 + len(NAMES) * len(SLOTS[kind]):
+    if len(opt.variables()) != 2 + len(NAMES) * len(SLOTS[kind]):  # iterations, learning_rate, slots
         bad.append(f"variables(): {opt.variables()}")
     if not same_bytes_on_every_rank(group.comm, got):
         bad.append("the copies differ between ranks")
@@ -740,7 +740,8 @@ def test_variables_and_state_nbytes(group, kind):
         bad.append(f"sharding did not shrink the slots: {sharded} vs {replicated} at {R} ranks")
     if R == 1 and sharded != replicated:
         bad.append(f"at one rank sharded state_nbytes {sharded} != {replicated}")
-    # variables(): the step counter, then each variable's slots, the same names, shapes and dtypes
+    # variables(): the step counter, the learning rate, then each variable's slots, the same names,
+    # shapes and dtypes
     for shard, rows in listed.items():
         want_kind = "ShardedSlot" if shard else "MirroredVariable"
         want = [
@@ -748,6 +749,7 @@ def test_variables_and_state_nbytes(group, kind):
             for n, shape in BIG.items()
             for s in SLOTS[kind]
         ]
-        if rows[1:] != want or rows[0][1:] != ((), np.dtype(np.int64), "MirroredVariable"):
+        rate = (f"{type(opt).__name__}/learning_rate", (), np.dtype(np.float64), "Variable")
+        if rows[2:] != want or rows[0][1:] != ((), np.dtype(np.int64), "MirroredVariable") or rows[1] != rate:
             bad.append(f"variables() with shard_state={shard}: {rows}")
     all_ranks_agree(group.comm, not bad, "; ".join(bad))

@@ -105,7 +105,7 @@ def test_slots_iterations_and_dtype(group):
     ok = ok and opt.iterations.colocated_with == group.strategy.extended.non_slot_devices([w])
     n = group.size
     ok = ok and np.allclose(m.numpy(), 0.1 * n) and np.allclose(v.numpy(), 0.001 * n * n)
-    ok = ok and int(opt.iterations.numpy()) == 1 and len(opt.variables()) == 3
+    ok = ok and int(opt.iterations.numpy()) == 1 and len(opt.variables()) == 4
     all_ranks_agree(group.comm, ok, f"{m!r} {v!r}")
     with pytest.raises(InvalidArgumentError, match="no slot"):
         opt.get_slot(w, "momentum")
