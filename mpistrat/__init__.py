@@ -64,6 +64,7 @@ __version__ = "0.1.0"
 for _namespace in (cluster_resolver, metrics, optimizers, _preemption):
     _sys.modules[f"{__name__}.{_namespace.__name__.rsplit('.', 1)[1]}"] = _namespace
 del _namespace
+_sys.modules[f"{__name__}.optimizers.schedules"] = optimizers.schedules
 
 __all__ = [
     "MPI",

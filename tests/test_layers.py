@@ -240,6 +240,9 @@ ALLOWED_REACH_INS: dict[tuple[str, str], str] = {
     ("training/optimizer_state.py", "own_copy(var)._value"): "the gradient check reads every "
     "variable's array at every step: the attribute itself costs half of the local_array property "
     "(30 ns against 62 a read), and the step must cost no more than the loop a user would write",
+    ("training/loss_scale.py", "self.inner_optimizer._apply"): "a LossScaleOptimizer runs its inner "
+    "optimizer's step with the scale dividing the summed gradient and learns whether the step was "
+    "skipped (as Keras's wraps its inner optimizer's apply): kept off the optimizers' public API",
 }
 STDLIB_MODULES = {"sys", "os"}  # sys._getframe, os._exit: documented, and the only way to do it
 ACCESSORS = {"getattr", "setattr", "hasattr"}

@@ -45,7 +45,7 @@ from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
 from mpistrat.replicas import StrategyProtocol
-from mpistrat.training.optimizers import Optimizer
+from mpistrat.training.optimizers import LossScaleOptimizer, Optimizer
 from mpistrat.training.variables import Variable, plain_variable
 
 if TYPE_CHECKING:
@@ -63,9 +63,10 @@ class Checkpoint:
     Entries are named by their keyword and key path, e.g. ``model/w``, or attribute path
     for an object holding variables (a model class: ``model/dense/kernel``, see
     :mod:`~mpistrat.checkpoint.tracking`). An optimizer contributes ``<name>/iterations``,
-    ``<name>/learning_rate`` (a number's; as in Keras, a restore sets it back) and one entry
-    per slot, ``<name>/slots/<variable's entry>/<slot>``, so its variables must be tracked
-    by the same checkpoint. A distributed dataset or iterator contributes
+    ``<name>/learning_rate`` (a number's; as in Keras, a restore sets it back), a
+    ``LossScaleOptimizer`` its ``<name>/loss_scale/...`` and one entry per slot,
+    ``<name>/slots/<variable's entry>/<slot>``, so its variables must be tracked by the same
+    checkpoint. A distributed dataset or iterator contributes
     its position (the pass and the examples taken in it), which ``restore`` sets back, so
     the next pass resumes there. Every file also holds ``save_counter``.
 
@@ -77,7 +78,7 @@ class Checkpoint:
 
     def __init__(self, **trackables: Any):
         self._variables: dict[str, Variable] = {}
-        self._optimizers: dict[str, Optimizer] = {}
+        self._optimizers: dict[str, Optimizer | LossScaleOptimizer] = {}
         self._inputs: dict[str, InputPosition] = {}
         for key, value in trackables.items():
             if key.startswith("__") or key == SAVE_COUNTER:
@@ -92,7 +93,7 @@ class Checkpoint:
                     )
                 if isinstance(leaf, Variable):
                     self._variables[name] = leaf
-                elif isinstance(leaf, Optimizer):
+                elif isinstance(leaf, (Optimizer, LossScaleOptimizer)):
                     self._optimizers[name] = leaf
                 else:
                     self._inputs[name] = leaf
@@ -113,9 +114,7 @@ class Checkpoint:
         entries: dict[str, Any] = {**self._variables, **self._inputs}
         names = {id(v): n for n, v in self._variables.items()}
         for opt_name, opt in self._optimizers.items():
-            entries[f"{opt_name}/iterations"] = opt.iterations
-            if isinstance(rate := opt.learning_rate, Variable):  # a schedule is code: nothing to save
-                entries[f"{opt_name}/learning_rate"] = rate
+            entries.update((f"{opt_name}/{name}", var) for name, var in opt.tracked().items())
             for var, slots in opt.slots_by_variable():
                 if id(var) not in names:
                     raise InvalidArgumentError(

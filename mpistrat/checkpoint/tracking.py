@@ -37,7 +37,7 @@ import numpy as np
 from mpistrat import nest
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.input.datasets import input_position
-from mpistrat.training.optimizers import Optimizer
+from mpistrat.training.optimizers import LossScaleOptimizer, Optimizer
 from mpistrat.training.variables import Variable
 
 __all__ = ["escaped", "name_before_escaping", "tracked"]
@@ -64,7 +64,7 @@ def tracked(key: str, value: Any) -> list[tuple[str, Any]]:
         seen.add(id(item))
         if depth > _DEPTH:
             raise InvalidArgumentError(f"Checkpoint: {name} is nested more than {_DEPTH} levels deep")
-        if isinstance(item, (Variable, Optimizer)):
+        if isinstance(item, (Variable, Optimizer, LossScaleOptimizer)):
             out.append((name, item))
         elif (position := input_position(item)) is not None:
             out.append((name, position))

@@ -7,7 +7,8 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mpistrat import context
@@ -18,7 +19,52 @@ from mpistrat.errors import ContextError, InvalidArgumentError
 if TYPE_CHECKING:
     from mpistrat.training.variables import Variable
 
-__all__ = ["SAME_BUILD", "compare_copies", "not_floating", "own_replica_strategy"]
+__all__ = [
+    "SAME_BUILD",
+    "adopted_strategy",
+    "compare_copies",
+    "creation_scope",
+    "not_floating",
+    "own_replica_strategy",
+]
+
+
+def adopted_strategy(name: str, strategy: Any, unused: bool, var: Variable) -> Any:
+    """The strategy of optimizer ``name`` once it updates ``var``: its variables' (an ``unused``
+    optimizer takes the first one's); a variable of another strategy, or of none, is an error."""
+    owner = var.distribute_strategy
+    if strategy is None and unused:
+        strategy = owner
+    if owner is strategy:
+        return strategy
+    if owner is None:
+        fix = "create it inside `with strategy.scope():`"
+    elif strategy is None:
+        fix = "create the optimizer, and its other variables, inside `with strategy.scope():`"
+    else:
+        fix = "use one optimizer per strategy"
+    where = "was created outside any strategy's scope" if owner is None else f"belongs to {owner}"
+    mine = "outside any scope" if strategy is None else f"in {strategy}"
+    raise InvalidArgumentError(
+        f"{name}: variable {var.name!r} {where}, but this optimizer updates variables {mine}; {fix}"
+    )
+
+
+@contextlib.contextmanager
+def creation_scope(name: str, strategy: Any) -> Iterator[None]:
+    """Enter ``strategy`` (the variables') from the default context to create an optimizer's
+    variables; refuse inside merge_fn (rank 0 alone)."""
+    mode = context.current_mode()
+    if mode.kind is context.MERGE:
+        raise ContextError(
+            f"{name}: cannot create slot variables inside merge_fn (rank 0 alone); call "
+            "optimizer.build(var_list) in strategy.scope() first"
+        )
+    if strategy is not None and mode.kind is context.DEFAULT:
+        with strategy.scope():
+            yield
+    else:
+        yield
 
 
 def own_replica_strategy(name: str, strategy: Any, variables: list[Variable]) -> Any:

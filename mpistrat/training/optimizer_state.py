@@ -179,12 +179,13 @@ class _GroupStep:
     runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]
     gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills (zeros)
     updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
+    segments: list[list[tuple[int, int, int]]]  # per pack: (start, stop, p) of each present variable p
 
 
 def _plan_group(group: Group, positions: list[int], present: list[int]) -> _GroupStep:
     lay, spans = group.layout, group.params.spans
     sizes = [spans[i][1] - spans[i][0] for i in present]
-    runs, gaps, updates = [], [], []
+    runs, gaps, updates, segments = [], [], [], []
     for k in range(lay.packs):
         lo, hi = lay.bounds(k)
         pieces: list[tuple[int, int, int, int]] = []  # (staging start, j, start, stop in var j)
@@ -205,15 +206,18 @@ def _plan_group(group: Group, positions: list[int], present: list[int]) -> _Grou
         runs.append([(a, b, p, all(x == 0 and y == sizes[j] for j, x, y in p)) for a, b, p in pack_runs])
         own_lo, own_hi = lay.owned(k)
         mine: list[tuple[int, int]] = []
-        for i in present:
+        each: list[tuple[int, int, int]] = []
+        for p, i in enumerate(present):
             a, b = max(spans[i][0], own_lo), min(spans[i][1], own_hi)
             if a < b:
+                each.append((a, b, p))
                 if mine and mine[-1][1] == a:
                     mine[-1] = (mine[-1][0], b)
                 else:
                     mine.append((a, b))
         updates.append(mine)
-    return _GroupStep(group, positions, present, runs, gaps, updates)
+        segments.append(each)
+    return _GroupStep(group, positions, present, runs, gaps, updates, segments)
 
 
 @dataclasses.dataclass
@@ -350,7 +354,8 @@ class FlatState:
         options: CommunicationOptions | None = None,
         pending: MpistratError | None = None,
         rows: int = 0,
-    ) -> None:
+        rule: pack_step.Rule | None = None,
+    ) -> bool:
         """One step: check, one handshake, then per group and pack: reduce, update, (gather).
 
         ``plan``: :meth:`cached_plan` of ``variables``, if the caller has it. ``options``: the
@@ -362,7 +367,9 @@ class FlatState:
         set of variables) raises on every rank before anything is sent or written, as does
         ``pending``, an error this rank found earlier (on a call that only accumulated).
         ``rows`` > 0: each gradient is ``[rows, *shape]`` (checked as it was kept), reduced to
-        the exact mean over its rows and the ranks.
+        the exact mean over its rows and the ranks. ``rule``: what the optimizer's base arguments
+        add around ``update`` (:class:`~mpistrat.training.pack_step.Rule`). Returns False when the
+        rule skipped the step (on every rank alike), True when it was applied.
         """
         error: MpistratError | None = pending
         try:
@@ -395,9 +402,12 @@ class FlatState:
         ]
         # an overflow found once data has moved must raise before the first pack is written
         run = pack_step.run_reduced_first if _fails_late(mode, plan) else pack_step.run
+        applied = True
         try:
-            if rows:
-                pack_step.run(collectives, work, update, lr, step, kind, options, rows)
+            if rule is not None and (rule.whole or _fails_late(mode, plan)):
+                applied = pack_step.run_whole(collectives, work, rule, lr, step, kind, options, rows)
+            elif rows or rule is not None:
+                pack_step.run(collectives, work, update, lr, step, kind, options, rows, rule)
             else:
                 run(collectives, work, update, lr, step, kind, options)
         except BaseException:  # an update raising on one rank leaves the others in a transfer
@@ -405,6 +415,7 @@ class FlatState:
             raise
         if collectives is not None and check_level(collectives) > 1:
             _compare_copies(collectives, plan, kind)
+        return applied
 
 
 def rate_code(lr: float) -> int:

@@ -73,11 +73,12 @@ class Optimizer:
     update: pack_step.Update  # its in-place update of flat blocks
     iterations: Variable
     rate_at: Callable[[int], tuple[float, BaseException | None]]  # a step's rate, or why it has none
+    rule_at: Callable[[float, int], pack_step.Rule | None]  # what its base arguments add to a step
 
 
-def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | None:
-    """``apply_gradients(pairs)`` for a generator: the streamed step where it can overlap (None once
-    done), else the pairs as a list, for the list step.
+def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | bool:
+    """``apply_gradients(pairs)`` for a generator: the streamed step where it can overlap (whether
+    it was applied, once done), else the pairs as a list, for the list step.
 
     Not without a distributed strategy, before the first step has built the state, with
     gradient accumulation, or where :func:`can_stream` says no."""
@@ -101,10 +102,15 @@ def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] |
     counter = own_copy(optimizer.iterations)
     now = int(counter.local_array)
     lr, bad_rate = optimizer.rate_at(now)
-    step(collectives, state, pairs, where, optimizer.update, lr, now, name=optimizer.name, pending=bad_rate)
-    with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
-        count += 1
-    return None
+    rule = optimizer.rule_at(lr, now)
+    update = optimizer.update if rule is None else rule.update
+    applied = step(
+        collectives, state, pairs, where, update, lr, now, name=optimizer.name, pending=bad_rate, rule=rule
+    )
+    if applied:
+        with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
+            count += 1
+    return applied
 
 
 def can_stream(
@@ -211,13 +217,16 @@ def step(
     name: str,
     kind: str = "apply_gradients",
     pending: BaseException | None = None,
-) -> None:
+    rule: pack_step.Rule | None = None,
+) -> bool:
     """One step over ``pairs`` as they come (see the module's docstring).
 
     ``where(variable)`` gives the variable's group and index there, raising ``KeyError`` for one
     not built and ``MpistratError`` for one this optimizer cannot update. The gradients are not
     kept past their copy, so that their memory is reused while the stream runs. ``pending``: an
     error found before the stream (a learning rate that is not a number), raised on every rank.
+    ``rule``: the optimizer's base arguments around the update (``rule.whole``: every sum completes
+    first). Returns whether the step was applied (a rule may skip it, on every rank alike).
     """
     stream = _Stream(collectives, state.groups)
     index = {id(g): i for i, g in enumerate(state.groups)}
@@ -284,6 +293,8 @@ def step(
         raise
     assert plan is not None and params is not None and slots is not None
     steps = {id(s.group): n for n, s in enumerate(plan.steps)}
+    whole: list[pack_step.Pack] = []
+    applied = True
     try:
         for (i, k), request in zip(stream.order, stream.requests, strict=True):
             nonblocking.complete(collectives, request, kind=kind)
@@ -294,10 +305,22 @@ def step(
             lo, hi = lay.bounds(k)
             buf = stream.staging[i].buffer
             grad, base = (buf[lo : lo + lay.per_rank], lay.owned(k)[0]) if lay.sharded else (buf[lo:hi], lo)
+            pack = (s, k, grad, base, params[n], slots[n])
+            if rule is not None and rule.whole:  # updated once every sum is in
+                whole.append(pack)
+                continue
+            if rule is not None:
+                rule.before([pack])
             pack_step.update_pack(s, k, grad, base, params[n], slots[n], update, lr, step)
+            if rule is not None:
+                rule.after([pack])
             pack_step.gather_pack(collectives, s, k, params[n], kind)
+        if whole:
+            assert rule is not None
+            applied = pack_step.update_reduced(collectives, whole, rule, lr, step, kind, None)
     except BaseException:  # an update raising on one rank leaves the others in a transfer
         failure.abandon(collectives)
         raise
     if check_level(collectives) > 1:
         _compare_copies(collectives, plan, kind)
+    return applied

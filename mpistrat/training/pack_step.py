@@ -10,6 +10,14 @@ update them twice). 16-bit compression is such a reduction: an overflow is found
 block is summed. :func:`run_reduced_first` then reduces every pack of every group first,
 keeping each result (the gradients' size unsharded, this rank's 1/R sharded), and updates
 only once all have arrived.
+
+An optimizer's :class:`Rule` adds what Keras's base arguments do around the update (loss
+scaling, clipping, weight decay, EMA, LAMB's trust ratios). A rule that needs a norm over whole
+variables (``whole``) runs :func:`run_whole`: every pack reduced and kept, then ``before`` over
+all of them (its per-variable partial norms summed over the ranks in one all-reduce when
+sharded), the updates, ``after``, and the gathers; ``before`` may skip the step on every rank
+alike (a loss-scaled step whose gradient is not finite). Otherwise ``before`` and ``after``
+run pack by pack in :func:`run`.
 """
 
 from __future__ import annotations
@@ -21,7 +29,20 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
 
-__all__ = ["BLOCK", "WHOLE", "GroupStep", "Update", "gather_pack", "run", "run_reduced_first", "update_pack"]
+__all__ = [
+    "BLOCK",
+    "WHOLE",
+    "GroupStep",
+    "Pack",
+    "Rule",
+    "Update",
+    "gather_pack",
+    "run",
+    "run_reduced_first",
+    "run_whole",
+    "update_pack",
+    "update_reduced",
+]
 
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
 # parameters, gradients and slots stay in cache across the update's passes. Measured
@@ -38,13 +59,34 @@ class GroupStep(Protocol):
     """What a step does with one group of variables (``optimizer_state``'s plan of it), as read here."""
 
     group: Any  # the optimizer_state.Group: its layout, flat parameters, slots and staging
+    present: list[int]  # the group's variables given gradients in this step, in group order
     runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]  # per pack: gradient pieces
     gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills
     updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
+    # per pack: (start, stop, p) for each variable this rank updates, p its index in the step's list
+    segments: list[list[tuple[int, int, int]]]
 
 
 # (the group's step, its gradients, its claimed parameter array)
 Work = tuple[GroupStep, list[Any], Any]
+
+# One reduced pack: (the group's step, k, the summed gradient of this rank's elements, the parameter
+# index of its first element, the claimed parameters, the claimed slots)
+Pack = tuple[GroupStep, int, Any, int, Any, list[Any]]
+
+
+class Rule(Protocol):
+    """What an optimizer does around its per-block update in one step (Keras's base arguments)."""
+
+    whole: bool  # every pack reduced before the first is updated: norms over whole variables
+
+    def update(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None: ...
+
+    def before(self, packs: list[Pack]) -> bool:
+        """Gradient transforms and weight decay; False skips the step (the same on every rank)."""
+        ...
+
+    def after(self, packs: list[Pack]) -> None: ...
 
 
 def run(
@@ -56,11 +98,13 @@ def run(
     kind: str,
     options: CommunicationOptions | None,
     rows: int = 0,
+    rule: Rule | None = None,
 ) -> None:
     """Each group's packs in turn: reduce, update, gather.
 
     ``rows`` > 0: each gradient is ``[rows, *shape]``, an accumulation cycle's gradients, and a
-    pack's reduction is their exact mean over the rows and ranks (``deterministic=True``)."""
+    pack's reduction is their exact mean over the rows and ranks (``deterministic=True``).
+    ``rule``: its ``before`` and ``after`` around each pack's update (``rule.whole`` is false)."""
     for s, grads, params in work:
         slots = s.group.claim_slots()
         for k in range(s.group.layout.packs):
@@ -68,8 +112,57 @@ def run(
                 grad, base = _reduce_rows(collectives, s, grads, k, kind, rows)
             else:
                 grad, base = _reduce(collectives, s, grads, k, kind, options)
+            if rule is not None:
+                rule.before([(s, k, grad, base, params, slots)])
             update_pack(s, k, grad, base, params, slots, update, lr, step)
+            if rule is not None:
+                rule.after([(s, k, grad, base, params, slots)])
             gather_pack(collectives, s, k, params, kind, options)
+
+
+def run_whole(
+    collectives: Collectives | None,
+    work: list[Work],
+    rule: Rule,
+    lr: float,
+    step: int,
+    kind: str,
+    options: CommunicationOptions | None,
+    rows: int = 0,
+) -> bool:
+    """Every pack reduced and kept, then :func:`update_reduced`; False when the rule skipped the step."""
+    packs: list[Pack] = []
+    for s, grads, params in work:
+        slots = s.group.claim_slots()
+        several = s.group.layout.packs > 1  # the staging buffer is reused for the next pack: keep a copy
+        for k in range(s.group.layout.packs):
+            if rows:
+                grad, base = _reduce_rows(collectives, s, grads, k, kind, rows)
+            else:
+                grad, base = _reduce(collectives, s, grads, k, kind, options)
+            packs.append((s, k, grad.copy() if several else grad, base, params, slots))
+    return update_reduced(collectives, packs, rule, lr, step, kind, options)
+
+
+def update_reduced(
+    collectives: Collectives | None,
+    packs: list[Pack],
+    rule: Rule,
+    lr: float,
+    step: int,
+    kind: str,
+    options: CommunicationOptions | None,
+) -> bool:
+    """The rule's ``before`` over every reduced pack, each pack's update, ``after``, then the
+    gathers; nothing is written when ``before`` skips the step (on every rank alike)."""
+    if not rule.before(packs):
+        return False
+    for s, k, grad, base, params, slots in packs:
+        update_pack(s, k, grad, base, params, slots, rule.update, lr, step)
+    rule.after(packs)
+    for s, k, _, _, params, _ in packs:
+        gather_pack(collectives, s, k, params, kind, options)
+    return True
 
 
 def run_reduced_first(

@@ -1,0 +1,354 @@
+"""Keras 3's base optimizer arguments, applied to a step over flat packs.
+
+Every optimizer takes ``weight_decay``, ``clipnorm``, ``clipvalue``, ``global_clipnorm``,
+``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency`` and ``loss_scale_factor``
+(:class:`BaseArguments` checks them). A step applies them in Keras's order, to the summed
+gradient: divide by the loss scale, clip (each variable's norm, the global norm, or each
+value), decay the weights (``w -= w * weight_decay * lr``, except the variables excluded), run
+the optimizer's update, then update the moving average of the weights (the ``average`` slot)
+and, every ``ema_overwrite_frequency`` steps, overwrite the weights with it.
+
+:class:`StepRule` is that work for one step, as :mod:`~mpistrat.training.pack_step` calls it
+on this rank's elements of each pack. A norm over whole variables (``clipnorm``,
+``global_clipnorm``, LAMB's trust ratios) is a sum of this rank's partial sums of squares per
+variable: sharded, one all-reduce of that vector (a float64 per variable, or one scalar for the
+global norm), never a gather of gradients; unsharded, every rank holds every element and nothing
+is sent. A loss-scaled step whose summed gradient is not finite is skipped on every rank: the
+flag rides in that all-reduce, or is one scalar of its own when sharded (unsharded every rank
+holds the same sums, and so the same answer).
+
+>>> BaseArguments.checked("SGD", clipnorm=1.0).whole
+True
+>>> BaseArguments.checked("SGD", clipnorm=1.0, global_clipnorm=1.0)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+mpistrat.errors.InvalidArgumentError: SGD: only one of clipnorm, clipvalue and global_clipnorm can be set; ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpistrat.collectives.fingerprint import code_of
+from mpistrat.comm import packing
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.options import CommunicationOptions
+from mpistrat.training.flat_storage import FlatBuffer
+from mpistrat.training.optimizer_state import FlatState, creation_order
+from mpistrat.training.pack_step import Pack, Update
+
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+
+__all__ = ["BaseArguments", "StepRule", "overwrite_with_slot"]
+
+
+def _optional(name: str, what: str, value: Any, *, positive: bool = True) -> float | None:
+    if value is None:
+        return None
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise InvalidArgumentError(
+            f"{name}: {what} must be a number {'> 0' if positive else '>= 0'} or None; got {value!r}"
+        )
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseArguments:
+    """Keras's base optimizer arguments, checked (see the module's docstring)."""
+
+    weight_decay: float | None = None
+    clipnorm: float | None = None
+    clipvalue: float | None = None
+    global_clipnorm: float | None = None
+    use_ema: bool = False
+    ema_momentum: float = 0.99
+    ema_overwrite_frequency: int | None = None
+    loss_scale_factor: float | None = None
+
+    @classmethod
+    def checked(cls, name: str, **given: Any) -> BaseArguments:
+        """The arguments, or an ``InvalidArgumentError`` naming the first that is wrong."""
+        args = cls(**given)
+        for what in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
+            _optional(name, what, getattr(args, what))
+        _optional(name, "weight_decay", args.weight_decay, positive=False)
+        clips = {w: getattr(args, w) for w in ("clipnorm", "clipvalue", "global_clipnorm")}
+        if sum(v is not None for v in clips.values()) > 1:
+            shown = ", ".join(f"{k}={v!r}" for k, v in clips.items())
+            raise InvalidArgumentError(
+                f"{name}: only one of clipnorm, clipvalue and global_clipnorm can be set; got {shown}"
+            )
+        if not isinstance(args.use_ema, (bool, np.bool_)):
+            raise InvalidArgumentError(f"{name}: use_ema must be True or False; got {args.use_ema!r}")
+        momentum = args.ema_momentum
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1:
+            raise InvalidArgumentError(f"{name}: ema_momentum must be in [0, 1]; got {momentum!r}")
+        frequency = args.ema_overwrite_frequency
+        if frequency is not None and (
+            isinstance(frequency, bool) or not isinstance(frequency, numbers.Integral) or frequency < 1
+        ):
+            raise InvalidArgumentError(
+                f"{name}: ema_overwrite_frequency must be an integer >= 1 or None; got {frequency!r}"
+            )
+        return dataclasses.replace(
+            args,
+            **{w: None if (v := getattr(args, w)) is None else float(v) for w in (
+                "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor")},
+            use_ema=bool(args.use_ema),
+            ema_momentum=float(momentum),
+            ema_overwrite_frequency=None if frequency is None else int(frequency),
+        )  # fmt: skip
+
+    @property
+    def whole(self) -> bool:
+        """Whether a step needs norms over whole variables (every pack reduced first)."""
+        return self.clipnorm is not None or self.global_clipnorm is not None
+
+    @property
+    def any(self) -> bool:
+        return self != BaseArguments()
+
+
+class StepRule:
+    """One step's work around the optimizer's update (:class:`~mpistrat.training.pack_step.Rule`).
+
+    Args:
+        args: the base arguments.
+        update: the optimizer's own update of flat blocks (its slots first, in order).
+        own_slots: how many slots the update takes (the EMA's ``average`` follows them).
+        decays: by ``id(variable)``, whether weight decay applies to it.
+        trust_ratio: LAMB's: the update leaves its direction in ``g`` and the rule applies it.
+        lr, step: this step's learning rate and number (``iterations`` before it).
+        collectives: the strategy's (None: one process).
+        sharded: each rank holds its part of each pack (``shard_state=True``): sums of norms travel.
+        exact: sums of norms exact (``deterministic=True``).
+        loss_scale: a ``LossScaleOptimizer``'s scale: the gradient is divided by it, and a step
+            whose sum is not finite is skipped (None: the ``loss_scale_factor``, no skipping).
+    """
+
+    def __init__(
+        self,
+        args: BaseArguments,
+        update: Update,
+        own_slots: int,
+        decays: dict[int, bool],
+        trust_ratio: bool,
+        lr: float,
+        step: int,
+        collectives: Collectives | None,
+        sharded: bool = False,
+        exact: bool = False,
+        loss_scale: float | None = None,
+        kind: str = "apply_gradients",
+    ):
+        self.args, self.lr, self.step, self.collectives = args, lr, step, collectives
+        self.sharded = sharded and collectives is not None
+        self.own_slots, self.trust_ratio, self.kind = own_slots, trust_ratio, kind
+        self._decays = decays
+        self.loss_scale = args.loss_scale_factor if loss_scale is None else loss_scale
+        self.skip_nonfinite = loss_scale is not None
+        self.whole = args.whole or trust_ratio or self.skip_nonfinite
+        self._norm_options = CommunicationOptions(deterministic=exact, compression="none")
+        self._inner = update
+        self.update: Update = update if not args.use_ema else self._without_average
+
+    def decays(self, s: Any, p: int) -> bool:
+        """Whether variable ``p`` of group step ``s`` decays."""
+        return self._decays[id(s.group.variables[s.present[p]])]
+
+    def _without_average(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        self._inner(w, g, slots[: self.own_slots], lr, step)
+
+    # -- before the update: the gradient's transforms, weight decay ------------------------
+
+    def before(self, packs: list[Pack]) -> bool:
+        args = self.args
+        if self.loss_scale is not None:
+            for _, _, grad, _, _, _ in packs:
+                packing.array_module(grad).divide(grad, self.loss_scale, out=grad)
+        bad = 0.0  # elements that are not finite (skip_nonfinite)
+        if self.skip_nonfinite:
+            bad = float(sum(int(not packing.array_module(g).isfinite(g).all()) for _, _, g, _, _, _ in packs))
+        if args.clipnorm is not None or args.global_clipnorm is not None:
+            squares = self._sums(packs, grads=True)
+            if args.global_clipnorm is not None:  # one partial sum: a scalar travels
+                squares = np.array([squares.sum()])
+            squares = self._summed(np.append(squares, bad))  # the flag rides along
+            squares, bad = squares[:-1], float(squares[-1])
+            if bad and self.skip_nonfinite:
+                return False
+            self._clip(packs, squares)
+        elif self.skip_nonfinite and self._summed(np.array([bad]))[0]:
+            return False
+        if args.clipvalue is not None:
+            for _, _, grad, _, _, _ in packs:
+                packing.array_module(grad).clip(grad, -args.clipvalue, args.clipvalue, out=grad)
+        if args.weight_decay:
+            self._decay(packs)
+        return True
+
+    def _clip(self, packs: list[Pack], squares: np.ndarray) -> None:
+        args = self.args
+        if args.global_clipnorm is not None:
+            norm = math.sqrt(float(squares.sum()))
+            c = args.global_clipnorm
+            # Keras's: the same scale for every variable, NaN when the norm is not finite
+            scale = c * min(1.0 / norm, 1.0 / c) if norm > 0 else 1.0
+            if not math.isfinite(norm):
+                scale = math.nan
+            if scale != 1.0:
+                for _, _, grad, _, _, _ in packs:
+                    grad *= scale
+            return
+        clipnorm = args.clipnorm
+        assert clipnorm is not None
+        scales = clipnorm / np.maximum(np.sqrt(squares), clipnorm)
+        for s, k, grad, base, _, _ in packs:
+            for a, b, p in s.segments[k]:
+                scale = scales[self._index(s, p)]
+                if scale != 1.0:
+                    grad[a - base : b - base] *= scale
+
+    def _decay(self, packs: list[Pack]) -> None:
+        rate = (self.args.weight_decay or 0.0) * self.lr
+        for s, k, _, _, params, _ in packs:
+            for a, b in _runs([(a, b) for a, b, p in s.segments[k] if self.decays(s, p)]):
+                w = params[a:b]
+                w -= w * rate
+
+    # -- after the update: LAMB's trust ratios, the moving average ---------------------------
+
+    def after(self, packs: list[Pack]) -> None:
+        if self.trust_ratio:
+            self._trust(packs)
+        if self.args.use_ema:
+            self._average(packs)
+
+    def _trust(self, packs: list[Pack]) -> None:
+        """``w -= ratio * lr * u`` per variable, ``ratio = ||w|| / ||u||`` (1 when either is 0)."""
+        weights = self._sums(packs, grads=False)
+        updates = self._sums(packs, grads=True)
+        both = self._summed(np.concatenate([weights, updates]))
+        w_norm, u_norm = np.sqrt(both[: len(weights)]), np.sqrt(both[len(weights) :])
+        ratio = np.where((w_norm > 0) & (u_norm > 0), w_norm / np.where(u_norm > 0, u_norm, 1.0), 1.0)
+        for s, k, grad, base, params, _ in packs:
+            for a, b, p in s.segments[k]:
+                u = grad[a - base : b - base]
+                u *= ratio[self._index(s, p)] * self.lr
+                params[a:b] -= u
+
+    def _average(self, packs: list[Pack]) -> None:
+        """``average = m * average + (1 - m) * w`` (``average = w`` at the first step), then every
+        ``ema_overwrite_frequency`` steps ``w = average``; ``g`` is free to hold the temporary."""
+        args, first = self.args, self.step == 0
+        momentum = 0.0 if first else args.ema_momentum
+        overwrite = (
+            args.ema_overwrite_frequency is not None and (self.step + 1) % args.ema_overwrite_frequency == 0
+        )
+        for s, k, grad, base, params, slots in packs:
+            average = slots[self.own_slots]
+            xp = packing.array_module(params)
+            shift = s.group.layout.slot_start(k) - base
+            for a, b in s.updates[k]:
+                w, avg, tmp = params[a:b], average[a + shift : b + shift], grad[a - base : b - base]
+                if first:
+                    avg[...] = w
+                else:
+                    avg *= momentum
+                    xp.multiply(w, 1 - xp.asarray(momentum, w.dtype), out=tmp)
+                    avg += tmp
+                if overwrite:
+                    w[...] = avg
+
+    # -- norms ------------------------------------------------------------------------------
+
+    def _sums(self, packs: list[Pack], grads: bool) -> np.ndarray:
+        """Per variable of the step, this rank's sum of squares of its elements: of the gradient
+        (``grads``) or of the weights."""
+        self._offsets = offsets = self._layout(packs)
+        out = np.zeros(offsets[-1][1] if offsets else 0, np.float64)
+        for s, k, grad, base, params, _ in packs:
+            xp = packing.array_module(params)
+            start = offsets_of(offsets, s)
+            for a, b, p in s.segments[k]:
+                x = grad[a - base : b - base] if grads else params[a:b]
+                out[start + p] += float(xp.vdot(x, x).real)
+        return out
+
+    def _layout(self, packs: list[Pack]) -> list[tuple[Any, int]]:
+        """Each group step's first index in the per-variable vector, and the vector's length."""
+        seen: list[tuple[Any, int]] = []
+        total = 0
+        for s, *_ in packs:
+            if not any(t is s for t, _ in seen):
+                seen.append((s, total))
+                total += len(s.present)
+        return [(s, start) for s, start in seen] + ([(None, total)] if seen else [])
+
+    def _index(self, s: Any, p: int) -> int:
+        return offsets_of(self._offsets, s) + p
+
+    def _summed(self, vector: np.ndarray) -> np.ndarray:
+        """The vector summed over the ranks when they hold different elements (sharded)."""
+        if self.sharded:
+            assert self.collectives is not None
+            self.collectives.all_reduce_in_place(vector, kind=self.kind, options=self._norm_options)
+        return vector
+
+
+def overwrite_with_slot(
+    state: FlatState, slot: str, wanted: set[int] | None, collectives: Collectives | None, kind: str
+) -> None:
+    """Each variable of ``state`` (of ``wanted`` ids; None: all) set to its slot ``slot``: the
+    EMA's ``finalize_variable_values``. Collective: every rank calls it alike (one handshake
+    compares the variables); sharded, each rank writes the elements it holds slots for and every
+    pack is all-gathered."""
+    chosen = [
+        (group, j)
+        for group in state.groups
+        for j, var in enumerate(group.variables)
+        if wanted is None or id(var) in wanted
+    ]
+    if collectives is not None:
+        orders = sorted(creation_order(g.variables[j]) for g, j in chosen)
+        collectives.agree(kind, fingerprint=code_of(kind, slot, tuple(orders)))
+    for group in state.groups:
+        mine = [j for g, j in chosen if g is group]
+        if not mine:
+            continue
+        lay, params = group.layout, group.params.claim()
+        source = group.slots[slot]
+        source = source.array if isinstance(source, FlatBuffer) else source
+        for j in mine:
+            a, b = group.params.spans[j]
+            for lo, hi, at in lay.pieces(a, b, lay.rank):
+                params[lo:hi] = source[at : at + hi - lo]
+        if lay.sharded:
+            assert collectives is not None
+            for k in range(lay.packs):
+                collectives.all_gather_in_place(params[slice(*lay.bounds(k))], kind=kind)
+
+
+def offsets_of(offsets: list[tuple[Any, int]], s: Any) -> int:
+    for t, start in offsets:
+        if t is s:
+            return start
+    raise KeyError(s)
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ranges merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
