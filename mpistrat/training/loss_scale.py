@@ -153,6 +153,10 @@ class LossScaleOptimizer:
     def slots_by_variable(self) -> list[tuple[Variable, dict[str, Any]]]:
         return self.inner_optimizer.slots_by_variable()
 
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        return self.inner_optimizer.gradient_accumulation_steps
+
     def accumulation_state(self) -> Any:
         return self.inner_optimizer.accumulation_state()
 

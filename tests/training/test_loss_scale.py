@@ -82,3 +82,29 @@ def test_the_scale_is_checkpointed_and_arguments_are_checked(group):
         LossScaleOptimizer(SGD(), dynamic_growth_steps=0)
     with pytest.raises(InvalidArgumentError, match="loss_scale_factor of its own"):
         LossScaleOptimizer(SGD(loss_scale_factor=2.0))
+
+
+def test_a_save_mid_window_through_a_loss_scale_optimizer_waits_for_the_windows_end(group, tmp_path):
+    """The inner optimizer's accumulation is the wrapper's: a manager with save_at_window_end makes a
+    save called after 1 of 2 calls at the end of the step of the second, the weights after the update
+    (SGD on the mean of the two summed gradients) and no accumulation entries in the file."""
+    from mpistrat.checkpoint.files import read_table
+
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros(2), name="w")
+        opt = LossScaleOptimizer(SGD(0.5, gradient_accumulation_steps=2), initial_scale=4.0)
+    directory = group.comm.bcast(str(tmp_path) if group.rank == 0 else None)
+    manager = mpistrat.CheckpointManager(
+        mpistrat.Checkpoint(w=w, opt=opt), directory, max_to_keep=None, save_at_window_end=True
+    )
+    grads = [np.array([1.0, 2.0]) * (group.rank + 1), np.array([3.0, -1.0]) * (group.rank + 1)]
+    group.strategy.run(lambda: opt.apply_gradients([(grads[0] * 4.0, w)]))
+    path = manager.save()
+    waited = not os.path.exists(path)
+    group.strategy.run(lambda: opt.apply_gradients([(grads[1] * 4.0, w)]))
+    ranks = sum(r + 1 for r in range(group.size))
+    want = -0.5 * (np.array([1.0, 2.0]) + np.array([3.0, -1.0])) * ranks / 2
+    entries = sorted(read_table(path).entries) if os.path.exists(path) else []
+    ok = opt.gradient_accumulation_steps == 2 and waited and entries and np.allclose(w.numpy(), want)
+    ok = ok and not [n for n in entries if "/accumulation/" in n]
+    all_ranks_agree(group.comm, bool(ok), f"{waited} {entries} {w.numpy()} {want}")
