@@ -43,13 +43,22 @@ __all__ = [
 
 @watchdog.collective("all_reduce")
 def all_reduce_in_place(
-    self: Collectives, buf: Any, *, kind: str = "all_reduce", options: CommunicationOptions | None = None
+    self: Collectives,
+    buf: Any,
+    *,
+    kind: str = "all_reduce",
+    options: CommunicationOptions | None = None,
+    maximum: bool = False,
 ) -> None:
     """Sum ``buf`` across ranks into itself (host buffers to MPI, device buffers to their transport).
 
     ``options``: the call's (the default: the collectives' own); their ``deterministic`` or
     ``compression`` make the sum exact or carry 16-bit values (floating-point buffers).
+    ``maximum``: the largest value instead of the sum (a host buffer, as MPI takes it).
     """
+    if maximum:
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return
     opts = self.options if options is None else self.options.merge(options)
     implementation = opts.implementation
     mode = self.sum_mode if options is None else sum_mode(opts)

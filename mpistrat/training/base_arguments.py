@@ -37,8 +37,8 @@ import numpy as np
 from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.options import CommunicationOptions
 from mpistrat.training.flat_storage import FlatBuffer
+from mpistrat.training.norms import Norms
 from mpistrat.training.optimizer_state import FlatState, creation_order
 from mpistrat.training.pack_step import Pack, Update
 
@@ -155,7 +155,7 @@ class StepRule:
         self.loss_scale = args.loss_scale_factor if loss_scale is None else loss_scale
         self.skip_nonfinite = loss_scale is not None
         self.whole = args.whole or trust_ratio or self.skip_nonfinite
-        self._norm_options = CommunicationOptions(deterministic=exact, compression="none")
+        self.exact = exact
         self._inner = update
         self.update: Update = update if not args.use_ema else self._without_average
 
@@ -173,19 +173,20 @@ class StepRule:
         if self.loss_scale is not None:
             for _, _, grad, _, _, _ in packs:
                 packing.array_module(grad).divide(grad, self.loss_scale, out=grad)
-        bad = 0.0  # elements that are not finite (skip_nonfinite)
+        norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
+        bad = None  # packs whose gradient is not finite on this rank (skip_nonfinite)
         if self.skip_nonfinite:
             bad = float(sum(int(not packing.array_module(g).isfinite(g).all()) for _, _, g, _, _, _ in packs))
         if args.clipnorm is not None or args.global_clipnorm is not None:
-            squares = self._sums(packs, grads=True)
-            if args.global_clipnorm is not None:  # one partial sum: a scalar travels
-                squares = np.array([squares.sum()])
-            squares = self._summed(np.append(squares, bad))  # the flag rides along
-            squares, bad = squares[:-1], float(squares[-1])
-            if bad and self.skip_nonfinite:
+            # per variable, or one total (a scalar travels); the flag rides along
+            squares, bad = norms.squares(["grad"], per_variable=args.clipnorm is not None, flag=bad)
+            if bad:
                 return False
-            self._clip(packs, squares)
-        elif self.skip_nonfinite and self._summed(np.array([bad]))[0]:
+            self._clip(packs, squares[0], norms)
+        elif bad is not None and self.sharded:
+            if norms.squares([], per_variable=False, flag=bad)[1]:
+                return False
+        elif bad:
             return False
         if args.clipvalue is not None:
             for _, _, grad, _, _, _ in packs:
@@ -194,7 +195,7 @@ class StepRule:
             self._decay(packs)
         return True
 
-    def _clip(self, packs: list[Pack], squares: np.ndarray) -> None:
+    def _clip(self, packs: list[Pack], squares: np.ndarray, norms: Norms) -> None:
         args = self.args
         if args.global_clipnorm is not None:
             norm = math.sqrt(float(squares.sum()))
@@ -212,7 +213,7 @@ class StepRule:
         scales = clipnorm / np.maximum(np.sqrt(squares), clipnorm)
         for s, k, grad, base, _, _ in packs:
             for a, b, p in s.segments[k]:
-                scale = scales[self._index(s, p)]
+                scale = scales[norms.index(s, p)]
                 if scale != 1.0:
                     grad[a - base : b - base] *= scale
 
@@ -233,15 +234,14 @@ class StepRule:
 
     def _trust(self, packs: list[Pack]) -> None:
         """``w -= ratio * lr * u`` per variable, ``ratio = ||w|| / ||u||`` (1 when either is 0)."""
-        weights = self._sums(packs, grads=False)
-        updates = self._sums(packs, grads=True)
-        both = self._summed(np.concatenate([weights, updates]))
-        w_norm, u_norm = np.sqrt(both[: len(weights)]), np.sqrt(both[len(weights) :])
+        norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
+        (weights, updates), _ = norms.squares(["weights", "grad"], per_variable=True)
+        w_norm, u_norm = np.sqrt(weights), np.sqrt(updates)
         ratio = np.where((w_norm > 0) & (u_norm > 0), w_norm / np.where(u_norm > 0, u_norm, 1.0), 1.0)
         for s, k, grad, base, params, _ in packs:
             for a, b, p in s.segments[k]:
                 u = grad[a - base : b - base]
-                u *= ratio[self._index(s, p)] * self.lr
+                u *= ratio[norms.index(s, p)] * self.lr
                 params[a:b] -= u
 
     def _average(self, packs: list[Pack]) -> None:
@@ -266,41 +266,6 @@ class StepRule:
                     avg += tmp
                 if overwrite:
                     w[...] = avg
-
-    # -- norms ------------------------------------------------------------------------------
-
-    def _sums(self, packs: list[Pack], grads: bool) -> np.ndarray:
-        """Per variable of the step, this rank's sum of squares of its elements: of the gradient
-        (``grads``) or of the weights."""
-        self._offsets = offsets = self._layout(packs)
-        out = np.zeros(offsets[-1][1] if offsets else 0, np.float64)
-        for s, k, grad, base, params, _ in packs:
-            xp = packing.array_module(params)
-            start = offsets_of(offsets, s)
-            for a, b, p in s.segments[k]:
-                x = grad[a - base : b - base] if grads else params[a:b]
-                out[start + p] += float(xp.vdot(x, x).real)
-        return out
-
-    def _layout(self, packs: list[Pack]) -> list[tuple[Any, int]]:
-        """Each group step's first index in the per-variable vector, and the vector's length."""
-        seen: list[tuple[Any, int]] = []
-        total = 0
-        for s, *_ in packs:
-            if not any(t is s for t, _ in seen):
-                seen.append((s, total))
-                total += len(s.present)
-        return [(s, start) for s, start in seen] + ([(None, total)] if seen else [])
-
-    def _index(self, s: Any, p: int) -> int:
-        return offsets_of(self._offsets, s) + p
-
-    def _summed(self, vector: np.ndarray) -> np.ndarray:
-        """The vector summed over the ranks when they hold different elements (sharded)."""
-        if self.sharded:
-            assert self.collectives is not None
-            self.collectives.all_reduce_in_place(vector, kind=self.kind, options=self._norm_options)
-        return vector
 
 
 def overwrite_with_slot(
@@ -334,13 +299,6 @@ def overwrite_with_slot(
             assert collectives is not None
             for k in range(lay.packs):
                 collectives.all_gather_in_place(params[slice(*lay.bounds(k))], kind=kind)
-
-
-def offsets_of(offsets: list[tuple[Any, int]], s: Any) -> int:
-    for t, start in offsets:
-        if t is s:
-            return start
-    raise KeyError(s)
 
 
 def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -6,6 +6,8 @@ and dtype fallbacks, transport choice) is exercised at every rank count. The
 real-GPU suite is tests/comm/test_gpu.py.
 """
 
+import math
+
 import numpy as np
 import pytest
 
@@ -196,4 +198,48 @@ def test_a_sharded_device_step_moves_what_the_host_step_moves(fake, monkeypatch,
     sharded = WORLD.Get_size() == 1 or any(c[0] == "Reduce_scatter_block" for c in ledgers["host"])
     same = all(np.array_equal(d, h) for d, h in zip(weights["device"], weights["host"], strict=True))
     ok = sharded and ledgers["device"] == ledgers["host"] and same
+    all_ranks_agree(WORLD, ok, f"device {ledgers['device']} against host {ledgers['host']}; weights {same}")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: mpistrat.optimizers.Lamb(0.1, global_clipnorm=1.0, use_ema=True, shard_state=True),
+        lambda: mpistrat.optimizers.AdamW(0.1, clipnorm=0.5, shard_state=True),
+        lambda: mpistrat.optimizers.RMSprop(0.1, momentum=0.5, centered=True, clipvalue=0.8),
+        lambda: mpistrat.optimizers.Adagrad(0.1, loss_scale_factor=4.0, shard_state=True),
+    ],
+    ids=["lamb", "adamw", "rmsprop", "adagrad"],
+)
+def test_the_keras_optimizers_on_device_variables_match_the_host(fake, monkeypatch, make):
+    """Every optimizer and the base arguments that add norms, clipping and averages on device
+    variables: the host step's MPI calls and bytes, and the host step's weights."""
+    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "1")
+    rank, shapes = WORLD.Get_rank(), [(300,), (7, 5), ()]
+    ledgers, weights = {}, {}
+    for name, xp in (("host", np), ("device", fake)):
+        options = CommunicationOptions(implementation="RING", bytes_per_pack=512)
+        strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
+        try:
+            with strategy.scope():
+                ws = [
+                    mpistrat.Variable(
+                        xp.asarray(np.linspace(-1, 1, math.prod(s), dtype=np.float32).reshape(s))
+                    )
+                    for s in shapes
+                ]
+                opt = make()
+            grads = [xp.asarray(np.full(s, rank + 1, np.float32)) for s in shapes]
+            strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
+            with Ledger.recording() as ledger:
+                strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
+            ledgers[name] = [(c.name, c.sent, c.received) for c in ledger.log]
+            weights[name] = [np.asarray(fake.asnumpy(w.value()) if xp is fake else w.value()) for w in ws]
+        finally:
+            strategy.experimental_finalize()
+    same = all(
+        np.allclose(d, h, rtol=1e-6, atol=1e-7)
+        for d, h in zip(weights["device"], weights["host"], strict=True)
+    )
+    ok = ledgers["device"] == ledgers["host"] and same
     all_ranks_agree(WORLD, ok, f"device {ledgers['device']} against host {ledgers['host']}; weights {same}")

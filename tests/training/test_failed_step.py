@@ -2,7 +2,9 @@
 
 An fp16 overflow is found only once a pack's gradients are summed; with several packs (a small
 ``bytes_per_pack``, or variables of two dtypes) an earlier pack must not be updated when a later
-one overflows, or a retry with a loss scale would apply the first part twice.
+one overflows, or a retry with a loss scale would apply the first part twice. The same with a
+base argument that reduces every pack before the first update (``global_clipnorm``, here too
+large to clip).
 """
 
 import numpy as np
@@ -32,15 +34,16 @@ def momentum_sgd(weights, grads, velocity, lr=0.5, momentum=0.9):
     return [w + v for w, v in zip(weights, velocity, strict=True)], velocity
 
 
+@pytest.mark.parametrize("base", [{}, {"global_clipnorm": 1e6}], ids=["plain", "global_clipnorm"])
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])
 @pytest.mark.parametrize("shard", [False, True])
 @pytest.mark.parametrize("dtypes", [("f4", "f4", "f4"), ("f4", "f8", "f8")])
-def test_an_overflow_in_a_later_pack_writes_nothing(group, codec, shard, dtypes):
+def test_an_overflow_in_a_later_pack_writes_nothing(group, codec, shard, dtypes, base):
     strategy = strategy_for(group, codec)
     start = [np.arange(np.prod(s), dtype=d).reshape(s) / 8 for s, d in zip(SHAPES, dtypes, strict=True)]
     with strategy.scope():
         ws = [mpistrat.Variable(w, name=f"w{k}") for k, w in enumerate(start)]
-        opt = mpistrat.optimizers.SGD(0.5, momentum=0.9, shard_state=shard)
+        opt = mpistrat.optimizers.SGD(0.5, momentum=0.9, shard_state=shard, **base)
     ones = [np.ones(s, d) for s, d in zip(SHAPES, dtypes, strict=True)]
     huge = {"fp16": 7e4, "bf16": 1e300 if dtypes[2] == "f8" else 3.4e38}[codec]
     bad = [g.copy() for g in ones]

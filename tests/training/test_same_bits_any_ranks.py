@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import CommunicationOptions
-from mpistrat.optimizers import SGD, Adam
+from mpistrat.optimizers import SGD, Adagrad, Adam, AdamW, Lamb, RMSprop
 from tests.conftest import WORLD, all_ranks_agree
 
 M = 4  # microbatches per update
@@ -162,3 +162,49 @@ def test_a_checkpoint_saved_at_one_rank_count_continues_at_another(tmp_path, kin
         ]
         b.experimental_finalize()
     all_ranks_agree(WORLD, not bad, "; ".join(bad))
+
+
+# -- every optimizer and the base arguments that touch the step ----------------------------------
+
+KERAS_KINDS = {
+    "adamw": lambda **o: AdamW(LR, weight_decay=0.1, **o),
+    "rmsprop": lambda **o: RMSprop(LR, momentum=0.5, centered=True, **o),
+    "adagrad-clipvalue": lambda **o: Adagrad(LR, clipvalue=0.01, **o),
+    "amsgrad-ema": lambda **o: Adam(LR, amsgrad=True, use_ema=True, ema_overwrite_frequency=2, **o),
+    "sgd-clipnorm": lambda **o: SGD(LR, momentum=0.9, clipnorm=0.01, **o),
+    "adam-global": lambda **o: Adam(LR, global_clipnorm=0.01, **o),
+    "lamb": lambda **o: Lamb(LR, weight_decay=0.01, **o),
+}
+
+
+def _trained_bits(comm, kind: str, shard: bool) -> dict[str, bytes]:
+    strategy = mpistrat.MPIStrategy(comm.Dup())
+    k = M // strategy.num_replicas_in_sync
+    with strategy.scope():
+        variables = {n: mpistrat.Variable(initial(n), name=n) for n in SHAPES}
+        opt = KERAS_KINDS[kind](shard_state=shard, communication_options=EXACT, gradient_accumulation_steps=k)
+    opt.exclude_from_weight_decay(var_names=["b"])
+    train(strategy, variables, opt, range(3))
+    with strategy.scope():
+        bits = {n: v.numpy().tobytes() for n, v in variables.items()}
+        bits |= {
+            f"{n}/{s}": opt.get_slot(v, s).numpy().tobytes()
+            for n, v in variables.items()
+            for s in opt.slot_names
+        }
+    strategy.experimental_finalize()
+    return bits
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("kind", list(KERAS_KINDS))
+def test_every_optimizer_gives_the_same_bits_at_any_rank_count(kind, shard):
+    """Weights and slots after three updates at the world's R are the bits of the same run on one
+    rank (each rank alone: COMM_SELF): clipping norms and trust ratios are exact sums too."""
+    size = WORLD.Get_size()
+    if M % size or size & (size - 1):
+        pytest.skip(f"{size} ranks: R must divide M = {M} and be a power of two")
+    alone = _trained_bits(MPI.COMM_SELF, kind, shard)
+    together = _trained_bits(WORLD, kind, shard)
+    bad = [n for n in alone if alone[n] != together[n]]
+    all_ranks_agree(WORLD, not bad, f"{kind} at R={size}: {bad} differ from R=1")
