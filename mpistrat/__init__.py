@@ -66,6 +66,19 @@ for _namespace in (cluster_resolver, metrics, optimizers, _preemption):
 del _namespace
 _sys.modules[f"{__name__}.optimizers.schedules"] = optimizers.schedules
 
+
+def __getattr__(name: str) -> None:
+    # tf's MirroredStrategy is one process driving every device of one machine; here a replica is
+    # an MPI rank, so the name would run a tf program on one replica, silently (docs/migrating.md).
+    if name == "MirroredStrategy":
+        raise AttributeError(
+            "mpistrat has no MirroredStrategy: tf's drives every GPU of one machine from one process, "
+            "mpistrat runs one replica per MPI rank. Use mpistrat.MPIStrategy() (or "
+            "MultiWorkerMirroredStrategy()) and launch one rank per device: mpiexec -n <devices> python ..."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "MPI",
     "ArrayDataset",

@@ -68,3 +68,25 @@ def test_the_tutorials_lines_are_gone_from_the_example():
     source = _normal(EXAMPLE)
     kept = [line for line in _code(_diff(), "-") if "tf." in line]
     assert kept and not [line for line in kept if _normal(line) in source]
+
+
+def test_mirrored_strategy_is_an_error_that_names_mpistrategy():
+    import mpistrat
+
+    with pytest.raises(AttributeError, match=r"mpistrat\.MPIStrategy\(\).*one rank per device"):
+        mpistrat.MirroredStrategy  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchStrategy'"):
+        mpistrat.NoSuchStrategy  # noqa: B018
+
+
+def test_the_optimizer_tables_answer_for_every_keras_optimizer_and_argument():
+    """Every public name of Keras 3's ``keras.optimizers`` and ``schedules``, and every argument of
+    its base ``Optimizer`` (recorded from Keras itself with the optimizer fixtures) has its row."""
+    import json
+
+    names = json.loads((ROOT / "tests" / "training" / "data" / "keras_optimizers.json").read_text())["names"]
+    section = PAGE[PAGE.index("### Optimizers (Keras 3)") : PAGE.index("### StrategyExtended")]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    listed = set(re.findall(r"\w+", " ".join(rows)))  # the words of the rows' first column
+    wanted = set(names["optimizers"]) | set(names["schedules"]) | set(names["arguments"])
+    assert sorted(wanted - listed) == []

@@ -12,7 +12,7 @@ Every case starts from the same float32 variables and applies the same 20 gradie
 (and, with EMA, the weights after ``finalize_variable_values``), with the Keras version.
 ``tests/training/test_keras_optimizers.py`` repeats each case with mpistrat and compares. The
 file also holds each schedule of :data:`SCHEDULES` at steps 0 to 40 and its ``get_config()``
-(``tests/training/test_schedules.py``).
+(``tests/training/test_schedules.py``), and Keras's public names (``tests/test_migrating.py``).
 """
 
 from __future__ import annotations
@@ -150,6 +150,19 @@ def run(keras, optimizer: str, base: str) -> dict[str, list[float]]:
     return out
 
 
+def names(keras) -> dict[str, list[str]]:
+    """Keras's public optimizers and schedules, and the base optimizer's arguments (docs/migrating.md
+    answers for each)."""
+    import inspect
+
+    public = lambda module: sorted(n for n in dir(module) if not n.startswith("_"))  # noqa: E731
+    return {
+        "optimizers": public(keras.optimizers),
+        "schedules": public(keras.optimizers.schedules),
+        "arguments": list(inspect.signature(keras.optimizers.Optimizer).parameters),
+    }
+
+
 def main(path: str) -> None:
     import keras
 
@@ -165,6 +178,7 @@ def main(path: str) -> None:
         "steps": STEPS,
         "cases": cases,
         "schedules": schedules,
+        "names": names(keras),
     }
     with open(path, "w") as f:
         json.dump(document, f, indent=0, sort_keys=True)
