@@ -28,6 +28,7 @@ mpistrat.errors.InvalidArgumentError: SGD: only one of clipnorm, clipvalue and g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,7 @@ class StepRule:
         self.exact = exact
         self._inner = update
         self.update: Update = update if not args.use_ema else self._without_average
+        self.code, self.described = _identity(args, trust_ratio, self.skip_nonfinite)
 
     def decays(self, s: Any, p: int) -> bool:
         """Whether variable ``p`` of group step ``s`` decays."""
@@ -173,17 +175,18 @@ class StepRule:
         if self.loss_scale is not None:
             for _, _, grad, _, _, _ in packs:
                 packing.array_module(grad).divide(grad, self.loss_scale, out=grad)
-        norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
         bad = None  # packs whose gradient is not finite on this rank (skip_nonfinite)
         if self.skip_nonfinite:
             bad = float(sum(int(not packing.array_module(g).isfinite(g).all()) for _, _, g, _, _, _ in packs))
         if args.clipnorm is not None or args.global_clipnorm is not None:
             # per variable, or one total (a scalar travels); the flag rides along
+            norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
             squares, bad = norms.squares(["grad"], per_variable=args.clipnorm is not None, flag=bad)
             if bad:
                 return False
             self._clip(packs, squares[0], norms)
         elif bad is not None and self.sharded:
+            norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
             if norms.squares([], per_variable=False, flag=bad)[1]:
                 return False
         elif bad:
@@ -299,6 +302,17 @@ def overwrite_with_slot(
             assert collectives is not None
             for k in range(lay.packs):
                 collectives.all_gather_in_place(params[slice(*lay.bounds(k))], kind=kind)
+
+
+@functools.lru_cache(maxsize=64)
+def _identity(args: BaseArguments, trust_ratio: bool, skip_nonfinite: bool) -> tuple[int, str]:
+    """The code and description of what a step's rule does, for the step's handshake."""
+    shown = {k: v for k, v in dataclasses.asdict(args).items() if v != getattr(BaseArguments(), k)}
+    described = ", ".join(
+        [*(f"{k}={v!r}" for k, v in shown.items()), *(["trust ratios"] if trust_ratio else []),
+         *(["a loss scale that skips steps not finite"] if skip_nonfinite else [])]
+    ) or "none"  # fmt: skip
+    return code_of("base arguments", described), described
 
 
 def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -283,6 +283,7 @@ class Optimizer(KerasArguments):
             bytes_per_pack = collectives.options.bytes_per_pack
             route = collectives.options.merge(self._communication_options).implementation
             described = [
+                ("optimizer", f"{type(self).__name__} with slots {list(self.slot_names)}", None),
                 ("shard_state", str(self._shard_state), None),
                 ("bytes_per_pack", str(bytes_per_pack), None),
                 ("CommunicationOptions.implementation", route.value, None),

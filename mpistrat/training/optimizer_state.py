@@ -386,11 +386,15 @@ class FlatState:
             described = [
                 ("gradient reduction", mode.name or "plain MPI sum", None),
                 ("learning_rate", repr(lr), None),
+                ("base arguments", "none" if rule is None else rule.described, None),
                 *described,
             ]  # named if it differs
             collectives.agree(
                 kind,
-                fingerprint=(0 if plan is None else plan.fingerprint) ^ mode.code ^ rate_code(lr),
+                fingerprint=(0 if plan is None else plan.fingerprint)
+                ^ mode.code
+                ^ rate_code(lr)
+                ^ _code_of(rule),
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
                 error=error,  # always sent: it checks the step's unchecked collectives before any write
             )
@@ -421,6 +425,11 @@ class FlatState:
 def rate_code(lr: float) -> int:
     """The code of a step's learning rate in its handshake: ranks that set different rates raise."""
     return code_of("learning_rate", lr)
+
+
+def _code_of(rule: pack_step.Rule | None) -> int:
+    """What a step's rule adds to its handshake: ranks whose base arguments differ raise."""
+    return 0 if rule is None else rule.code
 
 
 def _fails_late(mode: SumMode, plan: _Plan) -> bool:

@@ -275,11 +275,15 @@ def step(
     try:
         collectives.agree(
             kind,
-            fingerprint=(0 if plan is None else plan.fingerprint) ^ PLAIN.code ^ rate_code(lr),
+            fingerprint=(0 if plan is None else plan.fingerprint)
+            ^ PLAIN.code
+            ^ rate_code(lr)
+            ^ (0 if rule is None else rule.code),
             describe=lambda: {
                 "leaves": [
                     ("gradient reduction", "plain MPI sum", None),
                     ("learning_rate", repr(lr), None),
+                    ("base arguments", "none" if rule is None else rule.described, None),
                     *(plan.described if plan else []),
                 ],
                 "advice": _SAME_VARIABLES,

@@ -79,6 +79,8 @@ class Rule(Protocol):
     """What an optimizer does around its per-block update in one step (Keras's base arguments)."""
 
     whole: bool  # every pack reduced before the first is updated: norms over whole variables
+    code: int  # the arguments' code in the step's handshake (ranks that differ raise)
+    described: str  # the arguments, as a mismatch names them
 
     def update(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None: ...
 

@@ -318,3 +318,40 @@ def test_a_checkpoint_of_a_sharded_optimizer_restores_unsharded_on_one_rank(worl
     alone.experimental_finalize()
     bad = close(got, want)
     all_ranks_agree(world.comm, ok and not bad, f"{again.learning_rate} {again.iterations.numpy()} {bad}")
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("stream", [False, True], ids=["list", "generator"])
+def test_ranks_with_different_base_arguments_fail_every_rank_and_write_nothing(world, shard, stream):
+    """One rank clips by the global norm and the others do not: that rank's step would make one more
+    all-reduce. The step's handshake compares the arguments first."""
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    last = world.rank == world.size - 1
+    with world.strategy.scope():
+        w = mpistrat.Variable(np.arange(6.0), name="w")
+        opt = Adam(0.1, shard_state=shard, **({"global_clipnorm": 1.0} if last else {}))
+    opt.build([w])  # the same variables: the build agrees
+    raises_on_every_rank(
+        world.comm,
+        mpistrat.CollectiveMismatchError,
+        lambda: world.strategy.run(
+            lambda: opt.apply_gradients((p for p in [(np.ones(6), w)]) if stream else [(np.ones(6), w)])
+        ),
+        "base arguments",
+    )
+    all_ranks_agree(world.comm, np.array_equal(w.numpy(), np.arange(6.0)), f"written: {w.numpy()}")
+
+
+def test_ranks_with_different_optimizers_fail_at_build(world):
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    with world.strategy.scope():
+        w = mpistrat.Variable(np.ones(3), name="w")
+        opt = AdamW(0.1) if world.rank == 0 else Adam(0.1)
+    raises_on_every_rank(
+        world.comm,
+        mpistrat.CollectiveMismatchError,
+        lambda: world.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)])),
+        "AdamW",  # its step counter's name already differs from Adam's
+    )
