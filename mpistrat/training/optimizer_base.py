@@ -99,6 +99,7 @@ class Optimizer(KerasArguments):
             loss_scale_factor=loss_scale_factor,
         )
         self._own_slots = len(self.slot_names)  # a subclass may set slot_names before this
+        self._plain = not (self._base.any or self.trust_ratio)  # a step with nothing around the update
         if self._base.use_ema:
             self.slot_names = (*self.slot_names, "average")
         self._decays: dict[int, bool] = {}  # id(variable): whether weight decay applies, fixed at build
@@ -436,7 +437,7 @@ class Optimizer(KerasArguments):
     def _rule(self, lr: float, step: int, scaling: float | None) -> StepRule | None:
         """What the base arguments (and a loss scale's ``scaling``) add to the step at ``step``;
         None when nothing: the plain update."""
-        if not (self._base.any or self.trust_ratio or scaling is not None):
+        if self._plain and scaling is None:
             return None
         collectives = None if self._strategy is None else self._strategy.replicas.collectives
         sharded = self._shard_state and collectives is not None and collectives.size > 1
