@@ -77,9 +77,9 @@ def _number(name: str, value: Any, *, positive: bool = False, at_least: float | 
     return float(value)
 
 
-class ExponentialDecay(LearningRateSchedule):
-    """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (the exponent floored with
-    ``staircase=True``)."""
+class _TimeDecay(LearningRateSchedule):
+    """A rate decayed by ``step / decay_steps`` (floored with ``staircase=True``): Keras's
+    ``ExponentialDecay`` and ``InverseTimeDecay`` take the same arguments."""
 
     def __init__(
         self,
@@ -87,16 +87,16 @@ class ExponentialDecay(LearningRateSchedule):
         decay_steps: int,
         decay_rate: float,
         staircase: bool = False,
-        name: str = "ExponentialDecay",
+        name: str | None = None,
     ):
         self.initial_learning_rate = _number("initial_learning_rate", initial_learning_rate)
         self.decay_steps = _number("decay_steps", decay_steps, positive=True)
         self.decay_rate = _number("decay_rate", decay_rate, at_least=0.0)
-        self.staircase, self.name = bool(staircase), name
+        self.staircase, self.name = bool(staircase), name or type(self).__name__
 
-    def __call__(self, step: int) -> float:
+    def _progress(self, step: int) -> float:
         p = step / self.decay_steps
-        return self.initial_learning_rate * self.decay_rate ** (math.floor(p) if self.staircase else p)
+        return math.floor(p) if self.staircase else p
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -106,6 +106,14 @@ class ExponentialDecay(LearningRateSchedule):
             "staircase": self.staircase,
             "name": self.name,
         }
+
+
+class ExponentialDecay(_TimeDecay):
+    """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (the exponent floored with
+    ``staircase=True``)."""
+
+    def __call__(self, step: int) -> float:
+        return self.initial_learning_rate * self.decay_rate ** self._progress(step)
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -178,34 +186,11 @@ class PolynomialDecay(LearningRateSchedule):
         }
 
 
-class InverseTimeDecay(LearningRateSchedule):
+class InverseTimeDecay(_TimeDecay):
     """``initial_learning_rate / (1 + decay_rate * step / decay_steps)`` (floored with ``staircase``)."""
 
-    def __init__(
-        self,
-        initial_learning_rate: float,
-        decay_steps: int,
-        decay_rate: float,
-        staircase: bool = False,
-        name: str = "InverseTimeDecay",
-    ):
-        self.initial_learning_rate = _number("initial_learning_rate", initial_learning_rate)
-        self.decay_steps = _number("decay_steps", decay_steps, positive=True)
-        self.decay_rate = _number("decay_rate", decay_rate, at_least=0.0)
-        self.staircase, self.name = bool(staircase), name
-
     def __call__(self, step: int) -> float:
-        p = step / self.decay_steps
-        return self.initial_learning_rate / (1.0 + self.decay_rate * (math.floor(p) if self.staircase else p))
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "initial_learning_rate": self.initial_learning_rate,
-            "decay_steps": self.decay_steps,
-            "decay_rate": self.decay_rate,
-            "staircase": self.staircase,
-            "name": self.name,
-        }
+        return self.initial_learning_rate / (1.0 + self.decay_rate * self._progress(step))
 
 
 def _cosine(fraction: float, alpha: float) -> float:

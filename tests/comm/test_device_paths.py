@@ -172,12 +172,9 @@ def test_a_device_buffer_never_reaches_a_host_only_mpi(fake, monkeypatch):
     assert buffer_spec(fake.ones(2))[1] == 2
 
 
-@pytest.mark.parametrize("aware", ["1", "0"], ids=["cuda-aware", "staged"])
-def test_a_sharded_device_step_moves_what_the_host_step_moves(fake, monkeypatch, aware):
-    """Sharded Adam on device variables makes the host step's MPI calls with the host step's bytes
-    (per pack a reduce-scatter and an all-gather: test_scaling counts those against a ring), and
-    ends with the same weights."""
-    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", aware)
+def _host_and_device_steps(fake, make, start):
+    """Two steps of ``make()``'s optimizer on host variables, then on device ones (``start(shape)``
+    their values): each side's MPI calls in the second step, and its weights."""
     rank, shapes = WORLD.Get_rank(), [(300,), (7, 5), ()]
     ledgers, weights = {}, {}
     for name, xp in (("host", np), ("device", fake)):
@@ -185,8 +182,8 @@ def test_a_sharded_device_step_moves_what_the_host_step_moves(fake, monkeypatch,
         strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
         try:
             with strategy.scope():
-                ws = [mpistrat.Variable(xp.asarray(np.ones(s, np.float32))) for s in shapes]
-                opt = mpistrat.optimizers.Adam(0.1, shard_state=True)
+                ws = [mpistrat.Variable(xp.asarray(start(s))) for s in shapes]
+                opt = make()
             grads = [xp.asarray(np.full(s, rank + 1, np.float32)) for s in shapes]
             strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
             with Ledger.recording() as ledger:
@@ -195,6 +192,18 @@ def test_a_sharded_device_step_moves_what_the_host_step_moves(fake, monkeypatch,
             weights[name] = [np.asarray(fake.asnumpy(w.value()) if xp is fake else w.value()) for w in ws]
         finally:
             strategy.experimental_finalize()
+    return ledgers, weights
+
+
+@pytest.mark.parametrize("aware", ["1", "0"], ids=["cuda-aware", "staged"])
+def test_a_sharded_device_step_moves_what_the_host_step_moves(fake, monkeypatch, aware):
+    """Sharded Adam on device variables makes the host step's MPI calls with the host step's bytes
+    (per pack a reduce-scatter and an all-gather: test_scaling counts those against a ring), and
+    ends with the same weights."""
+    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", aware)
+    ledgers, weights = _host_and_device_steps(
+        fake, lambda: mpistrat.optimizers.Adam(0.1, shard_state=True), lambda s: np.ones(s, np.float32)
+    )
     sharded = WORLD.Get_size() == 1 or any(c[0] == "Reduce_scatter_block" for c in ledgers["host"])
     same = all(np.array_equal(d, h) for d, h in zip(weights["device"], weights["host"], strict=True))
     ok = sharded and ledgers["device"] == ledgers["host"] and same
@@ -215,28 +224,9 @@ def test_the_keras_optimizers_on_device_variables_match_the_host(fake, monkeypat
     """Every optimizer and the base arguments that add norms, clipping and averages on device
     variables: the host step's MPI calls and bytes, and the host step's weights."""
     monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "1")
-    rank, shapes = WORLD.Get_rank(), [(300,), (7, 5), ()]
-    ledgers, weights = {}, {}
-    for name, xp in (("host", np), ("device", fake)):
-        options = CommunicationOptions(implementation="RING", bytes_per_pack=512)
-        strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
-        try:
-            with strategy.scope():
-                ws = [
-                    mpistrat.Variable(
-                        xp.asarray(np.linspace(-1, 1, math.prod(s), dtype=np.float32).reshape(s))
-                    )
-                    for s in shapes
-                ]
-                opt = make()
-            grads = [xp.asarray(np.full(s, rank + 1, np.float32)) for s in shapes]
-            strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
-            with Ledger.recording() as ledger:
-                strategy.run(opt.apply_gradients, args=(list(zip(grads, ws, strict=True)),))
-            ledgers[name] = [(c.name, c.sent, c.received) for c in ledger.log]
-            weights[name] = [np.asarray(fake.asnumpy(w.value()) if xp is fake else w.value()) for w in ws]
-        finally:
-            strategy.experimental_finalize()
+    ledgers, weights = _host_and_device_steps(
+        fake, make, lambda s: np.linspace(-1, 1, math.prod(s), dtype=np.float32).reshape(s)
+    )
     same = all(
         np.allclose(d, h, rtol=1e-6, atol=1e-7)
         for d, h in zip(weights["device"], weights["host"], strict=True)
