@@ -113,7 +113,12 @@ class Adam(Optimizer):
         self.beta_1 = _fraction(name, "beta_1", beta_1)
         self.beta_2 = _fraction(name, "beta_2", beta_2)
         self.epsilon = _positive(name, "epsilon", epsilon)
-        self.amsgrad = bool(amsgrad)
+        if not isinstance(amsgrad, bool):  # Adam(lr, b1, b2, eps, "name") before amsgrad came fifth
+            raise InvalidArgumentError(
+                f"{name}: amsgrad must be True or False; got {amsgrad!r} (the name follows it, as in Keras: "
+                "pass name= by keyword)"
+            )
+        self.amsgrad = amsgrad
         self.slot_names = ("m", "v", "vhat") if amsgrad else ("m", "v")
         super().__init__(learning_rate, name, **base)
 

@@ -235,6 +235,7 @@ def test_norms_add_one_small_allreduce_whose_bytes_do_not_grow_with_the_ranks():
         (lambda: Lamb(epsilon=0.0), "epsilon must be a number > 0; got 0.0"),
         (lambda: schedules.ExponentialDecay(0.1, 10, decay_rate=-0.5), "decay_rate must be a number >= 0.0"),
         (lambda: AdamW(weight_decay=None), "weight_decay must be a number >= 0"),
+        (lambda: Adam(0.1, 0.9, 0.999, 1e-7, "mine"), "amsgrad must be True or False; got 'mine'"),
     ],
 )
 def test_a_bad_argument_is_refused_when_made(make, match):
