@@ -20,6 +20,7 @@ bytes moved are those of one ring all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import TYPE_CHECKING, Any
 
@@ -422,6 +423,7 @@ class FlatState:
         return applied
 
 
+@functools.lru_cache(maxsize=8)  # a rate set by hand repeats; a schedule's changes each step
 def rate_code(lr: float) -> int:
     """The code of a step's learning rate in its handshake: ranks that set different rates raise."""
     return code_of("learning_rate", lr)
