@@ -211,10 +211,10 @@ class Optimizer(KerasArguments):
         at the current ``iterations``.
 
         Settable between steps: a number (written into the variable; the next step uses it) or a
-        schedule (a callable of the step, replacing the rate). A rate made from a schedule takes
-        only another schedule, as in Keras. Every rank must set the same rate: the step's handshake
-        compares them (see :meth:`apply_gradients`).
+        schedule (a callable of the step, replacing the rate; a schedule's rate takes only another
+        schedule, as in Keras). Every rank must set the same rate: the step's handshake compares them.
 
+        >>> from mpistrat.optimizers import SGD
         >>> opt = SGD(0.1)
         >>> opt.learning_rate = 0.01
         >>> float(opt.learning_rate)
