@@ -23,7 +23,6 @@ True
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import sys
@@ -269,12 +268,20 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # mpistrat/
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised by :func:`_warn` at the caller's program: the
-    innermost frame outside mpistrat (the program's ``MPIStrategy()``, not the line that reads)."""
+    innermost frame outside mpistrat (the program's ``MPIStrategy()``, not the line that reads) and
+    outside the import system (a module imported on first use), whose ``_bootstrap`` frames
+    ``warnings`` passes over uncounted."""
     frame: Any = sys._getframe(2)  # _warn's caller
     level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or _importing(frame)):
+        frame = frame.f_back
+        level += frame is not None and "_bootstrap" not in frame.f_code.co_filename
     return level
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` is the import system's (``importlib``, ``<frozen importlib._bootstrap>``)."""
+    return "importlib" in frame.f_code.co_filename
 
 
 def _warn(message: str) -> None:
@@ -293,10 +300,14 @@ def unknown_names(env: Mapping[str, str] | None = None) -> dict[str, str | None]
     """
     env = os.environ if env is None else env
     known = set(SETTINGS) | set(OTHER_NAMES)
+    unknown = [name for name in sorted(env) if name.startswith("MPISTRAT_") and name not in known]
+    if not unknown:
+        return {}
+    import difflib  # only to name the closest setting to a misspelled one
+
     return {
         name: next(iter(difflib.get_close_matches(name, list(SETTINGS), n=1, cutoff=0.75)), None)
-        for name in sorted(env)
-        if name.startswith("MPISTRAT_") and name not in known
+        for name in unknown
     }
 
 

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from mpi4py import MPI
@@ -31,7 +32,15 @@ from mpistrat.diagnostics import callsite
 from mpistrat.errors import CollectiveTimeoutError
 from mpistrat.log import world_rank
 
-__all__ = ["abort_job", "abort_later", "add_last_words", "enabled", "install", "set_abort_on_exception"]
+__all__ = [
+    "abort_job",
+    "abort_later",
+    "add_last_words",
+    "enabled",
+    "install",
+    "run_at_exit",
+    "set_abort_on_exception",
+]
 
 _enabled: bool | None = None  # None: the environment decides
 INTERRUPTED = 130  # a shell's status for a program ended by SIGINT (128 + 2)
@@ -43,6 +52,7 @@ _previous_hook: Any = None
 _previous_thread_hook: Any = None
 _doomed: str | None = None
 _last_words: list[Any] = []  # callables returning text to print before an uncaught exception aborts
+_exit_hooks: list[Callable[[], None]] = []  # run_at_exit's, the last added first
 
 
 def add_last_words(say: Any) -> None:
@@ -170,11 +180,25 @@ def abort_later(seconds: float, message: str) -> None:
     timer.start()
 
 
+def run_at_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at exit after the exit handlers the program registers after ``import mpistrat``
+    (this module is imported with mpistrat, and registers its own handler then; atexit is LIFO),
+    whenever the module that adds it is imported. The last added runs first, as with ``atexit``."""
+    _exit_hooks.append(hook)
+
+
 def _at_exit() -> None:
+    while _exit_hooks:
+        try:
+            _exit_hooks.pop()()
+        except Exception:  # as atexit does: say so, and run the rest
+            _write(
+                f"[rank {world_rank()}] Exception ignored in mpistrat's exit hook:\n{traceback.format_exc()}"
+            )
     if _doomed is not None:
         abort_job(_doomed)
 
 
-# Registered at import, so it runs after the program's exit handlers (atexit is LIFO): an error
-# raised in one of them ("Exception ignored in atexit callback") still ends the job non-zero.
+# Registered at import (with mpistrat), so it runs after the program's exit handlers (atexit is LIFO):
+# an error raised in one of them ("Exception ignored in atexit callback") still ends the job non-zero.
 atexit.register(_at_exit)

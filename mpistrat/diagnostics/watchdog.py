@@ -27,7 +27,6 @@ and the exit hook (``Watchdog.shutdown``).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import os
@@ -86,9 +85,10 @@ class Watchdog(SideChannel):
         """Stop the thread, then say this rank leaves and read what is still sent to it
         (``farewell.leave``), before MPI is finalized (atexit runs before mpi4py finalizes MPI).
 
-        Registered when this module is imported, so it runs after the ``atexit`` handlers a
-        program registers after ``import mpistrat``: their collectives are still watched, and a
-        rank that skips one is named. A collective after this hook is bounded by its timeout alone.
+        Run by ``abort``'s exit hook, registered with ``import mpistrat``, so it runs after the
+        ``atexit`` handlers a program registers after that import (even before its first strategy):
+        their collectives are still watched, and a rank that skips one is named. A collective after
+        this hook is bounded by its timeout alone.
         """
         monitor.exited = True
         self.stop.set()
@@ -191,7 +191,7 @@ class Watchdog(SideChannel):
 
 
 WATCHDOG = Watchdog()
-atexit.register(WATCHDOG.shutdown)  # at import: after the program's own exit handlers (atexit is LIFO)
+abort.run_at_exit(WATCHDOG.shutdown)  # after the program's own exit handlers, whenever this is imported
 
 
 def watch(collectives: Any) -> Monitor:

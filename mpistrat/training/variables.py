@@ -482,7 +482,7 @@ def _plain_class(synchronization: Any) -> type[Variable]:
 
 
 # Which class ``Variable(...)`` makes, given its ``synchronization``: distributed_variables.py
-# sets it on import (the package imports it), since only it knows the distributed classes.
+# sets it on import (training/__init__.py imports it), since only it knows the distributed classes.
 _choose_class: Callable[[Any], type[Variable]] = _plain_class
 
 
