@@ -13,8 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import PerReplica
-from mpistrat.input import ArrayDataset
+from mpistrat import ArrayDataset, PerReplica
 from mpistrat.optimizers import SGD, Adam
 from tests.support.counting import CountingComm, Ledger, ring_bytes
 

@@ -37,15 +37,18 @@ EAGER = {
     "mpistrat.config": "abort reads MPISTRAT_ABORT_ON_EXCEPTION",
     "mpistrat.log": "abort labels its lines with the rank",
 }
-# A minimal strategy.run loads this many mpistrat modules (76 when written): one more is a new
+# A minimal strategy.run loads this many mpistrat modules (62 when written): one more is a new
 # import on every job's path. Raise it only for a module every job needs.
-RUN_MODULES = 76
+RUN_MODULES = 62
 # Packages a job that does not use them never loads.
 UNUSED = (
     "mpistrat.checkpoint",  # until a Checkpoint is made
     "mpistrat.tools",  # never from the library
     "mpistrat.examples",
-    "mpistrat.comm.nccl",  # device arrays only (CuPy)
+    "mpistrat.comm.cuda",  # device arrays only (CuPy)
+    "mpistrat.comm.nccl",
+    "mpistrat.input.datasets",  # until a dataset is distributed
+    "mpistrat.distribute.cluster_resolver",  # until a resolver is asked for
     "mpistrat.training.optimizers",
 )
 

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm import cuda
 from mpistrat.comm.base import Transport
 from mpistrat.comm.hierarchy import HierarchicalMPI
 from mpistrat.comm.mpi import buffer_spec, mpi_datatype
@@ -374,8 +373,10 @@ class Transports:
         return self._hierarchical
 
     def ring(self, cupy: Any) -> Transport:
+        from mpistrat.comm.cuda import cuda_awareness  # device arrays only: CuPy is here
+
         if self._ring is None:
-            aware = cuda.cuda_awareness().aware
+            aware = cuda_awareness().aware
             self._ring = CudaAwareMPI(self.comm, cupy) if aware else StagedMPI(self.comm, cupy)
         return self._ring
 
@@ -385,11 +386,11 @@ class Transports:
         return self._caps
 
     def _choose(self, cupy: Any, implementation: CommunicationImplementation) -> Transport:
+        from mpistrat.comm.cuda import cuda_awareness  # device arrays only: CuPy is here
+
         if implementation in (CommunicationImplementation.RING, CommunicationImplementation.HIERARCHICAL):
             return self.ring(cupy)
-        kind, _ = choose_device_transport(
-            implementation, self.capabilities(cupy), cuda.cuda_awareness().aware
-        )
+        kind, _ = choose_device_transport(implementation, self.capabilities(cupy), cuda_awareness().aware)
         if kind != "nccl":
             return self.ring(cupy)
         if self._nccl is None:

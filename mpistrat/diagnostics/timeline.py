@@ -26,7 +26,6 @@ import atexit
 import contextlib
 import functools
 import itertools
-import json
 import os
 import socket
 import threading
@@ -66,6 +65,8 @@ class Writer:
             os.makedirs(directory, exist_ok=True)
             self.path = os.path.join(directory, f"rank-{self.rank:05d}.jsonl")
             self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by stop_timeline)
+            import json  # here, not at import: most jobs write no timeline
+
             self._file.write(json.dumps(self._header()) + "\n")
             self._file.flush()
         except OSError as exc:
@@ -140,6 +141,8 @@ class Writer:
 
 @functools.lru_cache(maxsize=4096)
 def _quoted(text: str) -> str:
+    import json  # imported by the Writer already
+
     return json.dumps(text)
 
 

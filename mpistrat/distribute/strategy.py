@@ -6,20 +6,22 @@ strategy in ``default.py``; both names are importable from here too.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
 from mpistrat import config
 from mpistrat.collectives import mismatch
 from mpistrat.diagnostics import abort, launch, watchdog
-from mpistrat.distribute import cluster_resolver as _resolvers
 from mpistrat.distribute import merge
 from mpistrat.distribute.default import default_strategy
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.strategy_base import Strategy
 from mpistrat.errors import InvalidArgumentError, MpistratError, UnsupportedTypeError
 from mpistrat.options import CommunicationOptions
+
+if TYPE_CHECKING:
+    from mpistrat.distribute.cluster_resolver import ClusterResolver
 
 __all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy", "default_strategy"]
 
@@ -70,10 +72,10 @@ class MPIStrategy(Strategy):
         what = f"{type(self).__name__}()"
         private = watchdog.duplicate(comm, timeout, what) if comm.Get_size() > 1 else comm.Dup()
         super().__init__(StrategyExtended(self, private, options, merge_call=merge_call))
-        self._cluster_resolver: _resolvers.ClusterResolver | None = None
+        self._cluster_resolver: ClusterResolver | None = None
 
     @property
-    def cluster_resolver(self) -> _resolvers.ClusterResolver:
+    def cluster_resolver(self) -> ClusterResolver:
         """This rank's place in the cluster: ``task_type="worker"``, ``task_id`` the rank.
 
         ``cluster_spec()`` has one ``"worker"`` address per rank: its host name (from MPI) and a
@@ -85,11 +87,11 @@ class MPIStrategy(Strategy):
         ('worker', 0, 1)
         """
         if self._cluster_resolver is None:
+            from mpistrat.distribute.cluster_resolver import MPIClusterResolver  # few jobs ask
+
             extended = self._extended
             placement = extended.placement
-            self._cluster_resolver = _resolvers.MPIClusterResolver(
-                extended.rank, placement.hosts, placement.gpu
-            )
+            self._cluster_resolver = MPIClusterResolver(extended.rank, placement.hosts, placement.gpu)
         return self._cluster_resolver
 
 
@@ -118,7 +120,7 @@ class MultiWorkerMirroredStrategy(MPIStrategy):
 
     def __init__(
         self,
-        cluster_resolver: _resolvers.ClusterResolver | None = None,
+        cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
     ):
         problem = None if cluster_resolver is None else _resolver_problem(cluster_resolver)
@@ -135,13 +137,18 @@ class MultiWorkerMirroredStrategy(MPIStrategy):
 
 def _resolver_problem(resolver: Any) -> str:
     """What keeps ``resolver`` from describing COMM_WORLD at this rank ("" if nothing); no communication."""
+    from mpistrat.distribute.cluster_resolver import (
+        ClusterResolver,
+        worker_index,
+    )  # imported with the resolver
+
     try:
-        if not isinstance(resolver, _resolvers.ClusterResolver):
+        if not isinstance(resolver, ClusterResolver):
             raise UnsupportedTypeError(
                 "MultiWorkerMirroredStrategy: cluster_resolver must be an mpistrat.cluster_resolver."
                 f"ClusterResolver or None; got {type(resolver).__name__}"
             )
-        index, count, problem = _resolvers.worker_index(resolver)
+        index, count, problem = worker_index(resolver)
     except (MpistratError, ValueError, TypeError, RuntimeError, KeyError) as exc:
         return f"{type(exc).__name__}: {exc}"
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

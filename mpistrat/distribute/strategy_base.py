@@ -19,7 +19,6 @@ from mpistrat.distribute import in_turn, reductions, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, UnsupportedTypeError
-from mpistrat.input import datasets as _datasets
 from mpistrat.input.contexts import (
     InputContext,
     InputOptions,
@@ -32,6 +31,7 @@ from mpistrat.values import Mirrored, PerReplica
 
 if TYPE_CHECKING:
     from mpistrat.distribute.cluster_resolver import ClusterResolver
+    from mpistrat.input import datasets as _datasets
 
 __all__ = ["Strategy"]
 
@@ -256,7 +256,7 @@ class Strategy:
         self._require_own("Strategy.gather")
         return self._extended.reducer(mode).gather(value, axis)
 
-    # -- input: thin delegations to mpistrat.input ------------------------------------
+    # -- input: thin delegations to mpistrat.input (its datasets imported by the first one made) ----
 
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
@@ -272,6 +272,8 @@ class Strategy:
         [[0, 1, 2]]
         """
         self._require_own("experimental_distribute_dataset")
+        from mpistrat.input import datasets as _datasets
+
         return _datasets.distribute_dataset(self._collectives, dataset, options, self)
 
     def distribute_datasets_from_function(
@@ -283,6 +285,8 @@ class Strategy:
         happens when some run out first (default: empty batches, nothing lost).
         """
         self._require_own("distribute_datasets_from_function")
+        from mpistrat.input import datasets as _datasets
+
         return _datasets.distribute_datasets_from_function(self._collectives, dataset_fn, options, owner=self)
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
@@ -290,6 +294,8 @@ class Strategy:
     def make_dataset_iterator(self, dataset: Iterable[Any]) -> _datasets.InputIterator:
         """An iterator (``initialize()``, ``get_next()``) over ``dataset``'s global batches, split."""
         self._require_own("make_dataset_iterator")
+        from mpistrat.input import datasets as _datasets
+
         return _datasets.make_dataset_iterator(self._collectives, dataset, self)
 
     def make_input_fn_iterator(
@@ -299,6 +305,8 @@ class Strategy:
     ) -> _datasets.InputIterator:
         """An iterator (``initialize()``, ``get_next()``) over one ``input_fn`` pipeline per rank."""
         self._require_own("make_input_fn_iterator")
+        from mpistrat.input import datasets as _datasets
+
         return _datasets.make_input_fn_iterator(self._collectives, input_fn, replication_mode, self)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:

@@ -15,49 +15,15 @@ collectives are all it uses):
 ``arrays.py``      ``ArrayDataset``: arrays batched, shuffled and sharded by index
 =================  ===========================================================
 
+The public names are ``mpistrat``'s (``mpistrat.ArrayDataset``, ...); this package's modules
+are imported one by one, when used, so a job that distributes no dataset loads only ``contexts.py``.
+
 >>> import numpy as np
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
+>>> from mpistrat.input.arrays import ArrayDataset
+>>> from mpistrat.input.datasets import distribute_dataset
 >>> dist = distribute_dataset(Collectives(MPI.COMM_SELF.Dup()), ArrayDataset(np.arange(6), batch_size=4))
 >>> [x.sum() for x in dist]
 [np.int64(6), np.int64(9)]
 """
-
-from mpistrat.input.arrays import ArrayDataset
-from mpistrat.input.batches import ArraySpec
-from mpistrat.input.contexts import (
-    InputContext,
-    InputOptions,
-    InputReplicationMode,
-    ValueContext,
-    distribute_values_from_function,
-)
-from mpistrat.input.datasets import (
-    DistributedDataset,
-    DistributedDatasetsFromFunction,
-    InputIterator,
-    distribute_dataset,
-    distribute_datasets_from_function,
-    make_dataset_iterator,
-    make_input_fn_iterator,
-)
-from mpistrat.input.iterators import DistributedIterator, Optional
-
-__all__ = [
-    "ArrayDataset",
-    "ArraySpec",
-    "DistributedDataset",
-    "DistributedDatasetsFromFunction",
-    "DistributedIterator",
-    "InputContext",
-    "InputIterator",
-    "InputOptions",
-    "InputReplicationMode",
-    "Optional",
-    "ValueContext",
-    "distribute_dataset",
-    "distribute_datasets_from_function",
-    "distribute_values_from_function",
-    "make_dataset_iterator",
-    "make_input_fn_iterator",
-]

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat import input as mpinput
+from mpistrat.input import contexts, datasets
 
 WORLD = MPI.COMM_WORLD
 
@@ -26,18 +26,18 @@ def test_each_function_gives_this_replicas_share(strategy, handed):
     batch = np.arange(4.0 * ranks)
     mine = np.split(batch, ranks)[rank]
     with strategy.scope():
-        np.testing.assert_array_equal(next(iter(mpinput.distribute_dataset(given, [batch]))), mine)
-        it = mpinput.make_dataset_iterator(given, [batch])
+        np.testing.assert_array_equal(next(iter(datasets.distribute_dataset(given, [batch]))), mine)
+        it = datasets.make_dataset_iterator(given, [batch])
         it.initialize()
         np.testing.assert_array_equal(it.get_next(), mine)
-        own = mpinput.distribute_datasets_from_function(
+        own = datasets.distribute_datasets_from_function(
             given, lambda ctx: [np.full(2, ctx.input_pipeline_id)]
         )
         np.testing.assert_array_equal(next(iter(own)), np.full(2, rank))
-        it = mpinput.make_input_fn_iterator(given, lambda ctx: [np.full(3, ctx.input_pipeline_id)])
+        it = datasets.make_input_fn_iterator(given, lambda ctx: [np.full(3, ctx.input_pipeline_id)])
         it.initialize()
         np.testing.assert_array_equal(it.get_next(), np.full(3, rank))
         assert (
-            mpinput.distribute_values_from_function(given, lambda c: 10 * c.replica_id_in_sync_group)
+            contexts.distribute_values_from_function(given, lambda c: 10 * c.replica_id_in_sync_group)
             == 10 * rank
         )
