@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mpi4py import MPI as MPI
-
 from mpistrat import context
+from mpistrat.diagnostics import startup as _startup  # starts MPI, and notes when
 
 # Imported now, not on first use: its exit hook is registered when it is imported, so that it runs
 # after the exit handlers the program registers after `import mpistrat` (atexit is LIFO).
@@ -124,3 +123,4 @@ def _default_strategy() -> Any:
 
 
 context.set_default_strategy(_default_strategy)
+_startup.reached("import mpistrat")

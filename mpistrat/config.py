@@ -230,6 +230,14 @@ SETTINGS: dict[str, Setting] = {
             "several: independent one-rank tasks on purpose. Otherwise `MPIStrategy()` refuses.",
         ),
         Setting(
+            "MPISTRAT_SHARED_PATHS",
+            _directory,
+            None,
+            "directories, `:`-separated",
+            "Count these as a shared file system in `mpistrat info --startup`, beside the network and "
+            "parallel file systems it knows by type (NFS, Lustre, GPFS, BeeGFS, ...).",
+        ),
+        Setting(
             "MPISTRAT_DEVICE",
             _device,
             "auto",

@@ -34,12 +34,13 @@ EAGER = {
     "mpistrat.diagnostics": "the package of abort",
     "mpistrat.diagnostics.abort": "its exit hook must come before the program's exit handlers",
     "mpistrat.diagnostics.callsite": "abort names where Ctrl-C stopped",
+    "mpistrat.diagnostics.startup": "starts MPI, noting when (mpistrat info --startup)",
     "mpistrat.config": "abort reads MPISTRAT_ABORT_ON_EXCEPTION",
     "mpistrat.log": "abort labels its lines with the rank",
 }
-# A minimal strategy.run loads this many mpistrat modules (62 when written): one more is a new
+# A minimal strategy.run loads this many mpistrat modules (63 when written): one more is a new
 # import on every job's path. Raise it only for a module every job needs.
-RUN_MODULES = 62
+RUN_MODULES = 63
 # Packages a job that does not use them never loads.
 UNUSED = (
     "mpistrat.checkpoint",  # until a Checkpoint is made

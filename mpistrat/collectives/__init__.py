@@ -58,7 +58,7 @@ from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
-from mpistrat.diagnostics import flight, stragglers, timeline, watchdog
+from mpistrat.diagnostics import flight, startup, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
@@ -151,6 +151,7 @@ class Collectives:
             if self.size == 1:  # nobody to differ from, and strategy.run sends no closing handshake
                 self.step_check.learned()
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
+        startup.reached("first collective")  # for mpistrat info --startup: the first strategy's is
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
     def locate(self, hosts: tuple[str, ...]) -> None:

@@ -23,7 +23,7 @@ from mpistrat import config
 from mpistrat.errors import ContextError
 from mpistrat.log import logger
 
-__all__ = ["Launch", "check", "launched", "problem"]
+__all__ = ["Launch", "check", "launched", "outside_launch", "problem"]
 
 ALLOW = "MPISTRAT_ALLOW_SINGLETON"
 
@@ -32,6 +32,30 @@ ALLOW = "MPISTRAT_ALLOW_SINGLETON"
 # then srun's step. Hydra under Slurm starts one proxy per node through srun, so there the step
 # counts nodes, not ranks.
 _COUNTS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+# What a launcher tells its processes: Hydra, PMI and PMIx, Open MPI and PRRTE, Intel MPI, Slurm.
+_LAUNCHER = (
+    "PMI_",
+    "PMIX_",
+    "HYDRA_",
+    "HYDI_",
+    "MPI_LOCAL",
+    "OMPI_",
+    "PRTE_",
+    "I_MPI_HYDRA",
+    "I_MPI_PMI",
+    "SLURM_",
+)
+
+
+def outside_launch(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default ``os.environ``) without the launcher's variables: for a child interpreter that
+    must not take itself for a rank of this job (MPI then starts it alone).
+
+    >>> outside_launch({"PMI_RANK": "3", "SLURM_PROCID": "3", "HOME": "/home/u"})
+    {'HOME': '/home/u'}
+    """
+    env = os.environ if env is None else env
+    return {name: value for name, value in env.items() if not name.startswith(_LAUNCHER)}
 
 
 @dataclasses.dataclass(frozen=True)

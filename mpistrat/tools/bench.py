@@ -44,7 +44,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat.collectives import Collectives, check_enabled
-from mpistrat.tools import bench_args, bench_load, bench_meta, bench_report, host
+from mpistrat.tools import bench_args, bench_load, bench_meta, bench_report, host, startup_info
 from mpistrat.tools import bench_progress as progress
 from mpistrat.tools.bench_ops import OPS, Case, Setup
 from mpistrat.tools.sizes import parse_size
@@ -211,6 +211,7 @@ def _metadata(
         "host_load": [dataclasses.asdict(h) for h in loads],  # ranks and the cores they may use, per host
         "oversubscribed": [str(h) for h in loads if h.oversubscribed],
         "threads": host.threads(),
+        "startup": startup_info.of_job(comm),  # each rank's start: MPI_Init, import, first collective
     }
 
 

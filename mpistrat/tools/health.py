@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -29,42 +28,20 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.comm.hierarchy import Hierarchy
+from mpistrat.diagnostics import launch
+from mpistrat.diagnostics.startup import process_age
 from mpistrat.tools import health_report
 
 __all__ = ["collect", "main"]
 
-# What a launcher tells its processes: a child interpreter must not take itself for a rank.
-_LAUNCHER = (
-    "PMI_",
-    "PMIX_",
-    "HYDRA_",
-    "HYDI_",
-    "MPI_LOCAL",
-    "OMPI_",
-    "PRTE_",
-    "I_MPI_HYDRA",
-    "I_MPI_PMI",
-    "SLURM_",
-)
 _IMPORT = "import time; t = time.perf_counter(); import mpistrat; print(time.perf_counter() - t)"
 IMPORT_LIMIT = 120.0  # seconds before the import probe counts as hung
 COMPUTE_SECONDS, MEMORY_SECONDS = 0.5, 0.3  # long enough to span a few CPU-quota periods
 
 
-def _age() -> float | None:
-    """Seconds since this process started (Linux), None where /proc cannot tell."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as clock:
-            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-            uptime = float(clock.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _import_seconds() -> float | None:
     """A fresh interpreter's ``import mpistrat``, MPI not started (None: it failed or hung)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER)}
+    env = launch.outside_launch()  # a child interpreter must not take itself for a rank
     env["MPI4PY_RC_INITIALIZE"] = "0"
     try:
         done = subprocess.run(
@@ -189,7 +166,7 @@ def measure(comm: MPI.Intracomm, startup: float | None = None) -> dict[str, Any]
 
 def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
     """Every rank's record, each node's row and the flagged nodes, on rank 0 (None elsewhere)."""
-    startup = _age()
+    startup = process_age()
     comm = comm or MPI.COMM_WORLD
     _wait(comm)  # ranks start unevenly: the early ones wait here without spinning in Dup
     comm = comm.Dup()

@@ -198,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
+        "--startup",
+        action="store_true",
+        help="how long each rank took to reach MPI_Init, the end of import mpistrat and the first "
+        "collective, and (with strace) the file system calls of a start, by location; hints at staging",
+    )
+    parser.add_argument("--no-trace", action="store_true", help="with --startup: do not run strace")
+    parser.add_argument(
         "--health",
         action="store_true",
         help="time every node (start-up, import, compute, memory, links between nodes), flag the slow "
@@ -208,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         from mpistrat.tools import health
 
         return health.main(["--json"] if args.json else [])
+    if args.startup:
+        from mpistrat.tools import startup_info
+
+        return startup_info.main(["--json"] * args.json + ["--no-trace"] * args.no_trace)
     try:
         info = collect()
     except MpistratError as exc:  # raised on every rank alike (e.g. a bad MPISTRAT_DEVICE)

@@ -11,7 +11,8 @@ first operation they share; the largest size they share; ``--op``/``--size`` cho
 time, speed-up and parallel efficiency relative to the smallest rank count ``n0``, strong or
 weak as the files' ``meta.scaling`` says (strong: speed-up ``T0/Tn``, efficiency
 ``T0·n0/(n·Tn)``; weak: efficiency ``T0/Tn``, speed-up ``efficiency·n/n0``), next to the same
-for raw mpi4py.
+for raw mpi4py, and the start of the job: seconds from process start to the first collective
+of its slowest rank (``meta.startup``, ``mpistrat info --startup``'s points).
 
 ``--reference REF.json`` runs the regression gate (:mod:`mpistrat.tools.report_gate`): exit 1
 when a row matching on (op, size, ranks, dtype) got slower than ``--tolerance`` allows, or when
@@ -79,8 +80,15 @@ SCALING_COLUMNS = (
     "raw_time_us",
     "raw_speedup",
     "raw_efficiency",
+    "startup_s",
     "oversubscribed",
 )
+
+
+def startup_seconds(meta: dict[str, Any]) -> float | None:
+    """The slowest rank's start, process start to first collective, of a run (None: not recorded)."""
+    point = meta.get("startup", {}).get("summary", {}).get("first collective")
+    return None if point is None else float(point["slowest"])
 
 
 def result_rows(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -158,6 +166,7 @@ def scaling_table(
     for mode in sorted(modes):
         sides: dict[str, dict[int, list[float]]] = {"mpistrat": {}, "raw": {}}
         crowded: set[int] = set()  # rank counts with an oversubscribed run
+        starts: dict[int, list[float]] = {}  # the slowest rank's start of each run
         for run in runs:
             if scaling_mode(run["meta"]) != mode:
                 continue
@@ -166,6 +175,8 @@ def scaling_table(
                 times.setdefault(int(row["ranks"]), []).append(row[side]["time_us"]["avg"])
             if oversubscription(run["meta"]):
                 crowded.add(int(row["ranks"]))
+            if (seconds := startup_seconds(run["meta"])) is not None:
+                starts.setdefault(int(row["ranks"]), []).append(seconds)
         ours, raw = scaling_rows(mode, sides["mpistrat"]), scaling_rows(mode, sides["raw"])
         for (n, count, t, s, e), (_, _, rt, rs, re) in zip(ours, raw, strict=True):
             out.append(
@@ -182,6 +193,7 @@ def scaling_table(
                     "raw_time_us": rt,
                     "raw_speedup": rs,
                     "raw_efficiency": re,
+                    "startup_s": sum(starts[n]) / len(starts[n]) if n in starts else None,
                     "oversubscribed": n in crowded,
                 }
             )
@@ -206,6 +218,7 @@ _SCALING_HEAD = (
     "raw us",
     "raw speed-up",
     "raw efficiency",
+    "startup s",
 )
 
 
@@ -237,6 +250,7 @@ def _scaling_cells(r: dict[str, Any]) -> list[str]:
         _fmt(r["raw_time_us"]),
         _fmt(r["raw_speedup"]),
         _fmt(r["raw_efficiency"]),
+        _fmt(r["startup_s"]),
     ]
 
 

@@ -218,6 +218,14 @@ def validate(
         problems.append(f"meta environment {sorted(env)}")
     if meta.get("cpu", {}).get("logical_cores") != os.cpu_count() or len(meta.get("affinity", [])) != ranks:
         problems.append(f"meta cpu {meta.get('cpu')} affinity {meta.get('affinity')}")
+    start = meta.get("startup", {})  # each rank's start, process start to its first collective
+    firsts = [r["points"]["first collective"] for r in start.get("ranks", [])]
+    if (
+        len(firsts) != ranks
+        or None in firsts
+        or start["summary"]["first collective"]["slowest"] != max(firsts)
+    ):
+        problems.append(f"meta startup {start.get('summary')}")
     if meta["ranks"] != ranks or meta["nodes"] != len(meta["hosts"]):
         problems.append(f"meta ranks/nodes {meta['ranks']}/{meta['nodes']}")
     seen = {r["op"] for r in rows}

@@ -93,6 +93,31 @@ def test_strong_scaling_table_by_hand(here):
     assert {r["mode"] for r in table} == {"strong"} and {r["op"] for r in table} == {"train_step"}
 
 
+def test_the_scaling_table_gives_the_start_of_the_slowest_rank_beside_the_time(here, capsys):
+    """The mean over a rank count's runs of their slowest rank's start (meta.startup), '-' where a run
+    did not record it."""
+    files = [
+        bench_file(here / "a.json", 1, "strong", {("train_step", MIB4): (100.0, 90.0)}),
+        bench_file(here / "b.json", 2, "strong", {("train_step", MIB4): (60.0, 50.0)}),
+        bench_file(here / "c.json", 2, "strong", {("train_step", MIB4): (60.0, 50.0)}),
+        bench_file(here / "d.json", 4, "strong", {("train_step", MIB4): (40.0, 30.0)}),
+    ]
+    for path, slowest in zip(files[:3], (1.25, 2.0, 3.0), strict=True):
+        data = json.loads(Path(path).read_text())
+        data["meta"]["startup"] = {
+            "summary": {"first collective": {"median": 1.0, "slowest": slowest, "rank": 0}}
+        }
+        Path(path).write_text(json.dumps(data))
+    table = report.scaling_table([bench_report.load(f) for f in files])
+    assert [(r["ranks"], r["startup_s"]) for r in table] == [(1, 1.25), (2, 2.5), (4, None)]
+    assert report.main([*files, "--markdown", str(here / "t.md")]) == 0
+    markdown = (here / "t.md").read_text()
+    assert "| raw efficiency | startup s |" in markdown and "| 2.50 |" in markdown and "| - |" in markdown, (
+        markdown
+    )
+    capsys.readouterr()
+
+
 def test_weak_scaling_from_two_ranks_with_repeated_runs(here):
     """n0 is the smallest rank count (2 here); two runs at 4 ranks count as their mean."""
     files = [
