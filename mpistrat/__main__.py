@@ -1,4 +1,5 @@
-"""The ``mpistrat`` command: ``info``, ``bench``, ``plot``, ``report``, ``timeline``, ``checkpoint``.
+"""The ``mpistrat`` command: ``info``, ``bench``, ``plot``, ``report``, ``timeline``, ``stage``,
+``checkpoint``.
 
 Each subcommand lives in its own module with a ``main(argv)``; this file only dispatches (``python -m
 mpistrat`` runs it too).
@@ -25,6 +26,10 @@ COMMANDS = {
     "timeline": (
         "mpistrat.tools.merge_timelines",
         "merge the ranks' MPISTRAT_TIMELINE files into one Chrome trace",
+    ),
+    "stage": (
+        "mpistrat.tools.stage",
+        "pack this environment once; unpack it on each node so ranks start from node-local memory",
     ),
     "checkpoint": (
         "mpistrat.tools.checkpoint_inspect",

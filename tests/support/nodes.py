@@ -84,10 +84,12 @@ def run_job(
     layout: dict[str, int] | None = None,
     env: dict[str, str] | None = None,
     cgroups: dict[str, Path] | None = None,
+    python: str = sys.executable,
 ) -> tuple[int, str]:
-    """Run ``command`` (a script and its arguments, or ``-m module ...``) with ``sys.executable``
-    under ``mpiexec`` on the virtual nodes of ``layout`` (default :data:`TWO_NODES`); return
-    (exit code, stdout + stderr). ``cgroups`` puts a node's ranks in a cgroup (:func:`cpu_group`).
+    """Run ``command`` (a script and its arguments, or ``-m module ...``) with ``python`` under
+    ``mpiexec`` on the virtual nodes of ``layout`` (default :data:`TWO_NODES`); return (exit
+    code, stdout + stderr). ``cgroups`` puts a node's ranks in a cgroup (:func:`cpu_group`);
+    ``env`` with ``VNODE_SHM=DIR`` gives each node a ``/dev/shm`` of its own (``fake_ssh.sh``).
 
     A job still running after ``limit`` seconds is killed with all its processes, and the test
     fails; so does a job that leaves a process behind (named in the failure).
@@ -99,7 +101,7 @@ def run_job(
         child["VNODE_CGROUPS"] = " ".join(f"{host}={path}" for host, path in cgroups.items())
     with tempfile.TemporaryDirectory() as directory:
         hosts = machinefile(layout, Path(directory))
-        cmd = [str(MPIEXEC), *hydra_options(hosts), "-n", str(sum(layout.values())), sys.executable, *command]
+        cmd = [str(MPIEXEC), *hydra_options(hosts), "-n", str(sum(layout.values())), python, *command]
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=child, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,

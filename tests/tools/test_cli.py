@@ -18,7 +18,7 @@ def test_an_unknown_command_says_so_and_suggests(capsys):
     assert main(["benhc"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mpistrat: unknown command 'benhc'; did you mean 'bench'?")
-    assert "usage: mpistrat {info,bench,plot,report,timeline,checkpoint}" in err
+    assert "usage: mpistrat {info,bench,plot,report,timeline,stage,checkpoint}" in err
 
 
 def test_usage_and_version(capsys):
