@@ -26,6 +26,10 @@
 #   TRAIN_ARGS      arguments of the training example (WORKLOAD=train)
 #   SBATCH_ARGS     options for every sbatch, e.g. "--partition=p --time=0:20:00 --account=a"
 #   PYTHON, MPI_LAUNCH, RESULTS_DIR, JOB_SETUP, PLOT, PREFLIGHT   as in bench.sbatch, passed on to every job
+#   STAGE, STAGE_PACK, STAGE_DIR, STAGE_EXCLUDE   as in bench.sbatch: STAGE=1 starts every job's ranks
+#                   from node-local memory; the series shares one pack (made by its first job)
+# The collect job's report gives each rank count's start (process start to the first collective,
+# its slowest rank) beside its step time.
 #
 # The settings reach the jobs in a file each one sources (results/series-*.env, handed over as
 # JOB_SETUP; it sources your own JOB_SETUP first), so a site that submits with --export=NONE
@@ -82,7 +86,8 @@ settings() {
         echo "# jobs/scaling.sh $MODE ${COUNTS[*]}: the settings of every job of series $stamp"
         [ -z "${JOB_SETUP:-}" ] || printf 'source %q\n' "$JOB_SETUP"
         for name in PYTHON MPI_LAUNCH RESULTS_DIR BENCH_ARGS LABEL TRAIN_MODULE TRAIN_ARGS TIMELINE PREFLIGHT \
-            REPORT_ARGS OMP_NUM_THREADS $(compgen -e | grep '^MPISTRAT_' || true); do
+            REPORT_ARGS OMP_NUM_THREADS STAGE STAGE_PACK STAGE_DIR STAGE_EXCLUDE \
+            $(compgen -e | grep '^MPISTRAT_' || true); do
             [ -z "${!name+set}" ] || printf 'export %s=%q\n' "$name" "${!name}"
         done
         for pair in "$@"; do printf 'export %s=%q\n' "${pair%%=*}" "${pair#*=}"; done

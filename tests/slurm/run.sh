@@ -202,6 +202,20 @@ bare=$(sbatch --parsable --ntasks=2 --cpus-per-task=2 --output="$WORK/results/sl
     jobs/bench.sbatch)
 say "submitted jobs/bench.sbatch with --export=NONE, --cpus-per-task=2 and no matplotlib: job $bare"
 ids+=("$bare")
+# STAGE=1: srun --ntasks-per-node=1 unpacks the environment into /dev/shm and the ranks run from
+# there. The pack is the test suite's (tests/support/staged.py, made once); the setup sets no
+# PYTHONPATH, which would name the repository.
+STAGE_PACK=$(cd "$REPO" && PYTHONPATH="$REPO" "$PYTHON" -c "from tests.support.staged import pack; print(pack())")
+{
+    printf 'bin=%q\n' "$(dirname "$PYTHON")"
+    echo 'source "$bin/activate"'
+    printf 'export RESULTS_DIR=%q\n' "$WORK/results"
+} > "$WORK/setup-staged.sh"
+staged=$(sbatch --parsable --ntasks=2 --output="$WORK/results/slurm-%j.out" \
+    --export="NONE,JOB_SETUP=$WORK/setup-staged.sh,STAGE=1,STAGE_PACK=$STAGE_PACK,PLOT=0,BENCH_ARGS=--ops all_reduce --max 1KiB --iters 5 --min-iters 5" \
+    jobs/bench.sbatch)
+say "submitted jobs/bench.sbatch with STAGE=1: job $staged"
+ids+=("$staged")
 # The training job with --export=NONE too.
 none="NONE,JOB_SETUP=$WORK/setup.sh,TIMELINE=1,PREFLIGHT=1"
 if "$PYTHON" -c "import mpistrat.examples.digits" 2> /dev/null; then
@@ -369,6 +383,8 @@ assert float(eff[0]["speedup"]) == 1.0 and float(eff[0]["efficiency"]) == 1.0, e
 assert all(float(r["time_us"]) > 0 and float(r["efficiency"]) > 0 for r in eff), eff
 md = open(f"{results}/{collect}/efficiency.md").read()
 assert "| ranks | runs | time us | speed-up | efficiency |" in md, md[:500]
+# each rank count's start, its slowest rank's seconds from process start to the first collective
+assert all(0 < float(r["startup_s"]) < 300 for r in eff) and "| startup s |" in md, eff
 # what a number needs to be reproduced: the environment Slurm set, the CPU, each rank's binding
 assert meta["environment"].get("SLURM_JOB_ID") == bench, sorted(meta["environment"])
 assert meta["cpu"]["logical_cores"] and len(meta["affinity"]) == 2, (meta["cpu"], meta["affinity"])
@@ -378,6 +394,26 @@ if viampiexec:
     assert other["meta"]["ranks"] == 2 and all(r["mpistrat"]["ok"] for r in other["results"]), other["meta"]
 print(f"test-slurm: results check out ({len(rows)} rows at 2 ranks; series at ranks {ranks}, "
       f"efficiency.csv {len(eff)} rows; plots are PNGs)")
+PY
+"$PYTHON" - "$WORK/results" "$staged" "$(dirname "$(dirname "$PYTHON")")" << 'PY'
+import json, os, sys
+
+results, job, prefix = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+from mpistrat.tools.bench_report import load
+
+run = load(f"{results}/{job}/bench.json")
+assert all(r["mpistrat"]["ok"] for r in run["results"]), run["results"]
+start = run["meta"]["startup"]
+staged = f"/dev/shm/mpistrat-{job}"
+env = start["environment"]  # rank 0's: its python, numpy, mpi4py and mpistrat were the staged copy's
+assert env["prefix"]["path"] == f"{staged}/venv" and env["mpistrat"]["path"].startswith(staged), env
+assert env["staged"]["prefix"] == os.path.realpath(prefix), env["staged"]
+assert len(start["ranks"]) == 2 and all(r["points"]["first collective"] > 0 for r in start["ranks"]), start
+assert not os.path.exists(staged), f"{staged} was left behind"
+log = open(f"{results}/slurm-{job}.out").read()
+assert f"mpistrat bench: staged" in log and "on 1 node(s)" in log, log[-2000:]
+print(f"test-slurm: STAGE=1 ran both ranks from {staged}, removed at the end")
 PY
 "$PYTHON" - "$WORK/results" "$checkpoints" "$WORK/checkpoint-files" << 'PY'
 import os, sys
