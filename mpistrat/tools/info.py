@@ -31,6 +31,7 @@ from mpistrat.diagnostics import launch
 from mpistrat.errors import MpistratError
 from mpistrat.tools import host
 from mpistrat.tools.bench_meta import cpu_list
+from mpistrat.tools.columns import columns
 
 __all__ = ["collect", "main", "render"]
 
@@ -185,10 +186,7 @@ def render(info: dict[str, Any]) -> str:
         )
         for r in info["ranks"]
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
+    return "\n".join(lines + columns(header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from mpi4py import MPI
 
 from mpistrat import config
 from mpistrat.diagnostics import launch, startup
+from mpistrat.tools.columns import columns
 
 __all__ = ["calls_by_location", "collect", "environment", "kind_of", "main", "of_job", "render", "summarize"]
 
@@ -301,10 +302,7 @@ def render(info: dict[str, Any]) -> str:
         )
         for r in info["ranks"]
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
+    return "\n".join(lines + columns(header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
