@@ -108,7 +108,10 @@ class _Namespaces:
 
     @staticmethod
     def exec_module(module: Any) -> None:
-        module.__spec__ = module.__spec__.loader_state
+        alias, module.__spec__ = module.__spec__.name, module.__spec__.loader_state
+        for name, home in _NAMESPACES.items():  # mpistrat.optimizers.schedules: the import system looks
+            if name.startswith(f"{alias}."):  # for it in sys.modules (mpistrat.optimizers is no package)
+                sys.modules[name] = importlib.import_module(home)
 
 
 sys.meta_path.insert(0, _Namespaces)

@@ -129,6 +129,8 @@ def test_every_public_name_is_the_object_the_stub_imports():
         mpistrat.NoSuchName  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nosuchmodule'"):
         mpistrat.nosuchmodule  # noqa: B018
+    with pytest.raises(AttributeError, match=r"Use mpistrat\.MPIStrategy"):
+        mpistrat.MirroredStrategy  # noqa: B018
 
 
 # The public namespaces that live in layer folders, and their homes.
@@ -137,6 +139,7 @@ NAMESPACES = {
     "metrics": "training.metrics",
     "cluster_resolver": "distribute.cluster_resolver",
     "preemption": "checkpoint.preemption",
+    "optimizers.schedules": "training.schedules",
 }
 
 BEHAVIOUR = """
@@ -160,12 +163,15 @@ print("experimental", mpistrat.experimental.CommunicationOptions is mpistrat.Com
 
 import mpistrat.optimizers
 from mpistrat.metrics import Mean
+from mpistrat.optimizers.schedules import ExponentialDecay
 for public, home in NAMESPACES.items():
     module = importlib.import_module("mpistrat." + public)
     real = sys.modules["mpistrat." + home]
-    print("namespace", public, module is real, getattr(mpistrat, public) is real, real.__spec__.name)
-print("names", Mean is mpistrat.metrics.Mean, mpistrat.preemption.RESTART_EXIT_CODE,
-      mpistrat.experimental.PreemptionWatcher is mpistrat.PreemptionWatcher)
+    attribute = importlib.import_module("operator").attrgetter(public)(mpistrat)
+    print("namespace", public, module is real, attribute is real, real.__spec__.name)
+same = Mean is mpistrat.metrics.Mean and ExponentialDecay is mpistrat.optimizers.schedules.ExponentialDecay
+watcher = mpistrat.experimental.PreemptionWatcher is mpistrat.PreemptionWatcher
+print("names", same, mpistrat.preemption.RESTART_EXIT_CODE, watcher)
 print("submodule", mpistrat.comm.packing.__name__)
 """
 
