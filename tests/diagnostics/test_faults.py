@@ -489,10 +489,12 @@ def test_the_end_of_job_summary_names_a_straggler_and_is_quiet_otherwise(tmp_pat
         env["MPISTRAT_STRAGGLER_SUMMARY"] = summary
     code, out = run_job("stragglers_summary.py", late, limit=30, env=env)
     assert code == 0 and on_every_rank(out, "finished"), out
-    # 20 ms late at every step: last nearly always (a loaded machine may delay another rank once)
-    # each step's all_reduce is tallied (the last one too, by the closing handshake of its strategy.run)
+    # 20 ms late at every step: last far more often than chance (a third), though a loaded machine
+    # deschedules another rank for tens of ms now and then; each step's all_reduce is tallied (the
+    # last one too, by the closing handshake of its strategy.run)
     shares = [int(p) for p in re.findall(r"rank 2 was the last to arrive in (\d+)% of 31 collectives", out)]
-    said = bool(shares) and min(shares) >= 90
+    said = bool(shares)
     assert said == (late == "2" and summary is None), out
+    assert all(share >= 60 for share in shares), out
     assert out.count("WARNING: stragglers over 3 ranks") == int(said), out  # rank 0 alone
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-0000{r}.jsonl" for r in range(3)]
