@@ -56,12 +56,15 @@ FAULTS := tests/diagnostics/test_faults.py
 # The node tests run in make test-nodes, at two virtual nodes.
 NODE_TESTS := tests/nodes
 FAULT_WORKERS ?= 4
+# The rest of the serial pass: most tests run in the pytest process (one core), the rest start
+# jobs of their own; two workers keep both cores of a small machine busy.
+SERIAL_WORKERS ?= 2
 
 # The README's verbatim install from the package index: mostly downloads, so CI runs it beside the
 # other venvs' installs (`make test-readme`, then `make test SKIP_README=1`).
 README_TEST := tests/test_readme.py::test_the_readme_install_and_first_program_run_verbatim
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) --ignore=$(FAULTS) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(SERIAL_WORKERS) --ignore=$(FAULTS) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
 
 test-readme: install
