@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint import mpiio
-from mpistrat.checkpoint.saving import ALWAYS, Save, checksums, close, finish
+from mpistrat.checkpoint import crc, mpiio
+from mpistrat.checkpoint.crc import records
+from mpistrat.checkpoint.saving import ALWAYS, Save, close, finish
 from mpistrat.log import logger
 
 if TYPE_CHECKING:
@@ -198,7 +199,9 @@ def writing() -> bool:
 
 
 def _stage(save: Save) -> None:
-    """The share at this moment, copied into the staging buffer: training may change the arrays."""
+    """The share at this moment, copied into the staging buffer (training may change the arrays),
+    and the checksums of the rest of this rank's copies, as they are now, computed meanwhile."""
+    others = crc.in_thread(lambda: records(save.others))
     total = sum(p.nbytes for call in save.calls for p in call)
     staged = _staging_buffer(total)
     at, copied = 0, []
@@ -210,6 +213,7 @@ def _stage(save: Save) -> None:
             at += p.nbytes
         copied.append(pieces)
     save.calls, save.keep = copied, [staged]
+    save.other_crcs, save.others = others.result(), []
 
 
 def _staging_buffer(nbytes: int) -> np.ndarray:
@@ -228,7 +232,7 @@ def _drain(save: Save, header: bytes) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
     try:
         mpiio.posix_write(save.tmp, header, save.calls)
-        save.crcs = checksums(save.calls)
+        save.crcs = records(p for call in save.calls for p in call)
     except OSError as exc:
         save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
     except BaseException as exc:  # whatever it is, every rank must hear of it at the wait

@@ -7,10 +7,11 @@ A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON, then
   ``header_crc32``, ``format`` (``mpistrat/2``), ``num_replicas``, ``save_counter``,
   ``positions`` (a JSON object: each dataset's position), ``datasets`` (where there is split
   input: its positions in words, the epoch, the batches and examples taken and the seed, for
-  people), ``crc32`` (a JSON object: each entry's CRC-32 as 8 hex digits, what ``zlib.crc32``
-  gives over its bytes) and, where an entry is complex128, ``dtypes`` (a JSON object naming
-  those entries: safetensors has no complex128, so they are stored as ``F64`` with a last
-  dimension of 2, the real and imaginary parts, NumPy's own layout);
+  people), ``crc32c`` (a JSON object: each entry's CRC-32C as 8 hex digits, what
+  ``crc32c.crc32c`` gives over its bytes; files of earlier versions have ``crc32`` instead, each
+  entry's CRC-32 as ``zlib.crc32`` gives it) and, where an entry is complex128, ``dtypes`` (a
+  JSON object naming those entries: safetensors has no complex128, so they are stored as ``F64``
+  with a last dimension of 2, the real and imaginary parts, NumPy's own layout);
 - the header covers itself: it begins ``{"__metadata__":{"header_crc32":"``, and the 8 hex
   digits that follow are the CRC-32 of the file's first ``8 + N`` bytes (the length and the
   JSON) with those 8 digits left out, so a byte changed anywhere in the header or its metadata
@@ -43,6 +44,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from mpistrat.checkpoint.crc import CRC32, CRC32C, Checksum
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = [
@@ -99,8 +101,8 @@ class Entry:
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
     nbytes: int
-    crc: int | None = None  # CRC-32 of its bytes (with ``prefix``'s bytes before them, if any)
-    prefix: tuple[int, int] = (0, 0)  # (CRC-32, length) of bytes the checksum covers before the data
+    crc: int | None = None  # the checksum of its bytes (with ``prefix``'s bytes before them, if any)
+    prefix: tuple[int, int] = (0, 0)  # (checksum, length) of bytes the checksum covers before the data
     fortran: bool = False  # format 1 only: the bytes are in Fortran order
 
 
@@ -116,6 +118,7 @@ class Table:
     positions: dict[str, Any] = dataclasses.field(default_factory=dict)  # datasets' positions
     format: int = 2
     sealed: bool = True  # the header and metadata are covered by a checksum (not in early format-2 files)
+    checksum: Checksum = CRC32C  # what the entries' checksums are (CRC-32 in files of earlier versions)
     escaped: bool = True  # names escape "." and "/" in keys (files with a sealed header do; earlier ones not)
     # split input's positions in words: epoch, batches and examples taken, seed (not in older files)
     datasets: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -168,7 +171,7 @@ def encode_header(
         "header_crc32": "00000000",  # filled in below, once the rest is known
         "format": FORMAT,
         **metadata,
-        "crc32": json.dumps({n: f"{crcs.get(n, 0):08x}" for n, *_ in rows}),
+        CRC32C.key: json.dumps({n: f"{crcs.get(n, 0):08x}" for n, *_ in rows}),
     }
     if pairs := {name: dtype.name for name, dtype, *_ in rows if dtype.name in _PAIRS}:
         meta["dtypes"] = json.dumps(pairs)
@@ -242,8 +245,9 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
     data_start = _LENGTH.size + length
     entries = {name: _entry(path, name, spec, data_start) for name, spec in header.items()}
     _check_tiling(path, list(entries.values()), data_start, size)
+    checksum = CRC32C if CRC32C.key in meta else CRC32
     try:
-        crcs = json.loads(meta["crc32"])
+        crcs = json.loads(meta[checksum.key])
         for name, dtype in json.loads(meta.get("dtypes", "{}")).items():
             entries[name] = _as_pairs(path, entries[name], dtype)
         table = Table(
@@ -257,6 +261,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
             datasets=json.loads(meta.get("datasets", "{}")),
             sealed=sealed,
             escaped=sealed,  # both came in one version
+            checksum=checksum,
         )
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise corrupt(path, f"the metadata is incomplete ({type(exc).__name__}: {exc})") from None

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from mpistrat.checkpoint.crc import CRC32
 from mpistrat.checkpoint.format import Entry, Table, corrupt, integer
 
 __all__ = ["read_table"]
@@ -65,6 +66,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
         {},
         1,
         escaped=False,
+        checksum=CRC32,
     )
 
 

@@ -5,7 +5,8 @@ Values every rank holds whole (mirrored variables, unsharded slots) are laid end
 split evenly (:func:`share`): each rank writes, and on restore reads, one run of about 1/R of
 their bytes. A sharded slot's parts are written and read by the ranks that hold them.
 :func:`calls` joins pieces that follow each other in the file into one MPI-IO call each, of
-at most ``limit`` bytes (MPI counts are C ints).
+at most ``limit`` bytes (MPI counts are C ints); :func:`rounds` joins them whatever lies between,
+for calls that see the file through a view of their runs.
 
 >>> import numpy as np
 >>> share(10, 3, 1), share(10, 3, 2)
@@ -13,6 +14,9 @@ at most ``limit`` bytes (MPI counts are C ints).
 >>> a, b = Piece("a", 0, 8, np.zeros(4, np.uint8)), Piece("b", 0, 12, np.zeros(4, np.uint8))
 >>> [[(p.entry, p.offset, p.nbytes) for p in call] for call in calls([b, a], limit=6)]
 [[('a', 8, 4), ('b', 12, 2)], [('b', 14, 2)]]
+>>> c = Piece("c", 0, 20, np.zeros(4, np.uint8))
+>>> [[(p.entry, p.offset, p.nbytes) for p in call] for call in rounds([c, b, a], limit=10)]
+[[('a', 8, 4), ('b', 12, 4), ('c', 20, 2)], [('c', 22, 2)]]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CALL_LIMIT", "Piece", "bytes_of", "calls", "joined", "share", "spans_of_share"]
+__all__ = ["CALL_LIMIT", "Piece", "bytes_of", "calls", "joined", "rounds", "share", "spans_of_share"]
 
 CALL_LIMIT = 1 << 30  # bytes per MPI-IO call: below MPI's 2**31 count limit on every MPI family
 
@@ -105,12 +109,22 @@ def _address(array: np.ndarray) -> int:
 def calls(pieces: list[Piece], limit: int | None = None) -> list[list[Piece]]:
     """``pieces`` in file order, grouped into calls: each call a run of consecutive bytes of the
     file, at most ``limit`` of them (default :data:`CALL_LIMIT`; a longer piece is split)."""
+    return _grouped(pieces, limit, contiguous=True)
+
+
+def rounds(pieces: list[Piece], limit: int | None = None) -> list[list[Piece]]:
+    """``pieces`` in file order, grouped into calls of at most ``limit`` bytes (default
+    :data:`CALL_LIMIT`; a longer piece is split), whatever lies between them in the file."""
+    return _grouped(pieces, limit, contiguous=False)
+
+
+def _grouped(pieces: list[Piece], limit: int | None, contiguous: bool) -> list[list[Piece]]:
     limit = CALL_LIMIT if limit is None else limit
     out: list[list[Piece]] = []
     size, end = 0, -1
     for piece in sorted((p for p in pieces if p.nbytes), key=lambda p: p.offset):
         while piece.nbytes:
-            room = limit - size if out and piece.offset == end else 0
+            room = limit - size if out and (piece.offset == end or not contiguous) else 0
             if room <= 0:
                 out.append([])
                 size, room = 0, limit

@@ -10,22 +10,24 @@ the rank count or sharding of the save. No rank reads the whole file, and nothin
 from rank 0 but the table of contents.
 
 Everything is read and every entry's checksum checked before the first value is assigned: a
-damaged file is an error on every rank, with every variable as it was.
+damaged file is an error on every rank, with every variable as it was. The reads go in calls of
+at most ``READ_CALL`` bytes, each checksummed in a thread while the next is read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint import crc, mpiio
+from mpistrat.checkpoint import mpiio
+from mpistrat.checkpoint.crc import in_thread, records
 from mpistrat.checkpoint.format import Entry, Table, corrupt
 from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, joined, share, spans_of_share
 from mpistrat.comm import packing
@@ -43,6 +45,7 @@ __all__ = ["load"]
 SMALL = 1 << 20  # entries below this many bytes are gathered in batches, then copied into place
 BATCH = 1 << 24  # bytes per batch of small entries: the temporary memory a restore needs
 WINDOW = 1 << 26  # bytes per Allgather of large entries (into their memory, else a temporary)
+READ_CALL = 1 << 23  # bytes per read: the checksum of one runs while the next is read
 
 
 @dataclasses.dataclass
@@ -87,16 +90,21 @@ def load(
         start = element * entry.dtype.itemsize
         pieces.append(Piece(entry.name, start, entry.offset + start, staging[at : at + int(part.nbytes)]))
         at += int(part.nbytes)
-    mine = calls(pieces)
+    work: list[Future[list[tuple[str, int, int, int]]]] = []
+
+    def checksum_beside(call: list[Piece]) -> None:  # while the next call is read
+        work.append(in_thread(lambda: records(call, table.checksum)))
+
     fh, error = mpiio.open_file(collectives.comm, table.path, MPI.MODE_RDONLY, hints)
     if fh is not None:
-        error = mpiio.read(fh, mine, table.path)
+        error = mpiio.read(fh, calls(pieces, READ_CALL), table.path, checksum_beside)
         with contextlib.suppress(MPI.Exception):
             fh.Close()
-    report = (
-        None if error is None else str(error),
-        [(p.entry, p.start, zlib.crc32(p.memory.data), p.nbytes) for call in mine for p in call],
-    )
+    try:
+        mine = [record for done in work for record in done.result()]
+    except Exception as exc:  # every rank must hear of it
+        error, mine = error or mpiio.os_error(exc, "checksumming the checkpoint", table.path), []
+    report = (None if error is None else str(error), mine)
     reports = collectives.gather_to_root(report, kind=f"checkpoint.{method} (checksums)")
     collectives.on_root(
         lambda: _verify(table, wanted, reports or [], method), kind=f"checkpoint.{method} (check)"
@@ -194,14 +202,14 @@ def _verify(table: Table, wanted: list[Entry], reports: list[Any], method: str) 
             table.path, f"rank {rank} could not read it ({text}); was it changed while being restored?"
         )
     parts: dict[str, list[tuple[int, int, int]]] = {e.name: [] for e in wanted}
-    for _, records in reports:
-        for name, start, part, length in records:
+    for _, read in reports:
+        for name, start, part, length in read:
             parts[name].append((start, part, length))
     bad = []
     for entry in wanted:
-        data = crc.joined(parts[entry.name], entry.nbytes)
+        data = table.checksum.joined(parts[entry.name], entry.nbytes)
         prefix, length = entry.prefix
-        got = None if data is None else crc.combine(prefix, data, entry.nbytes) if length else data
+        got = None if data is None else table.checksum.combine(prefix, data, entry.nbytes) if length else data
         if got is None or got != entry.crc:
             bad.append(entry.name)
     if bad:

@@ -3,13 +3,17 @@
 :func:`begin` agrees on what is saved, lays the file out (:mod:`~mpistrat.checkpoint.format`)
 and picks this rank's pieces (:mod:`~mpistrat.checkpoint.pieces`); rank 0 names the temporary
 file and every rank creates it together. Then either :func:`write` writes the pieces with
-MPI-IO at once (the checksums first, so rank 0 writes the final header with the data and one
-flush covers both), or :mod:`~mpistrat.checkpoint.background` copies them aside and a thread
-writes them while training goes on. :func:`finish` (every rank, after either) gathers the
-errors (and a background save's checksums); rank 0 completes the header if it must, renames
-the file into place and runs ``after`` (the index's update). Any rank's error, at any step, is
-raised on every rank there, and the temporary file is removed: the previous checkpoint stays
-as it was.
+MPI-IO at once (their CRC-32C computed in a thread meanwhile, then gathered, so rank 0 writes
+the final header before the one flush that covers everything), or
+:mod:`~mpistrat.checkpoint.background` copies them aside and a thread writes them while
+training goes on. :func:`finish` (every rank, after either) gathers the errors (and a background
+save's checksums); rank 0 completes the header if it must, renames the file into place and
+runs ``after`` (the index's update). Any rank's error, at any step, is raised on every rank
+there, and the temporary file is removed: the previous checkpoint stays as it was.
+
+Each rank writes its share of the values every rank holds from its own copy, so the ranks
+compare their copies: each checksums the rest of its copy too (beside the write, in the same
+thread), and rank 0 refuses the file if the copies' checksums differ.
 
 Memory: a save copies nothing of a NumPy array (MPI-IO writes from it), a device array's
 share through the host.
@@ -22,7 +26,6 @@ import dataclasses
 import json
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +33,13 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint import crc, files, mpiio
+from mpistrat.checkpoint.crc import CRC32C, records
 from mpistrat.checkpoint.format import Table, dtype_code, encode_header, header_rows, lay_out
-from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, share, spans_of_share
-from mpistrat.collectives.fingerprint import code_of, hash64
+from mpistrat.checkpoint.pieces import Piece, bytes_of, share, spans_of_share
+from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.handshake import check_enabled
 from mpistrat.comm import packing
-from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
 from mpistrat.input.position import InputPosition
 from mpistrat.options import CommunicationOptions
 from mpistrat.training.accumulation import RankShare
@@ -46,7 +50,7 @@ from mpistrat.training.variables import Variable, VariableSynchronization
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["ALWAYS", "Save", "begin", "checksums", "close", "finish", "write"]
+__all__ = ["ALWAYS", "Save", "begin", "close", "copies_of", "finish", "write"]
 
 # Checkpoint agreements run even with the check off: a rank that failed must not be waited for.
 ALWAYS = CommunicationOptions(check=True)
@@ -62,15 +66,19 @@ class Save:
     table: Table
     header: bytes  # rank 0 writes it first, with every checksum 0 (the file is then recognisably ours)
     metadata: dict[str, str]
-    calls: list[list[Piece]]
+    calls: list[list[Piece]]  # this rank's pieces, grouped into its collective write calls
     rounds: int  # collective write calls: the most any rank makes
+    compared: list[str]  # the values every rank holds whose copies the ranks compare
+    others: list[Piece]  # the bytes of those values this rank does not write, checksummed to compare
     after: Callable[[], None] | None  # on rank 0 once the file is in place
     keep: list[Any]  # arrays the pieces view (device copies, aggregated values)
     file: Any = None  # the open MPI file, between begin and write
     final: bool = False  # the header holds the checksums and everything is flushed (a synchronous save)
     error: OSError | None = None
-    # (entry, start, crc, length) of each piece, once written in the background
+    refusal: MpistratError | None = None  # rank 0's: why the file is not kept (copies that differ)
+    # (entry, start, CRC-32C, length) of each piece written, and of ``others``: once checksummed
     crcs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
+    other_crcs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     thread: threading.Thread | None = None
     seconds: float | None = None  # how long a background writer took to write and checksum this rank's share
 
@@ -139,54 +147,57 @@ def begin(
     table, header = lay_out([(n, entries[n].dtype, tuple(entries[n].shape)) for n in order], metadata)
     keep: list[Any] = []
     pieces: list[Piece] = []
+    others: list[Piece] = []
+    # What a sync-on-read variable saves is its aggregate, the same everywhere: not compared.
+    on_read = VariableSynchronization.ON_READ
+    compared = [n for n in whole if getattr(entries[n], "synchronization", None) is not on_read]
+    if collectives.size == 1 or not check_enabled(collectives):
+        compared = []
     try:
-        pieces = _my_pieces(table, whole, sharded, collectives.rank, collectives.size, keep)
+        pieces, others = _my_pieces(table, whole, sharded, compared, collectives.rank, collectives.size, keep)
     except Exception as exc:  # a device-to-host copy: every rank must hear of it
         error = InvalidArgumentError(f"Checkpoint.{method}: {type(exc).__name__}: {exc}")
-    mine = calls(pieces)
-    copies = _copies(entries, whole, collectives) if error is None else []
-    rounds = collectives.agree(
-        "checkpoint.save (plan)",
-        fingerprint=code_of(*copies),
-        describe=lambda: {
-            "leaves": [(repr(n), f"copy with CRC-32 {c:08x}", None) for n, c in copies],
-            "advice": DIFFERENT_COPIES,
-        },
-        maximum=len(mine),
-        error=error,
-        options=ALWAYS,
-    )
+    mine = mpiio.write_calls(pieces)
+    most = collectives.agree("checkpoint.save (plan)", maximum=len(mine), error=error, options=ALWAYS)
     target, tmp = collectives.on_root(lambda: _name_temporary(path), kind=f"checkpoint.{method} (prepare)")
-    save = Save(method, target, tmp, table, header, metadata, mine, rounds, after, keep)
+    save = Save(method, target, tmp, table, header, metadata, mine, most, compared, others, after, keep)
     _create(save, collectives, hints)
     return save
 
 
 DIFFERENT_COPIES = (
-    "Checkpoint.save: the ranks' copies of a value every rank holds differ, and each rank writes its "
-    "share of the file from its own copy, so the file would mix them; nothing was written. Copies differ "
-    "only through a bug: a write on one rank alone, or arithmetic that differs between ranks "
-    "(MPISTRAT_CHECK=strict compares them after every optimizer step)."
+    "Checkpoint.{method}: the ranks' copies of a value every rank holds differ, and each rank writes its "
+    "share of the file from its own copy, so the file would mix them; it was not kept (the previous "
+    "checkpoint stays). Copies differ only through a bug: a write on one rank alone, or arithmetic that "
+    "differs between ranks (MPISTRAT_CHECK=strict compares them after every optimizer step)."
 )
 
 
-def _copies(
-    entries: dict[str, Any], whole: dict[str, Any], collectives: Collectives
-) -> list[tuple[str, int]]:
-    """``(name, CRC-32)`` of this rank's copy of each value every rank holds (not a sync-on-read
-    variable: what it saves is the aggregate, the same everywhere): the ranks compare them before
-    anything is written. None at one rank, or with the check off (``MPISTRAT_CHECK=0``).
+def copies_of(save: Save) -> list[tuple[str, int]]:
+    """``(name, CRC-32C)`` of this rank's copy of each compared value, joined from the checksums of
+    its written pieces and of its others."""
+    parts: dict[str, list[tuple[int, int, int]]] = {name: [] for name in save.compared}
+    for name, start, part, length in [*save.crcs, *save.other_crcs]:
+        if name in parts:
+            parts[name].append((start, part, length))
+    return [(n, CRC32C.joined(parts[n], save.table.entries[n].nbytes) or 0) for n in save.compared]
 
-    It costs one pass over this rank's copies and nothing sent but the handshake: ruling out a
-    file that mixes copies needs every byte of rank 0's copy read anyway, so the other ranks
-    reading theirs meanwhile adds no wait."""
-    if collectives.size == 1 or not check_enabled(collectives):
-        return []
-    return [
-        (name, zlib.crc32(_host_bytes(value, 0, None, []).data))
-        for name, value in whole.items()
-        if getattr(entries[name], "synchronization", None) is not VariableSynchronization.ON_READ
-    ]
+
+def _differing_copies(save: Save, copies: list[list[tuple[str, int]]]) -> MpistratError | None:
+    """On rank 0: the error naming the values whose copies' CRC-32C differ between ranks, if any."""
+    differ = []
+    for k, name in enumerate(save.compared):
+        by_crc: dict[int, list[int]] = {}
+        for rank, mine in enumerate(copies):
+            by_crc.setdefault(mine[k][1], []).append(rank)
+        if len(by_crc) > 1:
+            ranks = "; ".join(f"CRC-32C {c:08x} on ranks {r}" for c, r in by_crc.items())
+            differ.append(f"{name!r} ({ranks})")
+    if not differ:
+        return None
+    return CollectiveMismatchError(
+        DIFFERENT_COPIES.format(method=save.method) + " Copies that differ: " + ", ".join(differ) + "."
+    )
 
 
 def _memory_order(name: str, value: Any) -> tuple[int, int, int, str]:
@@ -200,24 +211,30 @@ def _my_pieces(
     table: Table,
     whole: dict[str, Any],
     sharded: dict[str, ShardedSlot | RankShare],
+    compared: list[str],
     rank: int,
     size: int,
     keep: list[Any],
-) -> list[Piece]:
-    """This rank's pieces: its even share of the values every rank holds, its parts of sharded slots."""
-    entries = [table.entries[n] for n in whole]
-    lo, hi = share(sum(e.nbytes for e in entries), size, rank)
-    pieces = []
-    for i, a, b in spans_of_share([e.nbytes for e in entries], lo, hi):
-        entry = entries[i]
-        memory = _host_bytes(whole[entry.name], a, b, keep)
-        pieces.append(Piece(entry.name, a, entry.offset + a, memory))
+) -> tuple[list[Piece], list[Piece]]:
+    """This rank's pieces: its even share of the values every rank holds (one run of the file: they
+    come first in it), its parts of sharded slots; and the rest of its copy of the ``compared``
+    values, which it checksums but does not write."""
+    entries = [e for e in table.entries.values() if e.name in whole]  # in file order
+    total = sum(e.nbytes for e in entries)
+    lo, hi = share(total, size, rank)
+    pieces: list[Piece] = []
+    others: list[Piece] = []
+    for start, stop, out in ((lo, hi, pieces), (0, lo, others), (hi, total, others)):
+        for i, a, b in spans_of_share([e.nbytes for e in entries], start, stop):
+            entry = entries[i]
+            if out is pieces or entry.name in compared:
+                out.append(Piece(entry.name, a, entry.offset + a, _host_bytes(whole[entry.name], a, b, keep)))
     for name, slot in sharded.items():
         entry = table.entries[name]
         for element, part in slot.local_parts():
             start = element * entry.dtype.itemsize
             pieces.append(Piece(name, start, entry.offset + start, _host_bytes(part, 0, None, keep)))
-    return pieces
+    return pieces, others
 
 
 def _host_bytes(array: Any, a: int, b: int | None, keep: list[Any]) -> np.ndarray:
@@ -270,43 +287,47 @@ def close(save: Save) -> None:
 def write(save: Save, collectives: Collectives) -> None:
     """Write this rank's pieces now, with collective MPI-IO (every rank calls it), and flush them.
 
-    The checksums are known before the data moves, so rank 0 writes the final header with them
-    and one flush makes everything durable."""
-    crcs = checksums(save.calls)
-    gathered = collectives.gather_to_root(crcs, kind=f"checkpoint.{save.method} (checksums)")
-    fh = save.file
+    A thread checksums the pieces (and the rest of this rank's copies) while MPI-IO writes them;
+    rank 0 gathers the checksums and writes the final header, and one flush covers it all."""
+    work = crc.in_thread(lambda: (records(p for call in save.calls for p in call), records(save.others)))
+    error = mpiio.write_rounds(save.file, save.calls, save.rounds, save.tmp)
+    try:
+        save.crcs, save.other_crcs = work.result()
+    except Exception as exc:  # every rank must hear of it: finish() reports it
+        error = error or mpiio.os_error(exc, "checksumming the checkpoint", save.tmp)
+    save.error = save.error or error
+    gathered = collectives.gather_to_root(
+        (save.crcs, copies_of(save)), kind=f"checkpoint.{save.method} (checksums)"
+    )
     if gathered is not None:  # rank 0
         try:
             save.header = _final_header(save, gathered)
-            fh.Write_at(0, np.frombuffer(save.header, np.uint8))
+            save.file.Write_at(0, np.frombuffer(save.header, np.uint8))
         except MpistratError as exc:  # kept for finish() to raise everywhere
-            save.error = OSError(0, str(exc))
+            save.refusal = exc
         except MPI.Exception as exc:
-            save.error = mpiio.os_error(exc, "writing the checkpoint's header", save.tmp)
-    error = mpiio.write_rounds(fh, save.calls, save.rounds, save.tmp)
-    save.error = save.error or error
+            save.error = save.error or mpiio.os_error(exc, "writing the checkpoint's header", save.tmp)
     try:
-        fh.Sync()
+        save.file.Sync()
     except MPI.Exception as exc:
         save.error = save.error or mpiio.os_error(exc, "flushing the checkpoint file", save.tmp)
     close(save)
     save.final = True
 
 
-def checksums(work: list[list[Piece]]) -> list[tuple[str, int, int, int]]:
-    """``(entry, start, CRC-32, length)`` of every piece of these calls."""
-    return [(p.entry, p.start, zlib.crc32(p.memory.data), p.nbytes) for call in work for p in call]
-
-
-def _final_header(save: Save, records: list[list[tuple[str, int, int, int]]]) -> bytes:
-    """The header with each entry's CRC-32, joined from every rank's ``(entry, start, crc, length)``."""
+def _final_header(save: Save, reports: list[tuple[list[tuple[str, int, int, int]], Any]]) -> bytes:
+    """The header with each entry's CRC-32C, joined from every rank's ``(records, copies)``: the
+    ``(entry, start, crc, length)`` of its pieces and its copies' checksums, which must agree."""
+    refusal = _differing_copies(save, [copies for _, copies in reports])
+    if refusal is not None:
+        raise refusal
     parts: dict[str, list[tuple[int, int, int]]] = {name: [] for name in save.table.entries}
-    for mine in records:
+    for mine, _ in reports:
         for name, start, part, length in mine:
             parts[name].append((start, part, length))
     crcs = {}
     for name, entry in save.table.entries.items():
-        joined = crc.joined(parts[name], entry.nbytes)
+        joined = CRC32C.joined(parts[name], entry.nbytes)
         if joined is None:  # a bug, not damage: the ranks' pieces must tile every entry
             raise MpistratError(f"Checkpoint.{save.method}: the ranks' pieces of {name} do not tile it")
         crcs[name] = joined
@@ -320,8 +341,9 @@ def finish(save: Save, collectives: Collectives) -> float | None:
     if save.thread is not None:
         save.thread.join()
     error = None if save.error is None else (save.error.errno, str(save.error))
+    checked = None if save.final else (save.crcs, copies_of(save))
     reports = collectives.gather_to_root(
-        (error, save.crcs, save.seconds), kind=f"checkpoint.{save.method} (errors)"
+        (error, checked, save.seconds), kind=f"checkpoint.{save.method} (errors)"
     )
     return collectives.on_root(
         lambda: _complete(save, reports or []), kind=f"checkpoint.{save.method} (rename)"
@@ -337,10 +359,12 @@ def _complete(save: Save, reports: list[Any]) -> float | None:
             rank, (code, text) = failed[0]
             others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
             raise OSError(code or None, f"Checkpoint.{save.method} failed on rank {rank}{others}: {text}")
+        if save.refusal is not None:
+            raise save.refusal
         if save.final:  # written with the data and flushed with it
             files.replace_durably(save.tmp, save.path, flushed=True)
         else:
-            header = _final_header(save, [records for _, records, _ in reports])
+            header = _final_header(save, [checked for _, checked, _ in reports])
             fd = os.open(save.tmp, os.O_WRONLY)
             try:
                 os.pwrite(fd, header, 0)

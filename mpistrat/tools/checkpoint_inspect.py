@@ -1,9 +1,10 @@
 """``mpistrat checkpoint inspect PATH``: what a checkpoint file holds, and whether its bytes are intact.
 
 Prints the format, the rank count and save counter it was written with, where each dataset stands
-(its epoch, the batches and examples taken in it, its shuffling seed), and
-one row per entry (dtype, shape, bytes, CRC-32), then checks every entry's checksum, reading the
-file once in pieces (``--no-verify`` skips that); the header's own checksum is checked first.
+(its epoch, the batches and examples taken in it, its shuffling seed), and one row per entry
+(dtype, shape, bytes, CRC-32C: CRC-32 in files of earlier versions), then checks every entry's
+checksum, reading the file once in pieces (``--no-verify`` skips that); the header's own
+checksum is checked first.
 ``--json`` prints the same as one JSON object.
 One process does it all: run it without ``mpiexec``. Exit status: 0 intact, 1 a checksum does not
 match, 2 the file cannot be read as a checkpoint.
@@ -17,12 +18,10 @@ import argparse
 import json
 import os
 import sys
-import zlib
 from typing import Any
 
 import numpy as np
 
-from mpistrat.checkpoint import crc
 from mpistrat.checkpoint.files import read_table
 from mpistrat.checkpoint.format import Entry, Table
 from mpistrat.errors import InvalidArgumentError
@@ -38,21 +37,21 @@ def verify(table: Table) -> list[str]:
     bad = []
     with open(table.path, "rb") as f:
         for entry in table.entries.values():
-            if _checksum(f, entry) != entry.crc:
+            if _checksum(f, entry, table) != entry.crc:
                 bad.append(entry.name)
     return bad
 
 
-def _checksum(f: Any, entry: Entry) -> int:
+def _checksum(f: Any, entry: Entry, table: Table) -> int:
     f.seek(entry.offset)
     value, left = 0, entry.nbytes
     while left:
         chunk = f.read(min(left, _CHUNK))
         if not chunk:
             return -1  # shorter than its header says
-        value, left = zlib.crc32(chunk, value), left - len(chunk)
+        value, left = table.checksum(chunk, value), left - len(chunk)
     prefix, length = entry.prefix
-    return crc.combine(prefix, value, entry.nbytes) if length else value
+    return table.checksum.combine(prefix, value, entry.nbytes) if length else value
 
 
 def _describe(table: Table, bad: list[str] | None) -> dict[str, Any]:
@@ -65,13 +64,14 @@ def _describe(table: Table, bad: list[str] | None) -> dict[str, Any]:
         "positions": table.positions,
         "header_checksum": table.sealed,
         "datasets": {name: _dataset(table, name) for name in table.positions},
+        "checksum": table.checksum.key,
         "entries": [
             {
                 "name": e.name,
                 "dtype": str(e.dtype),
                 "shape": list(e.shape),
                 "bytes": e.nbytes,
-                "crc32": f"{e.crc:08x}",
+                table.checksum.key: f"{e.crc:08x}",
             }
             for e in table.entries.values()
         ],
@@ -123,10 +123,11 @@ def _text(info: dict[str, Any]) -> str:
     lines += [f"position of {name}: {_said(about)}" for name, about in info["datasets"].items()]
     entries = info["entries"]
     width = max([len(e["name"]) for e in entries] + [5])
-    lines.append(f"{'entry':<{width}}  {'dtype':<10} {'shape':<18} {'bytes':>12}  crc32")
+    key = info["checksum"]
+    lines.append(f"{'entry':<{width}}  {'dtype':<10} {'shape':<18} {'bytes':>12}  {key}")
     for e in entries:
         shape = "(" + ", ".join(map(str, e["shape"])) + ("," if len(e["shape"]) == 1 else "") + ")"
-        lines.append(f"{e['name']:<{width}}  {e['dtype']:<10} {shape:<18} {e['bytes']:>12}  {e['crc32']}")
+        lines.append(f"{e['name']:<{width}}  {e['dtype']:<10} {shape:<18} {e['bytes']:>12}  {e[key]}")
     if not info["verified"]:
         lines.append("checksums not verified (--no-verify)")
     elif info["mismatched"]:

@@ -18,6 +18,7 @@ import mpistrat
 import mpistrat.checkpoint.mpiio as mpiio
 from mpistrat import CheckpointOptions, InvalidArgumentError
 from mpistrat.optimizers import SGD
+from mpistrat.values import local_variable
 from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import MPIEXEC, ROOT, job_environment, launcher_options, run_job
@@ -53,6 +54,23 @@ def test_a_background_save_holds_the_values_of_its_call(group, tmp_path):
     ok = ok and all(np.array_equal(a, b) for a, b in zip(saved, now, strict=True))
     left = sorted(os.listdir(directory))
     all_ranks_agree(group.comm, ok and left == ["checkpoint", "ckpt-1"], f"{left} {now[0][0, :2]}")
+
+
+def test_a_background_save_compares_the_copies_of_its_call_not_later_writes(group, tmp_path):
+    """The ranks' copies are compared as they were at the call: each rank writing its own value
+    into its copy before ``sync()`` (a bug, but after the save) neither refuses the file nor
+    changes it."""
+    directory = shared_dir(group, tmp_path)
+    w, _, ckpt = model(group)
+    with group.strategy.scope():
+        saved = w.numpy()
+    path = ckpt.save(os.path.join(directory, "ckpt"), options=ASYNC)
+    local_variable(w).assign(np.full((64, 33), 10.0 + group.rank, np.float32))
+    ckpt.sync()
+    ckpt.restore(path).assert_consumed()
+    with group.strategy.scope():
+        ok = np.array_equal(w.numpy(), saved)
+    all_ranks_agree(group.comm, ok, f"{w.numpy()[0, :2]}")
 
 
 def test_sync_on_one_rank_alone_leaves_every_rank_with_its_save_until_every_rank_syncs(group, tmp_path):

@@ -9,6 +9,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 from hypothesis import given
@@ -27,6 +28,7 @@ from tests.conftest import all_ranks_agree, raises_on_every_rank
 
 FORMAT1 = Path(__file__).parent / "data" / "format1"
 FORMAT2 = Path(__file__).parent / "data" / "format2"
+FORMAT2_CRC32 = Path(__file__).parent / "data" / "format2-crc32"
 DTYPES = ["float32", "float64", "float16", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"]
 DTYPES += ["uint64", "complex64"]  # every dtype a variable may have (no bool)
 
@@ -34,19 +36,37 @@ DTYPES += ["uint64", "complex64"]  # every dtype a variable may have (no bool)
 # -- the arithmetic: checksums of parts, shares, calls ------------------------------------------
 
 
-@given(st.lists(st.binary(max_size=300), max_size=6))
-def test_the_checksum_of_parts_is_zlibs_checksum_of_the_whole(parts):
+# The independent references: zlib's CRC-32 and the crc32c wheel's CRC-32C (Intel's instruction).
+REFERENCES = [(crc.CRC32, zlib.crc32), (crc.CRC32C, crc32c.crc32c)]
+
+
+@pytest.mark.parametrize(("checksum", "reference"), REFERENCES, ids=["crc32", "crc32c"])
+@given(parts=st.lists(st.binary(max_size=300), max_size=6))
+def test_the_checksum_of_parts_is_the_references_checksum_of_the_whole(checksum, reference, parts):
     whole = b"".join(parts)
     starts = np.cumsum([0, *map(len, parts)]).tolist()
-    records = [(s, zlib.crc32(p), len(p)) for s, p in zip(starts, parts, strict=False)]
-    assert crc.joined(records[::-1], len(whole)) == zlib.crc32(whole)
+    records = [(s, reference(p), len(p)) for s, p in zip(starts, parts, strict=False)]
+    assert checksum.joined(records[::-1], len(whole)) == reference(whole)
 
 
-def test_parts_that_do_not_tile_the_whole_have_no_checksum():
+@pytest.mark.parametrize(("checksum", "reference"), REFERENCES, ids=["crc32", "crc32c"])
+def test_parts_that_do_not_tile_the_whole_have_no_checksum(checksum, reference):
     a, b = b"abcd", b"efgh"
-    assert crc.joined([(0, zlib.crc32(a), 4)], 8) is None  # a gap
-    assert crc.joined([(0, zlib.crc32(a), 4), (2, zlib.crc32(b), 4)], 8) is None  # an overlap
-    assert crc.joined([(0, zlib.crc32(a + b), 8), (0, zlib.crc32(a), 4)], 8) is None  # counted twice
+    assert checksum.joined([(0, reference(a), 4)], 8) is None  # a gap
+    assert checksum.joined([(0, reference(a), 4), (2, reference(b), 4)], 8) is None  # an overlap
+    assert checksum.joined([(0, reference(a + b), 8), (0, reference(a), 4)], 8) is None  # counted twice
+
+
+@pytest.mark.parametrize(("checksum", "reference"), REFERENCES, ids=["crc32", "crc32c"])
+def test_the_numpy_checksum_without_the_wheel_is_the_references(checksum, reference):
+    """What a save computes where the crc32c wheel is missing: the same values, lanes and tails of
+    every length around the lanes' edges, extending a previous value."""
+    numpy_only = crc.Checksum(checksum.key, checksum.name, checksum._polynomial)
+    rng = np.random.default_rng(5)
+    lanes = numpy_only._LANES
+    for n in [0, 1, 7, lanes - 1, lanes, lanes + 1, 3 * lanes + 5, 300 * lanes + 11]:
+        data, value = rng.integers(0, 256, n, dtype=np.uint8), int(rng.integers(0, 2**32))
+        assert numpy_only(data.data, value) == reference(data.tobytes(), value), n
 
 
 @given(st.integers(0, 10**6), st.integers(1, 64))
@@ -141,9 +161,9 @@ def test_a_checkpoint_is_a_safetensors_file_with_the_saved_values(group, tmp_pat
             or meta["save_counter"] != "1"
         ):
             problems.append(f"metadata {meta}")
-        checksums = json.loads(meta["crc32"])
+        checksums = json.loads(meta["crc32c"])
         problems += [
-            f"crc of {k}" for k, v in got.items() if int(checksums[k], 16) != zlib.crc32(v.tobytes())
+            f"crc of {k}" for k, v in got.items() if int(checksums[k], 16) != crc32c.crc32c(v.tobytes())
         ]
     all_ranks_agree(group.comm, not problems, "; ".join(problems[:5]))
 
@@ -276,7 +296,7 @@ def damaged_headers(path):
     yield "wrong size", changed(lambda h: h[name].update(shape=[*h[name]["shape"], 2])), "spans"
     yield "bad dtype", changed(lambda h: h[name].update(dtype="Q99")), "Q99"
     yield "negative", changed(lambda h: h[name].update(data_offsets=[-8, end - begin - 8])), ">= 0"
-    yield "no checksum", changed(lambda h: h["__metadata__"].update(crc32="{}")), "metadata"
+    yield "no checksum", changed(lambda h: h["__metadata__"].update(crc32c="{}")), "metadata"
     yield "not json", struct.pack("<Q", 20) + b"{not json at all....." + data, "not JSON"
     deep = b"[" * 100_000 + b"]" * 100_000  # valid JSON, deeper than Python's parser follows
     yield "nested deep", struct.pack("<Q", len(deep)) + deep + data, "not JSON"
@@ -472,11 +492,8 @@ def test_a_format_1_checkpoint_of_the_previous_version_restores_at_any_rank_coun
     all_ranks_agree(group.comm, ok, f"{got} {first[:1]}")
 
 
-@pytest.mark.parametrize("shard", [False, True])
-def test_a_format_2_checkpoint_of_an_earlier_version_restores_at_any_rank_count(group, shard):
-    """ckpt-1 was written at 2 ranks by an earlier version (data/format2/make_format2.py): its header
-    has no checksum of its own, and its dict key holding a dot is not escaped (``model/head.b``)."""
-    want = json.loads((FORMAT2 / "ckpt-1.json").read_text())
+def earlier_state(group, shard):
+    """The variables, optimizer and dataset data/format2*/make_format2.py saved, zeroed."""
     with group.strategy.scope():
         w = mpistrat.Variable(np.zeros((3, 4), np.float32), name="w")
         b = mpistrat.Variable(np.zeros(5), name="b")
@@ -488,11 +505,22 @@ def test_a_format_2_checkpoint_of_an_earlier_version_restores_at_any_rank_count(
     iterator = iter(group.strategy.experimental_distribute_dataset(data))
     model = {"w": w, "b": b, "head.b": head}
     ckpt = mpistrat.Checkpoint(model=model, step=step, seen=seen, opt=opt, data=iterator)
-    status = ckpt.restore(str(FORMAT2 / "ckpt-1"))
+    return ckpt, model, step, seen, opt, iterator
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("folder", [FORMAT2, FORMAT2_CRC32], ids=["unsealed", "crc32"])
+def test_a_format_2_checkpoint_of_an_earlier_version_restores_at_any_rank_count(group, shard, folder):
+    """Each ckpt-1 was written at 2 ranks by an earlier version, its entries' checksums CRC-32
+    (data/*/make_format2.py). data/format2's header has no checksum of its own, and its dict key
+    holding a dot is not escaped (``model/head.b``); data/format2-crc32's header has its CRC-32."""
+    want = json.loads((folder / "ckpt-1.json").read_text())
+    ckpt, model, step, seen, opt, iterator = earlier_state(group, shard)
+    status = ckpt.restore(str(folder / "ckpt-1"))
     with pytest.raises(AssertionError, match=r"\(they keep their values\): opt/learning_rate$"):
         status.assert_consumed()  # saved before the learning rate was: the only entry it lacks
     with group.strategy.scope():
-        slots = {f"{v.name}/{n}": opt.get_slot(v, n).numpy() for v in (w, b, head) for n in opt.slot_names}
+        slots = {f"{v.name}/{n}": opt.get_slot(v, n).numpy() for v in model.values() for n in opt.slot_names}
         got = [int(step.numpy()), float(seen.numpy()), int(opt.iterations.numpy()), int(ckpt.save_counter)]
         values = {f"model/{k}": v.numpy() for k, v in model.items()}
     ok = all(np.array_equal(v, np.asarray(want[k], v.dtype)) for k, v in values.items())
@@ -502,6 +530,22 @@ def test_a_format_2_checkpoint_of_an_earlier_version_restores_at_any_rank_count(
     first = np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(batch))])
     ok = ok and first[0].tolist() == [32.0, 33.0]
     all_ranks_agree(group.comm, ok, f"{got} {values} {first[:1]}")
+
+
+@pytest.mark.parametrize("folder", [FORMAT2, FORMAT2_CRC32], ids=["unsealed", "crc32"])
+def test_a_flipped_byte_in_an_earlier_versions_data_fails_its_crc32(group, tmp_path, folder):
+    directory = shared_dir(group, tmp_path)
+    target = os.path.join(directory, "flipped")
+    if group.rank == 0:
+        content = bytearray((folder / "ckpt-1").read_bytes())
+        content[-3] ^= 0x10  # inside the last entry
+        Path(target).write_bytes(bytes(content))
+    group.comm.Barrier()
+    ckpt, model, *_ = earlier_state(group, shard=False)
+    raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.restore(target), "checksum mismatch")
+    with group.strategy.scope():
+        untouched = not any(v.numpy().any() for v in model.values())
+    all_ranks_agree(group.comm, untouched, "assigned before the error")
 
 
 def format_1_file(path, arrays):

@@ -1,4 +1,5 @@
-"""``mpistrat checkpoint inspect``: what a file holds, checked against what was saved and against zlib."""
+"""``mpistrat checkpoint inspect``: what a file holds, checked against what was saved and against the
+crc32c wheel (zlib for files of earlier versions)."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 
@@ -31,7 +33,7 @@ def test_inspect_lists_the_entries_and_checks_every_checksum(saved, capsys):
     path, w = saved
     assert checkpoint_inspect.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    crc = f"{zlib.crc32(w.numpy().tobytes()):08x}"
+    crc = f"{crc32c.crc32c(w.numpy().tobytes()):08x}"
     assert "format 2" in out and "saved by 1 rank(s), save_counter 2" in out
     assert any(line.split() == ["model/w", "float32", "(3,", "4)", "48", crc] for line in out.splitlines()), (
         out
@@ -89,6 +91,27 @@ def test_a_changed_header_exits_2_and_an_earlier_versions_file_says_it_has_no_he
     assert json.loads(capsys.readouterr().out)["header_checksum"] is False
     assert checkpoint_inspect.main(["inspect", str(earlier)]) == 0
     assert "the header has no checksum of its own" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("folder", ["format2", "format2-crc32", "format1"])
+def test_files_of_earlier_versions_are_checked_with_their_crc32(folder, capsys, tmp_path):
+    """Their entries carry zlib's CRC-32 (format 1 in its zip): listed as such, checked as intact,
+    and a flipped byte of the data found."""
+    path = Path(__file__).parents[1] / "checkpoint" / "data" / folder / "ckpt-1"
+    assert checkpoint_inspect.main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    key = "crc32"
+    assert info["checksum"] == key and info["mismatched"] == []
+    if folder != "format1":
+        header = int.from_bytes(path.read_bytes()[:8], "little") + 8
+        first = min(info["entries"], key=lambda e: e["bytes"] == 0)
+        data = path.read_bytes()
+        assert int(first[key], 16) == zlib.crc32(data[header : header + first["bytes"]])
+        flipped = bytearray(data)
+        flipped[header] ^= 1
+        (tmp_path / "flipped").write_bytes(bytes(flipped))
+        assert checkpoint_inspect.main(["inspect", str(tmp_path / "flipped")]) == 1
+        assert f"CHECKSUM MISMATCH in 1 entries: {first['name']}" in capsys.readouterr().out
 
 
 def test_a_fifo_is_refused_with_one_line_not_waited_on(tmp_path):
