@@ -1,7 +1,7 @@
 """A training step whose backward pass yields gradients: list against generator, beside raw mpi4py.
 
     mpiexec -n 2 python -m benchmarks.overlap [--layers 16] [--size 1M] [--compute-ms 2]
-        [--pack 1M] [--repeat 20]
+        [--pack 1M | --pieces N] [--repeat 20]
 
 Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its gradient takes
 ``--compute-ms`` of NumPy work to compute (the simulated backward pass, last layer first). A step:
@@ -13,10 +13,14 @@ Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its grad
 * ``raw``: the hand-written loop: compute every gradient, concatenate, one ``Allreduce``, update.
 * ``raw overlapped``: the hand-written overlapped loop: an ``Iallreduce`` per pack as soon as its
   layers' gradients exist, ``Testall`` after each layer, ``Waitall``, update.
+* ``communication``: the sums alone, one raw ``Allreduce`` of every gradient, nothing computed.
 
-Packs are ``--pack`` bytes (``CommunicationOptions(bytes_per_pack=...)``; the raw loops cut the
-same packs). Times are medians over ``--repeat`` steps, interleaved, on rank 0's clock; "compute"
-is the backward pass alone.
+Without ``--pack`` the strategy has mpistrat's default (no ``bytes_per_pack``: the list step sums
+one pack, the generator step ``overlap.PIECES`` pieces of it, ``--pieces`` to try another number);
+``--pack`` sets ``CommunicationOptions(bytes_per_pack=...)``. The raw overlapped loop cuts the same
+packs or pieces (in whole layers). Times are medians over ``--repeat`` steps, interleaved, on rank
+0's clock; "compute" is the backward pass alone. The last line is the generator step over
+``max(compute, communication)``, the target's measure.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import mpistrat
 from mpistrat.optimizers import SGD
 from mpistrat.options import CommunicationOptions
 from mpistrat.tools.sizes import parse_size
+from mpistrat.training import overlap
 
 LR = 0.01
 
@@ -96,21 +101,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--size", type=parse_size, default=1 << 20)
     parser.add_argument("--compute-ms", type=float, default=2.0)
-    parser.add_argument("--pack", type=parse_size, default=1 << 20)
+    parser.add_argument("--pack", type=parse_size, default=None, help="bytes_per_pack (default: none)")
+    parser.add_argument("--pieces", type=int, default=overlap.PIECES, help="the generator's pieces, unpacked")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     n, layers = args.size // 4, args.layers
-    strategy = mpistrat.MPIStrategy(
-        comm, communication_options=CommunicationOptions(bytes_per_pack=args.pack)
-    )
+    overlap.PIECES = args.pieces
+    options = None if args.pack is None else CommunicationOptions(bytes_per_pack=args.pack)
+    strategy = mpistrat.MPIStrategy(comm, communication_options=options)
     with strategy.scope():
         variables = [mpistrat.Variable(np.zeros(n, np.float32), name=f"layer{i}") for i in range(layers)]
         opt = SGD(LR)
     backward = Backward(layers, n, args.compute_ms, rank)
     raw_w, raw_flat = np.zeros(n * layers, np.float32), np.empty(n * layers, np.float32)
-    packs = packs_of(layers, n, args.pack // 4)
+    piece = args.pack if args.pack is not None else max(overlap.PIECE_BYTES, n * layers * 4 // args.pieces)
+    packs = packs_of(layers, n, piece // 4)
+    summed = np.ones(n * layers, np.float32)
 
     def listed() -> None:
         grads = dict(backward.last_first())
@@ -130,6 +138,7 @@ def main() -> None:
         "generator": generated,
         "raw": lambda: raw_step(comm, raw_w, backward, n),
         "raw overlapped": lambda: raw_overlapped_step(comm, raw_w, raw_flat, backward, n, packs),
+        "communication": lambda: comm.Allreduce(MPI.IN_PLACE, summed),
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
     for repeat in range(args.repeat + 2):  # the first two build the state and warm up: not timed
@@ -141,15 +150,20 @@ def main() -> None:
             if repeat >= 2:
                 times[name].append(time.perf_counter() - start)
     if rank == 0:
+        cut = (
+            f"packs of {args.pack} B" if args.pack is not None else f"no bytes_per_pack, {args.pieces} pieces"
+        )
         print(
             f"ranks {comm.Get_size()}, {layers} layers x {args.size} B float32, {args.compute_ms} ms compute "
-            f"per layer, packs of {args.pack} B ({len(packs)}), {MPI.Get_library_version().splitlines()[0]}"
+            f"per layer, {cut} ({len(packs)} raw), {MPI.Get_library_version().splitlines()[0]}"
         )
         raw = statistics.median(times["raw"])
         print(f"{'step':>15} {'ms':>8} {'x raw':>6}")
         for name, values in times.items():
             ms = statistics.median(values)
             print(f"{name:>15} {ms * 1e3:8.2f} {ms / raw:6.2f}")
+        bound = max(statistics.median(times["compute"]), statistics.median(times["communication"]))
+        print(f"generator / max(compute, communication): {statistics.median(times['generator']) / bound:.2f}")
     strategy.experimental_finalize()
 
 

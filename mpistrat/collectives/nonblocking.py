@@ -28,6 +28,7 @@ from mpistrat.diagnostics import watchdog
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
+    from mpistrat.options import CommunicationOptions
 
 __all__ = ["complete", "progress", "start"]
 
@@ -45,8 +46,15 @@ def progress(requests: list[MPI.Request]) -> None:
 
 
 @watchdog.collective("all_reduce")
-def complete(self: Collectives, request: MPI.Request, *, kind: str = "all_reduce") -> None:
-    """Wait for ``request``; a timeout (``MPISTRAT_TIMEOUT``) raises here, as in a blocking collective."""
+def complete(
+    self: Collectives,
+    request: MPI.Request,
+    *,
+    kind: str = "all_reduce",
+    options: CommunicationOptions | None = None,
+) -> None:
+    """Wait for ``request``; a timeout (``options.timeout_seconds``, else the strategy's or
+    ``MPISTRAT_TIMEOUT``) raises here, as in a blocking collective."""
     if self.monitor.polled:
         watchdog.wait(self.monitor, request)
     else:

@@ -281,8 +281,8 @@ class Optimizer(KerasArguments):
         bytes_per_pack = 0
         if distributed:
             collectives = extended.collectives
-            bytes_per_pack = collectives.options.bytes_per_pack
-            route = collectives.options.merge(self._communication_options).implementation
+            merged = collectives.options.merge(self._communication_options)  # the optimizer's first
+            bytes_per_pack, route = merged.bytes_per_pack, merged.implementation
             described = [
                 ("optimizer", f"{type(self).__name__} with slots {list(self.slot_names)}", None),
                 ("shard_state", str(self._shard_state), None),
@@ -468,13 +468,13 @@ class Optimizer(KerasArguments):
         """In replica context, as Keras does without merge_call: one fused all-reduce of the gradients
         (``ReplicaContext.all_reduce``), then each variable's ``_apply_dense`` on this rank's copies
         (``extended.update`` in replica context). The update fails on every rank or none."""
-        summed = replica.all_reduce(ReduceOp.SUM, [g for g, _ in pairs], self._communication_options)
+        extended, options = replica.strategy.replicas, self._communication_options
+        summed = replica.all_reduce(ReduceOp.SUM, [g for g, _ in pairs], options)
         counter = own_copy(self.iterations)
         step = int(counter.local_array)
         lr, bad_rate = self._rate.at(step)
         if bad_rate is not None:  # a schedule's value: every rank computes the same
             raise bad_rate
-        extended = replica.strategy.replicas
         for grad, (_, var) in zip(summed, pairs, strict=True):
             slots = self._slots[id(var)][1]
             extended.update(
@@ -483,7 +483,7 @@ class Optimizer(KerasArguments):
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
         written = ((v.name, own_copy(v).local_array) for _, v in pairs)  # read only under strict
-        compare_copies(extended.collectives, written, f"{self._name}.apply_gradients")
+        compare_copies(extended.collectives, written, f"{self._name}.apply_gradients", options)
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:
         """Update ``var`` and its ``slots`` (this rank's copies) from the summed ``grad``: a subclass

@@ -17,6 +17,7 @@ from mpistrat.collectives.handshake import check_level
 from mpistrat.errors import ContextError, InvalidArgumentError
 
 if TYPE_CHECKING:
+    from mpistrat.options import CommunicationOptions
     from mpistrat.training.variables import Variable
 
 __all__ = [
@@ -110,10 +111,16 @@ SAME_BUILD = (
 )
 
 
-def compare_copies(collectives: Any, written: Iterable[tuple[Any, Any]], kind: str) -> None:
-    """Under ``MPISTRAT_CHECK=strict``: every variable a step wrote (``(name, this rank's array)``
-    pairs) holds the same bytes on every rank, else ``CollectiveMismatchError`` on every rank."""
-    if collectives is None or check_level(collectives) < 2:
+def compare_copies(
+    collectives: Any,
+    written: Iterable[tuple[Any, Any]],
+    kind: str,
+    options: CommunicationOptions | None = None,
+) -> None:
+    """Under ``MPISTRAT_CHECK=strict`` (or an optimizer's ``check="strict"``, ``options``): every
+    variable a step wrote (``(name, this rank's array)`` pairs) holds the same bytes on every rank,
+    else ``CollectiveMismatchError`` on every rank."""
+    if collectives is None or check_level(collectives, options) < 2:
         return
     sums = [(repr(name), checksum(array)) for name, array in written]
     collectives.agree(
@@ -123,6 +130,7 @@ def compare_copies(collectives: Any, written: Iterable[tuple[Any, Any]], kind: s
             "leaves": [(f"variable {name}", f"checksum {c:016x}", None) for name, c in sums],
             "advice": DIVERGED,
         },
+        options=options,
     )
 
 

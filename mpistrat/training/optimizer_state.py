@@ -239,6 +239,10 @@ class _Plan:
             and list(map(_DTYPE, grads)) == dtypes
         )
 
+    def written(self) -> list[tuple[str, Any]]:
+        """``(name, this rank's array)`` of every variable a step of this plan writes."""
+        return [(s.group.variables[j].name, s.group.params.views[j]) for s in self.steps for j in s.present]
+
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
@@ -398,6 +402,7 @@ class FlatState:
                 ^ _code_of(rule),
                 describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
                 error=error,  # always sent: it checks the step's unchecked collectives before any write
+                options=options,  # the optimizer's check and timeout
             )
         elif error is not None:
             raise error
@@ -418,8 +423,8 @@ class FlatState:
         except BaseException:  # an update raising on one rank leaves the others in a transfer
             failure.abandon(collectives)
             raise
-        if collectives is not None and check_level(collectives) > 1:
-            _compare_copies(collectives, plan, kind)
+        if collectives is not None and check_level(collectives, options) > 1:
+            compare_copies(collectives, plan.written(), kind, options)
         return applied
 
 
@@ -438,12 +443,6 @@ def _fails_late(mode: SumMode, plan: _Plan) -> bool:
     """Whether a pack's reduction may raise after others were reduced (16-bit compression's
     overflow) in a step of more than one pack."""
     return mode.fails_late and sum(s.group.layout.packs for s in plan.steps) > 1
-
-
-def _compare_copies(collectives: Collectives, plan: _Plan, kind: str) -> None:
-    """``MPISTRAT_CHECK=strict``: every variable the step wrote holds the same bytes on every rank."""
-    written = [(s.group.variables[j].name, s.group.params.views[j]) for s in plan.steps for j in s.present]
-    compare_copies(collectives, written, kind)
 
 
 _SAME_VARIABLES = (

@@ -1,28 +1,38 @@
-"""The step over a stream of pairs: each pack's sum starts as soon as its gradients exist.
+"""The step over a stream of pairs: each piece's sum starts as soon as its gradients exist.
 
 ``apply_gradients`` given a generator of ``(gradient, variable)`` pairs (as a hand-written
 backward pass yields them, last layer first) copies each gradient into its place
-in a staging buffer the size of its group as it arrives. A pack whose variables all have their
+in a staging buffer the size of its group as it arrives. A piece whose variables all have their
 gradient starts its sum at once, non-blocking (``Iallreduce``; ``Ireduce_scatter_block``
 sharded), and the sums in flight are tested each time the caller hands over the next pair.
 
-Packs start in one fixed order: the last pack of the last group first, down to the first pack
-of the first group, each once those after it have started. Every rank so starts the same sums
+The pieces: with ``bytes_per_pack`` set (the strategy's or the optimizer's), each pack is one
+piece, and the sums are the list step's. Without it the list step sums one pack per dtype, which
+would leave nothing to overlap: the generator step then cuts each pack into :data:`PIECES` pieces
+of at least :data:`PIECE_BYTES`, so that the sum left after the last gradient is a sixteenth of
+the communication (docs/performance.md measures the choice). Sharded state keeps its packs: a
+pack's reduce-scatter gives each rank its block, and a piece of every block would span the
+whole group, waiting for its first gradient as the whole pack does; ``bytes_per_pack`` cuts a
+sharded layout into packs that overlap.
+
+Pieces start in one fixed order: the last piece of the last group first, down to the first of
+the first group, each once those after it have started. Every rank so starts the same sums
 in the same order, whatever order its pairs come in and even when its pairs are wrong: a
 mismatch cannot hang, as long as the generator itself calls no collective between its yields
 (one would meet another rank's sum wherever their pairs differ).
-When the stream ends, the packs not started yet are started (a variable
+When the stream ends, the pieces not started yet are started (a variable
 without a gradient contributes zeros), one handshake agrees that every rank gave gradients for
 the same variables (a bad pair, or the stream raising, on any rank is an error on every rank,
-before anything is written), and each pack is updated (and gathered, sharded) as its sum
-completes, the later ones still in flight. A variable the optimizer has not built is an error
+before anything is written), and each pack is updated (and gathered, sharded) once its pieces'
+sums complete, the later ones still in flight. A variable the optimizer has not built is an error
 (on every rank): the first step, with a generator, is the list step, and builds.
 
-The packs, their bounds and their sums are the list step's (:mod:`~mpistrat.training.pack_step`),
-so the weights are the same bits wherever the MPI library's non-blocking sum adds in the order of
-its blocking one (MPICH; see :mod:`~mpistrat.collectives.nonblocking`). The staging holds every
-pack at once: one more buffer the size of the parameters. Every rank passes a generator, or every
-rank a list: a streamed step's first collective is a sum, a list step's a handshake.
+Packs of one piece are the list step's (:mod:`~mpistrat.training.pack_step`), so the weights are
+the same bits wherever the MPI library's non-blocking sum adds in the order of its blocking one
+(MPICH; see :mod:`~mpistrat.collectives.nonblocking`); in several pieces the same sums are cut
+differently, the same bits at 2 ranks and to rounding beyond. The staging holds every pack at
+once: one more buffer the size of the parameters. Every rank passes a generator, or every rank a
+list: a streamed step's first collective is a sum, a list step's a handshake.
 """
 
 from __future__ import annotations
@@ -41,13 +51,13 @@ from mpistrat.comm import mpi
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
-from mpistrat.training.optimizer_checks import own_replica_strategy
+from mpistrat.training.optimizer_checks import compare_copies, own_replica_strategy
 from mpistrat.training.optimizer_state import (
     _SAME_VARIABLES,
     FlatState,
     Group,
+    Layout,
     _checked_gradients,
-    _compare_copies,
     own_copy,
     rate_code,
 )
@@ -57,7 +67,12 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
 
-__all__ = ["Optimizer", "apply", "can_stream", "step"]
+__all__ = ["PIECES", "PIECE_BYTES", "Optimizer", "apply", "can_stream", "step"]
+
+# Without bytes_per_pack, a pack's sum is started in this many pieces, each of at least PIECE_BYTES
+# (a smaller group in fewer): the sum left after the last gradient is then 1/PIECES of them.
+PIECES = 16
+PIECE_BYTES = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +120,9 @@ def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] |
     rule = optimizer.rule_at(lr, now)
     update = optimizer.update if rule is None else rule.update
     applied = step(
-        collectives, state, pairs, where, update, lr, now, name=optimizer.name, pending=bad_rate, rule=rule
-    )
+        collectives, state, pairs, where, update, lr, now, name=optimizer.name, pending=bad_rate, rule=rule,
+        options=optimizer.options,
+    )  # fmt: skip
     if applied:
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
@@ -130,72 +146,105 @@ def can_stream(
     return all(g.xp is np for g in state.groups)
 
 
+def piece_ranges(layout: Layout, itemsize: int, packed: bool) -> list[tuple[int, int]]:
+    """The ``[a, b)`` element ranges of a pack that are summed as one piece: the whole pack when
+    ``packed`` (``bytes_per_pack`` set) or sharded, else :data:`PIECES` of it (fewer where a piece
+    would hold less than :data:`PIECE_BYTES`)."""
+    pack = layout.pack
+    n = 1 if packed or layout.sharded else max(1, min(PIECES, pack * itemsize // PIECE_BYTES))
+    size = -(-pack // n)
+    return [(a, min(a + size, pack)) for a in range(0, pack, size)]
+
+
 @dataclasses.dataclass
 class Staging:
-    """A group's gradients, every pack of them at once, and which variables each pack holds."""
+    """A group's gradients, every pack of them at once, its pieces and which variables each holds."""
 
+    packed: bool  # one piece per pack
     buffer: Any  # the layout's length
-    members: list[list[int]]  # per pack: the group's variables with elements in it
-    packs_of: list[range]  # per variable: the packs it has elements in
+    pieces: list[tuple[int, int, int]]  # (pack, a, b): elements a:b of the pack
+    members: list[list[int]]  # per piece: the group's variables with elements in it
+    pieces_of: list[list[int]]  # per variable: the pieces it has elements in
 
     @classmethod
-    def of(cls, group: Group) -> Staging:
-        if group.stream is None:
-            lay = group.layout
-            members: list[list[int]] = [[] for _ in range(lay.packs)]
-            packs_of = []
-            for j, (a, b) in enumerate(group.params.spans):
-                packs = range(a // lay.pack, -(-b // lay.pack)) if b > a else range(0)
-                packs_of.append(packs)
-                for k in packs:
-                    members[k].append(j)
-            group.stream = cls(np.zeros(lay.length, group.dtype), members, packs_of)
+    def of(cls, group: Group, packed: bool) -> Staging:
+        lay = group.layout
+        ranges = piece_ranges(lay, group.dtype.itemsize, packed)
+        if group.stream is None or group.stream.packed != packed:
+            pieces = [(k, a, b) for k in range(lay.packs) for a, b in ranges]
+            members: list[list[int]] = [[] for _ in pieces]
+            for n, (k, a, b) in enumerate(pieces):
+                at = k * lay.pack
+                members[n] = [
+                    j
+                    for j, (lo, hi) in enumerate(group.params.spans)
+                    if lo < hi and lo < at + b and at + a < hi
+                ]
+            pieces_of: list[list[int]] = [[] for _ in group.params.spans]
+            for n, held in enumerate(members):
+                for j in held:
+                    pieces_of[j].append(n)
+            group.stream = cls(packed, np.zeros(lay.length, group.dtype), pieces, members, pieces_of)
         return group.stream
 
 
 class _Stream:
-    """One streamed step's bookkeeping: what arrived, which packs started, their requests."""
+    """One streamed step's bookkeeping: what arrived, which pieces started, their requests."""
 
-    def __init__(self, collectives: Collectives, groups: list[Group]):
-        self.collectives = collectives
+    def __init__(
+        self, collectives: Collectives, groups: list[Group], kind: str, options: CommunicationOptions | None
+    ):
+        self.collectives, self.kind, self.options = collectives, kind, options
+        packed = collectives.options.merge(options).bytes_per_pack > 0
         self.groups = groups
-        self.staging = [Staging.of(g) for g in groups]
-        self.left = [[len(m) for m in s.members] for s in self.staging]  # per pack: gradients to come
+        self.staging = [Staging.of(g, packed) for g in groups]
+        self.left = [[len(m) for m in s.members] for s in self.staging]  # per piece: gradients to come
         self.arrived = [[False] * len(g.variables) for g in groups]
-        # the order packs start in: the same on every rank
+        # the order pieces start in: the same on every rank
         self.order = [
-            (i, k) for i in reversed(range(len(groups))) for k in reversed(range(groups[i].layout.packs))
+            (i, n) for i in reversed(range(len(groups))) for n in reversed(range(len(self.left[i])))
         ]
         self.requests: list[Any] = []
 
     def take(self, i: int, j: int, grad: Any) -> None:
-        """Gradient of variable ``j`` of group ``i`` into its place; start the packs it completes."""
+        """Gradient of variable ``j`` of group ``i`` into its place; start the pieces it completes."""
         a, b = self.groups[i].params.spans[j]
         self.staging[i].buffer[a:b] = grad.reshape(-1)
         self.arrived[i][j] = True
         left = self.left[i]
-        for k in self.staging[i].packs_of[j]:
-            left[k] -= 1
+        for n in self.staging[i].pieces_of[j]:
+            left[n] -= 1
         self.start(final=False)
         if self.requests:
             nonblocking.progress(self.requests)
 
     def start(self, final: bool) -> None:
-        """Start the packs that are next in order and complete (``final``: all the rest)."""
+        """Start the pieces that are next in order and complete (``final``: all the rest)."""
         while len(self.requests) < len(self.order):
-            i, k = self.order[len(self.requests)]
-            if not final and self.left[i][k] > 0:
+            i, n = self.order[len(self.requests)]
+            if not final and self.left[i][n] > 0:
                 return
             group, staging = self.groups[i], self.staging[i]
             lay, buf = group.layout, staging.buffer
+            k, a, b = staging.pieces[n]
             lo, hi = lay.bounds(k)
-            for j in staging.members[k]:  # a gradient that did not come is zeros
+            for j in staging.members[n]:  # a gradient that did not come is zeros
                 if not self.arrived[i][j]:
-                    a, b = group.params.spans[j]
-                    buf[max(a, lo) : min(b, hi)] = 0
+                    x, y = group.params.spans[j]
+                    buf[max(x, lo) : min(y, hi)] = 0
             if hi > lay.size:  # padding (sharded): a reduce-scatter leaves it undefined
                 buf[max(lay.size, lo) : hi] = 0
-            self.requests.append(nonblocking.start(self.collectives, buf[lo:hi], scatter=lay.sharded))
+            part = buf[lo:hi] if b - a == lay.pack else buf[lo + a : lo + b]
+            self.requests.append(nonblocking.start(self.collectives, part, scatter=lay.sharded))
+
+    def packs_done(self) -> Iterable[tuple[int, int]]:
+        """Wait for the sums in order; ``(group, pack)`` as each pack's last piece completes."""
+        for m, ((i, n), request) in enumerate(zip(self.order, self.requests, strict=True)):
+            nonblocking.complete(self.collectives, request, kind=self.kind, options=self.options)
+            k = self.staging[i].pieces[n][0]
+            after = self.order[m + 1] if m + 1 < len(self.order) else None
+            if after is None or after[0] != i or self.staging[i].pieces[after[1]][0] != k:
+                yield i, k
 
 
 # Per flat state: id(variable) -> what its gradients were checked against (built variables only, which
@@ -218,6 +267,7 @@ def step(
     kind: str = "apply_gradients",
     pending: BaseException | None = None,
     rule: pack_step.Rule | None = None,
+    options: CommunicationOptions | None = None,
 ) -> bool:
     """One step over ``pairs`` as they come (see the module's docstring).
 
@@ -226,9 +276,10 @@ def step(
     kept past their copy, so that their memory is reused while the stream runs. ``pending``: an
     error found before the stream (a learning rate that is not a number), raised on every rank.
     ``rule``: the optimizer's base arguments around the update (``rule.whole``: every sum completes
-    first). Returns whether the step was applied (a rule may skip it, on every rank alike).
+    first). ``options``: the optimizer's, over the strategy's. Returns whether the step was applied
+    (a rule may skip it, on every rank alike).
     """
-    stream = _Stream(collectives, state.groups)
+    stream = _Stream(collectives, state.groups, kind, options)
     index = {id(g): i for i, g in enumerate(state.groups)}
     known = _KNOWN.setdefault(state, {})
     variables: list[Any] = []
@@ -289,6 +340,7 @@ def step(
                 "advice": _SAME_VARIABLES,
             },
             error=error,
+            options=options,
         )
     except BaseException:
         nonblocking.progress(stream.requests)
@@ -300,8 +352,7 @@ def step(
     whole: list[pack_step.Pack] = []
     applied = True
     try:
-        for (i, k), request in zip(stream.order, stream.requests, strict=True):
-            nonblocking.complete(collectives, request, kind=kind)
+        for i, k in stream.packs_done():
             n = steps.get(id(state.groups[i]))
             if n is None:  # no rank gave this group a gradient
                 continue
@@ -318,13 +369,13 @@ def step(
             pack_step.update_pack(s, k, grad, base, params[n], slots[n], update, lr, step)
             if rule is not None:
                 rule.after([pack])
-            pack_step.gather_pack(collectives, s, k, params[n], kind)
+            pack_step.gather_pack(collectives, s, k, params[n], kind, options)
         if whole:
             assert rule is not None
-            applied = pack_step.update_reduced(collectives, whole, rule, lr, step, kind, None)
+            applied = pack_step.update_reduced(collectives, whole, rule, lr, step, kind, options)
     except BaseException:  # an update raising on one rank leaves the others in a transfer
         failure.abandon(collectives)
         raise
-    if check_level(collectives) > 1:
-        _compare_copies(collectives, plan, kind)
+    if check_level(collectives, options) > 1:
+        compare_copies(collectives, plan.written(), kind, options)
     return applied

@@ -19,6 +19,7 @@ from mpi4py import MPI
 import mpistrat
 from mpistrat import CommunicationOptions, InvalidArgumentError, MpistratError
 from mpistrat.optimizers import SGD, Adam
+from mpistrat.training import overlap
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 from tests.training.test_flat_optimizers import (
@@ -385,3 +386,72 @@ def test_thousands_of_elements_per_pack_as_the_list_step(group, shard):
     else:
         bad = [n for n in runs[0] if not np.allclose(runs[0][n], runs[1][n], rtol=1e-6, atol=1e-7)]
     all_ranks_agree(group.comm, not bad, f"differ from the list step: {bad}")
+
+
+# Layers of float32, 4.2 MB in all (uneven on purpose): without bytes_per_pack the generator step
+# sums them in overlap.PIECES pieces, each of at least PIECE_BYTES.
+LAYERS = [300_000, 7, 262_144, 500_001]
+
+
+def layer_grad(k: int, t: int, rank: int) -> np.ndarray:
+    return (((np.arange(LAYERS[k]) * (k + 3) + 11 * t + 5 * rank) % 17) - 8).astype(np.float32) / 8
+
+
+def backward_layers(ws, t: int, rank: int):
+    for k in reversed(range(len(ws))):
+        EVENTS.append(("yield", str(k)))
+        yield layer_grad(k, t, rank), ws[k]
+
+
+def test_without_bytes_per_pack_a_generator_sums_in_pieces_while_it_runs():
+    """The default: the list step sums one pack per dtype, the generator step PIECES pieces of it,
+    the first started before the last gradient is yielded, moving the list step's bytes, per rank
+    at any R. The weights are NumPy's, and the list step's (bit for bit at 2 ranks, to rounding
+    beyond: the same sums, cut differently). (Sharded state keeps its packs: see the module.)"""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    strategy = mpistrat.MPIStrategy(Recording(WORLD))
+    runs = {}
+    ledgers = {}
+    for stream in (False, True):
+        with strategy.scope():
+            ws = [mpistrat.Variable(np.zeros(n, np.float32), name=f"layer{k}") for k, n in enumerate(LAYERS)]
+            opt = SGD(0.5)
+        for t in range(3):
+            EVENTS.clear()
+            with Ledger.recording() as ledger:
+                if stream and t:
+                    grads = backward_layers(ws, t, rank)
+                    strategy.run(lambda: opt.apply_gradients(grads))  # noqa: B023
+                else:
+                    pairs = [(layer_grad(k, t, rank), w) for k, w in enumerate(ws)]
+                    strategy.run(lambda: opt.apply_gradients(pairs))  # noqa: B023
+        events, ledgers[stream] = list(EVENTS), ledger
+        with strategy.scope():
+            runs[stream] = [w.numpy() for w in ws]
+    strategy.experimental_finalize()
+    bad = []
+    want = [
+        -0.5 * sum(layer_grad(k, t, r).astype(np.float64) for t in range(3) for r in range(size))
+        for k in range(len(LAYERS))
+    ]
+    if not all(np.allclose(got, w, rtol=1e-6, atol=1e-6) for got, w in zip(runs[True], want, strict=True)):
+        bad.append("the weights are not NumPy's")
+    same = [np.array_equal(a, b) for a, b in zip(runs[True], runs[False], strict=True)]
+    near = [np.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(runs[True], runs[False], strict=True)]
+    if not all(same if size <= 2 else near):
+        bad.append(f"the list step's weights differ: bitwise {same}, to rounding {near}")
+    sum_calls = ("Allreduce", "Reduce_scatter_block")
+
+    def sums(ledger):  # the data sums: not the handshakes' 13 int64
+        return [c for c in ledger.only(*sum_calls).log if c.sent > 13 * 8]
+
+    streamed, listed = sums(ledgers[True]), sums(ledgers[False])
+    if len(listed) != 1 or len(streamed) != overlap.PIECES:
+        bad.append(f"{len(streamed)} sums streamed, {len(listed)} listed; expected {overlap.PIECES} and 1")
+    if sum(c.sent for c in streamed) != sum(c.sent for c in listed):
+        bad.append(f"bytes {sum(c.sent for c in streamed)} streamed, {sum(c.sent for c in listed)} listed")
+    starts = [i for i, (what, _) in enumerate(events) if what == "start"]
+    yields = [i for i, (what, _) in enumerate(events) if what == "yield"]
+    if not (starts and yields and starts[0] < yields[-1]):
+        bad.append(f"no sum started before the last gradient: {events}")
+    all_ranks_agree(WORLD, not bad, "; ".join(bad))
