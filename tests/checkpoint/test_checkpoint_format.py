@@ -69,6 +69,25 @@ def test_the_numpy_checksum_without_the_wheel_is_the_references(checksum, refere
         assert numpy_only(data.data, value) == reference(data.tobytes(), value), n
 
 
+@pytest.mark.serial("one process: the checksum's arithmetic, not the ranks")
+def test_without_the_crc32c_wheel_a_checkpoint_saves_and_restores_the_same_file(tmp_path, monkeypatch):
+    """Where the wheel is missing the NumPy version runs: the file's checksums are the wheel's, and it
+    restores (and a flipped byte is still found)."""
+    monkeypatch.setattr(crc.CRC32C, "_update", crc.CRC32C._numpy)
+    w = mpistrat.Variable(np.arange(70_001, dtype=np.float32), name="w")
+    path = mpistrat.Checkpoint(w=w).write(tmp_path / "ckpt")
+    checksums = json.loads(header_of(path)[0]["__metadata__"]["crc32c"])
+    assert int(checksums["w"], 16) == crc32c.crc32c(w.numpy().tobytes())
+    w.assign(np.zeros(70_001, np.float32))
+    mpistrat.Checkpoint(w=w).read(path).assert_consumed()
+    assert np.array_equal(w.numpy(), np.arange(70_001, dtype=np.float32))
+    content = bytearray(Path(path).read_bytes())
+    content[-5] ^= 1
+    Path(path).write_bytes(bytes(content))
+    with pytest.raises(InvalidArgumentError, match="checksum mismatch in w"):
+        mpistrat.Checkpoint(w=w).read(path)
+
+
 @given(st.integers(0, 10**6), st.integers(1, 64))
 def test_shares_split_every_byte_once_and_evenly(total, size):
     bounds = [share(total, size, r) for r in range(size)]
