@@ -28,6 +28,7 @@ from mpistrat.errors import (
     InvalidArgumentError,
     MergeCallError,
     MpistratError,
+    PeerFailedError,
     StructureMismatchError,
     UnsupportedTypeError,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "MirroredVariable",
     "MpistratError",
     "MultiWorkerMirroredStrategy",
+    "PeerFailedError",
     "PerReplica",
     "PreemptionCheckpointHandler",
     "PreemptionWatcher",

@@ -238,6 +238,14 @@ SETTINGS: dict[str, Setting] = {
             "parallel file systems it knows by type (NFS, Lustre, GPFS, BeeGFS, ...).",
         ),
         Setting(
+            "MPISTRAT_MIN_REPLICAS",
+            _count,
+            1,
+            "a whole number",
+            "After a rank's death (Open MPI with `--with-ft ulfm`), go on only while at least this many "
+            "replicas are left; below it every survivor raises `PeerFailedError` and the job ends.",
+        ),
+        Setting(
             "MPISTRAT_DEVICE",
             _device,
             "auto",

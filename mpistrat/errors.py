@@ -23,6 +23,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommunicationError",
     "MergeCallError",
+    "PEER_FAILED_EXIT",
+    "PeerFailedError",
     "portable",
     "enum_member",
 ]
@@ -68,6 +70,33 @@ class CommunicationError(MpistratError, RuntimeError):
 
 class MergeCallError(MpistratError, RuntimeError):
     """A ``merge_fn`` raised an exception that could not be re-created on every rank."""
+
+
+class PeerFailedError(MpistratError, RuntimeError):
+    """A rank of the strategy died (or its node was lost): raised by every survivor's pending or next
+    collective, instead of a hang.
+
+    ``ranks`` are the ``COMM_WORLD`` ranks known lost when it was raised (possibly empty: MPI reported
+    the failure before it could say whose). Where the MPI library can go on without them (ULFM: Open
+    MPI launched with ``--with-ft ulfm``), ``strategy.recover()`` rebuilds the strategy on the
+    survivors and the loop goes on; elsewhere the job ends with :data:`PEER_FAILED_EXIT`.
+
+    >>> error = PeerFailedError("all_reduce: world rank 2 died", ranks=(2,))
+    >>> error.ranks, isinstance(error, RuntimeError)
+    ((2,), True)
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> Any:
+        return type(self), (str(self), self.ranks)
+
+
+# The exit status of a job that ends because a rank died (EX_PROTOCOL, 76: after preemption's 75); a
+# batch script tells it from other failures and relaunches on the nodes left (jobs/train.sbatch).
+PEER_FAILED_EXIT = 76
 
 
 def portable(exc: BaseException) -> BaseException:

@@ -19,6 +19,11 @@ which completes the header and renames the file) on every rank at the same point
 A save that fails is raised on every rank at the next checkpoint call or ``sync()`` (a failure
 found at the end of a step is logged there and kept for it), never out of the training step.
 
+A rank's death (``PeerFailedError``, where it can be survived) abandons the saves in flight: their
+temporary files are removed, never put in place, so the previous checkpoint stays the latest. The
+recovery does it (``Collectives.abandon``) when the death came elsewhere; a death during a step's
+agreement or the finish raises out of that step (which every survivor applied) to the recovery.
+
 All of a strategy's background saves in flight on this rank are one :class:`BackgroundSaves`
 (:func:`saves_of`): its :class:`Writer` records and a kept failure.
 """
@@ -41,6 +46,7 @@ from mpi4py import MPI
 from mpistrat.checkpoint import crc, mpiio
 from mpistrat.checkpoint.crc import records
 from mpistrat.checkpoint.saving import ALWAYS, Save, close, finish
+from mpistrat.errors import PeerFailedError
 from mpistrat.log import logger
 
 if TYPE_CHECKING:
@@ -93,6 +99,7 @@ class BackgroundSaves:
         self.writers.append(Writer(save, on_success, thread))
         self.collectives.pending["checkpoint saves"] = self.wait
         self.collectives.after_step["checkpoint saves"] = self.poll
+        self.collectives.abandon["checkpoint saves"] = self.abandon
 
     def busy(self) -> bool:
         """Whether a writer of this rank is still writing."""
@@ -105,6 +112,8 @@ class BackgroundSaves:
             return  # some rank still writes: the next step asks again
         try:
             self.finish()
+        except PeerFailedError:  # a rank died: the survivors recover (the saves are abandoned)
+            raise
         except Exception as exc:  # every rank alike: raised at the next checkpoint call, not out of the step
             self.failure = exc
             logger.warning("Checkpoint: a background save failed (the next checkpoint call raises): %s", exc)
@@ -112,14 +121,18 @@ class BackgroundSaves:
     def finish(self) -> None:
         """Finish every save (collective): wait for its writers, put it in place (rank 0 completes
         the header and renames the file), run its ``on_success``; raise the first failure."""
-        self.collectives.after_step.pop("checkpoint saves", None)
-        self.collectives.pending.pop("checkpoint saves", None)
+        for work in (self.collectives.after_step, self.collectives.pending, self.collectives.abandon):
+            work.pop("checkpoint saves", None)
         failure: BaseException | None = None
         while self.writers:
             writer = self.writers.pop(0)
             save = writer.save
             try:
                 seconds = finish(save, self.collectives)
+            except PeerFailedError:  # a rank died: none of them lands
+                self.writers.insert(0, writer)
+                self.abandon()
+                raise
             except BaseException as exc:
                 failure = failure or exc
                 continue
@@ -153,6 +166,25 @@ class BackgroundSaves:
             self.finish()
         if kept is not None:
             raise kept
+
+    def abandon(self) -> None:
+        """Drop every save: a rank died, the communicator is lost (local, no communication). Their
+        temporary files are removed, never put in place, so the previous checkpoint stays the latest;
+        a writer still running ends on its own."""
+        for work in (self.collectives.after_step, self.collectives.pending, self.collectives.abandon):
+            work.pop("checkpoint saves", None)
+        _saves.pop(id(self.collectives), None)
+        self.failure = None
+        while self.writers:
+            save = self.writers.pop(0).save
+            with contextlib.suppress(OSError):
+                os.remove(save.tmp)
+            logger.warning(
+                "Checkpoint.%s: the background save of %s is abandoned (a rank died); the previous "
+                "checkpoint stays the latest",
+                save.method,
+                save.path,
+            )
 
 
 # The saves of each strategy's collectives (by id: held while a save is in flight or a failure kept).

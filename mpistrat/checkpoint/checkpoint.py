@@ -298,7 +298,12 @@ def track(checkpoint: Checkpoint, name: str, variable: Variable) -> None:
 def collectives_of(checkpoint: Checkpoint, method: str) -> Collectives:
     """The collectives of the ranks that save and restore ``checkpoint`` (``method`` names the
     caller in errors: outside cross-replica context, or variables of several strategies)."""
-    return checkpoint._strategy(method).replicas.collectives
+    return strategy_of(checkpoint, method).replicas.collectives
+
+
+def strategy_of(checkpoint: Checkpoint, method: str) -> StrategyProtocol:
+    """The strategy whose ranks save and restore ``checkpoint`` (errors as :func:`collectives_of`)."""
+    return checkpoint._strategy(method)
 
 
 def write_file(

@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, track
+from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, strategy_of, track
 from mpistrat.checkpoint.manager import CheckpointManager
-from mpistrat.diagnostics import watchdog
-from mpistrat.errors import InvalidArgumentError
+from mpistrat.diagnostics import failures, watchdog
+from mpistrat.errors import InvalidArgumentError, PeerFailedError
 from mpistrat.log import ANY_RANK, logger
 from mpistrat.options import CheckpointOptions
 from mpistrat.training.variables import plain_variable
@@ -155,6 +155,7 @@ class PreemptionCheckpointHandler:
             )
         checkpoint = manager.checkpoint
         self._manager, self._config = manager, config
+        self._strategy = strategy_of(checkpoint, "PreemptionCheckpointHandler")
         self._collectives = collectives_of(checkpoint, "PreemptionCheckpointHandler")
         self._run_calls = plain_variable(np.zeros((), np.int64), RUN_CALLS)
         track(checkpoint, RUN_CALLS, self._run_calls)
@@ -208,9 +209,28 @@ class PreemptionCheckpointHandler:
 
         If a stop was agreed during earlier calls, every rank saves the checkpoint here and
         ``exit_fn`` runs instead (the default exits the process).
+
+        Where the job survives a rank's death (Open MPI launched with ``--with-ft ulfm``), a call
+        during which a rank died goes on with the survivors (``MPIStrategy.recover``): if a survivor
+        had completed the step, it returns None; otherwise the call is made again, with the global
+        batch the iterator handed out re-split over the survivors (an argument that is not a batch an
+        iterator just handed out is passed as it was). The call then counts once, as any other.
         """
         self._check_and_maybe_save()
-        result = distributed_train_function(*args, **kwargs)
+        while True:
+            applied = self._collectives.commits
+            try:
+                result = distributed_train_function(*args, **kwargs)
+                break
+            except PeerFailedError:
+                recover = getattr(self._strategy, "recover", None)
+                if recover is None or not failures.live():
+                    raise
+                if recover().step > applied:  # a survivor completed this call's step
+                    result = None
+                    break
+                args = tuple(_renewed(self._collectives, a) for a in args)
+                kwargs = {k: _renewed(self._collectives, v) for k, v in kwargs.items()}
         self._total_run_calls += 1
         self._run_calls.assign(np.int64(self._total_run_calls))  # saved by every save, not only ours
         return result
@@ -375,6 +395,16 @@ class PreemptionWatcher:
 
     def block_until_worker_exit(self) -> None:
         """Nothing to wait for on MPI (tf's is a no-op outside TPU clusters too)."""
+
+
+def _renewed(collectives: Any, value: Any) -> Any:
+    """``value`` read again, re-split over the survivors, if it is the batch one of the strategy's
+    iterators handed out last (the iterator was moved back by the recovery); else ``value``."""
+    for _, obj in collectives.recoverables.items():
+        renewed = getattr(obj, "renewed", None)
+        if renewed is not None and (again := renewed(value)) is not None:
+            return again
+    return value
 
 
 def _poll_watcher(handler: weakref.ref[PreemptionCheckpointHandler], watcher: Callable[[], bool]) -> None:

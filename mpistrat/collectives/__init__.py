@@ -50,6 +50,7 @@ from mpistrat.collectives import (
     hierarchical,
     in_place,
     objects,
+    recoverables,
     reduce_axis,
 )
 from mpistrat.collectives.handshake import check_enabled, check_level
@@ -58,7 +59,7 @@ from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
-from mpistrat.diagnostics import flight, startup, stragglers, timeline, watchdog
+from mpistrat.diagnostics import failures, flight, startup, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
@@ -73,21 +74,59 @@ class Collectives:
     def __init__(
         self, comm: MPI.Intracomm, options: CommunicationOptions | None = None, owner: str = "Collectives"
     ):
-        self.comm = comm
-        comm.Set_errhandler(MPI.ERRORS_RETURN)  # MPI's errors return to failure.from_mpi, not abort
         self.freed = False  # set by free(): its owner freed the communicator (see require_open)
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
+        self.owner = owner
         # How float sums travel by default (plain MPI, exact, 16-bit): the one-array fast path is plain only.
         self.sum_mode = sum_mode(self.options)
-        self.seq = 0  # collectives so far: every rank numbers them the same
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.failures = 0  # collectives that raised so far (a failed handshake, a timeout, a transfer)
-        self.caches = caches.Caches()  # what its collectives remember between calls
-        self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         # A stop requested here (a preemption signal) that the handshake carries to every rank.
         self.stop = handshake.StopState()
+        # Work started over this communicator that every rank must finish before it is freed (a
+        # background checkpoint save): name -> what finishes it (collective).
+        self.pending: dict[str, Callable[[], None]] = {}
+        # Work that strategy.run gives a turn at the end of each step while it is pending, on every rank
+        # at the same point (a background save put in place once every rank wrote its share): name ->
+        # what does it (collective). Empty, a step sends nothing for it.
+        self.after_step: dict[str, Callable[[], None]] = {}
+        # What abandons such work when the communicator is lost (a rank died): name -> local call.
+        self.abandon: dict[str, Callable[[], None]] = {}
+        # Optimizer steps applied over these collectives (counted alike on every rank), and what a
+        # recovery after a rank's death repairs (distribute/recovery.py).
+        self.commits = 0
+        self.recoverables = recoverables.Recoverables()
+        self.torn = False  # this rank's replicated state is being replaced (a recovery not finished)
+        self._bind(comm, "strategy creation")
+
+    def rebind(self, comm: MPI.Intracomm) -> None:
+        """Go on over ``comm``, the survivors of this object's communicator after a rank died
+        (collective over ``comm``): numbering, caches, transports, the handshake and the watch start
+        afresh; the options and a requested stop are kept. The caller releases the old monitor,
+        communicator and requests (:meth:`closer`, taken before)."""
+        for abandon in list(self.abandon.values()):  # work begun over the lost communicator
+            abandon()
+        self.pending.clear()
+        self.after_step.clear()
+        self.abandon.clear()
+        self._bind(comm, "recovery")
+
+    def revoke(self) -> None:
+        """Revoke the communicator and those made from it (ULFM; local): every survivor's pending and
+        next operation on them fails at once, so all of them reach the recovery."""
+        failures.revoke(self.comm)
+        for comm in self.transports.communicators():
+            failures.revoke(comm)
+
+    def _bind(self, comm: MPI.Intracomm, kind: str) -> None:
+        """Everything built on ``comm``; the opening handshake ``kind`` checks every rank alike."""
+        self.comm = comm
+        comm.Set_errhandler(MPI.ERRORS_RETURN)  # MPI's errors return to failure.from_mpi, not abort
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.seq = 0  # collectives so far: every rank numbers them the same
+        self.caches = caches.Caches()  # what its collectives remember between calls
+        self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
         # The handshake's send and receive buffers, reused; the persistent collective over them
         # (None where MPI lacks it); the same as MPI messages (mpi4py then skips reading their type
         # on every call); the stop state it carries.
@@ -103,13 +142,6 @@ class Collectives:
         # False: none (not built, turned off, or not this strategy's kind of watch).
         self.native_closing: Any = None
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
-        # Work started over this communicator that every rank must finish before it is freed (a
-        # background checkpoint save): name -> what finishes it (collective).
-        self.pending: dict[str, Callable[[], None]] = {}
-        # Work that strategy.run gives a turn at the end of each step while it is pending, on every rank
-        # at the same point (a background save put in place once every rank wrote its share): name ->
-        # what does it (collective). Empty, a step sends nothing for it.
-        self.after_step: dict[str, Callable[[], None]] = {}
         # The check: the options', else the environment (read once, here). Under ``step`` the
         # handshakes that are sent check at level 1, and repeats are checked once per step.
         check = self.options.check
@@ -128,12 +160,12 @@ class Collectives:
             config.read("MPISTRAT_STRAGGLER_SUMMARY"),
             stragglers.world_ranks(comm),
         )
-        self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"), owner, self.size)
+        self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"), self.owner, self.size)
         self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
         # Every rank must check alike (a rank that skips the handshake would strand the others).
         route = self.options.implementation.value
         self.agree(
-            "strategy creation",
+            kind,
             fingerprint=setting ^ hierarchical.route_code(self.options.implementation),
             describe=lambda: {
                 "leaves": [

@@ -20,7 +20,9 @@ MPI's own errors return too: the private communicators carry ``MPI.ERRORS_RETURN
 flight record (asked for over the side channel), the first collective in which the ranks differed:
 under ``MPISTRAT_CHECK=step`` a shape that differs in an unchecked collective is what MPI finds
 first (Open MPI: ``MPI_ERR_TRUNCATE``). Some errors MPI does not return: MPICH aborts the job on a
-message truncated inside a collective, whatever the error handler.
+message truncated inside a collective, whatever the error handler. A rank's death (ULFM) is not such
+an error: it is a ``PeerFailedError``, the communicator revoked so every survivor hears at once, the
+job not doomed (``diagnostics/failures.py``; the survivors may go on, ``distribute/recovery.py``).
 
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
@@ -39,9 +41,9 @@ from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from mpistrat.diagnostics import abort, diagnosis, watchdog
+from mpistrat.diagnostics import abort, diagnosis, failures, watchdog
 from mpistrat.diagnostics.callsite import call_site
-from mpistrat.errors import CommunicationError
+from mpistrat.errors import CommunicationError, MpistratError
 
 if TYPE_CHECKING:
     from mpistrat.collectives.state import CollectiveState as Collectives
@@ -59,14 +61,17 @@ def abandon(collectives: Collectives | None) -> None:
         monitor.completed = min(monitor.completed, collectives.seq - 1)
 
 
-def from_mpi(collectives: Collectives, exc: MPI.Exception, kind: str) -> CommunicationError:
-    """The error MPI's ``exc`` in collective ``kind`` (#``collectives.seq``, on this rank) is raised as.
+def from_mpi(collectives: Collectives, exc: MPI.Exception, kind: str) -> MpistratError:
+    """The error MPI's ``exc`` in collective ``kind`` (#``collectives.seq``, on this rank) is raised as:
+    a ``PeerFailedError`` where a rank died, else a ``CommunicationError``.
 
     Asks every rank for its flight record (the side channel, up to ``side_channel.GRACE``) to name
     the first collective in which the ranks differed, and dooms the job: it ends with ``MPI_Abort``
     ``ABORT_DELAY`` seconds later if the error is caught (a collective MPI failed leaves its
     communicator mid-operation), at once through the exception hook if not.
     """
+    if failures.is_peer_failure(exc, collectives.comm):  # nobody to ask, and the survivors may go on
+        return failures.peer_failed(collectives.comm, exc, kind, collectives.seq)
     seq, mon = collectives.seq, collectives.monitor
     headline = f"{kind} (collective #{seq}, called at {call_site()}) failed in MPI on rank {collectives.rank}"
     answers = watchdog.WATCHDOG.ask(mon, None) if mon.watched else None

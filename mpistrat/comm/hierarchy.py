@@ -78,6 +78,11 @@ class HierarchicalMPI(Transport):
         self._hierarchy: Hierarchy | None = None
 
     @property
+    def made(self) -> Hierarchy | None:
+        """The node and leader communicators, if made yet (no communication)."""
+        return self._hierarchy
+
+    @property
     def hierarchy(self) -> Hierarchy:
         """The node and leader communicators (made on first use: collective)."""
         if self._hierarchy is None:

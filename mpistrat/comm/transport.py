@@ -404,6 +404,11 @@ class Transports:
         chosen = {impl.value: t.name for impl, t in self._chosen.items()}
         return {"host": self.host.name, **chosen}
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The sub-communicators made so far (a node's and its leaders', for HIERARCHICAL)."""
+        made = self._hierarchical.made if self._hierarchical is not None else None
+        return [] if made is None else [c for c in (made.node, made.leaders) if c is not None]
+
     def close(self) -> None:
         for transport in (self._nccl, self._ring, self._hierarchical):
             if transport is not None:

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from mpistrat import config
 from mpistrat.diagnostics import callsite
-from mpistrat.errors import CollectiveTimeoutError
+from mpistrat.errors import PEER_FAILED_EXIT, CollectiveTimeoutError, PeerFailedError
 from mpistrat.log import world_rank
 
 __all__ = [
@@ -135,7 +135,12 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
         except BaseException:
             _print_with_rank(exc_type, exc, tb)
     _say_last_words(exc)
-    abort_job(f"uncaught {exc_type.__name__} (MPISTRAT_ABORT_ON_EXCEPTION=0 leaves the other ranks running)")
+    # A rank's death that no survivor recovered from ends the job with its own status (relaunched by
+    # jobs/train.sbatch); anything else with 1.
+    code = PEER_FAILED_EXIT if isinstance(exc, PeerFailedError) else 1
+    abort_job(
+        f"uncaught {exc_type.__name__} (MPISTRAT_ABORT_ON_EXCEPTION=0 leaves the other ranks running)", code
+    )
 
 
 def _thread_excepthook(args: Any) -> None:

@@ -21,6 +21,7 @@ picks. The default strategy's extended is a subclass (``default.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
@@ -174,6 +175,27 @@ class StrategyExtended:
         []
         """
         return self.collectives.stragglers.table()
+
+    def rebind(self, comm: MPI.Intracomm, hosts: tuple[str, ...]) -> None:
+        """Go on over ``comm``, the survivors of the strategy's communicator after a rank died (collective
+        over it; ``hosts``: theirs, in its rank order). The old communicator is released (unwatched,
+        its transports and requests closed, freed); the collectives, the same object, start afresh on
+        ``comm`` (see ``Collectives.rebind``); rank, size and the reductions follow."""
+        c = self._collectives
+        old, closer = self._comm, c.closer()
+        detached = self._release.detach() if self._release is not None else None
+        if old is not None and detached is not None:
+            watchdog.release(c.monitor, old, closer, wait=True)
+        c.rebind(comm)
+        self._comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.closer())
+        release.atexit = False
+        self._release = release
+        self.placement = dataclasses.replace(self.placement, hosts=hosts)
+        c.locate(hosts)
+        self._spmd = SpmdReducer(self)
+        self._local = LocalReducer(self.size, self._options, reductions.mirrored(self.size))
 
     def finalize(self) -> None:
         self._collectives.finish_pending()  # a background checkpoint save, while MPI still can

@@ -10,14 +10,20 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mpistrat import config
+from mpistrat import config, context
 from mpistrat.collectives import mismatch
-from mpistrat.diagnostics import abort, launch, watchdog
-from mpistrat.distribute import merge
+from mpistrat.diagnostics import abort, failures, launch, watchdog
+from mpistrat.distribute import merge, recovery
 from mpistrat.distribute.default import default_strategy
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.strategy_base import Strategy
-from mpistrat.errors import InvalidArgumentError, MpistratError, UnsupportedTypeError
+from mpistrat.errors import (
+    ContextError,
+    InvalidArgumentError,
+    MpistratError,
+    PeerFailedError,
+    UnsupportedTypeError,
+)
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -73,6 +79,46 @@ class MPIStrategy(Strategy):
         private = watchdog.duplicate(comm, timeout, what) if comm.Get_size() > 1 else comm.Dup()
         super().__init__(StrategyExtended(self, private, options, merge_call=merge_call))
         self._cluster_resolver: ClusterResolver | None = None
+
+    def recover(self) -> recovery.Recovery:
+        """Go on with the surviving ranks after one died: call it on every survivor, in cross-replica
+        context, once ``PeerFailedError`` was raised (collective over the survivors).
+
+        Where MPI can go on without the lost ranks (ULFM: Open MPI 5 launched with
+        ``mpiexec --with-ft ulfm``), it rebuilds the strategy on the survivors
+        (``num_replicas_in_sync`` drops), gives every survivor the state of the furthest step any of
+        them completed (a step none completed is done again), and moves its distributed iterators
+        back to the first global batch not yet applied, split over the survivors: the loop just goes
+        on. It returns what it did (:class:`~mpistrat.distribute.recovery.Recovery`: the ranks lost,
+        the step, the seconds), which rank 0 also logs. Elsewhere, or below
+        ``MPISTRAT_MIN_REPLICAS``, it raises ``PeerFailedError`` on every survivor.
+
+        A loop that calls ``strategy.run`` itself::
+
+            while int(optimizer.iterations.numpy()) < steps:
+                try:
+                    strategy.run(train_step, args=(next(iterator),))
+                except mpistrat.PeerFailedError:
+                    strategy.recover()
+
+        ``PreemptionCheckpointHandler.run`` and ``next(iterator)`` recover by themselves.
+        See docs/fault-tolerance.md.
+        """
+        mode = context.current_mode()
+        if mode.kind is not context.DEFAULT and (
+            mode.strategy is not self or mode.replica_context is not None
+        ):
+            raise ContextError(
+                "MPIStrategy.recover() must be called in cross-replica context (outside strategy.run and "
+                "merge_fn), on every surviving rank"
+            )
+        live, why = failures.fault_tolerance()
+        if not live:
+            raise PeerFailedError(
+                f"MPIStrategy.recover: this launch cannot go on after a rank's death: {why}"
+            )
+        self._cluster_resolver = None
+        return recovery.recover(self._extended)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from mpistrat import context, nest
 from mpistrat.collectives import check_enabled
 from mpistrat.collectives.fingerprint import checksum, hash64
-from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
+from mpistrat.diagnostics import failures
+from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError, PeerFailedError
 from mpistrat.input.batches import Batch, Rows, examine, replica_range, split_batch
 from mpistrat.input.batches import fingerprint as batch_fingerprint
 from mpistrat.input.contexts import InputOptions, require_spmd
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DistributedIterator",
     "Optional",
+    "Replay",
     "SplitIterator",
     "describe_step",
     "refuse_in_replica_fn",
@@ -153,6 +155,7 @@ class SplitIterator(DistributedIterator):
         self._source = source
         self._spec: Any = UNKNOWN
         self._restart()
+        collectives.recoverables.add(self)  # moved back and re-split after a rank's death
 
     def _restart(self) -> None:
         """Forget this iterator's pass: the next read opens the source's (restored) position."""
@@ -160,14 +163,40 @@ class SplitIterator(DistributedIterator):
         self._serial = 0
         self._pending: Any = UNKNOWN
         self._done = False
+        self._replay = Replay()
+        self._last: Any = None  # the batch handed out last (see renewed)
 
     def _read(self) -> Any:
+        raw = self._replay.next()
+        if raw is not END:
+            return raw
         if self._pending is not UNKNOWN:
             raw, self._pending = self._pending, UNKNOWN
-            return raw
-        if self._it is None:
-            self._it, self._serial = self._source.open()
-        return next(self._it, END)
+        else:
+            if self._it is None:
+                self._it, self._serial = self._source.open()
+            raw = next(self._it, END)
+        if raw is not END:
+            self._replay.read(raw)
+        return raw
+
+    def recovery_facts(self) -> None:
+        return None
+
+    def renewed(self, value: Any) -> Any:
+        """After a recovery: this iterator's next batch if ``value`` is the one it handed out last (moved
+        back, it reads that global batch again, split over the survivors); else None. Collective."""
+        if value is None or value is not self._last:
+            return None
+        return self._step()
+
+    def recover(self, recovery: Any, facts: list[Any]) -> None:
+        """After a rank's death: the global batches read since the optimizer step the survivors go on
+        from are read again (split over the survivors, by the next steps), so that every example
+        of a step no survivor completed is still taken once (no communication)."""
+        for examples in self._replay.rewind(recovery.step):
+            self._source.untook(self._serial, examples)
+            self._steps -= 1
 
     def _read_step(self) -> Batch | Elements | Any:
         """The next global batch, or the next unbatched elements, one per replica (see ``elements.py``)."""
@@ -202,6 +231,18 @@ class SplitIterator(DistributedIterator):
         require_spmd("get_next")
         collectives = self._collectives
         collectives.require_open()
+        while True:
+            try:
+                self._last = self._step_once(collectives)
+                return self._last
+            except PeerFailedError:
+                self._replay.unread()  # this step's global batch is read again, over the survivors
+                recover = getattr(self._owner, "recover", None)
+                if recover is None or not failures.live():
+                    raise
+                recover()  # every survivor takes part, wherever it learned of the death
+
+    def _step_once(self, collectives: Collectives) -> Any:
         batch, error, cause = END, None, None
         try:
             batch = self._read_step()
@@ -222,6 +263,8 @@ class SplitIterator(DistributedIterator):
                     describe=lambda: describe_step(batch),
                     error=error,
                 )
+            except PeerFailedError:
+                raise  # not this iterator's end: the survivors go on
             except CollectiveMismatchError as exc:
                 self._finish(
                     CollectiveMismatchError(
@@ -265,9 +308,67 @@ class SplitIterator(DistributedIterator):
         if elements:  # each element is one item of the user's iterable: the source counts items read
             for _ in range(batch.size):
                 self._source.took(self._serial, 1)
+            self._replay.taken(collectives.commits, [1] * batch.size)
             return batch.take(rank, size)
         self._source.took(self._serial, batch.size)
+        self._replay.taken(collectives.commits, [batch.size])
         return split_batch(batch, size, rank)
+
+
+class Replay:
+    """The global batches a :class:`SplitIterator` read since the last optimizer steps, to read again
+    after a rank's death (kept only where a death can be survived: ``failures.live()``).
+
+    Each step that handed out a batch is kept with the optimizer steps applied when it was read;
+    :meth:`rewind` to a step puts back the batches read from that step on, newest last, for the
+    next reads. A batch read but not handed out (its step's handshake found a death) is put back
+    by :meth:`unread`.
+
+    >>> replay = Replay(keep=True)
+    >>> for raw in "ab":
+    ...     replay.read(raw); replay.taken(commits=0, counts=[4])
+    >>> replay.rewind(0), replay.next(), replay.next()
+    ([4, 4], 'a', 'b')
+    """
+
+    def __init__(self, keep: bool | None = None) -> None:
+        self.keep = failures.live() if keep is None else keep
+        self.reading: list[Any] = []  # raw items read for the step in progress
+        self.steps: list[tuple[int, list[Any], list[int]]] = []  # (commits when read, raws, examples)
+        self.queue: list[Any] = []  # raws to read again, next first
+
+    def read(self, raw: Any) -> None:
+        if self.keep:
+            self.reading.append(raw)
+
+    def next(self) -> Any:
+        """The next raw item to read again (``END``: none)."""
+        if not self.queue:
+            return END
+        raw = self.queue.pop(0)
+        self.read(raw)
+        return raw
+
+    def taken(self, commits: int, counts: list[int]) -> None:
+        """The step in progress handed out its batch, ``counts`` examples as the source counted them."""
+        if not self.keep:
+            return
+        self.steps = [s for s in self.steps if s[0] >= commits - 1]  # older ones are never read again
+        self.steps.append((commits, self.reading, counts))
+        self.reading = []
+
+    def unread(self) -> None:
+        """The step in progress failed: its items are read again first."""
+        self.queue[:0], self.reading = self.reading, []
+
+    def rewind(self, step: int) -> list[int]:
+        """Put back every batch read once ``step`` optimizer steps were applied, or later; the examples
+        the source counted for them (to take back)."""
+        again = [s for s in self.steps if s[0] >= step]
+        self.steps = [s for s in self.steps if s[0] < step]
+        self.queue[:0] = [raw for _, raws, _ in again for raw in raws] + self.reading
+        self.reading = []
+        return [n for _, _, counts in again for n in counts]
 
 
 def refuse_in_replica_fn() -> None:

@@ -87,6 +87,13 @@ class Position:
             if self.examples is not None:
                 self.examples += examples
 
+    def untake(self, serial: int, examples: int) -> None:
+        """The last batch of pass ``serial``, of ``examples`` examples, was given back (to be read again)."""
+        if serial == self.serial:
+            self.step -= 1
+            if self.examples is not None:
+                self.examples -= examples
+
     def end(self, serial: int) -> None:
         """Pass ``serial`` ended: the next pass is the following epoch, from its start."""
         if serial == self.serial and self.running:

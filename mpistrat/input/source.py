@@ -106,6 +106,10 @@ class Source:
     def took(self, serial: int, examples: int) -> None:
         self._position.take(serial, examples)
 
+    def untook(self, serial: int, examples: int) -> None:
+        """A batch of pass ``serial`` taken back: it is read again (after a rank's death)."""
+        self._position.untake(serial, examples)
+
     def ended(self, serial: int) -> None:
         self._position.end(serial)
 

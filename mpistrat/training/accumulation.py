@@ -151,6 +151,13 @@ class Accumulator:
         self.prepare(variables, rows)
         self.restoring = True
 
+    def recovery_facts(self) -> None:  # for a recovery after a rank's death (collectives/recoverables.py)
+        return None
+
+    def recover(self, recovery: Any, facts: list[Any]) -> None:
+        """After a rank's death: the cycle in progress is dropped (the iterators read its batches again)."""
+        self.restore_into(None, self.rows)
+
     def state(self, rank: int, size: int) -> tuple[Variable, list[tuple[Variable, RankShare]]] | None:
         """Mid-cycle (or about to be restored into): the count and each buffer as this rank's row of
         a ``[size, ...]`` checkpoint entry; None between cycles."""

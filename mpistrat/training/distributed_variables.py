@@ -29,6 +29,7 @@ from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.replicas import SyncedWrites
+from mpistrat.training.recovery import broadcast_in_place
 from mpistrat.training.variables import (
     Variable,
     VariableAggregation,
@@ -107,6 +108,22 @@ class DistributedVariable(Variable, DistributedValues):
         self._replicas = replicas
         self.synced_key = replicas.register_synced(self)
         self._writes: SyncedWrites = replicas.writes  # what its writes do now (see there)
+        if self.mirrored:
+            collectives.recoverables.add(self)  # its copy taken from a survivor after a rank's death
+
+    def recovery_facts(self) -> None:
+        return None
+
+    def recover(self, recovery: Any, facts: list[Any]) -> None:
+        """After a rank's death: this copy takes ``recovery.source``'s value (collective over the
+        survivors), unless an optimizer's flat storage holds it (the optimizer repairs that)."""
+        if self._component.storage is not None:
+            return
+        value = self._component.local_array
+        array = value.copy() if recovery.collectives.rank != recovery.source else value
+        broadcast_in_place(recovery.collectives.comm, array, recovery.source)
+        if array is not value:
+            self._component.local_array = array
 
     def _local(self) -> Any:
         return self._component.local_array

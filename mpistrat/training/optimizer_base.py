@@ -203,6 +203,9 @@ class Optimizer(KerasArguments):
                         name=f"{self._name}/iter",
                         aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
                     )
+                for part in (self._flat_state(), self._accumulator):  # repaired after a rank's death
+                    if part is not None:
+                        extended.collectives.recoverables.add(part)
         return self._iterations
 
     @property
@@ -482,6 +485,7 @@ class Optimizer(KerasArguments):
             )
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
+        extended.collectives.commits += 1  # applied here: what a recovery goes on from
         written = ((v.name, own_copy(v).local_array) for _, v in pairs)  # read only under strict
         compare_copies(extended.collectives, written, f"{self._name}.apply_gradients", options)
 

@@ -31,11 +31,13 @@ from mpistrat.collectives.fingerprint import code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, SumMode, sum_mode
 from mpistrat.comm import packing
+from mpistrat.diagnostics import failures
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training import pack_step
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.optimizer_checks import compare_copies
 from mpistrat.training.pack_step import BLOCK, WHOLE, Update
+from mpistrat.training.recovery import broadcast_in_place
 from mpistrat.values import local_variable
 
 if TYPE_CHECKING:
@@ -290,6 +292,22 @@ class FlatState:
                 self.where[id(variables[i])] = (group, j)
         self._plans.clear()
 
+    def recovery_facts(self) -> Any:
+        """What a recovery needs of this state here: nothing unsharded (every survivor that applied
+        the step holds it whole)."""
+        return None
+
+    def recover(self, recovery: Any, facts: list[Any]) -> None:
+        """Every group's weights and slots from ``recovery.source`` (collective over the survivors)."""
+        comm, source = recovery.collectives.comm, recovery.source
+        for group in self.groups:
+            if group.layout.sharded:
+                raise NotImplementedError("sharded state is re-sharded by its buddies")
+            broadcast_in_place(comm, group.params.claim(), source)
+            for slot in group.slots.values():
+                broadcast_in_place(comm, slot.claim(), source)
+        self._plans.clear()
+
     def cached_plan(self, variables: list[Variable]) -> _Plan | None:
         """The plan of a step over ``variables`` in this order, if one was made (so they are built)."""
         return self._plans.get(tuple(map(id, variables)))
@@ -410,21 +428,24 @@ class FlatState:
         work: list[pack_step.Work] = [
             (s, [grads[p] for p in s.positions], w) for s, w in zip(plan.steps, params, strict=True)
         ]
-        # an overflow found once data has moved must raise before the first pack is written
-        run = pack_step.run_reduced_first if _fails_late(mode, plan) else pack_step.run
+        # An overflow found once data has moved must raise before the first pack is written; where a
+        # rank's death can be survived, every step is all-or-nothing on each rank (distribute/recovery.py).
+        whole = _fails_late(mode, plan) or (collectives is not None and failures.live() and not self.shard)
         applied = True
         try:
-            if rule is not None and (rule.whole or _fails_late(mode, plan)):
+            if rule is not None and (rule.whole or whole):
                 applied = pack_step.run_whole(collectives, work, rule, lr, step, kind, options, rows)
-            elif rows or rule is not None:
-                pack_step.run(collectives, work, update, lr, step, kind, options, rows, rule)
+            elif whole:
+                pack_step.run_reduced_first(collectives, work, update, lr, step, kind, options, rows)
             else:
-                run(collectives, work, update, lr, step, kind, options)
+                pack_step.run(collectives, work, update, lr, step, kind, options, rows, rule)
         except BaseException:  # an update raising on one rank leaves the others in a transfer
             failure.abandon(collectives)
             raise
-        if collectives is not None and check_level(collectives, options) > 1:
-            compare_copies(collectives, plan.written(), kind, options)
+        if collectives is not None:
+            collectives.commits += 1  # done here, applied or skipped: what a recovery goes on from
+            if check_level(collectives, options) > 1:
+                compare_copies(collectives, plan.written(), kind, options)
         return applied
 
 

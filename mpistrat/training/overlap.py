@@ -48,6 +48,7 @@ from mpistrat.collectives import failure, nonblocking
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi
+from mpistrat.diagnostics import failures
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
@@ -136,8 +137,8 @@ def can_stream(
 
     Decided from what every rank holds alike (the built groups, the options), never from the pairs.
     """
-    if state is None or not state.groups or collectives is None:
-        return False
+    if state is None or not state.groups or collectives is None or failures.live():
+        return False  # (where a death can be survived, a step writes only once every sum is in)
     if mpi.COUNT_LIMIT is not None and any(g.layout.pack > mpi.COUNT_LIMIT for g in state.groups):
         return False  # a pack MPI cannot take in one call
     merged = collectives.options.merge(options)

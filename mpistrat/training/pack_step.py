@@ -175,10 +175,15 @@ def run_reduced_first(
     step: int,
     kind: str,
     options: CommunicationOptions | None,
+    rows: int = 0,
 ) -> None:
-    """Every pack of every group reduced (and kept) before the first is updated."""
+    """Every pack of every group reduced (and kept) before the first is updated: a group of one pack
+    keeps its sum in its own staging buffer, one of several copies each pack's aside."""
     reduced = [
-        [(grad.copy(), base) for grad, base in _reduced_packs(collectives, s, grads, kind, options)]
+        [
+            (grad if s.group.layout.packs == 1 else grad.copy(), base)
+            for grad, base in _reduced_packs(collectives, s, grads, kind, options, rows)
+        ]
         for s, grads, _ in work
     ]
     for (s, _, params), packs in zip(work, reduced, strict=True):
@@ -194,9 +199,13 @@ def _reduced_packs(
     grads: list[Any],
     kind: str,
     options: CommunicationOptions | None,
+    rows: int = 0,
 ) -> Iterator[tuple[Any, int]]:
     for k in range(s.group.layout.packs):
-        yield _reduce(collectives, s, grads, k, kind, options)
+        if rows:
+            yield _reduce_rows(collectives, s, grads, k, kind, rows)
+        else:
+            yield _reduce(collectives, s, grads, k, kind, options)
 
 
 def _reduce(

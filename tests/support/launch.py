@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,15 @@ def launcher_options() -> list[str]:
     if not is_open_mpi():
         return []
     options = ["--oversubscribe", "--mca", "btl", "^ofi"]
+    if os.geteuid() == 0:
+        options.append("--allow-run-as-root")
+    return options
+
+
+def ulfm_options() -> list[str]:
+    """Open MPI's options for a job that survives a rank's death: ULFM on, over TCP (its shared-memory
+    transport was seen to hang once a rank died)."""
+    options = ["--oversubscribe", "--with-ft", "ulfm", "--mca", "pml", "ob1", "--mca", "btl", "self,tcp"]
     if os.geteuid() == 0:
         options.append("--allow-run-as-root")
     return options
@@ -69,18 +79,22 @@ def run_job(
     limit: float,
     env: dict[str, str] | None = None,
     prefix: list[str] | None = None,
+    options: list[str] | None = None,
+    no_strays: bool = False,
 ) -> tuple[int, str]:
     """Run ``script`` under ``mpiexec -n ranks`` from the repository root, with :func:`job_environment`
     (plus ``env``); return (exit code, stdout + stderr).
-    ``prefix`` goes before ``mpiexec`` (a command that runs the rest, e.g. in a mount namespace).
+    ``prefix`` goes before ``mpiexec`` (a command that runs the rest, e.g. in a mount namespace);
+    ``options`` replace :func:`launcher_options` after it.
 
-    A job still running after ``limit`` seconds is killed with all its processes, and the test fails.
+    A job still running after ``limit`` seconds is killed with all its processes, and the test fails;
+    with ``no_strays`` it fails too when a process of the job is left once ``mpiexec`` returned.
     """
     child = job_environment(env)
     cmd = [
         *(prefix or []),
         str(MPIEXEC),
-        *launcher_options(),
+        *(launcher_options() if options is None else options),
         "-n",
         str(ranks),
         sys.executable,
@@ -102,4 +116,27 @@ def run_job(
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{script.name} still running after {limit} s (hung); output:\n{out}")
+    strays = _left_in(proc.pid) if no_strays else []
+    if strays:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{script.name}: processes left after mpiexec returned: {strays}; output:\n{out}")
     return proc.returncode, out
+
+
+def _left_in(session: int, grace: float = 3.0) -> list[str]:
+    """The processes still in ``session`` (the job's: mpiexec leads it) ``grace`` seconds after it
+    returned, as ``pid command`` lines (none: the job left nothing behind)."""
+    ends = time.monotonic() + grace
+    while True:
+        left = []
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and int(fields[3]) == session:  # state, then ppid, pgrp, session
+                    command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    left.append(f"{entry.name} {command[:80]}")
+            except (OSError, IndexError, ValueError):
+                continue
+        if not left or time.monotonic() > ends:
+            return left
+        time.sleep(0.1)

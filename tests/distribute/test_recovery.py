@@ -1,0 +1,129 @@
+"""A rank dies and the job goes on: real ``mpiexec --with-ft ulfm`` jobs (Open MPI, over TCP).
+
+Each job (``tests/faults/survive.py``) trains L1 regression with Adam on integer data, so each
+rank's gradient is exact and the weights are the same bits at any number of ranks
+(``deterministic=True``): the survivors' weights must be the bits of a serial NumPy run of the same
+global batches, each exactly once. One weight per example counts how often it was taken; a
+mismatch there names the examples skipped or taken twice. Every job is bounded in time and must
+leave no process behind.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support import launch
+from tests.support.launch import MPIEXEC
+
+JOB = Path(__file__).resolve().parents[1] / "faults" / "survive.py"
+GLOBAL_BATCH, FEATURES = 16, 3
+LR, B1, B2, EPS = 0.05, 0.9, 0.999, 1e-7
+
+pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.slow,
+    pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}"),
+    pytest.mark.skipif(not launch.is_open_mpi(), reason="ULFM recovery needs Open MPI 5 (--with-ft ulfm)"),
+]
+
+
+def data(examples: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)  # as survive.py
+    x = rng.integers(-3, 4, (examples, FEATURES)).astype(np.float32)
+    y = rng.integers(-5, 6, examples).astype(np.float32)
+    return x, y
+
+
+def residual(x: np.ndarray, w: np.ndarray, b: np.float32, y: np.ndarray) -> np.ndarray:
+    return x[:, 0] * w[0] + x[:, 1] * w[1] + x[:, 2] * w[2] + b - y
+
+
+def reference(steps: int, accumulate: int = 1) -> np.ndarray:
+    """The weights (w, b, seen) after ``steps`` Adam updates, serially in NumPy, in Adam's order of
+    operations; each update from the mean gradient of ``accumulate`` global batches of 16."""
+    examples = GLOBAL_BATCH * steps * accumulate
+    x, y = data(examples)
+    params = np.zeros(FEATURES + 1 + examples, np.float32)
+    m, v = np.zeros_like(params), np.zeros_like(params)
+    for t in range(1, steps + 1):
+        g = np.zeros_like(params)
+        for k in range(accumulate):
+            lo = ((t - 1) * accumulate + k) * GLOBAL_BATCH
+            rows = slice(lo, lo + GLOBAL_BATCH)
+            w, b = params[:FEATURES], params[FEATURES]
+            sign = np.sign(residual(x[rows], w, b, y[rows])).astype(np.float32)
+            g[:FEATURES] += (sign @ x[rows]) / GLOBAL_BATCH
+            g[FEATURES] += sign.sum() / GLOBAL_BATCH
+            g[FEATURES + 1 + lo : FEATURES + 1 + lo + GLOBAL_BATCH] += np.float32(1 / GLOBAL_BATCH)
+        g /= accumulate
+        lr_t = LR * math.sqrt(1.0 - B2**t) / (1.0 - B1**t)
+        m *= B1
+        g *= 1.0 - B1
+        m += g
+        np.square(g, out=g)
+        g *= (1.0 - B2) / (1.0 - B1) ** 2
+        v *= B2
+        v += g
+        np.sqrt(v, out=g)
+        g += EPS
+        np.divide(m, g, out=g)
+        g *= lr_t
+        params -= g
+    return params
+
+
+def survive(ranks: int, *args: str, limit: float = 60, env: dict[str, str] | None = None) -> tuple[int, str]:
+    return launch.run_job(
+        JOB, *args, ranks=ranks, limit=limit, env=env, options=launch.ulfm_options(), no_strays=True
+    )
+
+
+def results(out: str) -> dict[int, tuple[int, int, np.ndarray]]:
+    """Each survivor's ``RESULT``: world rank -> (replicas, iterations, weights)."""
+    found = {}
+    for world, replicas, iterations, hexed in re.findall(
+        r"^RESULT (\d+) (\d+) (\d+) ([0-9a-f]+)$", out, re.M
+    ):
+        found[int(world)] = (int(replicas), int(iterations), np.frombuffer(bytes.fromhex(hexed), np.float32))
+    return found
+
+
+def check_result(
+    out: str, ranks: int, lost: set[int], steps: int, accumulate: int = 1
+) -> dict[int, tuple[int, int, np.ndarray]]:
+    found = results(out)
+    assert set(found) == set(range(ranks)) - lost, out
+    expected = reference(steps, accumulate)
+    for world, (replicas, iterations, weights) in found.items():
+        assert (replicas, iterations) == (ranks - len(lost), steps), (world, out)
+        seen = weights[FEATURES + 1 :]
+        wrong = np.flatnonzero(seen != expected[FEATURES + 1 :])
+        assert not wrong.size, f"rank {world}: examples {wrong.tolist()} taken not exactly once\n{out}"
+        assert weights.tobytes() == expected.tobytes(), (
+            world,
+            weights[: FEATURES + 1],
+            expected[: FEATURES + 1],
+        )
+    return found
+
+
+@pytest.mark.parametrize(
+    ("ranks", "kill"),
+    [
+        (4, "2@2@inside"),  # in the step's collectives: no survivor completes it, it is done again
+        (3, "1@2@update"),  # after the gradients' sum: the survivors completed the step, it is kept
+        (4, "0@2@before"),  # rank 0 between steps: the coordinator and checkpoint writer
+        (3, "2@1@after"),  # after its step returned
+    ],
+)
+def test_a_killed_rank_leaves_the_weights_of_an_uninterrupted_run(ranks, kill):
+    _, out = survive(ranks, "--steps", "4", "--kill", kill)
+    lost = int(kill.split("@")[0])
+    check_result(out, ranks, {lost}, steps=4)
+    assert f"MPIStrategy.recover: lost world rank {lost}; going on from optimizer step" in out, out

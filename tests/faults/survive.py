@@ -1,0 +1,158 @@
+"""A training job that loses ranks and goes on (Open MPI with ``--with-ft ulfm``; see
+tests/faults/test_survive.py, which checks its result against a NumPy reference).
+
+L1 regression with Adam over an ``ArrayDataset`` of integer features, global batch 16: each
+example's gradient is a vector of small integers, so every rank's sum over its examples is exact
+and divided by 16 exactly, and the optimizer's exact sum makes the weights the same bits at any
+number of ranks. One parameter per example (``seen``) gets that example's one-hot gradient: an
+example skipped or taken twice changes it, and the test names which.
+
+Arguments: ``--steps N``; ``--kill WORLD@STEP@WHERE`` (several): world rank WORLD dies with SIGKILL
+at optimizer step STEP, ``before`` the step's batch is read, ``inside`` the step before
+``apply_gradients``, in the ``update`` (after the gradients' sum), ``after`` the step, in a
+checkpoint ``save`` (sync), after an ``async`` one started, or in ``recovery``; ``--shard``,
+``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``),
+``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every N``.
+Each survivor prints ``RESULT <world rank> <replicas> <iterations> <weights' bytes in hex>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import numpy as np
+
+import mpistrat
+from mpistrat.checkpoint import saving
+from mpistrat.distribute import recovery
+
+GLOBAL_BATCH, FEATURES = 16, 3
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--kill", action="append", default=[])
+parser.add_argument("--shard", action="store_true")
+parser.add_argument("--accumulate", type=int, default=None)
+parser.add_argument("--handler", action="store_true")
+parser.add_argument("--overlap", action="store_true")
+parser.add_argument("--checkpoint", default=None)
+parser.add_argument("--save-every", type=int, default=0)
+parser.add_argument("--async-save", action="store_true")
+args = parser.parse_args()
+
+WORLD = mpistrat.MPI.COMM_WORLD.Get_rank()
+KILLS = {(int(s), w) for r, s, w in (k.split("@") for k in args.kill) if int(r) == WORLD}
+
+
+def die_if(step: int, where: str) -> None:
+    if (step, where) in KILLS:
+        print(f"DYING {WORLD} at step {step} {where}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def data(examples: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, (examples, FEATURES)).astype(np.float32)
+    y = rng.integers(-5, 6, examples).astype(np.float32)
+    return {"x": x, "y": y, "id": np.arange(examples, dtype=np.int64)}
+
+
+strategy = mpistrat.MPIStrategy(communication_options=mpistrat.CommunicationOptions(deterministic=True))
+examples = GLOBAL_BATCH * args.steps * (args.accumulate or 1)
+dataset = mpistrat.ArrayDataset(data(examples), batch_size=GLOBAL_BATCH)
+
+
+class DyingAdam(mpistrat.optimizers.Adam):
+    """Adam whose update kills this rank when the job says so (after the gradients were summed)."""
+
+    def _update_flat(self, w, g, slots, lr, step):  # type: ignore[no-untyped-def]
+        die_if(step, "update")
+        super()._update_flat(w, g, slots, lr, step)
+
+
+with strategy.scope():
+    w = mpistrat.Variable(np.zeros(FEATURES, np.float32), name="w")
+    b = mpistrat.Variable(np.zeros(1, np.float32), name="b")
+    seen = mpistrat.Variable(np.zeros(examples, np.float32), name="seen")
+    optimizer = DyingAdam(0.05, shard_state=args.shard, gradient_accumulation_steps=args.accumulate)
+    optimizer.build([w, b, seen])
+iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+
+def train_step(batch: dict[str, np.ndarray]) -> None:
+    step = int(optimizer.iterations.numpy())
+    die_if(step, "inside")
+    x, y, ids = batch["x"], batch["y"], batch["id"]
+    sign = np.sign(x @ w.numpy() + b.numpy()[0] - y).astype(np.float32)
+    gw = (sign @ x) / GLOBAL_BATCH
+    gb = np.array([sign.sum()], np.float32) / GLOBAL_BATCH
+    gs = np.zeros(examples, np.float32)
+    np.add.at(gs, ids, 1.0)
+    gs /= GLOBAL_BATCH
+    pairs = [(gw, w), (gb, b), (gs, seen)]
+    optimizer.apply_gradients((p for p in pairs) if args.overlap else pairs)
+
+
+manager = handler = None
+if args.checkpoint:
+    checkpoint = mpistrat.Checkpoint(model={"w": w, "b": b, "seen": seen}, optimizer=optimizer, data=iterator)
+    manager = mpistrat.CheckpointManager(checkpoint, args.checkpoint, max_to_keep=2)
+    if args.handler:
+        handler = mpistrat.PreemptionCheckpointHandler(manager)
+elif args.handler:
+    raise SystemExit("--handler needs --checkpoint")
+
+if any(where == "recovery" for _, where in KILLS):
+    original = recovery._recover_on
+
+    def dying_recovery(*a, **kw):  # type: ignore[no-untyped-def]
+        die_if(int(optimizer.iterations.numpy()), "recovery")
+        return original(*a, **kw)
+
+    recovery._recover_on = dying_recovery
+if any(where == "save" for _, where in KILLS):
+    original_write = saving.write
+
+    def dying_write(save, collectives):  # type: ignore[no-untyped-def]
+        die_if(int(optimizer.iterations.numpy()), "save")
+        return original_write(save, collectives)
+
+    saving.write = dying_write
+
+
+def distributed_step(batch: dict[str, np.ndarray]) -> None:
+    strategy.run(train_step, args=(batch,))
+
+
+def save_if_due(step: int) -> None:
+    if manager is None or not args.save_every or step % args.save_every or step == 0:
+        return
+    options = mpistrat.CheckpointOptions(enable_async=args.async_save)
+    manager.save(checkpoint_number=step, options=options)
+    die_if(step, "async")
+
+
+while True:
+    step = int(optimizer.iterations.numpy())
+    if step >= args.steps:
+        break
+    die_if(step, "before")
+    try:
+        if handler is not None:
+            handler.run(distributed_step, next(iterator))
+        else:
+            distributed_step(next(iterator))
+        die_if(step, "after")
+        save_if_due(int(optimizer.iterations.numpy()))
+    except mpistrat.PeerFailedError as failure:
+        print(f"FAILURE {WORLD}: {failure}", flush=True)
+        done = strategy.recover()
+        print(f"RECOVERED {WORLD}: {done.describe()}", flush=True)
+
+if manager is not None:
+    manager.sync()
+weights = np.concatenate([w.numpy(), b.numpy(), seen.numpy()])
+steps = int(optimizer.iterations.numpy())
+print(f"RESULT {WORLD} {strategy.num_replicas_in_sync} {steps} {weights.tobytes().hex()}", flush=True)
