@@ -75,7 +75,7 @@ def load(
     parted = [e for e in wanted if isinstance(targets[e.name], (ShardedSlot, RankShare)) and not e.fortran]
     windows = _windows([e for e in wanted if e not in parted], collectives.size, _adjacent(targets))
     rank, size = collectives.rank, collectives.size
-    parts = [(e, element, part) for e in parted for element, part in targets[e.name].local_parts()]
+    parts = [(e, at, part) for e in parted for at, part in targets[e.name].local_parts(writable=True)]
     sizes = [share(w.nbytes, size, rank) for w in windows]
     staging = np.empty(sum(b - a for a, b in sizes) + sum(int(p.nbytes) for _, _, p in parts), np.uint8)
     pieces, at = [], 0

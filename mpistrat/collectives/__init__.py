@@ -124,6 +124,7 @@ class Collectives:
         comm.Set_errhandler(MPI.ERRORS_RETURN)  # MPI's errors return to failure.from_mpi, not abort
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.hosts: tuple[str, ...] = ()  # every rank's host, once known (locate)
         self.seq = 0  # collectives so far: every rank numbers them the same
         self.caches = caches.Caches()  # what its collectives remember between calls
         self.transports = Transports(comm)  # per array module: MPI, CUDA-aware MPI, staging, NCCL
@@ -189,7 +190,8 @@ class Collectives:
     def locate(self, hosts: tuple[str, ...]) -> None:
         """Every rank's host name (in rank order), named in stall warnings, timeouts and the straggler
         table where the ranks span several hosts (on one host it would say nothing new)."""
-        several = tuple(hosts) if len(set(hosts)) > 1 else ()
+        self.hosts = tuple(hosts)  # where a sharded optimizer's keepers go (training/shard_copies.py)
+        several = self.hosts if len(set(hosts)) > 1 else ()
         self.monitor.hosts = self.stragglers.hosts = several
 
     def finish_pending(self) -> None:
@@ -231,6 +233,7 @@ class Collectives:
     all_gather_in_place = in_place.all_gather_in_place
     all_gather_bytes = in_place.all_gather_bytes
     exact_mean_in_place = in_place.exact_mean_in_place
+    exchange = in_place.exchange
 
 
 def _close(transports: Transports, requests: list[MPI.Prequest]) -> None:

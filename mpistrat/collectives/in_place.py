@@ -37,6 +37,7 @@ __all__ = [
     "all_gather_in_place",
     "all_reduce_in_place",
     "exact_mean_in_place",
+    "exchange",
     "reduce_scatter_in_place",
 ]
 
@@ -160,6 +161,25 @@ def all_gather_bytes(
         return
     displs = [0, *itertools.accumulate(counts[:-1])]
     self.comm.Allgatherv([mine, MPI.BYTE], [out, counts, displs, MPI.BYTE])
+
+
+@watchdog.collective("exchange")
+def exchange(
+    self: Collectives, send: Any, dest: int, recv: Any, source: int, *, kind: str = "exchange"
+) -> None:
+    """``send`` to rank ``dest`` while ``recv`` fills from rank ``source``: every rank at once, the
+    destinations a permutation of the ranks (a sharded optimizer's copies for its keepers). Flat
+    buffers of one dtype; device buffers through the host; any count."""
+    if type(send) is not np.ndarray or type(recv) is not np.ndarray:
+        staged = np.empty(recv.shape, recv.dtype)
+        exchange(self, packing.array_module(send).asnumpy(send), dest, staged, source, kind=kind)
+        recv[...] = packing.array_module(recv).asarray(staged)
+        return
+    for lo, hi in mpi.pieces(max(send.size, recv.size)):
+        self.comm.Sendrecv(send[lo:hi], dest, _EXCHANGE_TAG, recv[lo:hi], source, _EXCHANGE_TAG)
+
+
+_EXCHANGE_TAG = 0x6D78  # beside the side channel's tag: never matched with its messages
 
 
 def _contiguous(buf: Any, kind: str) -> None:

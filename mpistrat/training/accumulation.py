@@ -239,7 +239,7 @@ class RankShare:
         """Where a checkpoint lays it out, the same on every rank (after the sharded slots' keys)."""
         return (int(getattr(self._var, "synced_key", 0)), self.dtype.str, "~accumulation", 0)
 
-    def local_parts(self) -> list[tuple[int, Any]]:
+    def local_parts(self, writable: bool = False) -> list[tuple[int, Any]]:
         """This rank's row: ``(offset in the flattened entry, a view of the buffer)``."""
         return [(self._rank * int(self._buffer.size), self._buffer.reshape(-1))]
 

@@ -33,7 +33,7 @@ from mpistrat.collectives.sum_modes import PLAIN, SumMode, sum_mode
 from mpistrat.comm import packing
 from mpistrat.diagnostics import failures
 from mpistrat.errors import InvalidArgumentError, MpistratError
-from mpistrat.training import pack_step
+from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.optimizer_checks import compare_copies
 from mpistrat.training.pack_step import BLOCK, WHOLE, Update
@@ -67,13 +67,18 @@ class Layout:
     per_rank: int  # elements a rank owns in each pack (the whole pack, unsharded)
     ranks: int  # 1 unsharded
     rank: int
+    limit: int = 0  # elements per pack asked for (bytes_per_pack), before rounding to the ranks
 
     @classmethod
     def make(cls, size: int, itemsize: int, bytes_per_pack: int, ranks: int, rank: int) -> Layout:
         """``ranks`` > 1 shards; every rank computes the same packs from the same numbers."""
         limit = min(size, bytes_per_pack // itemsize) if bytes_per_pack else size
-        per_rank = max(1, -(-limit // ranks))  # an empty group has no packs
-        return cls(size, per_rank * ranks, per_rank, ranks, rank if ranks > 1 else 0)
+        return cls(size, 0, 0, 1, 0, limit).over(ranks, rank)
+
+    def over(self, ranks: int, rank: int) -> Layout:
+        """The same elements and packs asked for, laid over ``ranks`` ranks (after a rank's death)."""
+        per_rank = max(1, -(-self.limit // ranks))  # an empty group has no packs
+        return Layout(self.size, per_rank * ranks, per_rank, ranks, rank if ranks > 1 else 0, self.limit)
 
     @property
     def sharded(self) -> bool:
@@ -140,6 +145,7 @@ class Group:
             else:
                 self.slots[name] = FlatBuffer([own_copy(s) for s in slot_variables[name]])
         self.staging = xp.empty(layout.pack, dtype)
+        self.rewritten = False  # slots written outside a step (a restore): other ranks' copies are stale
         self._rows: Any = None  # [K, pack]: an accumulation cycle's packs, for an exact mean
         self.stream: Any = None  # a streamed step's staging of every pack (training/overlap.py)
 
@@ -207,18 +213,8 @@ def _plan_group(group: Group, positions: list[int], present: list[int]) -> _Grou
         edges = [0] + [e for r in filled for e in r] + [hi - lo]
         gaps.append([(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b])
         runs.append([(a, b, p, all(x == 0 and y == sizes[j] for j, x, y in p)) for a, b, p in pack_runs])
-        own_lo, own_hi = lay.owned(k)
-        mine: list[tuple[int, int]] = []
-        each: list[tuple[int, int, int]] = []
-        for p, i in enumerate(present):
-            a, b = max(spans[i][0], own_lo), min(spans[i][1], own_hi)
-            if a < b:
-                each.append((a, b, p))
-                if mine and mine[-1][1] == a:
-                    mine[-1] = (mine[-1][0], b)
-                else:
-                    mine.append((a, b))
-        updates.append(mine)
+        each = pack_step.owned_segments(group, present, k)
+        updates.append(pack_step.joined([(a, b) for a, b, _ in each]))
         segments.append(each)
     return _GroupStep(group, positions, present, runs, gaps, updates, segments)
 
@@ -263,6 +259,8 @@ class FlatState:
         self.groups: list[Group] = []
         self.where: dict[int, tuple[Group, int]] = {}  # id(variable) -> its group and index there
         self._plans: dict[tuple[int, ...], _Plan] = {}
+        self.steps = 0  # applied on this rank (a recovery after a rank's death goes on from the most)
+        self.copies: shard_copies.Copies | None = None  # of sharded state, where a death is survivable
 
     def add(
         self,
@@ -293,19 +291,21 @@ class FlatState:
         self._plans.clear()
 
     def recovery_facts(self) -> Any:
-        """What a recovery needs of this state here: nothing unsharded (every survivor that applied
-        the step holds it whole)."""
-        return None
+        """What a recovery needs of this state here (sharded: ``shard_copies.Facts``)."""
+        return shard_copies.facts(self)
 
     def recover(self, recovery: Any, facts: list[Any]) -> None:
-        """Every group's weights and slots from ``recovery.source`` (collective over the survivors)."""
+        """After a rank's death (collective over the survivors): unsharded groups take their weights
+        and slots from ``recovery.source``; sharded ones are laid out over the survivors from every
+        part's holder (``shard_copies.recover``)."""
         comm, source = recovery.collectives.comm, recovery.source
         for group in self.groups:
-            if group.layout.sharded:
-                raise NotImplementedError("sharded state is re-sharded by its buddies")
-            broadcast_in_place(comm, group.params.claim(), source)
-            for slot in group.slots.values():
-                broadcast_in_place(comm, slot.claim(), source)
+            if not group.layout.sharded:
+                broadcast_in_place(comm, group.params.claim(), source)
+                for slot in group.slots.values():
+                    broadcast_in_place(comm, slot.claim(), source)
+        if facts[0] is not None:
+            shard_copies.recover(self, recovery, facts)
         self._plans.clear()
 
     def cached_plan(self, variables: list[Variable]) -> _Plan | None:
@@ -430,10 +430,14 @@ class FlatState:
         ]
         # An overflow found once data has moved must raise before the first pack is written; where a
         # rank's death can be survived, every step is all-or-nothing on each rank (distribute/recovery.py).
-        whole = _fails_late(mode, plan) or (collectives is not None and failures.live() and not self.shard)
+        live = collectives is not None and failures.live()
+        whole = live or _fails_late(mode, plan)
         applied = True
         try:
-            if rule is not None and (rule.whole or whole):
+            if live and self.shard and rule is None and collectives is not None and collectives.size > 1:
+                # each rank's part of the slots is also kept by another rank (training/shard_copies.py)
+                shard_copies.run(self, collectives, work, update, lr, step, kind, options, rows)
+            elif rule is not None and (rule.whole or whole):
                 applied = pack_step.run_whole(collectives, work, rule, lr, step, kind, options, rows)
             elif whole:
                 pack_step.run_reduced_first(collectives, work, update, lr, step, kind, options, rows)
@@ -442,6 +446,7 @@ class FlatState:
         except BaseException:  # an update raising on one rank leaves the others in a transfer
             failure.abandon(collectives)
             raise
+        self.steps += 1
         if collectives is not None:
             collectives.commits += 1  # done here, applied or skipped: what a recovery goes on from
             if check_level(collectives, options) > 1:

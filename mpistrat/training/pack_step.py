@@ -9,7 +9,8 @@ step that raises would leave the packs before the failing one updated (and a ret
 update them twice). 16-bit compression is such a reduction: an overflow is found only when a
 block is summed. :func:`run_reduced_first` then reduces every pack of every group first,
 keeping each result (the gradients' size unsharded, this rank's 1/R sharded), and updates
-only once all have arrived.
+only once all have arrived. So does every step where a rank's death can be survived: each
+rank then applies a step whole or not at all (``distribute/recovery.py``).
 
 An optimizer's :class:`Rule` adds what Keras's base arguments do around the update (loss
 scaling, clipping, weight decay, EMA, LAMB's trust ratios). A rule that needs a norm over whole
@@ -22,7 +23,7 @@ run pack by pack in :func:`run`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ __all__ = [
     "Rule",
     "Update",
     "gather_pack",
+    "joined",
+    "owned_ranges",
+    "owned_segments",
+    "reduce_all",
     "run",
     "run_reduced_first",
     "run_whole",
@@ -110,10 +115,7 @@ def run(
     for s, grads, params in work:
         slots = s.group.claim_slots()
         for k in range(s.group.layout.packs):
-            if rows:
-                grad, base = _reduce_rows(collectives, s, grads, k, kind, rows)
-            else:
-                grad, base = _reduce(collectives, s, grads, k, kind, options)
+            grad, base = _reduced(collectives, s, grads, k, kind, options, rows)
             if rule is not None:
                 rule.before([(s, k, grad, base, params, slots)])
             update_pack(s, k, grad, base, params, slots, update, lr, step)
@@ -133,16 +135,7 @@ def run_whole(
     rows: int = 0,
 ) -> bool:
     """Every pack reduced and kept, then :func:`update_reduced`; False when the rule skipped the step."""
-    packs: list[Pack] = []
-    for s, grads, params in work:
-        slots = s.group.claim_slots()
-        several = s.group.layout.packs > 1  # the staging buffer is reused for the next pack: keep a copy
-        for k in range(s.group.layout.packs):
-            if rows:
-                grad, base = _reduce_rows(collectives, s, grads, k, kind, rows)
-            else:
-                grad, base = _reduce(collectives, s, grads, k, kind, options)
-            packs.append((s, k, grad.copy() if several else grad, base, params, slots))
+    packs = reduce_all(collectives, work, kind, options, rows)
     return update_reduced(collectives, packs, rule, lr, step, kind, options)
 
 
@@ -177,35 +170,43 @@ def run_reduced_first(
     options: CommunicationOptions | None,
     rows: int = 0,
 ) -> None:
-    """Every pack of every group reduced (and kept) before the first is updated: a group of one pack
-    keeps its sum in its own staging buffer, one of several copies each pack's aside."""
-    reduced = [
-        [
-            (grad if s.group.layout.packs == 1 else grad.copy(), base)
-            for grad, base in _reduced_packs(collectives, s, grads, kind, options, rows)
-        ]
-        for s, grads, _ in work
-    ]
-    for (s, _, params), packs in zip(work, reduced, strict=True):
-        slots = s.group.claim_slots()
-        for k, (grad, base) in enumerate(packs):
-            update_pack(s, k, grad, base, params, slots, update, lr, step)
-            gather_pack(collectives, s, k, params, kind, options)
+    """Every pack of every group reduced (and kept) before the first is updated."""
+    for s, k, grad, base, params, slots in reduce_all(collectives, work, kind, options, rows):
+        update_pack(s, k, grad, base, params, slots, update, lr, step)
+        gather_pack(collectives, s, k, params, kind, options)
 
 
-def _reduced_packs(
+def reduce_all(
     collectives: Collectives | None,
-    s: GroupStep,
-    grads: list[Any],
+    work: list[Work],
     kind: str,
     options: CommunicationOptions | None,
     rows: int = 0,
-) -> Iterator[tuple[Any, int]]:
-    for k in range(s.group.layout.packs):
-        if rows:
-            yield _reduce_rows(collectives, s, grads, k, kind, rows)
-        else:
-            yield _reduce(collectives, s, grads, k, kind, options)
+) -> list[Pack]:
+    """Every pack of every group reduced and kept: a group of one pack keeps its sum in its staging
+    buffer, one of several (whose staging the next pack reuses) a copy of each pack's."""
+    packs: list[Pack] = []
+    for s, grads, params in work:
+        slots = s.group.claim_slots()
+        several = s.group.layout.packs > 1
+        for k in range(s.group.layout.packs):
+            grad, base = _reduced(collectives, s, grads, k, kind, options, rows)
+            packs.append((s, k, grad.copy() if several else grad, base, params, slots))
+    return packs
+
+
+def _reduced(
+    collectives: Collectives | None,
+    s: GroupStep,
+    grads: list[Any],
+    k: int,
+    kind: str,
+    options: CommunicationOptions | None,
+    rows: int,
+) -> tuple[Any, int]:
+    if rows:
+        return _reduce_rows(collectives, s, grads, k, kind, rows)
+    return _reduce(collectives, s, grads, k, kind, options)
 
 
 def _reduce(
@@ -300,3 +301,37 @@ def gather_pack(
         assert collectives is not None
         lo, hi = s.group.layout.bounds(k)
         collectives.all_gather_in_place(params[lo:hi], kind=kind, options=options)
+
+
+def owned_segments(group: Any, present: list[int], k: int, rank: int | None = None) -> list[tuple[int, int, int]]:
+    """``(start, stop, p)`` for each of the ``present`` variables of ``group`` (an
+    ``optimizer_state.Group``; ``p`` its index in ``present``) with elements in pack ``k`` that
+    ``rank`` (this rank) updates."""
+    spans = group.params.spans
+    own_lo, own_hi = group.layout.owned(k, rank)
+    out = []
+    for p, i in enumerate(present):
+        a, b = max(spans[i][0], own_lo), min(spans[i][1], own_hi)
+        if a < b:
+            out.append((a, b, p))
+    return out
+
+
+def owned_ranges(group: Any, present: list[int], k: int, rank: int | None = None) -> list[tuple[int, int]]:
+    """:func:`owned_segments` as element ranges, adjacent ones joined."""
+    return joined([(a, b) for a, b, _ in owned_segments(group, present, k, rank)])
+
+
+def joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ranges joined.
+
+    >>> joined([(0, 2), (2, 5), (7, 9)])
+    [(0, 5), (7, 9)]
+    """
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out

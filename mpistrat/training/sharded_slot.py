@@ -67,8 +67,12 @@ class ShardedSlot:
             group.params.spans[self._index][0],
         )
 
-    def local_parts(self) -> list[tuple[int, Any]]:
-        """This rank's parts: ``(offset in the flattened slot, array)`` pairs; no communication."""
+    def local_parts(self, writable: bool = False) -> list[tuple[int, Any]]:
+        """This rank's parts: ``(offset in the flattened slot, array)`` pairs; no communication.
+        ``writable``: the caller writes them (a restore), so the copies kept by other ranks where a
+        death is survivable (``shard_copies.py``) are made again at the next step."""
+        if writable:
+            self._group.rewritten = True
         slot = self._group.slots[self._slot]
         return [(lo, slot[at : at + hi - lo]) for lo, hi, at in self._pieces(self._group.layout.rank)]
 
@@ -130,6 +134,7 @@ class ShardedSlot:
         )
         for lo, hi, at in self._pieces(self._group.layout.rank):
             slot[at : at + hi - lo] = flat[lo:hi]
+        self._group.rewritten = True
         return self
 
     def __repr__(self) -> str:

@@ -127,3 +127,18 @@ def test_a_killed_rank_leaves_the_weights_of_an_uninterrupted_run(ranks, kill):
     lost = int(kill.split("@")[0])
     check_result(out, ranks, {lost}, steps=4)
     assert f"MPIStrategy.recover: lost world rank {lost}; going on from optimizer step" in out, out
+
+
+@pytest.mark.parametrize(
+    ("ranks", "kill"),
+    [
+        (4, "2@2@inside"),  # before the reduce-scatter: every survivor takes the step again
+        (3, "1@2@update"),  # after it: the survivors updated their parts, the lost part is replayed
+        (4, "0@2@before"),  # rank 0, whose part its keeper (rank 1) holds
+        (4, "3@1@after"),  # between steps: the keeper's replica is at the step
+    ],
+)
+def test_sharded_adam_loses_no_part_of_its_slots(ranks, kill):
+    """``shard_state=True``: the lost rank's slots come from its keeper, the survivors re-shard."""
+    _, out = survive(ranks, "--steps", "4", "--shard", "--kill", kill)
+    check_result(out, ranks, {int(kill.split("@")[0])}, steps=4)

@@ -1,0 +1,91 @@
+"""The keepers of a sharded optimizer's parts (``training/shard_copies.py``), without MPI: which survivor
+holds each part after a death, and a replica's replayed update against the partner's own.
+
+The jobs that kill ranks are in ``tests/distribute/test_recovery.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpistrat.errors import PeerFailedError
+from mpistrat.optimizers import Adam
+from mpistrat.training import pack_step, shard_copies
+from mpistrat.training.optimizer_state import FlatState
+from mpistrat.training.shard_copies import Facts
+from mpistrat.training.variables import Variable
+
+
+def facts(rank: int, steps: int = 5, dirty: bool = False, version: int = 5, pending: int = -1, size: int = 4):
+    return Facts(steps, dirty, rank, size, 1, version, pending)
+
+
+def test_every_part_of_a_clean_state_is_its_owners():
+    found = [facts(r) for r in range(4)]
+    assert shard_copies._providers(found, 5) == {r: (r, "own") for r in range(4)}
+
+
+def test_a_lost_part_comes_from_its_keeper_at_the_step_or_replayed_one_step_on():
+    found = [facts(0), facts(1), facts(3)]  # rank 2 lost: its keeper is rank 3, now the survivors' 2
+    assert shard_copies._providers(found, 5)[2] == (2, "replica")
+    found = [facts(0, steps=6), facts(1, steps=6), facts(3, dirty=True, version=5, pending=6)]
+    assert shard_copies._providers(found, 6)[2] == (2, "replay")
+
+
+def test_a_part_updated_in_a_step_no_survivor_completed_is_taken_back():
+    found = [facts(0, dirty=True), facts(1), facts(2, dirty=True), facts(3)]
+    providers = shard_copies._providers(found, 5)
+    assert providers[0] == (0, "undo") and providers[1] == (1, "own") and providers[2] == (2, "undo")
+    # a survivor one step behind that updated its part holds it at the step the others completed
+    found = [facts(0, steps=4, dirty=True), facts(1, steps=5), facts(2, steps=5), facts(3, steps=5)]
+    assert shard_copies._providers(found, 5)[0] == (0, "own")
+
+
+def test_a_rank_lost_with_its_keeper_is_an_error_that_says_so():
+    with pytest.raises(PeerFailedError, match="rank 1 and its keeper, rank 2, were lost together"):
+        shard_copies._providers([facts(0), facts(3)], 5)
+    with pytest.raises(PeerFailedError, match="keeper holds its part at step 3, not 5"):
+        shard_copies._providers([facts(0), facts(1), facts(3, version=3)], 5)
+
+
+@pytest.mark.parametrize("bytes_per_pack", [0, 24])  # one pack; packs of 6 float32 (3 elements per rank)
+@pytest.mark.parametrize("present", [[0, 1], [1]])  # every variable given a gradient, or only the second
+def test_the_keeper_replays_the_partners_update_to_the_same_bits(bytes_per_pack, present):
+    """The keeper (rank 0 of 2) replays rank 1's Adam step on its replica: the same bits as rank 1's own."""
+    rng = np.random.default_rng(3)
+    values = [rng.standard_normal(7).astype(np.float32), rng.standard_normal(4).astype(np.float32)]
+    groups = []
+    for rank in (0, 1):
+        state = FlatState(("m", "v"), shard=True)
+        state.add([Variable(v.copy()) for v in values], None, ranks=2, rank=rank, bytes_per_pack=bytes_per_pack)
+        groups.append(state.groups[0])
+    keeper, owner = groups
+    lay = owner.layout
+    for g in groups:  # the same slots everywhere, as after a few steps
+        for slot in g.slots.values():
+            slot[...] = np.abs(rng.standard_normal(slot.size)).astype(np.float32)
+    for name in owner.slots:
+        keeper.slots[name][...] = owner.slots[name]
+    gradient = rng.standard_normal(lay.slot_length).astype(np.float32)
+    adam = Adam(0.1)
+    copies = shard_copies.Copies([keeper], rank=0, size=2, shift=1)
+    c = copies.groups[id(keeper)]
+    c.replica[0][...] = shard_copies.part(lay, keeper.params.array, 1)
+    for i, slot in enumerate(owner.slots.values()):
+        c.replica[1 + i][...] = slot
+    c.pending[...] = gradient
+    c.ranges = [pack_step.owned_ranges(keeper, present, k, 1) for k in range(lay.packs)]
+    copies.pending_step, copies.call = 1, (adam._update_flat, 0.1, 0)
+    shard_copies.advance(copies, [keeper])
+
+    step = type("Step", (), {})()  # the owner's own update, as pack_step runs it
+    step.group, step.updates = owner, [pack_step.owned_ranges(owner, present, k) for k in range(lay.packs)]
+    params, slots = owner.params.claim(), owner.claim_slots()
+    for k in range(lay.packs):
+        block = gradient[k * lay.per_rank : (k + 1) * lay.per_rank].copy()
+        pack_step.update_pack(step, k, block, lay.owned(k)[0], params, slots, adam._update_flat, 0.1, 0)
+    assert c.replica[0].tobytes() == shard_copies.part(lay, params, 1).tobytes()
+    for i, slot in enumerate(slots):
+        assert c.replica[1 + i].tobytes() == slot.tobytes()
+    assert copies.version == 1
