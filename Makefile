@@ -51,8 +51,9 @@ docs: $(VENV)/.docs-installed
 test: install test-serial $(addprefix test-,$(SIZES))
 
 # The fault-injection jobs mostly wait (for a timeout, a stall warning, a killed rank): several run
-# at once (pytest-xdist), each its own job, after the rest of the serial pass.
-FAULTS := tests/diagnostics/test_faults.py
+# at once (pytest-xdist), each its own job, after the rest of the serial pass. The jobs that lose a
+# rank and go on need Open MPI launched with ULFM (they skip elsewhere): make test-openmpi-faults.
+FAULTS := tests/diagnostics/test_faults.py tests/distribute/test_recovery.py
 # The node tests run in make test-nodes, at two virtual nodes.
 NODE_TESTS := tests/nodes
 FAULT_WORKERS ?= 4
@@ -64,7 +65,7 @@ SERIAL_WORKERS ?= 2
 # other venvs' installs (`make test-readme`, then `make test SKIP_README=1`).
 README_TEST := tests/test_readme.py::test_the_readme_install_and_first_program_run_verbatim
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(SERIAL_WORKERS) --ignore=$(FAULTS) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(SERIAL_WORKERS) $(addprefix --ignore=,$(FAULTS)) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
 
 test-readme: install

@@ -15,9 +15,17 @@ names, and the module each comes from, are listed in ``__init__.pyi`` (what type
 import ast
 import importlib
 import importlib.machinery
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+# Open MPI launched to survive a rank's death (--with-ft ulfm): its MPI_Finalize ends with a fence that
+# was seen to hang after a death (4 times in 10); skip it, as its async_mpi_finalize option does,
+# unless the launch chose. Read by MPI_Init, so before anything below can start MPI
+# (docs/fault-tolerance.md).
+if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on"):  # noqa: SIM112
+    os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
 from mpistrat import context
 from mpistrat.diagnostics import startup as _startup  # starts MPI, and notes when

@@ -79,19 +79,22 @@ class PeerFailedError(MpistratError, RuntimeError):
     ``ranks`` are the ``COMM_WORLD`` ranks known lost when it was raised (possibly empty: MPI reported
     the failure before it could say whose). Where the MPI library can go on without them (ULFM: Open
     MPI launched with ``--with-ft ulfm``), ``strategy.recover()`` rebuilds the strategy on the
-    survivors and the loop goes on; elsewhere the job ends with :data:`PEER_FAILED_EXIT`.
+    survivors and the loop goes on; elsewhere, or where ``recoverable`` is false (raised by the
+    recovery itself: too few ranks left, state lost with them), the job ends with
+    :data:`PEER_FAILED_EXIT`.
 
     >>> error = PeerFailedError("all_reduce: world rank 2 died", ranks=(2,))
-    >>> error.ranks, isinstance(error, RuntimeError)
-    ((2,), True)
+    >>> error.ranks, error.recoverable, isinstance(error, RuntimeError)
+    ((2,), True, True)
     """
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), recoverable: bool = True):
         super().__init__(message)
         self.ranks = tuple(ranks)
+        self.recoverable = recoverable
 
     def __reduce__(self) -> Any:
-        return type(self), (str(self), self.ranks)
+        return type(self), (str(self), self.ranks, self.recoverable)
 
 
 # The exit status of a job that ends because a rank died (EX_PROTOCOL, 76: after preemption's 75); a

@@ -40,7 +40,7 @@ from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write
 from mpistrat.checkpoint.format import Table, renamed
 from mpistrat.checkpoint.tracking import name_before_escaping, tracked
 from mpistrat.collectives.fingerprint import hash64
-from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.errors import ContextError, InvalidArgumentError, PeerFailedError
 from mpistrat.input.position import InputPosition
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
@@ -340,8 +340,12 @@ def write_file(
     if options.enable_async:
         background.start(save, collectives, on_success or (lambda: None))
         return
-    saving.write(save, collectives)
-    saving.finish(save, collectives)
+    try:
+        saving.write(save, collectives)
+        saving.finish(save, collectives)
+    except PeerFailedError:  # a rank died mid-save: nothing stays open (MPI_Finalize would wait on it)
+        saving.abandon(save, collectives)
+        raise
     if on_success is not None:
         on_success()
 

@@ -50,7 +50,7 @@ from mpistrat.training.variables import Variable, VariableSynchronization
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["ALWAYS", "Save", "begin", "close", "copies_of", "finish", "write"]
+__all__ = ["ALWAYS", "Save", "abandon", "begin", "close", "copies_of", "finish", "write"]
 
 # Checkpoint agreements run even with the check off: a rank that failed must not be waited for.
 ALWAYS = CommunicationOptions(check=True)
@@ -273,6 +273,18 @@ def _create(save: Save, collectives: Collectives, hints: dict[str, str]) -> None
             with contextlib.suppress(OSError):
                 os.remove(save.tmp)
         raise
+
+
+def abandon(save: Save, collectives: Collectives) -> None:
+    """A save a rank's death interrupted: its file closed, rank 0's temporary removed (no
+    communication: the file is closed over a revoked communicator, whatever MPI says of it)."""
+    fh, save.file = save.file, None
+    if fh is not None:
+        with contextlib.suppress(MPI.Exception):
+            fh.Close()
+    if collectives.rank == 0:
+        with contextlib.suppress(OSError):
+            os.remove(save.tmp)
 
 
 def close(save: Save) -> None:

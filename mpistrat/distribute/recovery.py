@@ -104,8 +104,8 @@ def recover(extended: StrategyExtended) -> Recovery:
         except Exception as exc:
             if not (isinstance(exc, PeerFailedError) or failures.is_peer_failure(exc)):
                 raise
-            if isinstance(exc, _Unrecoverable):
-                raise
+            if isinstance(exc, PeerFailedError) and not exc.recoverable:
+                raise  # every survivor found the same: the job ends
             comm = c.comm if c.comm is survivors else survivors  # another death: again from the survivors
             continue
         world_after = set(_world_ranks(c.comm))
@@ -161,12 +161,8 @@ def _recover_on(extended: StrategyExtended, survivors: MPI.Intracomm, before: in
     return recovery
 
 
-class _Unrecoverable(PeerFailedError):
-    """The survivors cannot go on (every one of them finds the same): not tried again."""
-
-
 def _fail(message: str) -> None:
-    raise _Unrecoverable(f"MPIStrategy.recover: {message}")
+    raise PeerFailedError(f"MPIStrategy.recover: {message}", recoverable=False)
 
 
 def _world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:

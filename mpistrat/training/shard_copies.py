@@ -290,7 +290,8 @@ def _providers(found: list[Facts], steps: int) -> dict[int, tuple[int, str]]:
 
 def _lost(why: str) -> None:
     raise PeerFailedError(
-        f"MPIStrategy.recover: a sharded optimizer's state is lost ({why}); restore the last checkpoint"
+        f"MPIStrategy.recover: a sharded optimizer's state is lost ({why}); restore the last checkpoint",
+        recoverable=False,
     )
 
 

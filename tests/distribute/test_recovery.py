@@ -142,3 +142,101 @@ def test_sharded_adam_loses_no_part_of_its_slots(ranks, kill):
     """``shard_state=True``: the lost rank's slots come from its keeper, the survivors re-shard."""
     _, out = survive(ranks, "--steps", "4", "--shard", "--kill", kill)
     check_result(out, ranks, {int(kill.split("@")[0])}, steps=4)
+
+
+def test_two_ranks_killed_one_after_the_other():
+    _, out = survive(4, "--steps", "5", "--shard", "--kill", "1@1@inside", "--kill", "3@3@update")
+    check_result(out, 4, {1, 3}, steps=5)
+    assert "going on from optimizer step 1 with 3 of 4 replicas" in out, out
+    assert "going on from optimizer step 3 with 2 of 3 replicas" in out, out
+
+
+def test_a_rank_killed_during_the_recovery():
+    """Rank 0 dies as the recovery from rank 2's death begins: the survivors start it again without it."""
+    _, out = survive(4, "--steps", "4", "--shard", "--kill", "2@2@inside", "--kill", "0@2@recovery")
+    check_result(out, 4, {0, 2}, steps=4)
+
+
+def test_a_rank_lost_with_its_keeper_ends_the_job_with_the_reason():
+    """Sharded: ranks 1 and 2 (1's keeper) die together; the survivors say so and exit with status 76."""
+    code, out = survive(4, "--steps", "4", "--shard", "--kill", "1@2@inside", "--kill", "2@2@inside")
+    assert code == 76, out
+    assert "rank 1 and its keeper, rank 2, were lost together" in out, out
+    assert not results(out), out
+
+
+def test_fewer_ranks_than_the_minimum_end_the_job():
+    code, out = survive(3, "--steps", "4", "--kill", "1@2@inside", env={"MPISTRAT_MIN_REPLICAS": "3"})
+    assert code == 76, out
+    assert "only 2 of 3 replicas are left, fewer than MPISTRAT_MIN_REPLICAS=3" in out, out
+    assert not results(out), out
+
+
+def test_a_death_mid_cycle_of_gradient_accumulation_takes_the_cycle_again():
+    """K=2: rank 2 dies at a cycle's second call; the survivors drop the cycle and read its batches again."""
+    _, out = survive(3, "--steps", "3", "--accumulate", "2", "--kill", "2@1@call2")
+    check_result(out, 3, {2}, steps=3, accumulate=2)
+
+
+def test_a_death_in_a_step_over_a_generator_of_pairs():
+    _, out = survive(3, "--steps", "4", "--overlap", "--kill", "1@2@inside")
+    check_result(out, 3, {1}, steps=4)
+
+
+@pytest.mark.parametrize("kill", ["2@2@inside", "1@2@update", "3@2@before"])
+def test_a_preemption_handlers_loop_goes_on_unchanged(kill, tmp_path):
+    """``handler.run(step, next(iterator))``: the call is made again over the survivors (or was
+    completed by them), and counts once."""
+    _, out = survive(4, "--steps", "4", "--handler", "--checkpoint", str(tmp_path), "--kill", kill)
+    check_result(out, 4, {int(kill.split("@")[0])}, steps=4)
+
+
+def restored(path: str, steps: int) -> np.ndarray:
+    """The weights a checkpoint holds, restored at one rank."""
+    import mpistrat
+
+    sizes = {"w": FEATURES, "b": 1, "seen": GLOBAL_BATCH * steps}
+    strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
+    with strategy.scope():
+        variables = {name: mpistrat.Variable(np.zeros(size, np.float32)) for name, size in sizes.items()}
+    mpistrat.Checkpoint(model=variables).restore(path).expect_partial()
+    return np.concatenate([v.numpy() for v in variables.values()])
+
+
+@pytest.mark.parametrize(("where", "options"), [("save", []), ("async", ["--async-save"])])
+def test_a_death_during_a_checkpoint_save_leaves_the_previous_one_latest(where, options, tmp_path):
+    """A synchronous save interrupted, or a background one in flight: it never lands, the one before
+    stays the latest; the survivors save the next ones, which hold the reference's weights."""
+    args = ["--steps", "4", "--checkpoint", str(tmp_path), "--save-every", "1", *options]
+    _, out = survive(4, *args, "--kill", f"2@2@{where}")
+    check_result(out, 4, {2}, steps=4)
+    after = re.findall(r"^AT \d+ 3 \d+ LATEST (\S+)$", out, re.M)[
+        :3
+    ]  # each survivor's first step without rank 2
+    assert len(after) == 3 and all(p.endswith("-1") for p in after), (
+        out
+    )  # the interrupted save of step 2: not
+    latest = re.findall(r"^LATEST \d+ (\S+)$", out, re.M)
+    assert latest and latest[0].endswith("-4"), out
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # no temporary left behind
+    assert restored(latest[0], 4).tobytes() == reference(4).tobytes()
+
+
+def test_a_stopped_rank_is_not_declared_dead():
+    """Rank 1 stops for 2 s (SIGSTOP), within the failure detector's timeout (10 s): nobody is lost."""
+    options = [*launch.ulfm_options(), "--mca", "mpi_ft_detector", "true"]
+    code, out = launch.run_job(
+        JOB, "--steps", "4", "--kill", "1@2@stop", ranks=3, limit=60, options=options, no_strays=True
+    )
+    assert "STOPPING 1 at step 2" in out, out
+    assert "RECOVERED" not in out and "FAILURE" not in out, out
+    check_result(out, 3, set(), steps=4)
+
+
+def test_without_ulfm_a_death_ends_the_job():
+    """Open MPI launched without --with-ft: its launcher ends the job at the death, naming the rank."""
+    code, out = launch.run_job(
+        JOB, "--steps", "4", "--kill", "1@2@inside", ranks=3, limit=60, options=launch.launcher_options()
+    )
+    assert code != 0 and not results(out), out
+    assert "rank 1" in out and ("exited on signal 9" in out or "Killed" in out), out

@@ -9,8 +9,9 @@ example skipped or taken twice changes it, and the test names which.
 
 Arguments: ``--steps N``; ``--kill WORLD@STEP@WHERE`` (several): world rank WORLD dies with SIGKILL
 at optimizer step STEP, ``before`` the step's batch is read, ``inside`` the step before
-``apply_gradients``, in the ``update`` (after the gradients' sum), ``after`` the step, in a
-checkpoint ``save`` (sync), after an ``async`` one started, or in ``recovery``; ``--shard``,
+``apply_gradients`` (``call2``: at the second call of an accumulation cycle), in the ``update``
+(after the gradients' sum), ``after`` the step, in a checkpoint ``save`` (sync), after an
+``async`` one started, or in ``recovery``; or it stops for 2 s (``stop``), and lives; ``--shard``,
 ``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``),
 ``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every N``.
 Each survivor prints ``RESULT <world rank> <replicas> <iterations> <weights' bytes in hex>``.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -81,9 +83,14 @@ with strategy.scope():
 iterator = iter(strategy.experimental_distribute_dataset(dataset))
 
 
+calls = {"step": -1, "call": 0}  # the optimizer step of the last call, and the calls made at it
+
+
 def train_step(batch: dict[str, np.ndarray]) -> None:
     step = int(optimizer.iterations.numpy())
-    die_if(step, "inside")
+    calls["call"] = calls["call"] + 1 if calls["step"] == step else 1
+    calls["step"] = step
+    die_if(step, "inside" if calls["call"] == 1 else f"call{calls['call']}")
     x, y, ids = batch["x"], batch["y"], batch["id"]
     sign = np.sign(x @ w.numpy() + b.numpy()[0] - y).astype(np.float32)
     gw = (sign @ x) / GLOBAL_BATCH
@@ -139,6 +146,19 @@ while True:
     if step >= args.steps:
         break
     die_if(step, "before")
+    if manager is not None:
+        print(
+            f"AT {step} {strategy.num_replicas_in_sync} {WORLD} LATEST {manager.latest_checkpoint}",
+            flush=True,
+        )
+    if (step, "stop") in KILLS:  # stopped, not dead: a child wakes this rank after 2 s
+        KILLS.discard((step, "stop"))
+        if os.fork() == 0:
+            time.sleep(2.0)
+            os.kill(os.getppid(), signal.SIGCONT)
+            os._exit(0)
+        print(f"STOPPING {WORLD} at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
     try:
         if handler is not None:
             handler.run(distributed_step, next(iterator))
@@ -153,6 +173,7 @@ while True:
 
 if manager is not None:
     manager.sync()
+    print(f"LATEST {WORLD} {manager.latest_checkpoint}", flush=True)
 weights = np.concatenate([w.numpy(), b.numpy(), seen.numpy()])
 steps = int(optimizer.iterations.numpy())
 print(f"RESULT {WORLD} {strategy.num_replicas_in_sync} {steps} {weights.tobytes().hex()}", flush=True)

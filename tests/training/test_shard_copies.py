@@ -58,7 +58,9 @@ def test_the_keeper_replays_the_partners_update_to_the_same_bits(bytes_per_pack,
     groups = []
     for rank in (0, 1):
         state = FlatState(("m", "v"), shard=True)
-        state.add([Variable(v.copy()) for v in values], None, ranks=2, rank=rank, bytes_per_pack=bytes_per_pack)
+        state.add(
+            [Variable(v.copy()) for v in values], None, ranks=2, rank=rank, bytes_per_pack=bytes_per_pack
+        )
         groups.append(state.groups[0])
     keeper, owner = groups
     lay = owner.layout
