@@ -212,6 +212,19 @@ class CountingComm(MPI.Intracomm):
         _note("Send", _nbytes(buf), 0, self.Get_name())
         return super().Send(buf, dest, tag)
 
+    def Sendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = MPI.ANY_SOURCE,
+        recvtag: int = MPI.ANY_TAG,
+        status: Any = None,
+    ) -> None:
+        _note("Sendrecv", _nbytes(sendbuf), _nbytes(recvbuf), self.Get_name())
+        return super().Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+
     def Recv(
         self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None
     ) -> None:

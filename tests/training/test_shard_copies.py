@@ -9,12 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import mpistrat
+from mpistrat import CommunicationOptions
+from mpistrat.diagnostics import failures
 from mpistrat.errors import PeerFailedError
 from mpistrat.optimizers import Adam
 from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.optimizer_state import FlatState
 from mpistrat.training.shard_copies import Facts
 from mpistrat.training.variables import Variable
+from tests.conftest import WORLD, all_ranks_agree
+from tests.support.counting import CountingComm, Ledger
 
 
 def facts(rank: int, steps: int = 5, dirty: bool = False, version: int = 5, pending: int = -1, size: int = 4):
@@ -91,3 +96,60 @@ def test_the_keeper_replays_the_partners_update_to_the_same_bits(bytes_per_pack,
     for i, slot in enumerate(slots):
         assert c.replica[1 + i].tobytes() == slot.tobytes()
     assert copies.version == 1
+
+
+# -- under MPI: the copies of a real sharded step ----------------------------------------------------
+
+SHAPES = [(300,), (17, 5)]  # float32: 385 elements
+
+
+@pytest.fixture
+def survivable(monkeypatch):
+    """The optimizers behave as where a death is survivable (Open MPI with --with-ft ulfm); the copies
+    themselves are plain MPI (Sendrecv), so any MPI runs them."""
+    monkeypatch.setattr(failures, "_live", True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bytes_per_pack", [0, 512])
+def test_each_step_sends_the_keeper_one_shard_and_its_replica_holds_the_partners_part(
+    survivable, bytes_per_pack
+):
+    """Per step and rank, one ``Sendrecv`` of this rank's block of the summed gradients (one shard: the
+    padded gradients over R) beside the reduce-scatter and all-gather; the keeper's replica is then the
+    partner's own slots, bit for bit; and the weights are those of the step without copies."""
+    options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
+    strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
+    rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
+    rng = np.random.default_rng(rank)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    with strategy.scope():
+        ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(SHAPES)]
+        opt = Adam(0.1, shard_state=True)
+    step = lambda: opt.apply_gradients(zip(grads, ws, strict=True))  # noqa: E731
+    strategy.run(step)  # the copies are made whole at the first step
+    with Ledger.recording() as ledger:
+        strategy.run(step)
+    group = opt._state.groups[0]
+    shard = group.layout.slot_length * 4  # bytes: this rank's part of one flat buffer
+    exchanged = ledger.only("Sendrecv")
+    ok = exchanged.calls == 1 and (exchanged.sent, exchanged.received) == (shard, shard)
+    scatter = ledger.only("Reduce_scatter_block")
+    ok = ok and scatter.received == shard  # the same shard the reduce-scatter hands this rank
+    all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
+    copies = opt._state.copies
+    partner_slots = [
+        WORLD.sendrecv(s, dest=copies.keeper, source=copies.partner) for s in group.slots.values()
+    ]
+    replica = copies.groups[id(group)].replica[1:]
+    same = all(r.tobytes() == p.tobytes() for r, p in zip(replica, partner_slots, strict=True))
+    all_ranks_agree(WORLD, same, f"rank {rank}: the replica differs from rank {copies.partner}'s slots")
+    failures._live = False  # the same steps without copies: the same weights
+    with strategy.scope():
+        plain_ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"p{k}") for k, s in enumerate(SHAPES)]
+        plain = Adam(0.1, shard_state=True)
+    for _ in range(2):
+        strategy.run(lambda: plain.apply_gradients(zip(grads, plain_ws, strict=True)))
+    bits = all(w.numpy().tobytes() == p.numpy().tobytes() for w, p in zip(ws, plain_ws, strict=True))
+    all_ranks_agree(WORLD, bits, "the weights differ from the step without copies")
+    strategy.experimental_finalize()
