@@ -116,11 +116,8 @@ def fault_tolerance(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     env = os.environ if env is None else env
     library = MPI.Get_library_version()
     if not library.startswith("Open MPI") or not CLASSES:
-        name = library.split(",")[0].split("\n")[0].strip()
-        return False, (
-            f"{name} has no ULFM recovery here: a rank's death ends the job (exit status 76); "
-            "Open MPI 5 launched with `mpiexec --with-ft ulfm` survives it"
-        )
+        name = " ".join(library.split(",")[0].split("\n")[0].split())
+        return False, f"{name} has no ULFM; Open MPI 5 launched with `mpiexec --with-ft ulfm` goes on"
     if env.get("OMPI_MCA_mpi_ft_enable", "").lower() not in _TRUE:
         return False, "Open MPI was launched without fault tolerance: add `--with-ft ulfm` to mpiexec"
     transports = env.get("OMPI_MCA_btl", "")

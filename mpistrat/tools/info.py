@@ -9,7 +9,8 @@ MPI library, mpi4py, whether MPI is CUDA-aware and how that was decided, CuPy,
 CUDA and NCCL versions, ranks per node, what the launcher started beside what MPI
 joined (a task MPI started alone makes it exit 1, saying why), each host's logical cores
 against its ranks (more ranks than the cores they may use is oversubscribed: they take turns,
-and collectives wait for them), the thread settings of OpenMP and the BLAS, the rank -> host ->
+and collectives wait for them), the thread settings of OpenMP and the BLAS, whether a rank's death is survived in this launch (ULFM)
+and why not, the rank -> host ->
 CPUs -> device map, and the transport ``CommunicationImplementation.AUTO`` picks for host and
 device buffers.
 """
@@ -27,7 +28,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import native
 from mpistrat.comm import cuda, devices, transport
-from mpistrat.diagnostics import launch
+from mpistrat.diagnostics import failures, launch
 from mpistrat.errors import MpistratError
 from mpistrat.tools import host
 from mpistrat.tools.bench_meta import cpu_list
@@ -132,9 +133,14 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
         "blas_threads": host.blas_threads(),
         "host_transport": transport.HostMPI.name,
         "step_check": native.describe(),
+        "fault_tolerance": failures.fault_tolerance(),
         "device_transport": first["device_transport"],
         "ranks": ranks,
     }
+
+
+def _survived(live: bool, why: str) -> str:
+    return f"{'survived' if live else 'ends the job'}: {why}"
 
 
 _KINDS = {"nccl": "nccl", "cuda-aware": "cuda-aware mpi", "staged": "mpi (host staging)"}
@@ -167,6 +173,7 @@ def render(info: dict[str, Any]) -> str:
         + (" (OVERSUBSCRIBED: the ranks take turns on the cores)" if info["oversubscribed"] else ""),
         f"threads           {threads}",
         f"step check        {info['step_check']} (MPISTRAT_CHECK=step's per-call and per-step paths)",
+        f"a rank's death    {_survived(*info['fault_tolerance'])}",
         f"AUTO transport    host buffers: {info['host_transport']}",
         f"                  device buffers: {plan['AUTO']}",
         f"RING transport    device buffers: {plan['RING']}",

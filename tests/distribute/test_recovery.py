@@ -225,7 +225,7 @@ def test_a_death_during_a_checkpoint_save_leaves_the_previous_one_latest(where, 
 def test_a_stopped_rank_is_not_declared_dead():
     """Rank 1 stops for 2 s (SIGSTOP), within the failure detector's timeout (10 s): nobody is lost."""
     options = [*launch.ulfm_options(), "--mca", "mpi_ft_detector", "true"]
-    code, out = launch.run_job(
+    _, out = launch.run_job(
         JOB, "--steps", "4", "--kill", "1@2@stop", ranks=3, limit=60, options=options, no_strays=True
     )
     assert "STOPPING 1 at step 2" in out, out
