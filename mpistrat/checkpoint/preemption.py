@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat import nest
 from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, strategy_of, track
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.diagnostics import failures, watchdog
@@ -211,10 +212,11 @@ class PreemptionCheckpointHandler:
         ``exit_fn`` runs instead (the default exits the process).
 
         Where the job survives a rank's death (Open MPI launched with ``--with-ft ulfm``), a call
-        during which a rank died goes on with the survivors (``MPIStrategy.recover``): if a survivor
-        had completed the step, it returns None; otherwise the call is made again, with the global
-        batch the iterator handed out re-split over the survivors (an argument that is not a batch an
-        iterator just handed out is passed as it was). The call then counts once, as any other.
+        during which a rank died goes on with the survivors (``MPIStrategy.recover``) and returns
+        None: if a survivor had completed its step, it counts; otherwise it is made again, with the
+        batch a distributed iterator handed out read again and split over the survivors, and counts
+        once; where no argument is such a batch (the loop took it apart first), it does not count,
+        and the iterator hands that batch out again at the next read.
         """
         self._check_and_maybe_save()
         while True:
@@ -229,8 +231,10 @@ class PreemptionCheckpointHandler:
                 if recover().step > applied:  # a survivor completed this call's step
                     result = None
                     break
-                args = tuple(_renewed(self._collectives, a) for a in args)
-                kwargs = {k: _renewed(self._collectives, v) for k, v in kwargs.items()}
+                again = _renewed(self._collectives, (args, kwargs))
+                if again is None:
+                    return None
+                args, kwargs = again
         self._total_run_calls += 1
         self._run_calls.assign(np.int64(self._total_run_calls))  # saved by every save, not only ours
         return result
@@ -397,14 +401,19 @@ class PreemptionWatcher:
         """Nothing to wait for on MPI (tf's is a no-op outside TPU clusters too)."""
 
 
-def _renewed(collectives: Any, value: Any) -> Any:
-    """``value`` read again, re-split over the survivors, if it is the batch one of the strategy's
-    iterators handed out last (the iterator was moved back by the recovery); else ``value``."""
+def _renewed(collectives: Any, arguments: Any) -> Any:
+    """``arguments`` with the batch a distributed iterator of the strategy handed out last read again
+    from it (moved back by the recovery: the same global batch, split over the survivors), leaf by
+    leaf; None where no argument holds any of that batch."""
+    held = {id(leaf) for leaf in nest.flatten(arguments) if leaf is not None}
+    found: dict[int, Any] = {}
     for _, obj in collectives.recoverables.items():
         renewed = getattr(obj, "renewed", None)
-        if renewed is not None and (again := renewed(value)) is not None:
-            return again
-    return value
+        if renewed is not None:
+            found.update(renewed(held) or {})
+    if not found:
+        return None
+    return nest.map_structure(lambda leaf: found.get(id(leaf), leaf), arguments)
 
 
 def _poll_watcher(handler: weakref.ref[PreemptionCheckpointHandler], watcher: Callable[[], bool]) -> None:

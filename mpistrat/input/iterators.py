@@ -183,12 +183,15 @@ class SplitIterator(DistributedIterator):
     def recovery_facts(self) -> None:
         return None
 
-    def renewed(self, value: Any) -> Any:
-        """After a recovery: this iterator's next batch if ``value`` is the one it handed out last (moved
-        back, it reads that global batch again, split over the survivors); else None. Collective."""
-        if value is None or value is not self._last:
+    def renewed(self, held: set[int]) -> dict[int, Any] | None:
+        """After a recovery: if a caller holds any leaf of the batch this iterator handed out last (``held``:
+        the ``id`` of each leaf it holds), this iterator reads that global batch again (it was moved
+        back), split over the survivors, and maps each old leaf's ``id`` to its new leaf; else None.
+        Collective, as a step."""
+        last = nest.flatten(self._last) if self._last is not None else []
+        if not any(id(leaf) in held for leaf in last):
             return None
-        return self._step()
+        return dict(zip(map(id, last), nest.flatten(self._step()), strict=False))
 
     def recover(self, recovery: Any, facts: list[Any]) -> None:
         """After a rank's death: the global batches read since the optimizer step the survivors go on

@@ -9,9 +9,8 @@ MPI library, mpi4py, whether MPI is CUDA-aware and how that was decided, CuPy,
 CUDA and NCCL versions, ranks per node, what the launcher started beside what MPI
 joined (a task MPI started alone makes it exit 1, saying why), each host's logical cores
 against its ranks (more ranks than the cores they may use is oversubscribed: they take turns,
-and collectives wait for them), the thread settings of OpenMP and the BLAS, whether a rank's death is survived in this launch (ULFM)
-and why not, the rank -> host ->
-CPUs -> device map, and the transport ``CommunicationImplementation.AUTO`` picks for host and
+and collectives wait for them), the thread settings of OpenMP and the BLAS, whether a rank's
+death is survived in this launch (ULFM) and why not, the rank -> host -> CPUs -> device map, and the transport ``CommunicationImplementation.AUTO`` picks for host and
 device buffers.
 """
 

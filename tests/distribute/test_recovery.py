@@ -183,11 +183,15 @@ def test_a_death_in_a_step_over_a_generator_of_pairs():
     check_result(out, 3, {1}, steps=4)
 
 
-@pytest.mark.parametrize("kill", ["2@2@inside", "1@2@update", "3@2@before"])
-def test_a_preemption_handlers_loop_goes_on_unchanged(kill, tmp_path):
-    """``handler.run(step, next(iterator))``: the call is made again over the survivors (or was
-    completed by them), and counts once."""
-    _, out = survive(4, "--steps", "4", "--handler", "--checkpoint", str(tmp_path), "--kill", kill)
+@pytest.mark.parametrize(
+    ("kill", "form"),
+    [("2@2@inside", "step"), ("1@2@update", "step"), ("3@2@before", "step"), ("2@2@inside", "run")],
+)
+def test_a_preemption_handlers_loop_goes_on_unchanged(kill, form, tmp_path):
+    """``handler.run(step, next(iterator))``, or ``handler.run(strategy.run, train_step, args=(batch,))``:
+    the call is made again over the survivors with the batch re-split (or was completed by them)."""
+    args = ["--steps", "4", "--handler", "--handler-form", form, "--checkpoint", str(tmp_path)]
+    _, out = survive(4, *args, "--kill", kill)
     check_result(out, 4, {int(kill.split("@")[0])}, steps=4)
 
 

@@ -38,6 +38,7 @@ parser.add_argument("--kill", action="append", default=[])
 parser.add_argument("--shard", action="store_true")
 parser.add_argument("--accumulate", type=int, default=None)
 parser.add_argument("--handler", action="store_true")
+parser.add_argument("--handler-form", default="step")
 parser.add_argument("--overlap", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--save-every", type=int, default=0)
@@ -160,7 +161,9 @@ while True:
         print(f"STOPPING {WORLD} at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     try:
-        if handler is not None:
+        if handler is not None and args.handler_form == "run":  # as docs/preemption.md writes it
+            handler.run(strategy.run, train_step, args=(next(iterator),))
+        elif handler is not None:
             handler.run(distributed_step, next(iterator))
         else:
             distributed_step(next(iterator))

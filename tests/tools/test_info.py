@@ -33,7 +33,12 @@ def test_collect_on_every_rank_count():
     ok = ok and got["step_check"] in ("compiled", "Python (not built)", "Python (MPISTRAT_NATIVE=0)")
     ok = ok and set(got["device_transport"]) == {"AUTO", "RING", "NCCL"}
     live, why = got["fault_tolerance"]  # launched here without ULFM (make test-openmpi-faults launches it)
-    ok = ok and not live and ("--with-ft ulfm" in why) and "a rank's death    ends the job: " in info.render(got)
+    ok = (
+        ok
+        and not live
+        and ("--with-ft ulfm" in why)
+        and "a rank's death    ends the job: " in info.render(got)
+    )
     all_ranks_agree(WORLD, ok, json.dumps(got, default=str))
 
 
