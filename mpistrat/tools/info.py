@@ -10,8 +10,8 @@ CUDA and NCCL versions, ranks per node, what the launcher started beside what MP
 joined (a task MPI started alone makes it exit 1, saying why), each host's logical cores
 against its ranks (more ranks than the cores they may use is oversubscribed: they take turns,
 and collectives wait for them), the thread settings of OpenMP and the BLAS, whether a rank's
-death is survived in this launch (ULFM) and why not, the rank -> host -> CPUs -> device map, and the transport ``CommunicationImplementation.AUTO`` picks for host and
-device buffers.
+death is survived in this launch (ULFM) and why not, the rank -> host -> CPUs -> device map,
+and the transport ``CommunicationImplementation.AUTO`` picks for host and device buffers.
 """
 
 from __future__ import annotations
