@@ -13,7 +13,8 @@ at optimizer step STEP, ``before`` the step's batch is read, ``inside`` the step
 (after the gradients' sum), ``after`` the step, in a checkpoint ``save`` (sync), after an
 ``async`` one started, or in ``recovery``; or it stops for 2 s (``stop``), and lives; ``--shard``,
 ``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``),
-``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every N``.
+``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every N``, ``--kill-once FILE``
+(the kills happen in a run that does not find FILE, which it makes: a relaunch goes on).
 Each survivor prints ``RESULT <world rank> <replicas> <iterations> <weights' bytes in hex>``.
 """
 
@@ -43,15 +44,20 @@ parser.add_argument("--overlap", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--async-save", action="store_true")
+parser.add_argument("--kill-once", default=None)  # a file: the kills happen only in a run that does not find it
 args = parser.parse_args()
 
 WORLD = mpistrat.MPI.COMM_WORLD.Get_rank()
 KILLS = {(int(s), w) for r, s, w in (k.split("@") for k in args.kill) if int(r) == WORLD}
+if args.kill_once and os.path.exists(args.kill_once):
+    KILLS.clear()
 
 
 def die_if(step: int, where: str) -> None:
     if (step, where) in KILLS:
         print(f"DYING {WORLD} at step {step} {where}", flush=True)
+        if args.kill_once:
+            open(args.kill_once, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -297,6 +297,15 @@ limited=$(BENCH_ARGS="--ops all_reduce --max 64MiB --iters 20000 --min-iters 200
     --time=1 --output="$WORK/results/slurm-%j.out" jobs/bench.sbatch)
 say "submitted jobs/bench.sbatch --time=1 with a longer sweep: job $limited"
 
+# A rank's death without ULFM (MPICH under srun): task 1 is SIGKILLed at step 2 of the first run;
+# jobs/train.sbatch starts the run again in the same allocation, which restores the newest
+# checkpoint and ends with the weights of a run that lost nothing (tests/faults/survive.py).
+relaunched=$(sbatch --parsable --ntasks=3 --output="$WORK/results/slurm-%j.out" \
+    --export="ALL,TRAIN_MODULE=tests.faults.survive,TRAIN_ARGS=--steps 4 --handler --checkpoint ckpt --save-every 1 \
+--kill 1@2@inside --kill-once $WORK/killed-once" jobs/train.sbatch)
+say "submitted jobs/train.sbatch whose task 1 is killed once: job $relaunched"
+ids+=("$relaunched")
+
 say "waiting for jobs ${ids[*]} $limited (at most $TIMEOUT s)"
 deadline=$((SECONDS + TIMEOUT))
 while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]},$limited")" 2> /dev/null)" ]; do
@@ -499,4 +508,22 @@ assert "requeued Slurm job" in log or "DUE TO JOB REQUEUE" in log, f"no requeue 
 print(f"test-slurm: job {preempted} was preempted, requeued and resumed to the uninterrupted weights")
 PY
 fi
+"$PYTHON" - "$WORK/results" "$relaunched" << 'PY'
+import json, os, re, sys
+
+results, job = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+import numpy as np
+from tests.distribute.test_recovery import reference
+
+info = json.load(open(f"{results}/{job}/train.json"))
+assert info["relaunched"] == 1, info
+log = open(f"{results}/slurm-{job}.out").read()
+assert "DYING 1 at step 2 inside" in log and "mpistrat train: a rank died (status" in log, log[-3000:]
+final = re.findall(r"^RESULT (\d+) (\d+) (\d+) ([0-9a-f]+)$", log, re.M)[-3:]
+assert sorted((int(w), int(r), int(i)) for w, r, i, _ in final) == [(0, 3, 4), (1, 3, 4), (2, 3, 4)], final
+weights = {np.frombuffer(bytes.fromhex(h), np.float32).tobytes() for *_, h in final}
+assert weights == {reference(4).tobytes()}, "the relaunched run's weights differ from a run that lost nothing"
+print(f"test-slurm: job {job} lost task 1, was relaunched in its allocation and ended with the uninterrupted weights")
+PY
 say "PASSED"
