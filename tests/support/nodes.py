@@ -1,8 +1,10 @@
 """Virtual nodes on one machine: real multi-node MPI jobs for what depends on hosts.
 
 Hydra, the ``mpiexec`` of MPICH and of Intel MPI, starts one proxy per host through a
-launcher command (``-launcher ssh -launcher-exec CMD``). ``fake_ssh.sh`` is that command: it
-runs the proxy here, inside a new UTS namespace named after the host. The job then has real
+launcher command (``-launcher ssh -launcher-exec CMD``); Open MPI's (PRRTE) starts one daemon per
+host through its ssh agent (``--prtemca plm_ssh_agent CMD``, the hosts in a host file, ranks
+placed ``--map-by ppr:N:node``). ``fake_ssh.sh`` is that command: it runs the proxy or daemon
+here, inside a new UTS namespace named after the host. The job then has real
 nodes as MPI sees them: ``COMM_TYPE_SHARED`` splits by host, ``MPI_Get_processor_name`` names
 it, and messages between nodes take the library's network path (UCX in the MPICH wheel, OFI
 in Intel MPI's), not shared memory. A node can be made slow: its proxy and ranks run in a
@@ -45,10 +47,6 @@ def unavailable() -> str | None:
     """Why virtual nodes cannot be made here, or None when they can."""
     if not MPIEXEC.exists():
         return f"no mpiexec next to {sys.executable}"
-    if is_open_mpi():
-        # Tried: --prtemca plm_ssh_agent fake_ssh.sh starts a daemon per host, but PRRTE placed
-        # all 4 ranks of --host nodea:2,nodeb:2 on nodea (both hosts have the same address).
-        return "Open MPI's launcher (PRRTE) puts every rank on the first virtual node"
     if shutil.which("unshare") is None:
         return "no unshare command (util-linux)"
     if os.geteuid() != 0:
@@ -70,6 +68,18 @@ def hydra_options(machinefile: Path) -> list[str]:
     return ["-machinefile", str(machinefile), "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH)]
 
 
+def prrte_options(layout: dict[str, int], directory: Path) -> list[str]:
+    """PRRTE's options for the hosts of ``layout`` (as many ranks on each): a host file, the fake
+    ssh agent, and ranks placed node by node (``--host a:2,b:2`` alone put them all on the first)."""
+    counts = set(layout.values())
+    assert len(counts) == 1, f"PRRTE places the same number of ranks on each host here; got {layout}"
+    path = directory / "hostfile"
+    path.write_text("".join(f"{host} slots={n}\n" for host, n in layout.items()))
+    options = ["--oversubscribe", "--hostfile", str(path), "--prtemca", "plm_ssh_agent", str(FAKE_SSH)]
+    options += ["--map-by", f"ppr:{counts.pop()}:node"]
+    return options + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
 def machinefile(layout: dict[str, int], directory: Path) -> Path:
     """A Hydra machine file for ``layout`` (host name -> ranks on it; ranks fill host by host)."""
     path = directory / "machinefile"
@@ -85,11 +95,13 @@ def run_job(
     env: dict[str, str] | None = None,
     cgroups: dict[str, Path] | None = None,
     python: str = sys.executable,
+    options: list[str] | None = None,
 ) -> tuple[int, str]:
     """Run ``command`` (a script and its arguments, or ``-m module ...``) with ``python`` under
     ``mpiexec`` on the virtual nodes of ``layout`` (default :data:`TWO_NODES`); return (exit
     code, stdout + stderr). ``cgroups`` puts a node's ranks in a cgroup (:func:`cpu_group`);
-    ``env`` with ``VNODE_SHM=DIR`` gives each node a ``/dev/shm`` of its own (``fake_ssh.sh``).
+    ``env`` with ``VNODE_SHM=DIR`` gives each node a ``/dev/shm`` of its own (``fake_ssh.sh``);
+    ``options`` go to ``mpiexec`` besides the hosts' (Open MPI's ``--with-ft ulfm``, ...).
 
     A job still running after ``limit`` seconds is killed with all its processes, and the test
     fails; so does a job that leaves a process behind (named in the failure).
@@ -100,8 +112,12 @@ def run_job(
     if cgroups:
         child["VNODE_CGROUPS"] = " ".join(f"{host}={path}" for host, path in cgroups.items())
     with tempfile.TemporaryDirectory() as directory:
-        hosts = machinefile(layout, Path(directory))
-        cmd = [str(MPIEXEC), *hydra_options(hosts), "-n", str(sum(layout.values())), python, *command]
+        place = (
+            prrte_options(layout, Path(directory))
+            if is_open_mpi()
+            else hydra_options(machinefile(layout, Path(directory)))
+        )
+        cmd = [str(MPIEXEC), *place, *(options or []), "-n", str(sum(layout.values())), python, *command]
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=child, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
