@@ -33,7 +33,7 @@ def worker(args: argparse.Namespace) -> None:
     import mpistrat  # after the launch: MPI starts here
 
     strategy = mpistrat.MPIStrategy()
-    rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
+    rank = strategy.extended.rank
     world = mpistrat.MPI.COMM_WORLD.Get_rank()
     victim = world == mpistrat.MPI.COMM_WORLD.Get_size() - 1
     with strategy.scope():
@@ -63,7 +63,8 @@ def worker(args: argparse.Namespace) -> None:
         except mpistrat.PeerFailedError:
             print(f"ERROR {world} {time.time():.6f}", flush=True)
             done = strategy.recover()
-            print(f"RECOVERED {world} {time.time():.6f} {done.seconds:.6f} {int(opt.iterations.numpy())}", flush=True)
+            steps = int(opt.iterations.numpy())
+            print(f"RECOVERED {world} {time.time():.6f} {done.seconds:.6f} {steps}", flush=True)
             recovered = True
             continue
         if recovered:
@@ -96,7 +97,9 @@ def run_case(ranks: int, shard: bool, where: str, parameters: int) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--shard", action="store_true")
     parser.add_argument("--where", default="inside")
@@ -107,11 +110,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    print(f"{'ranks':>5s} {'state':9s} {'killed':7s} {'detect s':>9s} {'recover s':>9s} {'to next step s':>14s} lost")
+    header = f"{'ranks':>5s} {'state':9s} {'killed':7s} {'detect s':>9s} {'recover s':>9s}"
+    print(f"{header} {'to next step s':>14s} lost")
     for ranks in args.ranks:
         for shard in (False, True):
             for where in ("inside", "update"):
-                runs = [r for r in (run_case(ranks, shard, where, args.parameters) for _ in range(args.repeats)) if r]
+                cases = (run_case(ranks, shard, where, args.parameters) for _ in range(args.repeats))
+                runs = [r for r in cases if r]
                 if not runs:
                     continue
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

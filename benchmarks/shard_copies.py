@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -33,41 +34,49 @@ def per_step(comm: MPI.Intracomm, run: Callable[[], object], steps: int) -> floa
     return comm.allreduce(time.perf_counter() - began, op=MPI.MAX) / steps * 1e3
 
 
+def variants(comm: MPI.Intracomm, strategy: mpistrat.MPIStrategy, n: int) -> dict[str, Callable[[], object]]:
+    """The step with the keepers, without them, and the raw transfers of one, over ``n`` parameters."""
+    grad = np.random.default_rng(comm.Get_rank()).standard_normal(n).astype(np.float32)
+    steps: dict[str, Callable[[], object]] = {}
+    for kept in (False, True):
+        with strategy.scope():
+            w = mpistrat.Variable(np.zeros(n, np.float32))
+            opt = mpistrat.optimizers.Adam(1e-3, shard_state=True)
+
+        def step(opt: Any = opt, w: Any = w, kept: bool = kept) -> None:
+            failures._live = kept
+            strategy.run(lambda: opt.apply_gradients([(grad, w)]))
+
+        steps["with keepers" if kept else "without"] = step
+    size = comm.Get_size()
+    buf = np.zeros(-(-n // size) * size, np.float32)
+    part = np.empty(buf.size // size, np.float32)
+
+    def raw() -> None:
+        comm.Reduce_scatter_block(buf, part)
+        comm.Allgather(part, buf)
+
+    steps["raw mpi4py rs + allgather"] = raw
+    return steps
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 22])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD.Dup()
     strategy = mpistrat.MPIStrategy()
-    size = comm.Get_size()
     if comm.Get_rank() == 0:
-        print(f"{size} ranks, {MPI.Get_library_version().splitlines()[0]}")
+        print(f"{comm.Get_size()} ranks, {MPI.Get_library_version().splitlines()[0]}")
         print(f"{'parameters':>11s} {'variant':28s} {'median ms':>9s} {'best ms':>8s}")
     for n in args.sizes:
-        grad = np.random.default_rng(comm.Get_rank()).standard_normal(n).astype(np.float32)
-        steps: dict[str, Callable[[], object]] = {}
-        for kept in (False, True):
-            with strategy.scope():
-                w = mpistrat.Variable(np.zeros(n, np.float32))
-                opt = mpistrat.optimizers.Adam(1e-3, shard_state=True)
-
-            def step(opt: mpistrat.optimizers.Adam = opt, w: mpistrat.Variable = w, kept: bool = kept) -> None:
-                failures._live = kept
-                strategy.run(lambda: opt.apply_gradients([(grad, w)]))
-
-            steps["with keepers" if kept else "without"] = step
-        padded = -(-n // size) * size
-        buf, part = np.zeros(padded, np.float32), np.empty(padded // size, np.float32)
-
-        def raw() -> None:
-            comm.Reduce_scatter_block(buf, part)
-            comm.Allgather(part, buf)
-
-        steps["raw mpi4py rs + allgather"] = raw
+        steps = variants(comm, strategy, n)
         samples: dict[str, list[float]] = {name: [] for name in steps}
-        for name, run in steps.items():
+        for run in steps.values():
             run()  # the first step builds (and makes the copies whole)
         for _ in range(args.repeats):  # interleaved: a slow moment of a shared machine hits every variant
             for name, run in steps.items():
@@ -75,9 +84,8 @@ def main() -> None:
         if comm.Get_rank() == 0:
             for name, v in samples.items():
                 print(f"{n:11d} {name:28s} {statistics.median(v):9.2f} {min(v):8.2f}")
-            ratio = statistics.median(
-                a / b for a, b in zip(samples["with keepers"], samples["without"], strict=True)
-            )
+            kept, plain = samples["with keepers"], samples["without"]
+            ratio = statistics.median(a / b for a, b in zip(kept, plain, strict=True))
             print(f"{n:11d} {'with / without':28s} {ratio:9.3f}")
 
 
