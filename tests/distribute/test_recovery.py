@@ -33,10 +33,12 @@ pytestmark = [
 ]
 
 
-def data(examples: int) -> tuple[np.ndarray, np.ndarray]:
+def data(examples: int, floats: bool = False) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)  # as survive.py
     x = rng.integers(-3, 4, (examples, FEATURES)).astype(np.float32)
     y = rng.integers(-5, 6, examples).astype(np.float32)
+    if floats:
+        x = (x + rng.standard_normal(x.shape) / 3).astype(np.float32)
     return x, y
 
 
@@ -44,11 +46,12 @@ def residual(x: np.ndarray, w: np.ndarray, b: np.float32, y: np.ndarray) -> np.n
     return x[:, 0] * w[0] + x[:, 1] * w[1] + x[:, 2] * w[2] + b - y
 
 
-def reference(steps: int, accumulate: int = 1) -> np.ndarray:
+def reference(steps: int, accumulate: int = 1, floats: bool = False) -> np.ndarray:
     """The weights (w, b, seen) after ``steps`` Adam updates, serially in NumPy, in Adam's order of
-    operations; each update from the mean gradient of ``accumulate`` global batches of 16."""
+    operations; each update from the mean gradient of ``accumulate`` global batches of 16 (``floats``:
+    of squared error on non-integer features, else of absolute error on integers)."""
     examples = GLOBAL_BATCH * steps * accumulate
-    x, y = data(examples)
+    x, y = data(examples, floats)
     params = np.zeros(FEATURES + 1 + examples, np.float32)
     m, v = np.zeros_like(params), np.zeros_like(params)
     for t in range(1, steps + 1):
@@ -57,7 +60,8 @@ def reference(steps: int, accumulate: int = 1) -> np.ndarray:
             lo = ((t - 1) * accumulate + k) * GLOBAL_BATCH
             rows = slice(lo, lo + GLOBAL_BATCH)
             w, b = params[:FEATURES], params[FEATURES]
-            sign = np.sign(residual(x[rows], w, b, y[rows])).astype(np.float32)
+            sign = residual(x[rows], w, b, y[rows])
+            sign = sign if floats else np.sign(sign).astype(np.float32)
             g[:FEATURES] += (sign @ x[rows]) / GLOBAL_BATCH
             g[FEATURES] += sign.sum() / GLOBAL_BATCH
             g[FEATURES + 1 + lo : FEATURES + 1 + lo + GLOBAL_BATCH] += np.float32(1 / GLOBAL_BATCH)
@@ -149,6 +153,25 @@ def test_two_ranks_killed_one_after_the_other():
     check_result(out, 4, {1, 3}, steps=5)
     assert "going on from optimizer step 1 with 3 of 4 replicas" in out, out
     assert "going on from optimizer step 3 with 2 of 3 replicas" in out, out
+
+
+def test_a_rank_killed_as_the_others_shrink():
+    """Rank 3 dies as the recovery from rank 1's death begins (the others revoke and shrink)."""
+    _, out = survive(4, "--steps", "4", "--kill", "1@2@inside", "--kill", "3@2@shrink")
+    check_result(out, 4, {1, 3}, steps=4)
+
+
+def test_without_exact_contributions_the_weights_differ_by_rounding_only():
+    """Squared error on non-integer features: each rank's gradient is a rounded sum over its examples,
+    so 3 survivors round otherwise than 4 ranks did; the weights are the reference's to rounding."""
+    _, out = survive(4, "--steps", "4", "--float-data", "--kill", "2@2@inside")
+    found = results(out)
+    assert set(found) == {0, 1, 3}, out
+    expected = reference(4, floats=True)
+    for replicas, iterations, weights in found.values():
+        assert (replicas, iterations) == (3, 4), out
+        assert weights[FEATURES + 1 :].tobytes() == expected[FEATURES + 1 :].tobytes()  # taken once each
+        np.testing.assert_allclose(weights, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_rank_killed_during_the_recovery():

@@ -1,22 +1,24 @@
 """A training job that loses ranks and goes on (Open MPI with ``--with-ft ulfm``; see
-tests/faults/test_survive.py, which checks its result against a NumPy reference).
+tests/distribute/test_recovery.py, which checks its result against a NumPy reference).
 
 L1 regression with Adam over an ``ArrayDataset`` of integer features, global batch 16: each
 example's gradient is a vector of small integers, so every rank's sum over its examples is exact
 and divided by 16 exactly, and the optimizer's exact sum makes the weights the same bits at any
-number of ranks. One parameter per example (``seen``) gets that example's one-hot gradient: an
-example skipped or taken twice changes it, and the test names which.
+number of ranks (``--float-data``: squared error on non-integer features, which rounds). One
+parameter per example (``seen``) gets that example's one-hot gradient: an example skipped or
+taken twice changes it, and the test names which.
 
-Arguments: ``--steps N``; ``--kill WORLD@STEP@WHERE`` (several): world rank WORLD dies with SIGKILL
-at optimizer step STEP, ``before`` the step's batch is read, ``inside`` the step before
-``apply_gradients`` (``call2``: at the second call of an accumulation cycle), in the ``update``
-(after the gradients' sum), ``after`` the step, in a checkpoint ``save`` (sync), after an
-``async`` one started, or in ``recovery``; ``node``: inside the step, with its parent (the node's
-daemon, at virtual nodes); or it stops for 2 s (``stop``), and lives; ``--shard``,
-``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``),
-``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every N``, ``--kill-once FILE``
-(the kills happen in a run that does not find FILE, which it makes: a relaunch goes on).
-Each survivor prints ``RESULT <world rank> <replicas> <iterations> <weights' bytes in hex>``.
+``--kill WORLD@STEP@WHERE`` (several): world rank WORLD dies with SIGKILL at optimizer step STEP:
+``before`` the step's batch is read, ``inside`` the step before ``apply_gradients`` (``call2``: at
+the second call of an accumulation cycle), in the ``update`` (after the gradients' sum), ``after``
+the step, in a checkpoint ``save`` (sync), after an ``async`` one started, as the others
+``shrink``, or in ``recovery``; ``node``: inside the step, with its parent (the node's daemon, at
+virtual nodes); ``stop``: it stops for 2 s, and lives. ``--kill-once FILE``: the kills happen in a
+run that does not find FILE, which it makes (a relaunch goes on). Also ``--steps N``, ``--shard``,
+``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``, called as
+``--handler-form``), ``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every
+N``, ``--async-save``. Each survivor prints ``RESULT <world rank> <replicas> <iterations>
+<weights' bytes in hex>``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ parser.add_argument("--overlap", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--async-save", action="store_true")
+parser.add_argument("--float-data", action="store_true")  # squared error on non-integer features
 parser.add_argument(
     "--kill-once", default=None
 )  # a file: the kills happen only in a run that does not find it
@@ -72,6 +75,10 @@ def data(examples: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     x = rng.integers(-3, 4, (examples, FEATURES)).astype(np.float32)
     y = rng.integers(-5, 6, examples).astype(np.float32)
+    if (
+        args.float_data
+    ):  # each rank's gradient then sums rounded terms: a run at another size rounds otherwise
+        x = (x + rng.standard_normal(x.shape) / 3).astype(np.float32)
     return {"x": x, "y": y, "id": np.arange(examples, dtype=np.int64)}
 
 
@@ -106,7 +113,10 @@ def train_step(batch: dict[str, np.ndarray]) -> None:
     calls["step"] = step
     die_if(step, "inside" if calls["call"] == 1 else f"call{calls['call']}")
     x, y, ids = batch["x"], batch["y"], batch["id"]
-    sign = np.sign(x @ w.numpy() + b.numpy()[0] - y).astype(np.float32)
+    wv, bv = w.numpy(), b.numpy()[0]
+    sign = np.sign(x[:, 0] * wv[0] + x[:, 1] * wv[1] + x[:, 2] * wv[2] + bv - y).astype(np.float32)
+    if args.float_data:
+        sign = x[:, 0] * wv[0] + x[:, 1] * wv[1] + x[:, 2] * wv[2] + bv - y  # the residual: squared error
     gw = (sign @ x) / GLOBAL_BATCH
     gb = np.array([sign.sum()], np.float32) / GLOBAL_BATCH
     gs = np.zeros(examples, np.float32)
@@ -125,6 +135,14 @@ if args.checkpoint:
 elif args.handler:
     raise SystemExit("--handler needs --checkpoint")
 
+if any(where == "shrink" for _, where in KILLS):  # dies as the others revoke and shrink
+    original_recover = recovery.recover
+
+    def dying_recover(*a, **kw):  # type: ignore[no-untyped-def]
+        die_if(int(optimizer.iterations.numpy()), "shrink")
+        return original_recover(*a, **kw)
+
+    recovery.recover = dying_recover
 if any(where == "recovery" for _, where in KILLS):
     original = recovery._recover_on
 
