@@ -61,10 +61,7 @@ class Recovery:
     source: int
     replicas: tuple[int, int]
     seconds: float
-    collectives: Collectives = dataclasses.field(repr=False)
-    old_ranks: tuple[int, ...] = dataclasses.field(
-        repr=False
-    )  # each survivor's rank before, in the new order
+    collectives: Collectives = dataclasses.field(repr=False)  # the strategy's, over the survivors
 
     def describe(self) -> str:
         lost = ", ".join(map(str, self.lost)) or "?"
@@ -77,9 +74,10 @@ class Recovery:
 
 @dataclasses.dataclass
 class _Facts:
-    world: int
+    """What every survivor learns of each: its host, the steps it applied, whether its replicated
+    state is half replaced (an interrupted recovery), and each registered object's own facts."""
+
     host: str
-    rank: int  # in the communicator being replaced
     applied: int
     torn: bool
     objects: dict[int, Any]
@@ -100,9 +98,9 @@ def recover(extended: StrategyExtended) -> Recovery:
             failures.revoke(comm)
         survivors = cast(MPI.Intracomm, comm.Shrink())  # a shrunk intracommunicator is one
         try:
-            recovery = _recover_on(extended, survivors, before, began)
+            recovery = _recover_on(extended, survivors, before)
         except Exception as exc:
-            if not (isinstance(exc, PeerFailedError) or failures.is_peer_failure(exc)):
+            if not (isinstance(exc, PeerFailedError) or failures.is_peer_failure(exc, c.comm)):
                 raise
             if isinstance(exc, PeerFailedError) and not exc.recoverable:
                 raise  # every survivor found the same: the job ends
@@ -116,13 +114,11 @@ def recover(extended: StrategyExtended) -> Recovery:
         return recovery
 
 
-def _recover_on(extended: StrategyExtended, survivors: MPI.Intracomm, before: int, began: float) -> Recovery:
+def _recover_on(extended: StrategyExtended, survivors: MPI.Intracomm, before: int) -> Recovery:
     c = extended.collectives
     objects = dict(c.recoverables.items())
     mine = _Facts(
-        MPI.COMM_WORLD.Get_rank(),
         MPI.Get_processor_name(),
-        c.rank,
         c.commits,
         c.torn,
         {key: obj.recovery_facts() for key, obj in objects.items()},
@@ -149,7 +145,6 @@ def _recover_on(extended: StrategyExtended, survivors: MPI.Intracomm, before: in
         replicas=(before, len(facts)),
         seconds=0.0,
         collectives=c,
-        old_ranks=tuple(f.rank for f in facts),
     )
     extended.rebind(survivors, tuple(f.host for f in facts))
     common = [key for key in objects if all(key in f.objects for f in facts)]

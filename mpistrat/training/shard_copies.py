@@ -26,6 +26,7 @@ at the next step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +50,10 @@ def keeper_shift(hosts: tuple[str, ...], size: int) -> int:
     >>> keeper_shift(("a", "a", "b", "b"), 4), keeper_shift(("a", "a", "a"), 3), keeper_shift((), 3)
     (2, 1, 1)
     """
-    if len(set(hosts)) < 2:
+    per_node = collections.Counter(hosts)
+    if len(per_node) < 2:
         return 1
-    return max(hosts.count(h) for h in set(hosts)) % size or 1
+    return max(per_node.values()) % size or 1
 
 
 @dataclasses.dataclass
