@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.diagnostics import failures
+from mpistrat.diagnostics import ulfm
 
 
 def per_step(comm: MPI.Intracomm, run: Callable[[], object], steps: int) -> float:
@@ -44,7 +44,7 @@ def variants(comm: MPI.Intracomm, strategy: mpistrat.MPIStrategy, n: int) -> dic
             opt = mpistrat.optimizers.Adam(1e-3, shard_state=True)
 
         def step(opt: Any = opt, w: Any = w, kept: bool = kept) -> None:
-            failures._live = kept
+            ulfm._live = kept
             strategy.run(lambda: opt.apply_gradients([(grad, w)]))
 
         steps["with keepers" if kept else "without"] = step

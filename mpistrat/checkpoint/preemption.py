@@ -44,7 +44,7 @@ from mpi4py import MPI
 from mpistrat import nest
 from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, strategy_of, track
 from mpistrat.checkpoint.manager import CheckpointManager
-from mpistrat.diagnostics import failures, watchdog
+from mpistrat.diagnostics import ulfm, watchdog
 from mpistrat.errors import InvalidArgumentError, PeerFailedError
 from mpistrat.log import ANY_RANK, logger
 from mpistrat.options import CheckpointOptions
@@ -226,7 +226,7 @@ class PreemptionCheckpointHandler:
                 break
             except PeerFailedError:
                 recover = getattr(self._strategy, "recover", None)
-                if recover is None or not failures.live():
+                if recover is None or not ulfm.live():
                     raise
                 if recover().step > applied:  # a survivor completed this call's step
                     result = None

@@ -59,7 +59,7 @@ from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
-from mpistrat.diagnostics import failures, flight, startup, stragglers, timeline, watchdog
+from mpistrat.diagnostics import flight, startup, stragglers, timeline, ulfm, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
@@ -114,9 +114,9 @@ class Collectives:
     def revoke(self) -> None:
         """Revoke the communicator and those made from it (ULFM; local): every survivor's pending and
         next operation on them fails at once, so all of them reach the recovery."""
-        failures.revoke(self.comm)
+        ulfm.revoke(self.comm)
         for comm in self.transports.communicators():
-            failures.revoke(comm)
+            ulfm.revoke(comm)
 
     def _bind(self, comm: MPI.Intracomm, kind: str) -> None:
         """Everything built on ``comm``; the opening handshake ``kind`` checks every rank alike."""

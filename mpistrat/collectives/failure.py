@@ -22,7 +22,7 @@ under ``MPISTRAT_CHECK=step`` a shape that differs in an unchecked collective is
 first (Open MPI: ``MPI_ERR_TRUNCATE``). Some errors MPI does not return: MPICH aborts the job on a
 message truncated inside a collective, whatever the error handler. A rank's death (ULFM) is not such
 an error: it is a ``PeerFailedError``, the communicator revoked so every survivor hears at once, the
-job not doomed (``diagnostics/failures.py``; the survivors may go on, ``distribute/recovery.py``).
+job not doomed (``diagnostics/ulfm.py``; the survivors may go on, ``distribute/recovery.py``).
 
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from mpistrat.diagnostics import abort, diagnosis, failures, watchdog
+from mpistrat.diagnostics import abort, diagnosis, ulfm, watchdog
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.errors import CommunicationError, MpistratError
 
@@ -70,8 +70,8 @@ def from_mpi(collectives: Collectives, exc: MPI.Exception, kind: str) -> Mpistra
     ``ABORT_DELAY`` seconds later if the error is caught (a collective MPI failed leaves its
     communicator mid-operation), at once through the exception hook if not.
     """
-    if failures.is_peer_failure(exc, collectives.comm):  # nobody to ask, and the survivors may go on
-        return failures.peer_failed(collectives.comm, exc, kind, collectives.seq)
+    if ulfm.is_peer_failure(exc, collectives.comm):  # nobody to ask, and the survivors may go on
+        return ulfm.peer_failed(collectives.comm, exc, kind, collectives.seq)
     seq, mon = collectives.seq, collectives.monitor
     headline = f"{kind} (collective #{seq}, called at {call_site()}) failed in MPI on rank {collectives.rank}"
     answers = watchdog.WATCHDOG.ask(mon, None) if mon.watched else None

@@ -47,8 +47,11 @@ class Recoverables:
         self._objects: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._keys = itertools.count()
 
-    def add(self, obj: Recoverable) -> None:
-        self._objects[next(self._keys)] = obj
+    def add(self, *objects: Recoverable | None) -> None:
+        """Register ``objects`` in this order (None: nothing)."""
+        for obj in objects:
+            if obj is not None:
+                self._objects[next(self._keys)] = obj
 
     def items(self) -> list[tuple[int, Any]]:
         """The live objects and their keys, in the order they registered. Every rank numbers them

@@ -40,7 +40,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.diagnostics import abort, diagnosis, failures, farewell, monitor
+from mpistrat.diagnostics import abort, diagnosis, farewell, monitor, ulfm
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.diagnostics.monitor import Monitor, collective
 from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, Channel, SideChannel
@@ -118,7 +118,7 @@ class Watchdog(SideChannel):
                 self.advance(mon)
                 self.tend(mon)
             except Exception as exc:  # the watchdog must never take the job down itself
-                if failures.is_peer_failure(exc, mon.comm):
+                if ulfm.is_peer_failure(exc, mon.comm):
                     continue  # a rank died: the collectives' own thread raises it and recovers
                 if mon not in failed:
                     failed.add(mon)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.diagnostics import failures
+from mpistrat.diagnostics import ulfm
 from mpistrat.errors import PeerFailedError
 from mpistrat.log import ANY_RANK, logger
 
@@ -95,12 +95,12 @@ def recover(extended: StrategyExtended) -> Recovery:
         if comm is c.comm:
             c.revoke()
         else:
-            failures.revoke(comm)
+            ulfm.revoke(comm)
         survivors = cast(MPI.Intracomm, comm.Shrink())  # a shrunk intracommunicator is one
         try:
             recovery = _recover_on(extended, survivors, before)
         except Exception as exc:
-            if not (isinstance(exc, PeerFailedError) or failures.is_peer_failure(exc, c.comm)):
+            if not (isinstance(exc, PeerFailedError) or ulfm.is_peer_failure(exc, c.comm)):
                 raise
             if isinstance(exc, PeerFailedError) and not exc.recoverable:
                 raise  # every survivor found the same: the job ends

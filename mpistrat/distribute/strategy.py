@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from mpistrat import config, context
 from mpistrat.collectives import mismatch
-from mpistrat.diagnostics import abort, failures, launch, watchdog
+from mpistrat.diagnostics import abort, launch, ulfm, watchdog
 from mpistrat.distribute import merge, recovery
 from mpistrat.distribute.default import default_strategy
 from mpistrat.distribute.extended import StrategyExtended
@@ -112,7 +112,7 @@ class MPIStrategy(Strategy):
                 "MPIStrategy.recover() must be called in cross-replica context (outside strategy.run and "
                 "merge_fn), on every surviving rank"
             )
-        live, why = failures.fault_tolerance()
+        live, why = ulfm.fault_tolerance()
         if not live:
             raise PeerFailedError(
                 f"MPIStrategy.recover: this launch cannot go on after a rank's death: {why}"

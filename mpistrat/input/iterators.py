@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from mpistrat import context, nest
 from mpistrat.collectives import check_enabled
 from mpistrat.collectives.fingerprint import checksum, hash64
-from mpistrat.diagnostics import failures
+from mpistrat.diagnostics import ulfm
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError, PeerFailedError
 from mpistrat.input.batches import Batch, Rows, examine, replica_range, split_batch
 from mpistrat.input.batches import fingerprint as batch_fingerprint
@@ -241,7 +241,7 @@ class SplitIterator(DistributedIterator):
             except PeerFailedError:
                 self._replay.unread()  # this step's global batch is read again, over the survivors
                 recover = getattr(self._owner, "recover", None)
-                if recover is None or not failures.live():
+                if recover is None or not ulfm.live():
                     raise
                 recover()  # every survivor takes part, wherever it learned of the death
 
@@ -320,7 +320,7 @@ class SplitIterator(DistributedIterator):
 
 class Replay:
     """The global batches a :class:`SplitIterator` read since the last optimizer steps, to read again
-    after a rank's death (kept only where a death can be survived: ``failures.live()``).
+    after a rank's death (kept only where a death can be survived: ``ulfm.live()``).
 
     Each step that handed out a batch is kept with the optimizer steps applied when it was read;
     :meth:`rewind` to a step puts back the batches read from that step on, newest last, for the
@@ -335,7 +335,7 @@ class Replay:
     """
 
     def __init__(self, keep: bool | None = None) -> None:
-        self.keep = failures.live() if keep is None else keep
+        self.keep = ulfm.live() if keep is None else keep
         self.reading: list[Any] = []  # raw items read for the step in progress
         self.steps: list[tuple[int, list[Any], list[int]]] = []  # (commits when read, raws, examples)
         self.queue: list[Any] = []  # raws to read again, next first

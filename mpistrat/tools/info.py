@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import native
 from mpistrat.comm import cuda, devices, transport
-from mpistrat.diagnostics import failures, launch
+from mpistrat.diagnostics import launch, ulfm
 from mpistrat.errors import MpistratError
 from mpistrat.tools import host
 from mpistrat.tools.bench_meta import cpu_list
@@ -132,7 +132,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
         "blas_threads": host.blas_threads(),
         "host_transport": transport.HostMPI.name,
         "step_check": native.describe(),
-        "fault_tolerance": failures.fault_tolerance(),
+        "fault_tolerance": ulfm.fault_tolerance(),
         "device_transport": first["device_transport"],
         "ranks": ranks,
     }

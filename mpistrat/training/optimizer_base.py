@@ -203,9 +203,7 @@ class Optimizer(KerasArguments):
                         name=f"{self._name}/iter",
                         aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
                     )
-                for part in (self._flat_state(), self._accumulator):  # repaired after a rank's death
-                    if part is not None:
-                        extended.collectives.recoverables.add(part)
+                extended.collectives.recoverables.add(self._flat_state(), self._accumulator)  # after a death
         return self._iterations
 
     @property

@@ -31,7 +31,7 @@ from mpistrat.collectives.fingerprint import code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, SumMode, sum_mode
 from mpistrat.comm import packing
-from mpistrat.diagnostics import failures
+from mpistrat.diagnostics import ulfm
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.flat_storage import FlatBuffer
@@ -430,7 +430,7 @@ class FlatState:
         ]
         # An overflow found once data has moved must raise before the first pack is written; where a
         # rank's death can be survived, every step is all-or-nothing on each rank (distribute/recovery.py).
-        live = collectives is not None and failures.live()
+        live = collectives is not None and ulfm.live()
         whole = live or _fails_late(mode, plan)
         applied = True
         try:

@@ -48,7 +48,7 @@ from mpistrat.collectives import failure, nonblocking
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi
-from mpistrat.diagnostics import failures
+from mpistrat.diagnostics import ulfm
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
@@ -137,7 +137,7 @@ def can_stream(
 
     Decided from what every rank holds alike (the built groups, the options), never from the pairs.
     """
-    if state is None or not state.groups or collectives is None or failures.live():
+    if state is None or not state.groups or collectives is None or ulfm.live():
         return False  # (where a death can be survived, a step writes only once every sum is in)
     if mpi.COUNT_LIMIT is not None and any(g.layout.pack > mpi.COUNT_LIMIT for g in state.groups):
         return False  # a pack MPI cannot take in one call

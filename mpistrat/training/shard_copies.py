@@ -1,7 +1,7 @@
 """Keepers: a sharded optimizer's state survives the death of the rank that holds it.
 
 With ``shard_state=True`` each rank's part of the slots exists nowhere else. Where a rank's death
-can be survived (``failures.live()``: Open MPI with ``--with-ft ulfm``), every rank also keeps a
+can be survived (``ulfm.live()``: Open MPI with ``--with-ft ulfm``), every rank also keeps a
 replica of one other rank's part, its partner's, and its own part is kept by its keeper, rank
 ``(r + n) mod R``, ``n`` the most ranks on one node (:func:`keeper_shift`): on another node when
 nodes hold consecutive ranks, as ``srun`` and ``mpiexec`` place them. A step (:func:`run`):

@@ -11,7 +11,7 @@ import pytest
 
 import mpistrat
 from mpistrat import CommunicationOptions
-from mpistrat.diagnostics import failures
+from mpistrat.diagnostics import ulfm
 from mpistrat.errors import PeerFailedError
 from mpistrat.optimizers import Adam
 from mpistrat.training import pack_step, shard_copies
@@ -107,7 +107,7 @@ SHAPES = [(300,), (17, 5)]  # float32: 385 elements
 def survivable(monkeypatch):
     """The optimizers behave as where a death is survivable (Open MPI with --with-ft ulfm); the copies
     themselves are plain MPI (Sendrecv), so any MPI runs them."""
-    monkeypatch.setattr(failures, "_live", True)
+    monkeypatch.setattr(ulfm, "_live", True)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -144,7 +144,7 @@ def test_each_step_sends_the_keeper_one_shard_and_its_replica_holds_the_partners
     replica = copies.groups[id(group)].replica[1:]
     same = all(r.tobytes() == p.tobytes() for r, p in zip(replica, partner_slots, strict=True))
     all_ranks_agree(WORLD, same, f"rank {rank}: the replica differs from rank {copies.partner}'s slots")
-    failures._live = False  # the same steps without copies: the same weights
+    ulfm._live = False  # the same steps without copies: the same weights
     with strategy.scope():
         plain_ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"p{k}") for k, s in enumerate(SHAPES)]
         plain = Adam(0.1, shard_state=True)
