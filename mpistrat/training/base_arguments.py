@@ -15,7 +15,9 @@ variable: sharded, one all-reduce of that vector (a float64 per variable, or one
 global norm), never a gather of gradients; unsharded, every rank holds every element and nothing
 is sent. A loss-scaled step whose summed gradient is not finite is skipped on every rank: the
 flag rides in that all-reduce, or is one scalar of its own when sharded (unsharded every rank
-holds the same sums, and so the same answer).
+holds the same sums, and so the same answer). :meth:`StepRule.replay` does the step again on other
+elements of the same variables with the norms it found, without communication: a keeper's replica
+of its partner's part of sharded slots (:mod:`~mpistrat.training.shard_copies`).
 
 >>> BaseArguments.checked("SGD", clipnorm=1.0).whole
 True
@@ -41,7 +43,7 @@ from mpistrat.errors import InvalidArgumentError
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.norms import Norms
 from mpistrat.training.optimizer_state import FlatState, creation_order
-from mpistrat.training.pack_step import Pack, Update
+from mpistrat.training.pack_step import Pack, Update, joined, update_pack
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -160,6 +162,11 @@ class StepRule:
         self._inner = update
         self.update: Update = update if not args.use_ema else self._without_average
         self.code, self.described = _identity(args, trust_ratio, self.skip_nonfinite)
+        # What this step found over the ranks, for replay: the variables' numbers, the clipping
+        # scale (one for the global norm, one per variable for clipnorm), LAMB's ratios.
+        self._numbers: Norms | None = None
+        self._clip_scales: float | np.ndarray | None = None
+        self._ratios: np.ndarray | None = None
 
     def decays(self, s: Any, p: int) -> bool:
         """Whether variable ``p`` of group step ``s`` decays."""
@@ -172,58 +179,73 @@ class StepRule:
 
     def before(self, packs: list[Pack]) -> bool:
         args = self.args
-        if self.loss_scale is not None:
-            for _, _, grad, _, _, _ in packs:
-                packing.array_module(grad).divide(grad, self.loss_scale, out=grad)
+        self._unscale(packs)
         bad = None  # packs whose gradient is not finite on this rank (skip_nonfinite)
         if self.skip_nonfinite:
             bad = float(sum(int(not packing.array_module(g).isfinite(g).all()) for _, _, g, _, _, _ in packs))
         if args.clipnorm is not None or args.global_clipnorm is not None:
             # per variable, or one total (a scalar travels); the flag rides along
-            norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
+            norms = self._numbers = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
             squares, bad = norms.squares(["grad"], per_variable=args.clipnorm is not None, flag=bad)
             if bad:
                 return False
-            self._clip(packs, squares[0], norms)
+            self._clip_scales = self._scales(squares[0])
         elif bad is not None and self.sharded:
             norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
             if norms.squares([], per_variable=False, flag=bad)[1]:
                 return False
         elif bad:
             return False
+        self._transform(packs)
+        return True
+
+    def _unscale(self, packs: list[Pack]) -> None:
+        if self.loss_scale is not None:
+            for _, _, grad, _, _, _ in packs:
+                packing.array_module(grad).divide(grad, self.loss_scale, out=grad)
+
+    def _transform(self, packs: list[Pack]) -> None:
+        """What ``before`` does once the norms are known: clip, then decay (no communication)."""
+        args = self.args
+        if self._clip_scales is not None:
+            self._clip(packs)
         if args.clipvalue is not None:
             for _, _, grad, _, _, _ in packs:
                 packing.array_module(grad).clip(grad, -args.clipvalue, args.clipvalue, out=grad)
         if args.weight_decay:
             self._decay(packs)
-        return True
 
-    def _clip(self, packs: list[Pack], squares: np.ndarray, norms: Norms) -> None:
+    def _scales(self, squares: np.ndarray) -> float | np.ndarray:
+        """The clipping scale: one for the global norm, else one per variable."""
         args = self.args
         if args.global_clipnorm is not None:
             norm = math.sqrt(float(squares.sum()))
             c = args.global_clipnorm
             # Keras's: the same scale for every variable, NaN when the norm is not finite
             scale = c * min(1.0 / norm, 1.0 / c) if norm > 0 else 1.0
-            if not math.isfinite(norm):
-                scale = math.nan
-            if scale != 1.0:
-                for _, _, grad, _, _, _ in packs:
-                    grad *= scale
-            return
+            return math.nan if not math.isfinite(norm) else scale
         clipnorm = args.clipnorm
         assert clipnorm is not None
-        scales = clipnorm / np.maximum(np.sqrt(squares), clipnorm)
+        return clipnorm / np.maximum(np.sqrt(squares), clipnorm)
+
+    def _clip(self, packs: list[Pack]) -> None:
+        scales = self._clip_scales
+        if not isinstance(scales, np.ndarray):
+            if scales != 1.0:
+                for _, _, grad, _, _, _ in packs:
+                    grad *= scales
+            return
+        assert self._numbers is not None
         for s, k, grad, base, _, _ in packs:
             for a, b, p in s.segments[k]:
-                scale = scales[norms.index(s, p)]
+                scale = scales[self._numbers.index(s, p)]
                 if scale != 1.0:
                     grad[a - base : b - base] *= scale
 
     def _decay(self, packs: list[Pack]) -> None:
         rate = (self.args.weight_decay or 0.0) * self.lr
         for s, k, _, _, params, _ in packs:
-            for a, b in _runs([(a, b) for a, b, p in s.segments[k] if self.decays(s, p)]):
+            for a, b in joined([(a, b) for a, b, p in s.segments[k] if self.decays(s, p)]):
                 w = params[a:b]
                 w -= w * rate
 
@@ -231,20 +253,38 @@ class StepRule:
 
     def after(self, packs: list[Pack]) -> None:
         if self.trust_ratio:
+            norms = self._numbers = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
+            (weights, updates), _ = norms.squares(["weights", "grad"], per_variable=True)
+            w_norm, u_norm = np.sqrt(weights), np.sqrt(updates)
+            self._ratios = np.where(
+                (w_norm > 0) & (u_norm > 0), w_norm / np.where(u_norm > 0, u_norm, 1.0), 1.0
+            )
+            self._trust(packs)
+        if self.args.use_ema:
+            self._average(packs)
+
+    def replay(self, packs: list[Pack]) -> None:
+        """This step again, on other elements of the variables it updated (a keeper's replica of its
+        partner's part, in ``packs`` as the partner's own), with the norms :meth:`before` and
+        :meth:`after` found over the ranks: the same arithmetic on the same values, so the same bits,
+        and no communication. Call it only after a step that ``before`` did not skip."""
+        self._unscale(packs)
+        self._transform(packs)
+        for s, k, grad, base, params, slots in packs:
+            update_pack(s, k, grad, base, params, slots, self.update, self.lr, self.step)
+        if self.trust_ratio:
             self._trust(packs)
         if self.args.use_ema:
             self._average(packs)
 
     def _trust(self, packs: list[Pack]) -> None:
         """``w -= ratio * lr * u`` per variable, ``ratio = ||w|| / ||u||`` (1 when either is 0)."""
-        norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
-        (weights, updates), _ = norms.squares(["weights", "grad"], per_variable=True)
-        w_norm, u_norm = np.sqrt(weights), np.sqrt(updates)
-        ratio = np.where((w_norm > 0) & (u_norm > 0), w_norm / np.where(u_norm > 0, u_norm, 1.0), 1.0)
+        ratios, numbers = self._ratios, self._numbers
+        assert ratios is not None and numbers is not None
         for s, k, grad, base, params, _ in packs:
             for a, b, p in s.segments[k]:
                 u = grad[a - base : b - base]
-                u *= ratio[norms.index(s, p)] * self.lr
+                u *= ratios[numbers.index(s, p)] * self.lr
                 params[a:b] -= u
 
     def _average(self, packs: list[Pack]) -> None:
@@ -313,14 +353,3 @@ def _identity(args: BaseArguments, trust_ratio: bool, skip_nonfinite: bool) -> t
          *(["a loss scale that skips steps not finite"] if skip_nonfinite else [])]
     ) or "none"  # fmt: skip
     return code_of("base arguments", described), described
-
-
-def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Adjacent ranges merged."""
-    out: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out

@@ -5,7 +5,8 @@ factor keeps them representable. The wrapped step divides the summed gradient by
 step whose summed gradient holds an inf or a NaN (on any rank) is skipped on every rank alike,
 nothing written, and the scale halves; after ``dynamic_growth_steps`` applied steps in a row
 it doubles. The scale and the count of steps since it last changed are variables: a
-checkpoint saves and restores them.
+checkpoint saves and restores them, and a recovery after a rank's death gives every survivor
+those of the survivor the others go on from.
 
 >>> import mpistrat, numpy as np
 >>> from mpistrat.optimizers import SGD
@@ -27,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat import context
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.training.optimizer_base import Optimizer
 from mpistrat.training.optimizer_state import own_copy
+from mpistrat.training.recovery import broadcast_in_place
 from mpistrat.training.variables import Variable, Writable, plain_variable
 
 __all__ = ["LossScaleOptimizer"]
@@ -83,6 +86,7 @@ class LossScaleOptimizer:
         scale_name, counter_name = f"{name}/loss_scale/dynamic_scale", f"{name}/loss_scale/step_counter"
         self._scale: Variable = plain_variable(np.array(self.initial_scale), scale_name)
         self._counter: Variable = plain_variable(np.zeros((), np.int64), counter_name)
+        self._registered: bool = False  # with the strategy's recovery (at the first step)
 
     @property
     def dynamic_scale(self) -> Variable:
@@ -103,6 +107,9 @@ class LossScaleOptimizer:
         sum is not finite (the scale halves), else applied (the scale doubles after
         ``dynamic_growth_steps`` applied steps)."""
         scale = float(self._scale.local_array)
+        if not self._registered:  # every rank at its first step (in strategy.run), in the same order
+            context.get_strategy().replicas.collectives.recoverables.add(self)
+            self._registered = True
         applied = self.inner_optimizer._apply(grads_and_vars, scale)
         if applied is not None:
             counter = own_copy(self._counter)
@@ -116,6 +123,16 @@ class LossScaleOptimizer:
                 else:
                     count += 1
         return self.iterations
+
+    def recovery_facts(self) -> None:  # for a recovery after a rank's death (collectives/recoverables.py)
+        return None
+
+    def recover(self, recovery: Any, facts: list[Any]) -> None:
+        """After a rank's death: the scale and its counter of ``recovery.source`` (collective over the
+        survivors), which counted the step the others go on from."""
+        for var in (self._scale, self._counter):
+            with Writable(var) as held:
+                broadcast_in_place(recovery.collectives.comm, held, recovery.source)
 
     # -- the inner optimizer's --------------------------------------------------------------
 

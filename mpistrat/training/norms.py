@@ -60,17 +60,17 @@ class Norms:
         self.packs, self.collectives, self.kind = packs, collectives, kind
         self.sharded = sharded and collectives is not None
         self.exact = exact
-        self._start: dict[int, int] = {}
+        self._start: dict[int, int] = {}  # by group: a step holds each group once
         sizes: list[int] = []
         for s, *_ in packs:
-            if id(s) not in self._start:
-                self._start[id(s)] = len(sizes)
+            if id(s.group) not in self._start:
+                self._start[id(s.group)] = len(sizes)
                 sizes += [s.group.params.spans[i][1] - s.group.params.spans[i][0] for i in s.present]
         self.sizes = np.array(sizes, np.int64)
 
     def index(self, s: Any, p: int) -> int:
-        """The number of variable ``p`` of group step ``s``."""
-        return self._start[id(s)] + p
+        """The number of variable ``p`` of group step ``s`` (or of another view of its group's step)."""
+        return self._start[id(s.group)] + p
 
     def squares(
         self, sources: list[str], per_variable: bool, flag: float | None = None

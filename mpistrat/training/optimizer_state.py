@@ -434,9 +434,9 @@ class FlatState:
         whole = live or _fails_late(mode, plan)
         applied = True
         try:
-            if live and self.shard and rule is None and collectives is not None and collectives.size > 1:
+            if live and self.shard and collectives is not None and collectives.size > 1:
                 # each rank's part of the slots is also kept by another rank (training/shard_copies.py)
-                shard_copies.run(self, collectives, work, update, lr, step, kind, options, rows)
+                applied = shard_copies.run(self, collectives, work, update, lr, step, kind, options, rows, rule)
             elif rule is not None and (rule.whole or whole):
                 applied = pack_step.run_whole(collectives, work, rule, lr, step, kind, options, rows)
             elif whole:

@@ -37,6 +37,7 @@ __all__ = [
     "Pack",
     "Rule",
     "Update",
+    "Updates",
     "gather_pack",
     "joined",
     "owned_ranges",
@@ -60,16 +61,21 @@ WHOLE = 1 << 20
 Update = Callable[[Any, Any, list[Any], float, int], None]
 
 
-class GroupStep(Protocol):
-    """What a step does with one group of variables (``optimizer_state``'s plan of it), as read here."""
+class Updates(Protocol):
+    """Which elements of one group a step updates (what an update and a :class:`Rule` read)."""
 
     group: Any  # the optimizer_state.Group: its layout, flat parameters, slots and staging
     present: list[int]  # the group's variables given gradients in this step, in group order
+    updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
+    # per pack: (start, stop, p) for each variable this rank updates, p its index in ``present``
+    segments: list[list[tuple[int, int, int]]]
+
+
+class GroupStep(Updates, Protocol):
+    """What a step does with one group of variables (``optimizer_state``'s plan of it), as read here."""
+
     runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]  # per pack: gradient pieces
     gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills
-    updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
-    # per pack: (start, stop, p) for each variable this rank updates, p its index in the step's list
-    segments: list[list[tuple[int, int, int]]]
 
 
 # (the group's step, its gradients, its claimed parameter array)
@@ -77,7 +83,7 @@ Work = tuple[GroupStep, list[Any], Any]
 
 # One reduced pack: (the group's step, k, the summed gradient of this rank's elements, the parameter
 # index of its first element, the claimed parameters, the claimed slots)
-Pack = tuple[GroupStep, int, Any, int, Any, list[Any]]
+Pack = tuple[Updates, int, Any, int, Any, list[Any]]
 
 
 class Rule(Protocol):
@@ -94,6 +100,10 @@ class Rule(Protocol):
         ...
 
     def after(self, packs: list[Pack]) -> None: ...
+
+    def replay(self, packs: list[Pack]) -> None:
+        """The same step on other elements, with what ``before`` and ``after`` found (no communication)."""
+        ...
 
 
 def run(
@@ -263,7 +273,7 @@ def _reduce_rows(
 
 
 def update_pack(
-    s: GroupStep,
+    s: Updates,
     k: int,
     grad: Any,
     base: int,
@@ -290,7 +300,7 @@ def update_pack(
 
 def gather_pack(
     collectives: Collectives | None,
-    s: GroupStep,
+    s: Updates,
     k: int,
     params: Any,
     kind: str,
@@ -303,7 +313,9 @@ def gather_pack(
         collectives.all_gather_in_place(params[lo:hi], kind=kind, options=options)
 
 
-def owned_segments(group: Any, present: list[int], k: int, rank: int | None = None) -> list[tuple[int, int, int]]:
+def owned_segments(
+    group: Any, present: list[int], k: int, rank: int | None = None
+) -> list[tuple[int, int, int]]:
     """``(start, stop, p)`` for each of the ``present`` variables of ``group`` (an
     ``optimizer_state.Group``; ``p`` its index in ``present``) with elements in pack ``k`` that
     ``rank`` (this rank) updates."""

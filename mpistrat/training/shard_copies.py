@@ -10,9 +10,13 @@ nodes hold consecutive ranks, as ``srun`` and ``mpiexec`` place them. A step (:f
 2. sends them to the keeper and receives the partner's (one shard: ``1/R`` of the gradients, the
    step's only extra bytes), and takes the partner's part of the parameters from this rank's copy
    of them;
-3. copies its own part (parameters and slots) aside, updates it, all-gathers the parameters;
+3. copies its own part (parameters and slots) aside, updates it (with what the optimizer's base
+   arguments add around the update: ``base_arguments.StepRule``), all-gathers the parameters;
 4. once every pack is in, replays the partner's update on the replica: the same arithmetic on
-   the same values, so the same bits as the partner's own.
+   the same values, so the same bits as the partner's own. A rule's norms over whole variables
+   (clipping, LAMB's trust ratios) are summed over every rank, so the keeper replays with the
+   values it found itself (``StepRule.replay``); a step the rule skipped (a loss scale's, not
+   finite) is skipped by the partner too, and nothing is replayed.
 
 A recovery (:func:`recover`) then finds every part at the step the survivors go on from (the most
 steps any survivor applied): a live rank's own (or its copy aside, if it updated its part in a
@@ -63,7 +67,40 @@ class Copy:
     undo: list[Any]  # this rank's part before the step in progress updated it
     replica: list[Any]  # the partner's part, at ``Copies.version`` steps
     pending: Any  # the partner's block of the summed gradients of the step after that
-    ranges: list[list[tuple[int, int]]] | None = None  # per pack, what the partner updates (None: no step)
+    mirror: Mirror | None = None  # that step as the partner runs it (None: no step)
+
+
+@dataclasses.dataclass
+class Mirror:
+    """A group's step as the partner runs it, in the coordinates of the keeper's replica (the
+    partner's elements of each pack end to end, pack ``k`` from ``k * per_rank``): what
+    ``pack_step.update_pack`` and ``StepRule.replay`` read of a group step."""
+
+    group: Any
+    present: list[int]
+    updates: list[list[tuple[int, int]]]
+    segments: list[list[tuple[int, int, int]]]
+
+    @classmethod
+    def of(cls, s: pack_step.GroupStep, partner: int) -> Mirror:
+        lay = s.group.layout
+        segments = []
+        for k in range(lay.packs):
+            shift = k * lay.per_rank - lay.owned(k, partner)[0]
+            owned = pack_step.owned_segments(s.group, s.present, k, partner)
+            segments.append([(a + shift, b + shift, p) for a, b, p in owned])
+        updates = [pack_step.joined([(a, b) for a, b, _ in each]) for each in segments]
+        return cls(s.group, s.present, updates, segments)
+
+
+@dataclasses.dataclass
+class Call:
+    """What the partner's step did: its update, learning rate, step number and rule."""
+
+    update: pack_step.Update
+    lr: float
+    step: int
+    rule: pack_step.Rule | None = None
 
 
 class Copies:
@@ -82,8 +119,9 @@ class Copies:
             )  # fmt: skip
         self.version = -1  # steps the replica holds (-1: none yet: made whole at the next step)
         self.pending_step = -1  # the step whose gradients from the partner all arrived (-1: none)
-        self.call: tuple[pack_step.Update, float, int] | None = None  # that step's update, lr, step
+        self.call: Call | None = None  # that step (None: nothing to replay)
         self.dirty = False  # this rank's part was updated in a step not yet applied whole
+        self.skipped = False  # the last step counted wrote nothing (its rule skipped it)
 
     @property
     def stale(self) -> bool:
@@ -101,6 +139,7 @@ class Facts:
     shift: int  # keeper_shift of the copies (0: none made yet)
     version: int  # steps of its replica (-1: none)
     pending: int  # the partner's step whose gradients it has (-1: none)
+    skipped: bool = False  # its last step counted (``steps``) wrote nothing anywhere
 
 
 def part(layout: Any, array: Any, rank: int) -> Any:
@@ -141,9 +180,10 @@ def run(
     kind: str,
     options: CommunicationOptions | None,
     rows: int = 0,
-) -> None:
-    """One sharded step that keeps the copies (see the module docstring); the state's ``steps`` are
-    counted by the caller, after it."""
+    rule: pack_step.Rule | None = None,
+) -> bool:
+    """One sharded step that keeps the copies (see the module docstring); False where ``rule``
+    skipped it (on every rank alike). The state's ``steps`` are counted by the caller, after it."""
     copies = state.copies
     if (
         copies is None
@@ -154,12 +194,12 @@ def run(
         copies = state.copies = refresh(state, collectives)
     packs = pack_step.reduce_all(collectives, work, kind, options, rows)
     for s, _, _ in work:
-        c, lay = copies.groups[id(s.group)], s.group.layout
+        c = copies.groups[id(s.group)]
         blocks = [g for t, _, g, _, _, _ in packs if t is s]
         mine = blocks[0] if len(blocks) == 1 else s.group.xp.concatenate(blocks)
         collectives.exchange(mine, copies.keeper, c.pending, copies.partner, kind=kind)
-        c.ranges = [pack_step.owned_ranges(s.group, s.present, k, copies.partner) for k in range(lay.packs)]
-    copies.pending_step, copies.call = state.steps + 1, (update, lr, step)
+        c.mirror = Mirror.of(s, copies.partner)
+    copies.pending_step, copies.call = state.steps + 1, Call(update, lr, step, rule)
     for g in state.groups:  # the partner's parameters now; this rank's part aside, to take back a step
         c = copies.groups[id(g)]  # that no survivor completes
         c.replica[0][...] = part(g.layout, g.params.array, copies.partner)
@@ -167,28 +207,37 @@ def run(
         for i, slot in enumerate(g.slots.values()):
             c.undo[1 + i][...] = slot
     copies.dirty = True
-    for s, k, g, base, params, slots in packs:
-        pack_step.update_pack(s, k, g, base, params, slots, update, lr, step)
-    for s, k, _, _, params, _ in packs:
-        pack_step.gather_pack(collectives, s, k, params, kind, options)
+    applied = True
+    if rule is not None:
+        applied = pack_step.update_reduced(collectives, packs, rule, lr, step, kind, options)
+    else:
+        for t, k, g, base, params, slots in packs:
+            pack_step.update_pack(t, k, g, base, params, slots, update, lr, step)
+        for t, k, _, _, params, _ in packs:
+            pack_step.gather_pack(collectives, t, k, params, kind, options)
+    if not applied:  # skipped everywhere: the replica is the partner's part already
+        copies.call = None
     advance(copies, state.groups)
-    copies.dirty = False
+    copies.dirty, copies.skipped = False, not applied
+    return applied
 
 
 def advance(copies: Copies, groups: list[Any]) -> None:
     """The partner's pending step replayed on its replica (no communication)."""
-    update, lr, step = copies.call or (None, 0.0, 0)
+    call, packs = copies.call, list[pack_step.Pack]()
     for g in groups:
         c = copies.groups.get(id(g))
-        if c is None or c.ranges is None or update is None:
+        if c is None or c.mirror is None:
             continue
-        lay = g.layout
-        for k, ranges in enumerate(c.ranges):
-            start = lay.owned(k, copies.partner)[0]
-            for a, b in ranges:
-                i, j = k * lay.per_rank + a - start, k * lay.per_rank + b - start
-                update(c.replica[0][i:j], c.pending[i:j], [r[i:j] for r in c.replica[1:]], lr, step)
-        c.ranges = None
+        n = g.layout.per_rank
+        for k in range(g.layout.packs):
+            packs.append((c.mirror, k, c.pending[k * n : (k + 1) * n], k * n, c.replica[0], c.replica[1:]))
+        c.mirror = None
+    if call is not None and call.rule is not None:
+        call.rule.replay(packs)
+    elif call is not None:
+        for s, k, g, base, params, slots in packs:
+            pack_step.update_pack(s, k, g, base, params, slots, call.update, call.lr, call.step)
     copies.version, copies.pending_step, copies.call = copies.pending_step, -1, None
 
 
@@ -202,7 +251,8 @@ def facts(state: Any) -> Facts | None:
         return Facts(state.steps, False, lay.rank, lay.ranks, 0, -1, -1)
     shift = (copies.keeper - copies.rank) % copies.size
     version = -1 if any(g.rewritten for g in sharded) else copies.version  # a restore since: stale
-    return Facts(state.steps, copies.dirty, copies.rank, copies.size, shift, version, copies.pending_step)
+    pending, skipped = copies.pending_step, copies.skipped
+    return Facts(state.steps, copies.dirty, copies.rank, copies.size, shift, version, pending, skipped)
 
 
 def recover(state: Any, recovery: Any, found: list[Facts]) -> None:
@@ -264,14 +314,17 @@ def recover(state: Any, recovery: Any, found: list[Facts]) -> None:
 def _providers(found: list[Facts], steps: int) -> dict[int, tuple[int, str]]:
     """For each rank of the replaced layout, the survivor (its new rank) holding that rank's part at
     ``steps`` steps, and as what: its ``own`` part, its copy aside (``undo``), the keeper's
-    ``replica``, or the replica one step on (``replay``). ``PeerFailedError`` where a part is lost."""
+    ``replica``, or the replica one step on (``replay``). ``PeerFailedError`` where a part is lost.
+    A step that was skipped (by a loss scale: every survivor that counted it says so) wrote
+    nothing: a part one step behind holds it already."""
     size, shift = found[0].size, found[0].shift
+    skipped = any(f.steps == steps and f.skipped for f in found)
     alive = {f.rank: j for j, f in enumerate(found)}
     out: dict[int, tuple[int, str]] = {}
     for o in range(size):
         if o in alive:
             f = found[alive[o]]
-            if f.steps == steps or (f.steps == steps - 1 and f.dirty):
+            if f.steps == steps or (f.steps == steps - 1 and (f.dirty or skipped)):
                 out[o] = (alive[o], "undo" if f.steps == steps and f.dirty else "own")
                 continue
             _lost(f"rank {o} holds its part at step {f.steps}, not {steps}")
@@ -281,7 +334,7 @@ def _providers(found: list[Facts], steps: int) -> dict[int, tuple[int, str]]:
         if keeper not in alive:
             _lost(f"rank {o} and its keeper, rank {keeper}, were lost together")
         f = found[alive[keeper]]
-        if f.version == steps:
+        if f.version == steps or (f.version == steps - 1 and skipped):
             out[o] = (alive[keeper], "replica")
         elif f.version == steps - 1 and f.pending == steps:
             out[o] = (alive[keeper], "replay")

@@ -230,12 +230,18 @@ def restored(path: str, steps: int) -> np.ndarray:
     return np.concatenate([v.numpy() for v in variables.values()])
 
 
-@pytest.mark.parametrize(("where", "options"), [("save", []), ("async", ["--async-save"])])
-def test_a_death_during_a_checkpoint_save_leaves_the_previous_one_latest(where, options, tmp_path):
+@pytest.mark.parametrize(
+    ("kill", "options"),
+    [
+        ("2@2@save", []),  # in a synchronous save of step 2
+        ("2@2@async", ["--async-save"]),  # once the background save of step 2 started
+    ],
+)
+def test_a_death_during_a_checkpoint_save_leaves_the_previous_one_latest(kill, options, tmp_path):
     """A synchronous save interrupted, or a background one in flight: it never lands, the one before
     stays the latest; the survivors save the next ones, which hold the reference's weights."""
     args = ["--steps", "4", "--checkpoint", str(tmp_path), "--save-every", "1", *options]
-    _, out = survive(4, *args, "--kill", f"2@2@{where}")
+    _, out = survive(4, *args, "--kill", kill)
     check_result(out, 4, {2}, steps=4)
     after = re.findall(r"^AT \d+ 3 \d+ LATEST (\S+)$", out, re.M)[
         :3
@@ -247,6 +253,24 @@ def test_a_death_during_a_checkpoint_save_leaves_the_previous_one_latest(where, 
     assert latest and latest[0].endswith("-4"), out
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # no temporary left behind
     assert restored(latest[0], 4).tobytes() == reference(4).tobytes()
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_lamb_in_a_loss_scale_goes_on_to_the_weights_of_an_uninterrupted_run(shard):
+    """LAMB with weight decay and clipping by the global norm, inside a dynamic loss scale that skips
+    the step of global batch 1 (not finite): rank 1 dies in the update of step 2, once the global norm
+    was summed over the ranks. The survivors end with the bits of a run of 3 ranks that lost nothing
+    (the norms and sums exact at any rank count, ``deterministic=True``)."""
+    flags = ["--steps", "4", "--optimizer", "lamb", "--nonfinite", "1", *(["--shard"] if shard else [])]
+    _, out = survive(4, *flags, "--kill", "1@2@update")
+    _, clean = survive(3, *flags)
+    expected = results(clean)
+    assert set(expected) == {0, 1, 2} and {i for _, i, _ in expected.values()} == {4}, clean
+    found = results(out)
+    assert set(found) == {0, 2, 3}, out
+    for world, (replicas, iterations, weights) in found.items():
+        assert (replicas, iterations) == (3, 4), (world, out)
+        assert weights.tobytes() == expected[0][2].tobytes(), (world, weights[:4], expected[0][2][:4])
 
 
 def test_a_stopped_rank_is_not_declared_dead():

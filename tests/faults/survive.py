@@ -17,8 +17,10 @@ virtual nodes); ``stop``: it stops for 2 s, and lives. ``--kill-once FILE``: the
 run that does not find FILE, which it makes (a relaunch goes on). Also ``--steps N``, ``--shard``,
 ``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``, called as
 ``--handler-form``), ``--overlap`` (a generator of pairs), ``--checkpoint DIR``, ``--save-every
-N``, ``--async-save``. Each survivor prints ``RESULT <world rank> <replicas> <iterations>
-<weights' bytes in hex>``.
+N``, ``--async-save``; ``--optimizer lamb``: LAMB with weight decay and clipping by the global
+norm inside a dynamic loss scale; ``--nonfinite B``: the first example of global batch B has an
+infinite gradient (that step is skipped, and the loss scale halves). Each survivor prints
+``RESULT <world rank> <replicas> <iterations> <weights' bytes in hex>``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--save-every", type=int, default=0)
 parser.add_argument("--async-save", action="store_true")
 parser.add_argument("--float-data", action="store_true")  # squared error on non-integer features
+parser.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
+parser.add_argument("--nonfinite", type=int, default=None)
 parser.add_argument(
     "--kill-once", default=None
 )  # a file: the kills happen only in a run that does not find it
@@ -83,7 +87,8 @@ def data(examples: int) -> dict[str, np.ndarray]:
 
 
 strategy = mpistrat.MPIStrategy(communication_options=mpistrat.CommunicationOptions(deterministic=True))
-examples = GLOBAL_BATCH * args.steps * (args.accumulate or 1)
+batches = args.steps + (args.nonfinite is not None)  # a skipped step reads a batch and counts none
+examples = GLOBAL_BATCH * batches * (args.accumulate or 1)
 dataset = mpistrat.ArrayDataset(data(examples), batch_size=GLOBAL_BATCH)
 
 
@@ -95,11 +100,24 @@ class DyingAdam(mpistrat.optimizers.Adam):
         super()._update_flat(w, g, slots, lr, step)
 
 
+class DyingLamb(mpistrat.optimizers.Lamb):
+    """LAMB whose update kills this rank when the job says so (after the global norm was summed)."""
+
+    def _update_flat(self, w, g, slots, lr, step):  # type: ignore[no-untyped-def]
+        die_if(step, "update")
+        super()._update_flat(w, g, slots, lr, step)
+
+
 with strategy.scope():
     w = mpistrat.Variable(np.zeros(FEATURES, np.float32), name="w")
     b = mpistrat.Variable(np.zeros(1, np.float32), name="b")
     seen = mpistrat.Variable(np.zeros(examples, np.float32), name="seen")
-    optimizer = DyingAdam(0.05, shard_state=args.shard, gradient_accumulation_steps=args.accumulate)
+    kept = {"shard_state": args.shard, "gradient_accumulation_steps": args.accumulate}
+    if args.optimizer == "lamb":
+        lamb = DyingLamb(0.05, weight_decay=0.01, global_clipnorm=0.5, **kept)
+        optimizer = mpistrat.optimizers.LossScaleOptimizer(lamb, initial_scale=8.0)
+    else:
+        optimizer = DyingAdam(0.05, **kept)
     optimizer.build([w, b, seen])
 iterator = iter(strategy.experimental_distribute_dataset(dataset))
 
@@ -122,6 +140,11 @@ def train_step(batch: dict[str, np.ndarray]) -> None:
     gs = np.zeros(examples, np.float32)
     np.add.at(gs, ids, 1.0)
     gs /= GLOBAL_BATCH
+    if args.nonfinite is not None:
+        gs[ids[ids == args.nonfinite * GLOBAL_BATCH]] = np.inf
+    if args.optimizer == "lamb":  # the gradients of the loss times the scale (a power of 2: exact)
+        scale = np.float32(optimizer.dynamic_scale.numpy())
+        gw, gb, gs = gw * scale, gb * scale, gs * scale
     pairs = [(gw, w), (gb, b), (gs, seen)]
     optimizer.apply_gradients((p for p in pairs) if args.overlap else pairs)
 

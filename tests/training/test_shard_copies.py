@@ -13,7 +13,7 @@ import mpistrat
 from mpistrat import CommunicationOptions
 from mpistrat.diagnostics import ulfm
 from mpistrat.errors import PeerFailedError
-from mpistrat.optimizers import Adam
+from mpistrat.optimizers import SGD, Adagrad, Adam, AdamW, Lamb, LossScaleOptimizer, RMSprop
 from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.optimizer_state import FlatState
 from mpistrat.training.shard_copies import Facts
@@ -22,8 +22,16 @@ from tests.conftest import WORLD, all_ranks_agree
 from tests.support.counting import CountingComm, Ledger
 
 
-def facts(rank: int, steps: int = 5, dirty: bool = False, version: int = 5, pending: int = -1, size: int = 4):
-    return Facts(steps, dirty, rank, size, 1, version, pending)
+def facts(
+    rank: int,
+    steps: int = 5,
+    dirty: bool = False,
+    version: int = 5,
+    pending: int = -1,
+    size: int = 4,
+    skipped: bool = False,
+):
+    return Facts(steps, dirty, rank, size, 1, version, pending, skipped)
 
 
 def test_every_part_of_a_clean_state_is_its_owners():
@@ -45,6 +53,18 @@ def test_a_part_updated_in_a_step_no_survivor_completed_is_taken_back():
     # a survivor one step behind that updated its part holds it at the step the others completed
     found = [facts(0, steps=4, dirty=True), facts(1, steps=5), facts(2, steps=5), facts(3, steps=5)]
     assert shard_copies._providers(found, 5)[0] == (0, "own")
+
+
+def test_after_a_skipped_step_a_part_one_step_behind_holds_it():
+    """Step 6 was skipped (a loss scale's, not finite): rank 0 counted it; rank 1 and rank 2's keeper
+    (rank 3) died out of it before their copies moved. It wrote nothing, so their parts at step 5 are
+    at step 6; a step that was applied leaves them lost."""
+    found = [facts(0, steps=6, version=6), facts(1), facts(3)]
+    with pytest.raises(PeerFailedError, match="rank 1 holds its part at step 5, not 6"):
+        shard_copies._providers(found, 6)
+    found[0] = facts(0, steps=6, version=6, skipped=True)
+    providers = shard_copies._providers(found, 6)
+    assert providers[1] == (1, "own") and providers[2] == (2, "replica")
 
 
 def test_a_rank_lost_with_its_keeper_is_an_error_that_says_so():
@@ -82,8 +102,9 @@ def test_the_keeper_replays_the_partners_update_to_the_same_bits(bytes_per_pack,
     for i, slot in enumerate(owner.slots.values()):
         c.replica[1 + i][...] = slot
     c.pending[...] = gradient
-    c.ranges = [pack_step.owned_ranges(keeper, present, k, 1) for k in range(lay.packs)]
-    copies.pending_step, copies.call = 1, (adam._update_flat, 0.1, 0)
+    partner_step = type("Step", (), {"group": keeper, "present": present})()
+    c.mirror = shard_copies.Mirror.of(partner_step, 1)
+    copies.pending_step, copies.call = 1, shard_copies.Call(adam._update_flat, 0.1, 0)
     shard_copies.advance(copies, [keeper])
 
     step = type("Step", (), {})()  # the owner's own update, as pack_step runs it
@@ -110,46 +131,84 @@ def survivable(monkeypatch):
     monkeypatch.setattr(ulfm, "_live", True)
 
 
+# Each optimizer with what its base arguments add around the update (the keeper replays it all):
+# weight decay, clipping by the global norm and LAMB's trust ratios (norms summed over the ranks),
+# clipping per variable, clipping values, the moving average and its overwrite, and a loss scale
+# whose second step is not finite on rank 0 (skipped everywhere, nothing replayed).
+OPTIMIZERS = {
+    "Adam": (lambda: Adam(0.1, shard_state=True), np.float32),
+    "AdamW": (lambda: AdamW(0.1, weight_decay=0.2, shard_state=True), np.float32),
+    "Lamb global_clipnorm": (
+        lambda: Lamb(0.1, weight_decay=0.01, global_clipnorm=0.5, shard_state=True),
+        np.float32,
+    ),
+    "Lamb float64": (lambda: Lamb(0.1, clipnorm=0.3, shard_state=True), np.float64),
+    "RMSprop centered": (
+        lambda: RMSprop(
+            0.1, momentum=0.5, centered=True, use_ema=True, ema_overwrite_frequency=2, shard_state=True
+        ),
+        np.float32,
+    ),
+    "SGD clipvalue": (lambda: SGD(0.1, momentum=0.9, clipvalue=0.2, shard_state=True), np.float32),
+    "LossScale": (
+        lambda: LossScaleOptimizer(Adagrad(0.1, shard_state=True), initial_scale=4.0),
+        np.float32,
+    ),
+}
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("bytes_per_pack", [0, 512])
+@pytest.mark.parametrize("which", list(OPTIMIZERS))
 def test_each_step_sends_the_keeper_one_shard_and_its_replica_holds_the_partners_part(
-    survivable, bytes_per_pack
+    survivable, bytes_per_pack, which
 ):
     """Per step and rank, one ``Sendrecv`` of this rank's block of the summed gradients (one shard: the
-    padded gradients over R) beside the reduce-scatter and all-gather; the keeper's replica is then the
-    partner's own slots, bit for bit; and the weights are those of the step without copies."""
+    padded gradients over R) beside the reduce-scatter and all-gather; after every step the keeper's
+    replica is the partner's own slots, bit for bit; and the weights are those of the steps without
+    copies."""
+    make, dtype = OPTIMIZERS[which]
     options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
     strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
     rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
     rng = np.random.default_rng(rank)
-    grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    steps = [[rng.standard_normal(s).astype(dtype) for s in SHAPES] for _ in range(3)]
+    if which == "LossScale" and rank == 0:
+        steps[1][0][5] = np.inf  # the second step is skipped on every rank
     with strategy.scope():
-        ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"w{k}") for k, s in enumerate(SHAPES)]
-        opt = Adam(0.1, shard_state=True)
-    step = lambda: opt.apply_gradients(zip(grads, ws, strict=True))  # noqa: E731
-    strategy.run(step)  # the copies are made whole at the first step
-    with Ledger.recording() as ledger:
-        strategy.run(step)
-    group = opt._state.groups[0]
-    shard = group.layout.slot_length * 4  # bytes: this rank's part of one flat buffer
-    exchanged = ledger.only("Sendrecv")
-    ok = exchanged.calls == 1 and (exchanged.sent, exchanged.received) == (shard, shard)
-    scatter = ledger.only("Reduce_scatter_block")
-    ok = ok and scatter.received == shard  # the same shard the reduce-scatter hands this rank
-    all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
-    copies = opt._state.copies
-    partner_slots = [
-        WORLD.sendrecv(s, dest=copies.keeper, source=copies.partner) for s in group.slots.values()
-    ]
-    replica = copies.groups[id(group)].replica[1:]
-    same = all(r.tobytes() == p.tobytes() for r, p in zip(replica, partner_slots, strict=True))
-    all_ranks_agree(WORLD, same, f"rank {rank}: the replica differs from rank {copies.partner}'s slots")
+        ws = [mpistrat.Variable(np.ones(s, dtype), name=f"w{k}") for k, s in enumerate(SHAPES)]
+        opt = make()
+    inner = getattr(opt, "inner_optimizer", opt)
+
+    def replica_is_partners(when: str) -> None:
+        copies, group = inner._state.copies, inner._state.groups[0]
+        partner_slots = [
+            WORLD.sendrecv(s, dest=copies.keeper, source=copies.partner) for s in group.slots.values()
+        ]
+        replica = copies.groups[id(group)].replica[1:]
+        same = all(r.tobytes() == p.tobytes() for r, p in zip(replica, partner_slots, strict=True))
+        all_ranks_agree(WORLD, same, f"{when}, rank {rank}: the replica differs from rank {copies.partner}'s")
+
+    for n, grads in enumerate(steps):  # the copies are made whole at the first step
+        with Ledger.recording() as ledger:
+            strategy.run(lambda grads=grads: opt.apply_gradients(zip(grads, ws, strict=True)))
+        replica_is_partners(f"after step {n + 1}")
+        if n == 1:
+            group = inner._state.groups[0]
+            shard = group.layout.slot_length * np.dtype(dtype).itemsize  # this rank's part of a buffer
+            exchanged = ledger.only("Sendrecv")
+            ok = exchanged.calls == 1 and (exchanged.sent, exchanged.received) == (shard, shard)
+            scatter = ledger.only("Reduce_scatter_block")
+            ok = ok and scatter.received == shard  # the same shard the reduce-scatter hands this rank
+            all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
+    applied = int(inner.iterations.numpy())
+    assert applied == (2 if which == "LossScale" else 3), applied
     ulfm._live = False  # the same steps without copies: the same weights
     with strategy.scope():
-        plain_ws = [mpistrat.Variable(np.ones(s, np.float32), name=f"p{k}") for k, s in enumerate(SHAPES)]
-        plain = Adam(0.1, shard_state=True)
-    for _ in range(2):
-        strategy.run(lambda: plain.apply_gradients(zip(grads, plain_ws, strict=True)))
+        plain_ws = [mpistrat.Variable(np.ones(s, dtype), name=f"p{k}") for k, s in enumerate(SHAPES)]
+        plain = make()
+    for grads in steps:
+        strategy.run(lambda grads=grads: plain.apply_gradients(zip(grads, plain_ws, strict=True)))
     bits = all(w.numpy().tobytes() == p.numpy().tobytes() for w, p in zip(ws, plain_ws, strict=True))
-    all_ranks_agree(WORLD, bits, "the weights differ from the step without copies")
+    all_ranks_agree(WORLD, bits, "the weights differ from the steps without copies")
     strategy.experimental_finalize()
