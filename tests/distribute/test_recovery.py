@@ -235,6 +235,7 @@ def restored(path: str, steps: int) -> np.ndarray:
     [
         ("2@2@save", []),  # in a synchronous save of step 2
         ("2@2@async", ["--async-save"]),  # once the background save of step 2 started
+        ("2@3@poll", ["--async-save"]),  # as step 3 ends, where the ranks agree that save is written
     ],
 )
 def test_a_death_during_a_checkpoint_save_leaves_the_previous_one_latest(kill, options, tmp_path):

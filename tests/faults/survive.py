@@ -12,7 +12,8 @@ taken twice changes it, and the test names which.
 ``before`` the step's batch is read, ``inside`` the step before ``apply_gradients`` (``call2``: at
 the second call of an accumulation cycle), in the ``update`` (after the gradients' sum), ``after``
 the step, in a checkpoint ``save`` (sync), after an ``async`` one started, as the others
-``shrink``, or in ``recovery``; ``node``: inside the step, with its parent (the node's daemon, at
+``shrink``, in ``recovery``, or at the end of the step that finds a background save written
+(``poll``); ``node``: inside the step, with its parent (the node's daemon, at
 virtual nodes); ``stop``: it stops for 2 s, and lives. ``--kill-once FILE``: the kills happen in a
 run that does not find FILE, which it makes (a relaunch goes on). Also ``--steps N``, ``--shard``,
 ``--accumulate K``, ``--handler`` (the loop is ``PreemptionCheckpointHandler.run``, called as
@@ -33,7 +34,7 @@ import time
 import numpy as np
 
 import mpistrat
-from mpistrat.checkpoint import saving
+from mpistrat.checkpoint import background, saving
 from mpistrat.distribute import recovery
 
 GLOBAL_BATCH, FEATURES = 16, 3
@@ -174,6 +175,14 @@ if any(where == "recovery" for _, where in KILLS):
         return original(*a, **kw)
 
     recovery._recover_on = dying_recovery
+if any(where == "poll" for _, where in KILLS):  # dies where the others agree a background save is written
+    original_poll = background.BackgroundSaves.poll
+
+    def dying_poll(self):  # type: ignore[no-untyped-def]
+        die_if(int(optimizer.iterations.numpy()), "poll")
+        return original_poll(self)
+
+    background.BackgroundSaves.poll = dying_poll
 if any(where == "save" for _, where in KILLS):
     original_write = saving.write
 
