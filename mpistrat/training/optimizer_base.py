@@ -198,11 +198,9 @@ class Optimizer(KerasArguments):
                 extended = context.get_strategy().replicas
                 with extended.colocate_vars_with(extended.non_slot_devices([])):
                     self._iterations = Variable(
-                        np.int64(0),
-                        trainable=False,
-                        name=f"{self._name}/iter",
+                        np.int64(0), trainable=False, name=f"{self._name}/iter",
                         aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
-                    )
+                    )  # fmt: skip
                 extended.collectives.recoverables.add(self._flat_state(), self._accumulator)  # after a death
         return self._iterations
 
