@@ -59,7 +59,7 @@ from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
-from mpistrat.diagnostics import flight, startup, stragglers, timeline, ulfm, watchdog
+from mpistrat.diagnostics import deaths, flight, startup, stragglers, timeline, ulfm, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
@@ -187,9 +187,13 @@ class Collectives:
         startup.reached("first collective")  # for mpistrat info --startup: the first strategy's is
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
 
-    def locate(self, hosts: tuple[str, ...]) -> None:
+    def locate(self, hosts: tuple[str, ...], processes: tuple[tuple[str, int], ...] = ()) -> None:
         """Every rank's host name (in rank order), named in stall warnings, timeouts and the straggler
-        table where the ranks span several hosts (on one host it would say nothing new)."""
+        table where the ranks span several hosts (on one host it would say nothing new); every rank's
+        process (``comm.devices.process_identity``): where MPI does not report a rank's death, each
+        rank watches one on its machine (``diagnostics/deaths.py``)."""
+        if processes and self.monitor.watched and not ulfm.live():
+            self.monitor.deaths = deaths.watch(processes, self.rank)
         self.hosts = tuple(hosts)  # where a sharded optimizer's keepers go (training/shard_copies.py)
         several = self.hosts if len(set(hosts)) > 1 else ()
         self.monitor.hosts = self.stragglers.hosts = several

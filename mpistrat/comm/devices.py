@@ -34,6 +34,7 @@ __all__ = [
     "import_cupy",
     "node_local",
     "place",
+    "process_identity",
     "visible_from_env",
 ]
 
@@ -51,6 +52,7 @@ class Placement:
         reason: why this device (or why not a GPU), for ``mpistrat info``.
         hosts: every rank's host name (``MPI.Get_processor_name()``), in rank order; empty
             where nothing was gathered (the default strategy).
+        processes: every rank's :func:`process_identity`, in rank order (empty likewise).
     """
 
     host: str
@@ -59,6 +61,7 @@ class Placement:
     gpu: int | None
     reason: str
     hosts: tuple[str, ...] = ()
+    processes: tuple[tuple[str, int], ...] = ()
 
     def device(self, rank: int) -> str:
         return device_string(rank, self.gpu)
@@ -139,14 +142,30 @@ def place(comm: MPI.Intracomm, env: Mapping[str, str] | None = None, *, select: 
     except InvalidArgumentError as exc:
         problem = str(exc)
     problems: dict[str, list[int]] = {}
-    gathered = comm.allgather((problem, MPI.Get_processor_name()))  # the host names ride along
-    for r, (p, _) in enumerate(gathered):
+    # the host names and processes ride along
+    gathered = comm.allgather((problem, MPI.Get_processor_name(), process_identity()))
+    for r, (p, _, _) in enumerate(gathered):
         if p is not None:
             problems.setdefault(p, []).append(r)
     if problems:
         raise InvalidArgumentError("; ".join(f"{_ranks(rs)}: {p}" for p, rs in problems.items()))
     assert placement is not None
-    return dataclasses.replace(placement, hosts=tuple(host for _, host in gathered))
+    hosts, processes = tuple(h for _, h, _ in gathered), tuple(tuple(p) for _, _, p in gathered)
+    return dataclasses.replace(placement, hosts=hosts, processes=processes)
+
+
+def process_identity() -> tuple[str, int]:
+    """This process as another process can tell it from any other: ``(machine, pid)``, the machine
+    its boot id and PID namespace (a container's own namespace is another machine; "" where they
+    cannot be read). The ranks on one machine can watch each other's processes
+    (``diagnostics/deaths.py``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "", os.getpid()
+    return f"{boot} {namespace}", os.getpid()
 
 
 def _ranks(ranks: list[int]) -> str:

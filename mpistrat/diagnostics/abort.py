@@ -50,7 +50,7 @@ _FORWARD_SECONDS = 0.5
 _installed = False
 _previous_hook: Any = None
 _previous_thread_hook: Any = None
-_doomed: str | None = None
+_doomed: tuple[str, int] | None = None  # a message and status the job must end with
 _last_words: list[Any] = []  # callables returning text to print before an uncaught exception aborts
 _exit_hooks: list[Callable[[], None]] = []  # run_at_exit's, the last added first
 
@@ -170,7 +170,7 @@ def _end(code: int) -> NoReturn:
         os._exit(code)
 
 
-def abort_later(seconds: float, message: str) -> None:
+def abort_later(seconds: float, message: str, code: int = 1) -> None:
     """Abort the job after ``seconds`` (or at once if the program exits first): it cannot go on.
 
     Used after a collective timed out: the exception reaches the caller, who may catch
@@ -179,8 +179,8 @@ def abort_later(seconds: float, message: str) -> None:
     global _doomed
     if _doomed is not None:
         return
-    _doomed = message
-    timer = threading.Timer(seconds, abort_job, args=(message,))
+    _doomed = message, code
+    timer = threading.Timer(seconds, abort_job, args=(message, code))
     timer.daemon = True
     timer.start()
 
@@ -201,7 +201,7 @@ def _at_exit() -> None:
                 f"[rank {world_rank()}] Exception ignored in mpistrat's exit hook:\n{traceback.format_exc()}"
             )
     if _doomed is not None:
-        abort_job(_doomed)
+        abort_job(*_doomed)
 
 
 # Registered at import (with mpistrat), so it runs after the program's exit handlers (atexit is LIFO):

@@ -25,6 +25,7 @@ __all__ = [
     "NO_SIDE_CHANNEL",
     "aborted",
     "departed",
+    "died",
     "exit_reason",
     "explain",
     "first_difference",
@@ -215,6 +216,15 @@ def departed(mon: Monitor, rank: int, last: int, why: str) -> str:
     """Why the collective ``mon`` is in cannot complete: ``rank`` exited after collective ``last``."""
     where = on_hosts([rank], mon.hosts)
     return f"{headline(mon)} cannot complete: rank {rank}{where} exited after collective #{last} ({why})"
+
+
+def died(mon: Monitor, rank: int, why: str, world: int) -> str:
+    """Why the collective ``mon`` is in cannot complete: ``rank`` (world rank ``world``) died, as
+    ``why`` says; with the optimizer step this rank is at."""
+    name = f"rank {rank}" if world == rank else f"rank {rank} (world rank {world})"
+    steps = getattr(mon.owner(), "commits", None)
+    at = "" if steps is None else f" during optimizer step {steps + 1} (this rank had applied {steps})"
+    return f"{name}{on_hosts([rank], mon.hosts)} died{at}: {why}; {headline(mon)} cannot complete"
 
 
 def undiagnosed(patience: float) -> str:

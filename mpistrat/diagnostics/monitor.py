@@ -47,12 +47,13 @@ class Monitor:
     Fields by who writes them (the watchdog thread reads all of them):
 
     * set once, when the strategy is created (``watchdog.watch``): ``owner``, ``comm``,
-      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``, ``hosts``;
+      ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``, ``hosts``,
+      ``deaths``;
       ``watched`` is cleared when the strategy is finalized or collected;
     * the collective's thread, on every call (:func:`collective`, the handshake):
       ``kind``, ``start``, ``deadline``, ``polled``, ``thread``, ``last_thread``, ``last``,
       ``agreed``, ``completed``; ``polling`` while it waits in ``watchdog.wait``;
-    * the watchdog thread, for the collective's thread to raise: ``expired``;
+    * the watchdog thread, for the collective's thread to raise: ``expired``, ``lost``;
     * the watchdog thread, for itself (one stall or timeout acted on once): ``warned``,
       ``handled``.
     """
@@ -70,6 +71,7 @@ class Monitor:
         # reads the monitor, sits beside this one); None: no side channel.
         self.side: Any = None
         self.hosts: tuple[str, ...] = ()  # every rank's host, where they are several (named in diagnoses)
+        self.deaths: Any = None  # the deaths.Watch of another rank's process on this machine (None: none)
         # -- written by the collective's thread, read by the watchdog thread
         self.kind = ""
         self.start: float | None = None  # monotonic time the current collective began; None: idle
@@ -84,6 +86,7 @@ class Monitor:
         self.completed = 0  # the last collective this rank completed (not one it left by an error)
         # -- written by the watchdog thread, read by the collective's thread
         self.expired: str | None = None  # the timeout message (watchdog.wait raises it)
+        self.lost: int | None = None  # with it, the world rank whose death it waits for
         # -- the watchdog thread's own
         self.warned: float | None = None  # start of the collective whose stall was warned of
         self.handled: float | None = None  # start of the collective whose timeout or loss was handled

@@ -32,7 +32,9 @@ next rank (1, then 2, ...), and diagnoses the event itself when its own rank com
 stopped or finished rank 0 costs ``WAIT`` seconds and R-1 reports per rank passed over,
 and the explanation says who stood in. A rank that exits says so (``left``) to its
 coordinator, which tells the others of the first: a collective it will never join ends at once
-(``farewell.py``: the exit handshake, which also reads every message still on its way).
+(``farewell.py``: the exit handshake, which also reads every message still on its way). A rank
+whose process ended without saying so, seen by the rank that watches it (``deaths.py``), is
+told of to every rank by that one (``died``): R-1 messages per death.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class Channel:
         self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
         self.told: dict[Event, set[int]] = {}  # the ranks a result was sent to (each gets it once)
         self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
+        # rank -> (when this rank heard, what was seen, its world rank): a rank whose process ended
+        # before it said it leaves (diagnostics/deaths.py)
+        self.deaths: dict[int, tuple[float, str, int]] = {}
         # rank -> its record of collectives left unchecked (MPISTRAT_CHECK=step) when it exited, flat
         # (seq, kind, code, ...): rank 0 compares them once every rank has left (farewell.py)
         self.unchecked: dict[int, list[Any]] = {}
@@ -165,6 +170,17 @@ class SideChannel:
                 if r not in (rank, mon.rank):
                     self.send(mon, ("left", rank, last, why, world), r)
 
+    def died(self, mon: Monitor, side: Channel, rank: int, why: str, world: int, tell: bool) -> None:
+        """``rank``'s process ended before it said it leaves; with ``tell``, this rank saw it and
+        tells every other rank."""
+        if rank in side.deaths or rank in side.departed:
+            return
+        side.deaths[rank] = (time.monotonic(), why, world)
+        if tell:
+            for r in range(mon.size):
+                if r not in (rank, mon.rank):
+                    self.send(mon, ("died", rank, why, world), r)
+
     # -- each takes ``lock``: the watchdog thread's looks, a diagnosis from any thread, the exit hook
 
     def forget_sent(self) -> None:
@@ -193,6 +209,8 @@ class SideChannel:
                     self.coordinate(mon, side, tuple(ref), source)
                 elif what == "result":
                     _remember(side.results, tuple(ref), (payload[0], int(payload[1])))
+                elif what == "died":  # ref: the rank whose process ended; payload: what was seen, world
+                    self.died(mon, side, ref, payload[0], payload[1], tell=False)
                 elif what == "left":  # ref: the rank that exited; payload: its last collective, why, world
                     self.depart(mon, side, ref, payload[0], payload[1], payload[2], told_by=source)
                     if len(payload) > 3 and source == ref:  # its unchecked collectives (farewell.py)

@@ -19,6 +19,11 @@ main thread waits.
   explanation that says so.
 * A rank heard to have exited before the collective (it said so at exit) ends the
   collective at once, naming it.
+* A rank whose process ended without saying so (seen by the rank on its machine that watches
+  it, ``deaths.py``) ends every collective that waits for it: at once one begun after the death
+  was heard, ``DEATH_GRACE`` seconds after it one begun before (which the dead rank may have
+  joined). The job ends with status 76 (``PEER_FAILED_EXIT``), each waiting rank naming the
+  dead one and its own optimizer step.
 
 Also here: the strategies' lifecycle with the thread (:func:`watch`,
 :func:`release`), the bounded duplication of a strategy's communicator (:func:`duplicate`)
@@ -40,11 +45,11 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.diagnostics import abort, diagnosis, farewell, monitor, ulfm
+from mpistrat.diagnostics import abort, deaths, diagnosis, farewell, monitor, ulfm
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.diagnostics.monitor import Monitor, collective
 from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, Channel, SideChannel
-from mpistrat.errors import CollectiveTimeoutError
+from mpistrat.errors import PEER_FAILED_EXIT, CollectiveTimeoutError, PeerFailedError
 from mpistrat.log import ANY_RANK, logger
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
 ]
 
 ABORT_DELAY = 5.0  # seconds between a raised CollectiveTimeoutError and MPI_Abort
+DEATH_GRACE = 1.0  # seconds a collective begun before a rank's death was heard may still complete
 
 
 class Watchdog(SideChannel):
@@ -115,6 +121,7 @@ class Watchdog(SideChannel):
         for mon in monitors:
             try:
                 self.serve(mon)
+                self.notice(mon)
                 self.advance(mon)
                 self.tend(mon)
             except Exception as exc:  # the watchdog must never take the job down itself
@@ -127,6 +134,20 @@ class Watchdog(SideChannel):
                     )
         self.forget_sent()
 
+    def notice(self, mon: Monitor) -> None:
+        """The rank this one watches on its machine (``deaths.py``): tell every rank if its process
+        ended before it said it leaves."""
+        watch, side = mon.deaths, mon.side
+        if watch is None or watch.seen or side is None or not watch.ended():
+            return
+        watch.seen = True
+        with self.lock:
+            if mon not in self.registry:
+                return
+            world = deaths.world_rank(mon.comm, watch.rank)
+            seen = f"its process (pid {watch.pid}) ended without saying it leaves"
+            self.died(mon, side, watch.rank, seen, world, tell=True)
+
     def tend(self, mon: Monitor) -> None:
         """Act on this rank's stall or timeout once its diagnosis is here (asking for it until then)."""
         start = mon.start
@@ -135,6 +156,16 @@ class Watchdog(SideChannel):
         seq, kind, side = mon.seq, mon.kind, mon.side
         if mon.start != start:
             return  # a new collective began while we read
+        if side is not None and side.deaths and mon.handled != start:
+            now = time.monotonic()
+            dead = sorted(
+                (r, why, world) for r, (heard, why, world) in side.deaths.items()
+                if start >= heard or now >= heard + DEATH_GRACE
+            )  # fmt: skip
+            if dead:  # it will never join this collective
+                mon.handled = start
+                _end(mon, start, diagnosis.died(mon, *dead[0]), lost=dead[0][2])
+                return
         if side is not None and side.departed and mon.handled != start:
             gone = sorted((r, last, why) for r, (last, why) in side.departed.items() if last < seq)
             if gone:  # it exited before this collective: it will never join it
@@ -237,6 +268,8 @@ def wait(mon: Monitor, request: MPI.Request) -> None:
     spins = 0
     try:
         while not request.Test():
+            if mon.expired is not None and mon.lost is not None:
+                raise PeerFailedError(mon.expired, (mon.lost,), recoverable=False)
             if mon.expired is not None:
                 raise CollectiveTimeoutError(mon.expired)
             spins += 1
@@ -274,16 +307,19 @@ def _warn(mon: Monitor, start: float, waited: float, result: tuple[str, int]) ->
     logger.warning(diagnosis.warning(mon, waited, result[0]), extra=ANY_RANK)
 
 
-def _end(mon: Monitor, start: float, problem: str) -> None:
-    """End the job: this collective cannot complete (raise it first where the main thread polls)."""
+def _end(mon: Monitor, start: float, problem: str, lost: int | None = None) -> None:
+    """End the job: this collective cannot complete (raise it first where the main thread polls).
+    ``lost``: the world rank whose death it waits for (the job ends with ``PEER_FAILED_EXIT``)."""
     if mon.start != start:
         return
     message = diagnosis.aborted(problem)
+    code = 1 if lost is None else PEER_FAILED_EXIT
     if mon.polling:
-        mon.expired = message  # the main thread raises CollectiveTimeoutError with it
-        abort.abort_later(ABORT_DELAY, f"{mon.kind} (collective #{mon.seq}) could not complete")
+        mon.lost = lost
+        mon.expired = message  # the main thread raises CollectiveTimeoutError (PeerFailedError) with it
+        abort.abort_later(ABORT_DELAY, f"{mon.kind} (collective #{mon.seq}) could not complete", code)
     else:
-        abort.abort_job(message)
+        abort.abort_job(message, code)
 
 
 def duplicate(comm: MPI.Intracomm, timeout: float | None, what: str = "MPIStrategy()") -> MPI.Intracomm:

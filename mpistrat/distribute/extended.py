@@ -75,7 +75,7 @@ class StrategyExtended:
         self._release: weakref.finalize | None = release
         # This rank's device: node-local rank modulo the visible GPUs (collective; see comm/devices.py).
         self.placement = devices.place(comm)
-        c.locate(self.placement.hosts)  # diagnoses name the hosts of missing ranks
+        c.locate(self.placement.hosts, self.placement.processes)  # diagnoses name hosts; deaths seen
         # The two cross-replica contexts' reductions (see _reductions).
         self._spmd = SpmdReducer(self)
         self._local = LocalReducer(self.size, options, reductions.mirrored(self.size))
@@ -192,7 +192,7 @@ class StrategyExtended:
         release = weakref.finalize(c, watchdog.release, c.monitor, comm, c.closer())
         release.atexit = False
         self._release = release
-        self.placement = dataclasses.replace(self.placement, hosts=hosts)
+        self.placement = dataclasses.replace(self.placement, hosts=hosts, processes=())
         c.locate(hosts)
         self._spmd = SpmdReducer(self)
         self._local = LocalReducer(self.size, self._options, reductions.mirrored(self.size))

@@ -246,6 +246,20 @@ def test_a_killed_rank_ends_the_job_with_default_settings():
     assert "signal 9" in out or "Killed" in out, out
 
 
+def test_a_killed_rank_the_launcher_leaves_running_is_named_with_each_survivors_step():
+    """Rank 1 is killed inside optimizer step 3 under a wrapper that outlives it by 60 s, so the
+    launcher leaves the others running (as ``srun`` without ``--kill-on-bad-exit`` does). Rank 0,
+    which watches it on this machine, sees its process end: every waiting rank names it and its own
+    step at once, and the job ends with status 76, long before the wrapper would let it."""
+    args = ["60", str(FAULTS / "survive.py"), "--steps", "4", "--kill", "1@2@inside"]
+    code, out = run_job("linger.py", *args, limit=40)
+    assert code == 76, out
+    for r in (0, 2):
+        said = rf"\[rank {r}\] mpistrat: rank 1 died during optimizer step 3 \(this rank had applied 2\): "
+        seen = r"its process \(pid \d+\) ended without saying it leaves; apply_gradients"
+        assert re.search(said + seen, out), out
+
+
 def test_a_frozen_rank_is_named_as_not_answering():
     code, out = run_job("freeze_rank.py", limit=5 + 20)
     assert code != 0, out
