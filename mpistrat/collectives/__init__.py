@@ -102,12 +102,13 @@ class Collectives:
     def rebind(self, comm: MPI.Intracomm) -> None:
         """Go on over ``comm``, the survivors of this object's communicator after a rank died
         (collective over ``comm``): numbering, caches, transports, the handshake and the watch start
-        afresh; the options and a requested stop are kept. The caller releases the old monitor,
-        communicator and requests (:meth:`closer`, taken before)."""
-        for abandon in list(self.abandon.values()):  # work begun over the lost communicator
+        afresh; the options and a requested stop are kept. Work in :attr:`abandon` (begun over the
+        lost communicator) is abandoned, and takes its entries in :attr:`pending` and
+        :attr:`after_step` with it; other work there goes on over ``comm`` (a save waiting for an
+        accumulation window's end). The caller releases the old monitor, communicator and requests
+        (:meth:`closer`, taken before)."""
+        for abandon in list(self.abandon.values()):
             abandon()
-        self.pending.clear()
-        self.after_step.clear()
         self.abandon.clear()
         self._bind(comm, "recovery")
 
