@@ -239,6 +239,7 @@ class Collectives:
     all_gather_bytes = in_place.all_gather_bytes
     exact_mean_in_place = in_place.exact_mean_in_place
     exchange = in_place.exchange
+    all_to_all_bytes = in_place.all_to_all_bytes
 
 
 def _close(transports: Transports, requests: list[MPI.Prequest]) -> None:

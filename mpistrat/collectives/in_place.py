@@ -36,6 +36,7 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_in_place",
     "all_reduce_in_place",
+    "all_to_all_bytes",
     "exact_mean_in_place",
     "exchange",
     "reduce_scatter_in_place",
@@ -180,6 +181,24 @@ def exchange(
 
 
 _EXCHANGE_TAG = 0x6D78  # beside the side channel's tag: never matched with its messages
+
+
+@watchdog.collective("all_to_all")
+def all_to_all_bytes(
+    self: Collectives,
+    send: np.ndarray,
+    send_counts: list[int],
+    recv: np.ndarray,
+    recv_counts: list[int],
+    *,
+    kind: str = "all_to_all",
+) -> None:
+    """``send_counts[r]`` bytes of ``send`` (end to end, in rank order) to each rank ``r``, and
+    ``recv_counts[r]`` bytes from each into ``recv``: one ``Alltoallv`` (host memory; each count
+    below 2**31). A restore from node-local checkpoint copies asks and serves byte ranges with it."""
+    send_at = [0, *itertools.accumulate(send_counts[:-1])]
+    recv_at = [0, *itertools.accumulate(recv_counts[:-1])]
+    self.comm.Alltoallv([send, send_counts, send_at, MPI.BYTE], [recv, recv_counts, recv_at, MPI.BYTE])
 
 
 def _contiguous(buf: Any, kind: str) -> None:
