@@ -10,7 +10,7 @@ launch): nothing here depends on them agreeing.
 
 A strategy's settings (``CHECK``, ``TIMEOUT``, ``STALL_WARNING_SECONDS``, ``TIMELINE``,
 ``FLIGHT_RECORDS``, ``STRAGGLER_*``) are read when the strategy is created; the process's
-(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``, ``IO_HINTS``,
+(``ABORT_ON_EXCEPTION``, ``LOG_ALL_RANKS``, ``CUDA_AWARE``, ``DEVICE``, ``IO_HINTS``, ``LOCAL_COPIES``,
 ``ALLOW_SINGLETON``) when they take effect.
 ``docs/configuration.md`` is the table of :data:`SETTINGS`.
 
@@ -220,6 +220,15 @@ SETTINGS: dict[str, Setting] = {
             "`key=value,key=value`",
             "MPI-IO hints for checkpoint files (Lustre striping, ROMIO collective buffering); "
             "`CheckpointOptions(io_hints=...)` adds to them.",
+        ),
+        Setting(
+            "MPISTRAT_LOCAL_COPIES",
+            _directory,
+            None,
+            "a directory on each node's own storage; unset or `off`: none",
+            "Keep each rank's share of the newest checkpoint there, and another node's rank's share; a "
+            "restore reads them instead of the shared file when every share is there "
+            "([surviving failures](fault-tolerance.md#node-local-copies-of-the-checkpoint)).",
         ),
         Setting(
             "MPISTRAT_ALLOW_SINGLETON",

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint import crc, mpiio
+from mpistrat.checkpoint import crc, local_copies, mpiio
 from mpistrat.checkpoint.crc import records
 from mpistrat.checkpoint.saving import ALWAYS, Save, close, finish
 from mpistrat.errors import PeerFailedError
@@ -144,6 +144,7 @@ class BackgroundSaves:
                 seconds or 0.0,
             )
             writer.on_success()
+            local_copies.keep(save, self.collectives)
         if failure is not None:
             raise failure
 

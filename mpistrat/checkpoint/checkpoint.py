@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import context
-from mpistrat.checkpoint import background, mpiio, restoring, saving
+from mpistrat.checkpoint import background, local_copies, mpiio, restoring, saving
 from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
 from mpistrat.checkpoint.format import Table, renamed
 from mpistrat.checkpoint.tracking import name_before_escaping, tracked
@@ -265,9 +265,32 @@ class Checkpoint:
     ) -> CheckpointLoadStatus:
         """Rank 0 reads the file's table of contents and every rank gets it; then every rank reads
         its part (:func:`restoring.load`, with the MPI-IO ``hints``): checked before anything is
-        assigned."""
-        table: Table | None = collectives.on_root(
-            lambda: read_table(path), kind=f"checkpoint.{method} (read)"
+        assigned. Node-local copies of every share (``local_copies.py``) are read instead of the
+        file; the file, where one of them is damaged or unreadable (every rank hears of it)."""
+        copies = local_copies.find(path, collectives)
+        if copies is not None:
+            try:
+                return self._load_from(path, method, collectives, writes_in_sync, hints, copies)
+            except (InvalidArgumentError, OSError) as exc:
+                if collectives.rank == 0:
+                    said = "Checkpoint.%s: the node-local copies of %s: %s; reading the file"
+                    logger.warning(said, method, path, exc)
+        return self._load_from(path, method, collectives, writes_in_sync, hints, None)
+
+    def _load_from(
+        self,
+        path: str,
+        method: str,
+        collectives: Collectives,
+        writes_in_sync: Callable[[], AbstractContextManager[None]],
+        hints: dict[str, str],
+        copies: local_copies.Copies | None,
+    ) -> CheckpointLoadStatus:
+        """:meth:`_load` from the file, or from ``copies``."""
+        table: Table | None = (
+            copies.table(collectives, method)
+            if copies is not None
+            else collectives.on_root(lambda: read_table(path), kind=f"checkpoint.{method} (read)")
         )
         if table is None:
             raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
@@ -279,7 +302,7 @@ class Checkpoint:
         entries = self._entries()
         _check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
         targets = {n: v for n, v in entries.items() if n in index}
-        restoring.load(table, targets, collectives, writes_in_sync, hints, method)
+        restoring.load(table, targets, collectives, writes_in_sync, hints, method, copies)
         if table.counter is not None:
             self._save_counter.assign(np.int64(table.counter))
         missing = [n for n in entries if n not in index]
@@ -348,6 +371,7 @@ def write_file(
         raise
     if on_success is not None:
         on_success()
+    local_copies.keep(save, collectives)
 
 
 def _agree_to_read(
@@ -363,13 +387,14 @@ def _agree_to_read(
     except InvalidArgumentError as exc:
         error = exc
     leaves = [("save_path", "None" if save_path is None else "a path", ()), mpiio.described(hints)]
+    leaves.append(saving.local_copies_described())  # every rank reads node-local copies, or none
     collectives.agree(
         "checkpoint.restore",
         fingerprint=hash64(repr(leaves)),
         describe=lambda: {
             "leaves": leaves,
             "advice": "Every rank must restore a checkpoint (or None), with the same MPI-IO hints "
-            "(MPISTRAT_IO_HINTS, CheckpointOptions.io_hints).",
+            "(MPISTRAT_IO_HINTS, CheckpointOptions.io_hints), MPISTRAT_LOCAL_COPIES set on all or none.",
         },
         error=error,
         options=saving.ALWAYS,

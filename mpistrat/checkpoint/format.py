@@ -214,9 +214,10 @@ def corrupt(path: str, why: str) -> InvalidArgumentError:
     )
 
 
-def read_table(path: str, f: IO[bytes]) -> Table | None:
+def read_table(path: str, f: IO[bytes], size: int | None = None) -> Table | None:
     """The entries and metadata of the format-2 file ``path`` open as ``f``, checked; None for a
-    safetensors file that is not an mpistrat checkpoint.
+    safetensors file that is not an mpistrat checkpoint. ``size``: the file's bytes, where ``f``
+    holds only its header (a node-local copy's; else ``f``'s own size).
 
     Checks, before anything is restored: the header's length and JSON, every entry's dtype, shape
     and byte range (inside the file, no overlaps, no gaps, as safetensors requires), the data's
@@ -225,7 +226,7 @@ def read_table(path: str, f: IO[bytes]) -> Table | None:
     """
     f.seek(0)
     start = f.read(_LENGTH.size)
-    size = os.fstat(f.fileno()).st_size
+    size = os.fstat(f.fileno()).st_size if size is None else size
     if len(start) < _LENGTH.size:
         raise corrupt(path, f"{size} bytes: shorter than the header's length")
     (length,) = _LENGTH.unpack(start)

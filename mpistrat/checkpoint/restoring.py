@@ -38,6 +38,7 @@ from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableSynchronization, Writable
 
 if TYPE_CHECKING:
+    from mpistrat.checkpoint.local_copies import Copies
     from mpistrat.collectives import Collectives
 
 __all__ = ["load"]
@@ -67,10 +68,11 @@ def load(
     writes_in_sync: Callable[[], AbstractContextManager[None]],
     hints: dict[str, str],
     method: str,
+    copies: Copies | None = None,
 ) -> None:
     """Read the entries of ``table`` that ``targets`` (name: variable, sharded slot or dataset
     position, shapes already checked) restore, check them, and assign them (collective; ``hints``:
-    the MPI-IO hints the ranks agreed on)."""
+    the MPI-IO hints the ranks agreed on; ``copies``: node-local copies to read instead of the file)."""
     wanted = [table.entries[n] for n in table.entries if n in targets]  # file order
     parted = [e for e in wanted if isinstance(targets[e.name], (ShardedSlot, RankShare)) and not e.fortran]
     windows = _windows([e for e in wanted if e not in parted], collectives.size, _adjacent(targets))
@@ -95,11 +97,17 @@ def load(
     def checksum_beside(call: list[Piece]) -> None:  # while the next call is read
         work.append(in_thread(lambda: records(call, table.checksum)))
 
-    fh, error = mpiio.open_file(collectives.comm, table.path, MPI.MODE_RDONLY, hints)
-    if fh is not None:
-        error = mpiio.read(fh, calls(pieces, READ_CALL), table.path, checksum_beside)
-        with contextlib.suppress(MPI.Exception):
-            fh.Close()
+    reading = calls(pieces, READ_CALL)
+    if copies is not None:  # node-local copies: the ranks holding them serve every rank's reads
+        error = copies.read(reading, collectives)
+        for call in reading:
+            checksum_beside(call)
+    else:
+        fh, error = mpiio.open_file(collectives.comm, table.path, MPI.MODE_RDONLY, hints)
+        if fh is not None:
+            error = mpiio.read(fh, reading, table.path, checksum_beside)
+            with contextlib.suppress(MPI.Exception):
+                fh.Close()
     try:
         mine = [record for done in work for record in done.result()]
     except Exception as exc:  # every rank must hear of it

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat import config
 from mpistrat.checkpoint import crc, files, mpiio
 from mpistrat.checkpoint.crc import CRC32C, records
 from mpistrat.checkpoint.format import Table, dtype_code, encode_header, header_rows, lay_out
@@ -50,7 +51,17 @@ from mpistrat.training.variables import Variable, VariableSynchronization
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["ALWAYS", "Save", "abandon", "begin", "close", "copies_of", "finish", "write"]
+__all__ = [
+    "ALWAYS",
+    "Save",
+    "abandon",
+    "begin",
+    "close",
+    "copies_of",
+    "finish",
+    "local_copies_described",
+    "write",
+]
 
 # Checkpoint agreements run even with the check off: a rank that failed must not be waited for.
 ALWAYS = CommunicationOptions(check=True)
@@ -102,6 +113,7 @@ def begin(
     hints = mpiio.hints(io_hints)  # part of the plan: ranks that open a file with other hints may hang
     described: list[Any] = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
     described.append(mpiio.described(hints))
+    described.append(local_copies_described())  # every rank keeps node-local copies, or none
     error: MpistratError | None = None
     try:
         for name, value in entries.items():
@@ -115,7 +127,8 @@ def begin(
         describe=lambda: {
             "leaves": described,
             "advice": "Every rank must save the same entries (names, dtypes, shapes), with the same "
-            "MPI-IO hints (MPISTRAT_IO_HINTS, CheckpointOptions.io_hints).",
+            "MPI-IO hints (MPISTRAT_IO_HINTS, CheckpointOptions.io_hints), and MPISTRAT_LOCAL_COPIES "
+            "set on every rank or on none.",
         },
         error=error,
         options=ALWAYS,
@@ -275,6 +288,12 @@ def _create(save: Save, collectives: Collectives, hints: dict[str, str]) -> None
         raise
 
 
+def local_copies_described() -> tuple[str, str, None]:
+    """Whether this rank keeps node-local copies (``MPISTRAT_LOCAL_COPIES``), as a save's and a
+    restore's handshake compare it: every rank must, or none (``local_copies.py``)."""
+    return ("MPISTRAT_LOCAL_COPIES", "set" if config.read("MPISTRAT_LOCAL_COPIES") else "unset", None)
+
+
 def abandon(save: Save, collectives: Collectives) -> None:
     """A save a rank's death interrupted: its file closed, rank 0's temporary removed (no
     communication: the file is closed over a revoked communicator, whatever MPI says of it)."""
@@ -376,7 +395,7 @@ def _complete(save: Save, reports: list[Any]) -> float | None:
         if save.final:  # written with the data and flushed with it
             files.replace_durably(save.tmp, save.path, flushed=True)
         else:
-            header = _final_header(save, [checked for _, checked, _ in reports])
+            header = save.header = _final_header(save, [checked for _, checked, _ in reports])
             fd = os.open(save.tmp, os.O_WRONLY)
             try:
                 os.pwrite(fd, header, 0)
