@@ -299,16 +299,26 @@ say "submitted jobs/bench.sbatch --time=1 with a longer sweep: job $limited"
 
 # A rank's death without ULFM (MPICH under srun): task 1 is SIGKILLed at step 2 of the first run;
 # jobs/train.sbatch starts the run again in the same allocation, which restores the newest
-# checkpoint and ends with the weights of a run that lost nothing (tests/faults/survive.py).
+# checkpoint from the ranks' node-local copies (LOCAL_COPIES=1) and ends with the weights of a run
+# that lost nothing (tests/faults/survive.py); the copies are gone once the job ends.
 relaunched=$(sbatch --parsable --ntasks=3 --output="$WORK/results/slurm-%j.out" \
-    --export="ALL,TRAIN_MODULE=tests.faults.survive,TRAIN_ARGS=--steps 4 --handler --checkpoint ckpt --save-every 1 \
---kill 1@2@inside --kill-once $WORK/killed-once" jobs/train.sbatch)
+    --export="ALL,LOCAL_COPIES=1,LOCAL_DIR=$WORK/node-local,TRAIN_MODULE=tests.faults.survive,TRAIN_ARGS=--steps 4 \
+--handler --checkpoint ckpt --save-every 1 --kill 1@2@inside --kill-once $WORK/killed-once" jobs/train.sbatch)
 say "submitted jobs/train.sbatch whose task 1 is killed once: job $relaunched"
 ids+=("$relaunched")
+# The same death under srun without --kill-on-bad-exit (Slurm leaves the others running): each
+# survivor names the dead rank and its optimizer step at once, and the step ends with status 76.
+{
+    echo '#!/bin/bash'
+    printf 'cd %q\n' "$REPO"
+    printf 'srun --mpi=pmi2 --kill-on-bad-exit=0 %q -m tests.faults.survive --steps 4 --kill 1@2@inside\n' "$PYTHON"
+} > "$WORK/unkilled.sh"
+unkilled=$(sbatch --parsable --ntasks=3 --output="$WORK/results/slurm-%j.out" "$WORK/unkilled.sh")
+say "submitted srun --kill-on-bad-exit=0 whose task 1 is killed: job $unkilled"
 
 say "waiting for jobs ${ids[*]} $limited (at most $TIMEOUT s)"
 deadline=$((SECONDS + TIMEOUT))
-while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]},$limited")" 2> /dev/null)" ]; do
+while [ -n "$(squeue -h -j "$(IFS=,; echo "${ids[*]},$limited,$unkilled")" 2> /dev/null)" ]; do
     [ $SECONDS -lt $deadline ] || { say "jobs still queued or running after $TIMEOUT s"; squeue; exit 1; }
     sleep 2
 done
@@ -520,10 +530,25 @@ info = json.load(open(f"{results}/{job}/train.json"))
 assert info["relaunched"] == 1, info
 log = open(f"{results}/slurm-{job}.out").read()
 assert "DYING 1 at step 2 inside" in log and "mpistrat train: a rank died (status" in log, log[-3000:]
+assert re.search(r"ckpt-2 read from node-local copies \(MPISTRAT_LOCAL_COPIES\)", log), log[-3000:]
+assert not os.path.exists(f"{results}/../node-local"), "the node-local copies outlived the job"
 final = re.findall(r"^RESULT (\d+) (\d+) (\d+) ([0-9a-f]+)$", log, re.M)[-3:]
 assert sorted((int(w), int(r), int(i)) for w, r, i, _ in final) == [(0, 3, 4), (1, 3, 4), (2, 3, 4)], final
 weights = {np.frombuffer(bytes.fromhex(h), np.float32).tobytes() for *_, h in final}
 assert weights == {reference(4).tobytes()}, "the relaunched run's weights differ from a run that lost nothing"
 print(f"test-slurm: job {job} lost task 1, was relaunched in its allocation and ended with the uninterrupted weights")
+PY
+"$PYTHON" - "$WORK/results" "$unkilled" "$(scontrol show job "$unkilled")" << 'PY'
+import re, sys
+
+results, job, info = sys.argv[1:]
+log = open(f"{results}/slurm-{job}.out").read()
+said = re.findall(
+    r"\[rank (\d)\] mpistrat: rank 1 died during optimizer step 3 \(this rank had applied 2\): its process", log
+)
+assert sorted(set(said)) == ["0", "2"], log[-3000:]
+h, m, sec = map(int, re.search(r"RunTime=(\d+):(\d+):(\d+)", info).groups())
+assert h * 3600 + m * 60 + sec < 60, info  # named at once, not at MPISTRAT_TIMEOUT
+print(f"test-slurm: job {job}'s survivors named the rank srun left dead and their step, and ended")
 PY
 say "PASSED"
