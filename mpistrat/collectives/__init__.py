@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
@@ -50,7 +50,6 @@ from mpistrat.collectives import (
     hierarchical,
     in_place,
     objects,
-    recoverables,
     reduce_axis,
 )
 from mpistrat.collectives.handshake import check_enabled, check_level
@@ -59,9 +58,12 @@ from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
-from mpistrat.diagnostics import deaths, flight, startup, stragglers, timeline, ulfm, watchdog
+from mpistrat.diagnostics import flight, startup, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
+
+if TYPE_CHECKING:
+    from mpistrat.collectives.recoverables import Recoverables
 
 __all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
 
@@ -95,9 +97,17 @@ class Collectives:
         # Optimizer steps applied over these collectives (counted alike on every rank), and what a
         # recovery after a rank's death repairs (distribute/recovery.py).
         self.commits = 0
-        self.recoverables = recoverables.Recoverables()
         self.torn = False  # this rank's replicated state is being replaced (a recovery not finished)
         self._bind(comm, "strategy creation")
+
+    @functools.cached_property
+    def recoverables(self) -> Recoverables:
+        """What a recovery after a rank's death repairs (``distribute/recovery.py``): the variables,
+        optimizers and iterators made over these collectives register here (made on first use: a
+        job without them never loads it)."""
+        from mpistrat.collectives.recoverables import Recoverables
+
+        return Recoverables()
 
     def rebind(self, comm: MPI.Intracomm) -> None:
         """Go on over ``comm``, the survivors of this object's communicator after a rank died
@@ -115,6 +125,8 @@ class Collectives:
     def revoke(self) -> None:
         """Revoke the communicator and those made from it (ULFM; local): every survivor's pending and
         next operation on them fails at once, so all of them reach the recovery."""
+        from mpistrat.diagnostics import ulfm  # a rank died: not every job's path
+
         ulfm.revoke(self.comm)
         for comm in self.transports.communicators():
             ulfm.revoke(comm)
@@ -193,8 +205,11 @@ class Collectives:
         table where the ranks span several hosts (on one host it would say nothing new); every rank's
         process (``comm.devices.process_identity``): where MPI does not report a rank's death, each
         rank watches one on its machine (``diagnostics/deaths.py``)."""
-        if processes and self.monitor.watched and not ulfm.live():
-            self.monitor.deaths = deaths.watch(processes, self.rank)
+        if processes and self.monitor.watched:  # several ranks: not a minimal job's path
+            from mpistrat.diagnostics import deaths, ulfm
+
+            if not ulfm.live():
+                self.monitor.deaths = deaths.watch(processes, self.rank)
         self.hosts = tuple(hosts)  # where a sharded optimizer's keepers go (training/shard_copies.py)
         several = self.hosts if len(set(hosts)) > 1 else ()
         self.monitor.hosts = self.stragglers.hosts = several

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from mpistrat.diagnostics import abort, diagnosis, ulfm, watchdog
+from mpistrat.diagnostics import abort, diagnosis, watchdog
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.errors import CommunicationError, MpistratError
 
@@ -70,6 +70,8 @@ def from_mpi(collectives: Collectives, exc: MPI.Exception, kind: str) -> Mpistra
     ``ABORT_DELAY`` seconds later if the error is caught (a collective MPI failed leaves its
     communicator mid-operation), at once through the exception hook if not.
     """
+    from mpistrat.diagnostics import ulfm  # an error's path: not every job's
+
     if ulfm.is_peer_failure(exc, collectives.comm):  # nobody to ask, and the survivors may go on
         return ulfm.peer_failed(collectives.comm, exc, kind, collectives.seq)
     seq, mon = collectives.seq, collectives.monitor

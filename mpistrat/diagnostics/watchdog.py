@@ -45,7 +45,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.diagnostics import abort, deaths, diagnosis, farewell, monitor, ulfm
+from mpistrat.diagnostics import abort, diagnosis, farewell, monitor
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.diagnostics.monitor import Monitor, collective
 from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, Channel, SideChannel
@@ -125,6 +125,8 @@ class Watchdog(SideChannel):
                 self.advance(mon)
                 self.tend(mon)
             except Exception as exc:  # the watchdog must never take the job down itself
+                from mpistrat.diagnostics import ulfm  # an error's path: not every job's
+
                 if ulfm.is_peer_failure(exc, mon.comm):
                     continue  # a rank died: the collectives' own thread raises it and recovers
                 if mon not in failed:
@@ -144,6 +146,8 @@ class Watchdog(SideChannel):
         with self.lock:
             if mon not in self.registry:
                 return
+            from mpistrat.diagnostics import deaths  # loaded already: it made the watch
+
             world = deaths.world_rank(mon.comm, watch.rank)
             seen = f"its process (pid {watch.pid}) ended without saying it leaves"
             self.died(mon, side, watch.rank, seen, world, tell=True)

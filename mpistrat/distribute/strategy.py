@@ -12,8 +12,8 @@ from mpi4py import MPI
 
 from mpistrat import config, context
 from mpistrat.collectives import mismatch
-from mpistrat.diagnostics import abort, launch, ulfm, watchdog
-from mpistrat.distribute import merge, recovery
+from mpistrat.diagnostics import abort, launch, watchdog
+from mpistrat.distribute import merge
 from mpistrat.distribute.default import default_strategy
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.strategy_base import Strategy
@@ -28,6 +28,7 @@ from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.distribute.cluster_resolver import ClusterResolver
+    from mpistrat.distribute.recovery import Recovery
 
 __all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy", "default_strategy"]
 
@@ -80,7 +81,7 @@ class MPIStrategy(Strategy):
         super().__init__(StrategyExtended(self, private, options, merge_call=merge_call))
         self._cluster_resolver: ClusterResolver | None = None
 
-    def recover(self) -> recovery.Recovery:
+    def recover(self) -> Recovery:
         """Go on with the surviving ranks after one died: call it on every survivor, in cross-replica
         context, once ``PeerFailedError`` was raised (collective over the survivors).
 
@@ -112,6 +113,9 @@ class MPIStrategy(Strategy):
                 "MPIStrategy.recover() must be called in cross-replica context (outside strategy.run and "
                 "merge_fn), on every surviving rank"
             )
+        from mpistrat.diagnostics import ulfm  # few jobs lose a rank
+        from mpistrat.distribute import recovery
+
         live, why = ulfm.fault_tolerance()
         if not live:
             raise PeerFailedError(
