@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "latest_checkpoint"]
 
 SAVE_COUNTER = "save_counter"  # Checkpoint.save_counter's name, as tf's: reserved
-Index = dict[str, tuple[np.dtype, tuple[int, ...]]]  # {entry: (dtype, shape)} of a file
 
 
 class Checkpoint:
@@ -296,11 +295,11 @@ class Checkpoint:
             raise InvalidArgumentError(f"Checkpoint.{method}: {path} is not an mpistrat checkpoint")
         if not table.escaped:  # an earlier version's file: its names in this version's words
             table = renamed(table, name_before_escaping)
-        index: Index = {n: (e.dtype, e.shape) for n, e in table.entries.items()}
+        index: restoring.Index = {n: (e.dtype, e.shape) for n, e in table.entries.items()}
         index.update({n: (np.dtype(np.int64), np.shape(p)) for n, p in table.positions.items()})
         self._build_slots(sorted(index))
         entries = self._entries()
-        _check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
+        restoring.check_shapes(f"Checkpoint.{method}({path!r})", entries, index)
         targets = {n: v for n, v in entries.items() if n in index}
         restoring.load(table, targets, collectives, writes_in_sync, hints, method, copies)
         if table.counter is not None:
@@ -472,25 +471,6 @@ def _warn_unused(path: str | None, unused: list[str], silenced: list[bool]) -> N
             path,
             ", ".join(unused),
         )
-
-
-def _check_shapes(what: str, entries: dict[str, Any], index: Index) -> None:
-    mismatched = [
-        f"{n} ({v.mismatch(*index[n])})"
-        if isinstance(v, InputPosition)
-        else f"{n} (checkpoint: {index[n][0]}{list(index[n][1])}, here: {v.dtype}{list(v.shape)})"
-        for n, v in entries.items()
-        if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)
-    ]
-    if mismatched:
-        advice = ""
-        if any("/accumulation/" in m for m in mismatched):
-            advice = (
-                "; a gradient accumulation cycle saved part-way holds each rank's gradients, so it resumes "
-                "only at the rank count it was saved at (the first dimension): restore there, or save "
-                "between cycles (after the K-th apply_gradients), which restores at any rank count"
-            )
-        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}{advice}")
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:

@@ -31,6 +31,7 @@ from mpistrat.checkpoint.crc import in_thread, records
 from mpistrat.checkpoint.format import Entry, Table, corrupt
 from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, joined, share, spans_of_share
 from mpistrat.comm import packing
+from mpistrat.errors import InvalidArgumentError
 from mpistrat.input.position import InputPosition
 from mpistrat.training.accumulation import RankShare
 from mpistrat.training.optimizer_state import own_copy, storage_place
@@ -41,7 +42,9 @@ if TYPE_CHECKING:
     from mpistrat.checkpoint.local_copies import Copies
     from mpistrat.collectives import Collectives
 
-__all__ = ["load"]
+__all__ = ["Index", "check_shapes", "load"]
+
+Index = dict[str, tuple[np.dtype, tuple[int, ...]]]  # {entry: (dtype, shape)} of a file
 
 SMALL = 1 << 20  # entries below this many bytes are gathered in batches, then copied into place
 BATCH = 1 << 24  # bytes per batch of small entries: the temporary memory a restore needs
@@ -297,3 +300,23 @@ def _into(entry: Entry, target: Any, temporaries: dict[str, Any], a: int, b: int
         return
     temporaries.pop(entry.name, None)
     target.assign(data.view(entry.dtype).reshape(entry.shape, order="F" if entry.fortran else "C"))
+
+
+def check_shapes(what: str, entries: dict[str, Any], index: Index) -> None:
+    """Refuse (naming them) the ``entries`` whose shape or dtype differ from the file's ``index``."""
+    mismatched = [
+        f"{n} ({v.mismatch(*index[n])})"
+        if isinstance(v, InputPosition)
+        else f"{n} (checkpoint: {index[n][0]}{list(index[n][1])}, here: {v.dtype}{list(v.shape)})"
+        for n, v in entries.items()
+        if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)
+    ]
+    if mismatched:
+        advice = ""
+        if any("/accumulation/" in m for m in mismatched):
+            advice = (
+                "; a gradient accumulation cycle saved part-way holds each rank's gradients, so it resumes "
+                "only at the rank count it was saved at (the first dimension): restore there, or save "
+                "between cycles (after the K-th apply_gradients), which restores at any rank count"
+            )
+        raise InvalidArgumentError(f"{what}: different shape or dtype: {'; '.join(mismatched)}{advice}")
