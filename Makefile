@@ -60,6 +60,10 @@ FAULT_WORKERS ?= 4
 # The rest of the serial pass: most tests run in the pytest process (one core), the rest start
 # jobs of their own; two workers keep both cores of a small machine busy.
 SERIAL_WORKERS ?= 2
+# CI leaves out the further cases of the survival jobs (FAULTS_MARK="not extended": tests marked
+# extended); by default every case runs.
+FAULTS_MARK ?=
+FAULTS_SELECT = $(if $(FAULTS_MARK),-m "$(FAULTS_MARK)")
 
 # The README's verbatim install from the package index: mostly downloads, so CI runs it beside the
 # other venvs' installs (`make test-readme`, then `make test SKIP_README=1`).
@@ -94,7 +98,7 @@ OPENMPI_TWINS := MPISTRAT_NATIVE=0
 test-openmpi: test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 
 test-openmpi-faults: install-openmpi
-	$(OPENMPI_TWINS) timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q -n $(FAULT_WORKERS) $(FAULTS)
+	$(OPENMPI_TWINS) timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q -n $(FAULT_WORKERS) $(FAULTS_SELECT) $(FAULTS)
 
 $(addprefix test-openmpi-,$(OPENMPI_SIZES)): test-openmpi-%: install-openmpi
 	$(OPENMPI_TWINS) timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_MPIEXEC) -n $* $(OPENMPI_PY) -m pytest -q --with-mpi
@@ -128,7 +132,7 @@ test-nodes: install install-impi install-openmpi
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs -n $(NODE_WORKERS) --ignore=$(HEALTH_TEST) $(NODE_TESTS)
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -rs $(HEALTH_TEST)
 	timeout -k 10 $(RUN_TIMEOUT) $(IMPI_PY) -m pytest -q -rs -n $(NODE_WORKERS) --ignore=$(HEALTH_TEST) $(NODE_TESTS)
-	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q -rs $(NODE_RECOVERY)
+	timeout -k 10 $(RUN_TIMEOUT) $(OPENMPI_PY) -m pytest -q -rs $(FAULTS_SELECT) $(NODE_RECOVERY)
 
 # GPU machines: the `cuda` extra (CuPy) on top of the usual install.
 $(VENV)/.installed-gpu: $(VENV)/.installed

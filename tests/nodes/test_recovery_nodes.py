@@ -29,6 +29,7 @@ def test_a_whole_node_lost_at_once_loses_no_sharded_state():
     assert "lost world ranks 2, 3; going on from optimizer step 2 with 2 of 4 replicas" in out, out
 
 
+@pytest.mark.extended  # not in CI's make test-nodes (FAULTS_MARK): a bound on PRRTE, not ours
 def test_a_node_whose_daemon_dies_ends_the_job():
     kill = ["--kill", "2@2@node", "--kill", "3@2@node"]  # the ranks and their node's daemon
     _, out = nodes.run_job([str(JOB), "--steps", "4", *kill], limit=90, options=ULFM)
