@@ -15,9 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_layout import PACKAGE, module_name
-
+PACKAGE = Path(__file__).resolve().parent.parent / "mpistrat"
 ROOT = PACKAGE.parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
 
 
@@ -43,10 +49,19 @@ def imports_of(path: Path) -> set[str]:
     return imports_in(ast.parse(path.read_text(), str(path)))
 
 
-def imports_in(tree: ast.AST) -> set[str]:
-    """The mpistrat modules a syntax tree imports, wherever the import is."""
+def imports_in(tree: ast.AST, runtime: bool = False) -> set[str]:
+    """The mpistrat modules a syntax tree imports, wherever the import is (``runtime``: those it
+    imports when it runs, anywhere but under ``if TYPE_CHECKING:``)."""
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if runtime and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     found = set()
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             candidates = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -143,8 +158,35 @@ def test_the_checks_see_type_only_imports_and_reach_ins():
         "    return s.extended.collectives\n"
     )
     assert imports_in(tree) == {"mpistrat.distribute.strategy"}
+    assert imports_in(tree, runtime=True) == set()
     assert extended_reach_ins(tree) == ["5: s.extended"]
     assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_the_library_does_not_import_the_tools():
+    """``python -m mpistrat`` (``__main__``, the command line) dispatches to the tools; nothing
+    else of the library imports them."""
+    offenders = [
+        f"{path.relative_to(ROOT)}: {imported}"
+        for path in PACKAGE.rglob("*.py")
+        if PACKAGE / "tools" not in path.parents and path != PACKAGE / "__main__.py"
+        for imported in imports_of(path)
+        if unit_of(imported) == "tools/"
+    ]
+    assert offenders == [], "the library imports the tools"
+
+
+def test_no_import_cycle():
+    """Data flows down the layer table: no module imports, even lazily, one that imports it back
+    (the package's __init__ files, which only re-export, aside)."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: imports_in(ast.parse(path.read_text(), str(path)), runtime=True) - {name}
+        for name, path in paths.items()
+        if path.name != "__init__.py" or "collectives" in path.parts
+    }
+    graph = {name: {d for d in deps if d in graph} for name, deps in graph.items()}
+    assert circles(graph) == []
 
 
 def test_type_only_imports_make_no_circle_between_folders():
