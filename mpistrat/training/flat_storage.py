@@ -64,7 +64,7 @@ class FlatBuffer:
     """
 
     def __init__(self, members: list[Variable], length: int = 0):
-        values = [m._value for m in members]
+        values = [m.local_array for m in members]
         self.members = members
         self.shapes = [tuple(v.shape) for v in values]
         self.dtype = values[0].dtype
@@ -83,7 +83,7 @@ class FlatBuffer:
         self.array = array
         self.views = [array[a:b].reshape(s) for (a, b), s in zip(self.spans, self.shapes, strict=True)]
         for member, view in zip(self.members, self.views, strict=True):
-            member._value = view
+            member.local_array = view
             member.storage = self
 
     # Reference counts, read always through these three methods: the baselines below are read
@@ -116,7 +116,7 @@ class FlatBuffer:
         views, members = self.views, self.members
         attached = list(map(operator.is_, map(_VALUE, members), views))
         detached = [] if all(attached) else [i for i, a in enumerate(attached) if not a]
-        moved = {i: members[i]._value for i in detached}
+        moved = {i: members[i].local_array for i in detached}
         for i, value in moved.items():
             if tuple(value.shape) != self.shapes[i] or value.dtype != self.dtype:
                 raise InvalidArgumentError(
@@ -139,17 +139,17 @@ class FlatBuffer:
     def private(self, member: Variable) -> bool:
         """Whether ``member``'s slice may be written in place (nothing outside holds it)."""
         i = self._index[id(member)]
-        if member._value is not self.views[i]:
+        if member.local_array is not self.views[i]:
             return False
         return self._view_refs_at(i) <= _VIEW_REFS_AT and self._array_refs() <= _ARRAY_REFS
 
 
-_VALUE = operator.attrgetter("_value")
+_VALUE = operator.attrgetter("local_array")
 
 
 class _Member:
     def __init__(self, value: Any):
-        self._value, self.name = value, "probe"
+        self.local_array, self.name = value, "probe"
 
 
 def _baselines() -> tuple[int, int, int]:

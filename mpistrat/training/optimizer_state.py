@@ -40,9 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK",
+    "SAME_VARIABLES",
     "WHOLE",
     "FlatState",
     "Group",
+    "checked_gradients",
     "creation_order",
     "own_copy",
     "rate_code",
@@ -325,7 +327,7 @@ class FlatState:
         try:
             plan = plan or self.plan(variables)
             if not rows and not plan.matches(grads):
-                grads = _checked_gradients(grads, variables)
+                grads = checked_gradients(grads, variables)
             params = [s.group.params.claim() for s in plan.steps]
         except MpistratError as exc:
             error = error or exc
@@ -345,7 +347,7 @@ class FlatState:
                 ^ mode.code
                 ^ rate_code(lr)
                 ^ _code_of(rule),
-                describe=lambda: {"leaves": described, "advice": _SAME_VARIABLES},
+                describe=lambda: {"leaves": described, "advice": SAME_VARIABLES},
                 error=error,  # always sent: it checks the step's unchecked collectives before any write
                 options=options,  # the optimizer's check and timeout
             )
@@ -400,7 +402,7 @@ def _fails_late(mode: SumMode, plan: _Plan) -> bool:
     return mode.fails_late and sum(s.group.layout.packs for s in plan.steps) > 1
 
 
-_SAME_VARIABLES = (
+SAME_VARIABLES = (
     "Every rank must give gradients for the same variables (in any order), with the variables' shapes. "
     "A gradient that is None on one rank only, or a variable that exists on one rank only, leaves the "
     "copies different: give every rank's gradient (zeros where a rank has none)."
@@ -426,7 +428,7 @@ def creation_order(var: Any) -> int:
     return int(getattr(var, "synced_key", 0))
 
 
-def _checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
+def checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
     """Each gradient as an array, checked against its variable's shape, dtype and array module."""
     out = []
     for grad, var in zip(grads, variables, strict=True):

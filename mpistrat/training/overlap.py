@@ -54,11 +54,11 @@ from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
 from mpistrat.training.optimizer_checks import compare_copies, own_replica_strategy
 from mpistrat.training.optimizer_state import (
-    _SAME_VARIABLES,
+    SAME_VARIABLES,
     FlatState,
     Group,
     Layout,
-    _checked_gradients,
+    checked_gradients,
     own_copy,
     rate_code,
 )
@@ -300,7 +300,7 @@ def step(
                         "built before: call optimizer.build(every variable) first, or pass the step that "
                         "adds variables a list"
                     ) from None
-                (grad,) = _checked_gradients([grad], [var])
+                (grad,) = checked_gradients([grad], [var])
                 local = own_copy(var).local_array
                 seen = known[id(var)] = (index[id(group)], j, type(local), local.shape, local.dtype)
             i, j = seen[0], seen[1]
@@ -338,7 +338,7 @@ def step(
                     ("base arguments", "none" if rule is None else rule.described, None),
                     *(plan.described if plan else []),
                 ],
-                "advice": _SAME_VARIABLES,
+                "advice": SAME_VARIABLES,
             },
             error=error,
             options=options,

@@ -414,7 +414,8 @@ class Writable:
         return var._value
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.var._set(self.var._value)
+        var = self.var
+        var._set(var._value)
 
 
 class _Probe:
