@@ -102,10 +102,6 @@ def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:
         del table[next(iter(table))]
 
 
-def _coordinator(mon: Monitor) -> int:
-    return 1 if mon.rank == 0 else 0
-
-
 class SideChannel:
     """This process's end of the side channel: the watched monitors, and every message about them.
 

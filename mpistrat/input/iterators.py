@@ -133,7 +133,10 @@ class DistributedIterator:
 
     def _restart(self) -> None:
         """Forget this iterator's pass: the next read opens the source's (restored) position."""
-        raise NotImplementedError
+        self._it: Iterator[Any] | None = None
+        self._serial = 0
+        self._pending: Any = UNKNOWN
+        self._done = False
 
     def _step(self) -> Any:
         raise NotImplementedError
@@ -158,11 +161,7 @@ class SplitIterator(DistributedIterator):
         collectives.recoverables.add(self)  # moved back and re-split after a rank's death
 
     def _restart(self) -> None:
-        """Forget this iterator's pass: the next read opens the source's (restored) position."""
-        self._it: Iterator[Any] | None = None
-        self._serial = 0
-        self._pending: Any = UNKNOWN
-        self._done = False
+        super()._restart()
         self._replay = Replay()
         self._last: Any = None  # the batch handed out last (see renewed)
 

@@ -9,7 +9,6 @@ end the epoch, or raise.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,12 +72,8 @@ class PipelineIterator(DistributedIterator):
         self._restart()
 
     def _restart(self) -> None:
-        """Forget this iterator's pass: the next read opens the source's (restored) position."""
-        self._it: Iterator[Any] | None = None
-        self._serial = 0
-        self._pending: Any = UNKNOWN
+        super()._restart()
         self._exhausted = False
-        self._done = False
         self._batches = 0
         self._examples = 0
 

@@ -241,10 +241,6 @@ class Variable(HasLocalCopy):
             return self.storage.private(self)
         return sys.getrefcount(self._value) <= _PRIVATE
 
-    def _writable(self) -> Writable:
-        """``Writable(self)``: this variable's array to update in place (see :class:`Writable`)."""
-        return Writable(self)
-
     def _set(self, new: Any) -> None:
         self._value = new
         if self.owner is not None:

@@ -13,6 +13,7 @@ import pytest
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD, Adam
+from mpistrat.training.variables import Writable
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
@@ -182,9 +183,9 @@ class Adagrad(mpistrat.optimizers.Optimizer):
         super().__init__(learning_rate, "Adagrad", **kwargs)
 
     def _apply_dense(self, var, grad, lr, step, acc):
-        with acc._writable() as a:
+        with Writable(acc) as a:
             a += grad * grad
-        with var._writable() as w:
+        with Writable(var) as w:
             w -= lr * grad / np.sqrt(a)
 
 
@@ -252,7 +253,7 @@ def test_a_variable_whose_shape_changed_raises_on_every_rank(group, shard):
 def test_a_subclass_that_updates_one_variable_at_a_time_is_honoured(group):
     class ClippedSGD(SGD):
         def _apply_dense(self, var, grad, lr, step, *slots):
-            with var._writable() as w:
+            with Writable(var) as w:
                 w -= np.clip(lr * grad, -0.1, 0.1)
 
     with group.strategy.scope():
@@ -290,7 +291,7 @@ def test_a_one_at_a_time_update_that_diverges_is_caught_by_the_strict_check(worl
 
     class OffByOne(SGD):
         def _apply_dense(self, var, grad, lr, step, *slots):
-            with var._writable() as w:
+            with Writable(var) as w:
                 w -= lr * grad + (1.0 if diverge and rank == size - 1 else 0.0)
 
     strategy = mpistrat.MPIStrategy(
