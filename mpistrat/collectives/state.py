@@ -45,7 +45,7 @@ class CollectiveState(Protocol):
     size: int
     options: CommunicationOptions
     sum_mode: Any  # how float sums travel by default, a sum_modes.SumMode (typed against this protocol)
-    check: int  # the check level (0, 1, 2)
+    check: int  # the check level (0, 1, 2), or handshake.STEP (MPISTRAT_CHECK=step)
     step_check: StepCheck | None  # MPISTRAT_CHECK=step's record of unchecked collectives
     seq: int
     disagreements: int
@@ -63,7 +63,7 @@ class CollectiveState(Protocol):
     pending: dict[str, Callable[[], None]]
     after_step: dict[str, Callable[[], None]]
     requests: list[MPI.Prequest]  # MPI requests freed with the communicator
-    native_closing: Any  # close_step compiled (native_closing.Closing), False: none, None: not yet made
+    native_closing: Any  # close_step compiled (native_step.Closing), False: none, None: not yet made
 
     def agree(
         self,

@@ -16,7 +16,7 @@ MultiWorkerMirroredStrategy runs it on every worker. Array arguments become
 ``update`` writes each rank's copy, so the variable-update pattern costs one
 all-reduce per rank, at any number of ranks. Variables (slots) may be created
 inside. ``merge_fn`` must then make the same collective calls on every rank. The
-optimizers always use this mode.
+optimizers use neither: they step in the replica context, without ``merge_call``.
 
 >>> import mpistrat, numpy as np
 >>> ctx = mpistrat.get_replica_context()

@@ -56,7 +56,7 @@ class Optimizer(KerasArguments):
     ``_update_flat(w, g, slots, lr, step)``, an in-place update of matching 1-D blocks (flat
     storage, one fused step, ``shard_state`` possible); or ``_apply_dense(var, grad, lr, step,
     *slots)``, which writes one variable and its slots (this rank's copies) given the summed
-    gradient (``merge_call``, ``batch_reduce_to``, ``update`` per variable). ``_slot_initial``
+    gradient (``ReplicaContext.all_reduce``, then ``extended.update`` per variable). ``_slot_initial``
     gives a slot a starting value other than zero; ``trust_ratio = True`` (LAMB): the flat
     update leaves its direction in ``g``, and the step applies it scaled per variable.
 
