@@ -29,7 +29,7 @@ from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.layout import Layout
 from mpistrat.training.optimizer_checks import compare_copies
-from mpistrat.training.pack_step import BLOCK, WHOLE, Update
+from mpistrat.training.pack_step import BLOCK, WHOLE, Piece, Run, Update
 from mpistrat.training.recovery import broadcast_in_place
 from mpistrat.values import local_variable
 
@@ -112,9 +112,7 @@ class _GroupStep:
     group: Group
     positions: list[int]  # index in the step's pairs of each present variable, in group order
     present: list[int]  # the group indices of those variables
-    # per pack: (lo, hi, [(j, a, b)], whole): staging[lo:hi] is gradient j's elements a:b, ...; whole
-    # when every piece is a whole gradient
-    runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]
+    runs: list[list[Run]]  # per pack: where the gradients go in the staging buffer
     gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills (zeros)
     updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
     segments: list[list[tuple[int, int, int]]]  # per pack: (start, stop, p) of each present variable p
@@ -131,17 +129,17 @@ def _plan_group(group: Group, positions: list[int], present: list[int]) -> _Grou
             a, b = spans[i]
             if a < hi and b > lo:
                 pieces.append((max(a, lo) - lo, j, max(a, lo) - a, min(b, hi) - a))
-        pack_runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+        pack_runs: list[Run] = []
         for start, j, a, b in pieces:
-            if pack_runs and pack_runs[-1][1] == start:
-                run_lo, _, parts = pack_runs[-1]
-                pack_runs[-1] = (run_lo, start + b - a, [*parts, (j, a, b)])
+            if pack_runs and pack_runs[-1].hi == start:
+                last = pack_runs[-1]
+                pack_runs[-1] = Run(last.lo, start + b - a, [*last.pieces, Piece(j, a, b)], False)
             else:
-                pack_runs.append((start, start + b - a, [(j, a, b)]))
-        filled = [(r[0], r[1]) for r in pack_runs]
-        edges = [0] + [e for r in filled for e in r] + [hi - lo]
+                pack_runs.append(Run(start, start + b - a, [Piece(j, a, b)], False))
+        edges = [0] + [e for r in pack_runs for e in (r.lo, r.hi)] + [hi - lo]
         gaps.append([(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b])
-        runs.append([(a, b, p, all(x == 0 and y == sizes[j] for j, x, y in p)) for a, b, p in pack_runs])
+        whole = [all(p.start == 0 and p.stop == sizes[p.grad] for p in r.pieces) for r in pack_runs]
+        runs.append([Run(r.lo, r.hi, r.pieces, w) for r, w in zip(pack_runs, whole, strict=True)])
         each = pack_step.owned_segments(group, present, k)
         updates.append(pack_step.joined([(a, b) for a, b, _ in each]))
         segments.append(each)

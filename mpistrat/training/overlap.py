@@ -361,7 +361,7 @@ def step(
             lo, hi = lay.bounds(k)
             buf = stream.staging[i].buffer
             grad, base = (buf[lo : lo + lay.per_rank], lay.owned(k)[0]) if lay.sharded else (buf[lo:hi], lo)
-            pack = (s, k, grad, base, params[n], slots[n])
+            pack = pack_step.Pack(s, k, grad, base, params[n], slots[n])
             if rule is not None and rule.whole:  # updated once every sum is in
                 whole.append(pack)
                 continue

@@ -24,7 +24,7 @@ run pack by pack in :func:`run`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -35,7 +35,9 @@ __all__ = [
     "WHOLE",
     "GroupStep",
     "Pack",
+    "Piece",
     "Rule",
+    "Run",
     "Update",
     "Updates",
     "gather_pack",
@@ -61,6 +63,23 @@ WHOLE = 1 << 20
 Update = Callable[[Any, Any, list[Any], float, int], None]
 
 
+class Piece(NamedTuple):
+    """Elements ``start:stop`` of the step's gradient ``grad`` (flattened)."""
+
+    grad: int
+    start: int
+    stop: int
+
+
+class Run(NamedTuple):
+    """Pieces that fill ``staging[lo:hi]`` end to end; ``whole`` when each is a whole gradient."""
+
+    lo: int
+    hi: int
+    pieces: list[Piece]
+    whole: bool
+
+
 class Updates(Protocol):
     """Which elements of one group a step updates (what an update and a :class:`Rule` read)."""
 
@@ -74,16 +93,23 @@ class Updates(Protocol):
 class GroupStep(Updates, Protocol):
     """What a step does with one group of variables (``optimizer_state``'s plan of it), as read here."""
 
-    runs: list[list[tuple[int, int, list[tuple[int, int, int]], bool]]]  # per pack: gradient pieces
+    runs: list[list[Run]]  # per pack: where the gradients go in the staging buffer
     gaps: list[list[tuple[int, int]]]  # per pack: staging ranges no gradient fills
 
 
 # (the group's step, its gradients, its claimed parameter array)
 Work = tuple[GroupStep, list[Any], Any]
 
-# One reduced pack: (the group's step, k, the summed gradient of this rank's elements, the parameter
-# index of its first element, the claimed parameters, the claimed slots)
-Pack = tuple[Updates, int, Any, int, Any, list[Any]]
+
+class Pack(NamedTuple):
+    """One reduced pack, ``k`` of a group's step."""
+
+    step: Updates
+    k: int
+    grad: Any  # the summed gradient of this rank's elements
+    base: int  # the parameter index of its first element
+    params: Any  # the group's claimed parameters
+    slots: list[Any]  # its claimed slots
 
 
 class Rule(Protocol):
@@ -127,10 +153,10 @@ def run(
         for k in range(s.group.layout.packs):
             grad, base = _reduced(collectives, s, grads, k, kind, options, rows)
             if rule is not None:
-                rule.before([(s, k, grad, base, params, slots)])
+                rule.before([Pack(s, k, grad, base, params, slots)])
             update_pack(s, k, grad, base, params, slots, update, lr, step)
             if rule is not None:
-                rule.after([(s, k, grad, base, params, slots)])
+                rule.after([Pack(s, k, grad, base, params, slots)])
             gather_pack(collectives, s, k, params, kind, options)
 
 
@@ -201,7 +227,7 @@ def reduce_all(
         several = s.group.layout.packs > 1
         for k in range(s.group.layout.packs):
             grad, base = _reduced(collectives, s, grads, k, kind, options, rows)
-            packs.append((s, k, grad.copy() if several else grad, base, params, slots))
+            packs.append(Pack(s, k, grad.copy() if several else grad, base, params, slots))
     return packs
 
 
@@ -232,12 +258,12 @@ def _reduce(
     group, lay = s.group, s.group.layout
     xp, staging = group.xp, group.staging
     lo, hi = lay.bounds(k)
-    for run_lo, run_hi, parts, whole in s.runs[k]:
-        if whole:  # one C call, whatever the gradients' shapes
-            xp.concatenate([grads[j] for j, _, _ in parts], axis=None, out=staging[run_lo:run_hi])
+    for run in s.runs[k]:
+        if run.whole:  # one C call, whatever the gradients' shapes
+            xp.concatenate([grads[p.grad] for p in run.pieces], axis=None, out=staging[run.lo : run.hi])
         else:
-            pieces = [grads[j].reshape(-1)[a:b] for j, a, b in parts]
-            xp.concatenate(pieces, out=staging[run_lo:run_hi])
+            pieces = [grads[p.grad].reshape(-1)[p.start : p.stop] for p in run.pieces]
+            xp.concatenate(pieces, out=staging[run.lo : run.hi])
     for a, b in s.gaps[k]:
         staging[a:b] = 0
     if lay.sharded:
@@ -257,9 +283,9 @@ def _reduce_rows(
     xp, staging = group.xp, group.staging
     stack = group.row_staging(rows)
     lo, hi = lay.bounds(k)
-    for run_lo, run_hi, parts, _ in s.runs[k]:
-        pieces = [grads[j].reshape(rows, -1)[:, a:b] for j, a, b in parts]
-        xp.concatenate(pieces, axis=1, out=stack[:, run_lo:run_hi])
+    for run in s.runs[k]:
+        pieces = [grads[p.grad].reshape(rows, -1)[:, p.start : p.stop] for p in run.pieces]
+        xp.concatenate(pieces, axis=1, out=stack[:, run.lo : run.hi])
     for a, b in s.gaps[k]:
         stack[:, a:b] = 0
     n = lay.pack if lay.sharded else hi - lo

@@ -231,7 +231,11 @@ def advance(copies: Copies, groups: list[Any]) -> None:
             continue
         n = g.layout.per_rank
         for k in range(g.layout.packs):
-            packs.append((c.mirror, k, c.pending[k * n : (k + 1) * n], k * n, c.replica[0], c.replica[1:]))
+            packs.append(
+                pack_step.Pack(
+                    c.mirror, k, c.pending[k * n : (k + 1) * n], k * n, c.replica[0], c.replica[1:]
+                )
+            )
         c.mirror = None
     if call is not None and call.rule is not None:
         call.rule.replay(packs)
