@@ -367,7 +367,7 @@ class Optimizer(KerasArguments):
             )
         if isinstance(grads_and_vars, types.GeneratorType):  # computed as they come: their sums overlap
             accumulating, options = self._accumulator is not None, self._communication_options
-            streamed = overlap.Optimizer(
+            streamed = overlap.OptimizerView(
                 self._name, self._strategy, self._state, options, accumulating, self._adopt,
                 self._update_flat, self.iterations, self._rate.at,
                 functools.partial(self._rule, scaling=scaling),

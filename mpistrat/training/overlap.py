@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
 
-__all__ = ["PIECES", "PIECE_BYTES", "Optimizer", "apply", "can_stream", "step"]
+__all__ = ["PIECES", "PIECE_BYTES", "OptimizerView", "apply", "can_stream", "step"]
 
 # Without bytes_per_pack, a pack's sum is started in this many pieces, each of at least PIECE_BYTES
 # (a smaller group in fewer): the sum left after the last gradient is then 1/PIECES of them.
@@ -77,7 +77,7 @@ PIECE_BYTES = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
-class Optimizer:
+class OptimizerView:
     """What the streamed step needs of the optimizer whose ``apply_gradients`` it runs."""
 
     name: str
@@ -92,7 +92,7 @@ class Optimizer:
     rule_at: Callable[[float, int], pack_step.Rule | None]  # what its base arguments add to a step
 
 
-def apply(optimizer: Optimizer, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | bool:
+def apply(optimizer: OptimizerView, pairs: Iterable[tuple[Any, Any]]) -> list[Any] | bool:
     """``apply_gradients(pairs)`` for a generator: the streamed step where it can overlap (whether
     it was applied, once done), else the pairs as a list, for the list step.
 
