@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import linecache
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -133,6 +136,40 @@ def all_ranks_agree(comm: MPI.Intracomm, ok: bool, detail: str = "") -> None:
     results = comm.allgather((bool(ok), detail))
     bad = [(r, d) for r, (good, d) in enumerate(results) if not good]
     assert not bad, "failed on ranks " + "; ".join(f"{r}: {d}" for r, d in bad)
+
+
+class RankChecks:
+    """A multi-rank test's checks, failed together: each ``that(ok)`` is kept, and ``agree`` fails
+    on every rank if a check failed on any rank, naming each failed check (its source, or ``what``)
+    with its rank. Every check is evaluated, so a failure names all that failed, not the first.
+
+    >>> checks = RankChecks()
+    >>> checks.that(1 + 1 == 2)
+    True
+    >>> checks.agree(MPI.COMM_SELF, "detail")
+    """
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def that(self, ok: Any, what: str = "") -> bool:
+        if not ok:
+            self.failed.append(what or _call_source(inspect.currentframe()))
+        return bool(ok)
+
+    def agree(self, comm: MPI.Intracomm, detail: str = "") -> None:
+        failed = "; ".join(self.failed)
+        all_ranks_agree(comm, not self.failed, f"{failed} ({detail})" if detail else failed)
+
+
+def _call_source(frame: Any) -> str:
+    """``file:line: source`` of the call that made ``frame`` (the test's ``checks.that(...)``)."""
+    info = inspect.getframeinfo(frame.f_back, context=0)
+    positions = getattr(info, "positions", None)  # Python 3.11: the call's whole span
+    first = info.lineno if positions is None or positions.lineno is None else positions.lineno
+    last = first if positions is None or positions.end_lineno is None else positions.end_lineno
+    text = " ".join(linecache.getline(info.filename, n).strip() for n in range(first, last + 1))
+    return f"{os.path.basename(info.filename)}:{first}: {text}"
 
 
 def raises_on_every_rank(

@@ -17,7 +17,7 @@ from mpistrat import (
     PerReplica,
     UnsupportedTypeError,
 )
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 
 def all_reduce(group, value, op="sum", **kwargs):
@@ -172,9 +172,10 @@ def test_use_after_experimental_finalize(group, method):
 def test_nan_and_inf_pass_through_as_values(group):
     got = all_reduce(group, np.array([np.nan, np.inf, -np.inf, 1.0]))
     gathered = all_gather(group, np.array([np.nan, np.inf]))
-    ok = np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf and got[3] == group.size
-    ok = ok and np.isnan(gathered[::2]).all() and (gathered[1::2] == np.inf).all()
-    all_ranks_agree(group.comm, ok, f"{got} {gathered}")
+    checks = RankChecks()
+    checks.that(np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf and got[3] == group.size)
+    checks.that(np.isnan(gathered[::2]).all() and (gathered[1::2] == np.inf).all())
+    checks.agree(group.comm, f"{got} {gathered}")
 
 
 def test_zero_size_arrays(group):
@@ -196,22 +197,26 @@ def test_non_contiguous_views(group):
     got = all_reduce(group, views)
     total = sum(np.arange(48.0).reshape(6, 8) + r for r in range(group.size))
     reference = {"strided": total[::2, 1::3], "transposed": total.T, "fortran": total}
-    ok = all(np.array_equal(got[k], reference[k]) for k in views)
+    checks = RankChecks()
+    checks.that(all(np.array_equal(got[k], reference[k]) for k in views))
     gathered = all_gather(group, base.T[:, ::2], axis=1)
-    ok = ok and np.array_equal(
-        gathered, np.concatenate([(base - group.rank + r).T[:, ::2] for r in range(group.size)], 1)
+    checks.that(
+        np.array_equal(
+            gathered, np.concatenate([(base - group.rank + r).T[:, ::2] for r in range(group.size)], 1)
+        )
     )
-    all_ranks_agree(group.comm, ok, f"{got}")
+    checks.agree(group.comm, f"{got}")
 
 
 def test_mixed_dtypes_and_python_numbers_in_one_nest(group):
     value = {"f32": np.ones(2, np.float32), "i8": np.int8(1), "int": 1, "float": 0.5, "c": 1j}
     got = all_reduce(group, value)
     n = group.size
-    ok = got["f32"].dtype == np.float32 and got["f32"].tolist() == [n, n]
-    ok = ok and got["i8"].dtype == np.int8 and int(got["i8"]) == n
-    ok = ok and int(got["int"]) == n and float(got["float"]) == 0.5 * n and complex(got["c"]) == n * 1j
-    all_ranks_agree(group.comm, ok, f"{got}")
+    checks = RankChecks()
+    checks.that(got["f32"].dtype == np.float32 and got["f32"].tolist() == [n, n])
+    checks.that(got["i8"].dtype == np.int8 and int(got["i8"]) == n)
+    checks.that(int(got["int"]) == n and float(got["float"]) == 0.5 * n and complex(got["c"]) == n * 1j)
+    checks.agree(group.comm, f"{got}")
 
 
 def test_non_native_byte_order_is_reduced_by_value(group):
@@ -232,10 +237,9 @@ def test_mixed_numpy_and_cupy_in_one_nest(group):
     except Exception as exc:  # CuPy without a usable GPU
         pytest.skip(f"no GPU: {exc}")
     got = all_reduce(group, {"host": np.ones(2), "device": device})
-    ok = type(got["host"]) is np.ndarray and type(got["device"]) is cupy.ndarray
-    ok = (
-        ok
-        and got["host"].tolist() == [group.size] * 2
-        and cupy.asnumpy(got["device"]).tolist() == [group.size] * 2
+    checks = RankChecks()
+    checks.that(type(got["host"]) is np.ndarray and type(got["device"]) is cupy.ndarray)
+    checks.that(
+        got["host"].tolist() == [group.size] * 2 and cupy.asnumpy(got["device"]).tolist() == [group.size] * 2
     )
-    all_ranks_agree(group.comm, ok, f"{got}")
+    checks.agree(group.comm, f"{got}")

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import CommunicationOptions, ContextError, InvalidArgumentError
-from tests.conftest import all_ranks_agree, in_merge_fn, raises_on_every_rank, strategy_in_mode
+from tests.conftest import RankChecks, all_ranks_agree, in_merge_fn, raises_on_every_rank, strategy_in_mode
 
 OPTIONS = [
     None,
@@ -117,21 +117,20 @@ def test_multi_worker_strategy_is_every_rank_of_the_world():
     s = mpistrat.MultiWorkerMirroredStrategy(
         communication_options=mpistrat.experimental.CommunicationOptions(bytes_per_pack=1 << 20)
     )
-    ok = s.num_replicas_in_sync == n and s.extended.merge_call_mode == "every_rank"
-    ok = ok and (s.cluster_resolver.task_type, s.cluster_resolver.task_id) == ("worker", r)
-    ok = ok and s.extended.communication_options.bytes_per_pack == 1 << 20
-    ok = (
-        ok
-        and isinstance(s, mpistrat.MPIStrategy)
-        and mpistrat.experimental.MultiWorkerMirroredStrategy is type(s)
+    checks = RankChecks()
+    checks.that(s.num_replicas_in_sync == n and s.extended.merge_call_mode == "every_rank")
+    checks.that((s.cluster_resolver.task_type, s.cluster_resolver.task_id) == ("worker", r))
+    checks.that(s.extended.communication_options.bytes_per_pack == 1 << 20)
+    checks.that(
+        isinstance(s, mpistrat.MPIStrategy) and mpistrat.experimental.MultiWorkerMirroredStrategy is type(s)
     )
 
     def merge_fn(strategy, x):  # on every worker, with its own value: reduce is a collective
         return strategy.reduce("SUM", x, axis=None), mpistrat.in_cross_replica_context()
 
     total, cross = in_merge_fn(s, merge_fn, np.float32(r + 1))
-    ok = ok and float(total) == n * (n + 1) / 2 and cross
-    all_ranks_agree(world, ok, f"{s} {total}")
+    checks.that(float(total) == n * (n + 1) / 2 and cross)
+    checks.agree(world, f"{s} {total}")
 
 
 # -- 5. PreemptionWatcher --------------------------------------------------------------------------
@@ -211,15 +210,16 @@ def test_deepcopy_of_variables(group):
         summed = float(csor.numpy())
     p = mpistrat.Variable(np.float32(2.0))
     cp = copy.deepcopy(p)
-    ok = (
+    checks = RankChecks()
+    checks.that(
         type(c) is mpistrat.MirroredVariable
         and c is not v
         and float(v.numpy()) == 4.0
         and float(c.numpy()) == 7.0
     )
-    ok = ok and type(csor) is mpistrat.SyncOnReadVariable and summed == group.size * (group.size + 1) / 2
-    ok = ok and cp is not p and float(cp.numpy()) == 2.0
-    all_ranks_agree(group.comm, ok, f"{c!r} {summed}")
+    checks.that(type(csor) is mpistrat.SyncOnReadVariable and summed == group.size * (group.size + 1) / 2)
+    checks.that(cp is not p and float(cp.numpy()) == 2.0)
+    checks.agree(group.comm, f"{c!r} {summed}")
 
 
 # -- 7. merge_call results every rank holds need no pickling ---------------------------------------
@@ -311,7 +311,8 @@ def test_a_workers_own_checkpoint_directory_is_accepted_and_rank_0_writes(world)
     path = manager.save()
     want = os.path.join(base, "ckpt", "ckpt", "ckpt-1")
     world.comm.Barrier()
-    ok = path == want and manager.latest_checkpoint == want and os.path.exists(want)
-    ok = ok and os.path.isdir(mine) and (world.rank == 0 or os.listdir(mine) == [])
-    ok = ok and mpistrat.latest_checkpoint(os.path.join(base, "ckpt", "ckpt")) == want
-    all_ranks_agree(world.comm, ok, f"{path} {os.listdir(base)}")
+    checks = RankChecks()
+    checks.that(path == want and manager.latest_checkpoint == want and os.path.exists(want))
+    checks.that(os.path.isdir(mine) and (world.rank == 0 or os.listdir(mine) == []))
+    checks.that(mpistrat.latest_checkpoint(os.path.join(base, "ckpt", "ckpt")) == want)
+    checks.agree(world.comm, f"{path} {os.listdir(base)}")

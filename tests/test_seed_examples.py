@@ -10,7 +10,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ReduceOp
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks, all_ranks_agree
 
 SEED_ALL_REDUCE = [{"a": 1, "b": [40, 1]}, {"a": 3, "b": [2, 98]}]
 SEED_GATHER = [
@@ -38,11 +38,12 @@ def test_nested_all_reduce(group, op):
         "a": serial(name, [v["a"] for v in values]),
         "b": [serial(name, [v["b"][i] for v in values]) for i in range(2)],
     }
-    ok = got["a"] == want["a"] and got["b"] == want["b"]
+    checks = RankChecks()
+    checks.that(got["a"] == want["a"] and got["b"] == want["b"])
     if group.size == 2:  # the seed's printed result
         seed = {"SUM": {"a": 4, "b": [42, 99]}, "MEAN": {"a": 2, "b": [21, 49.5]}}[name]
-        ok = ok and got == seed
-    all_ranks_agree(group.comm, ok, f"{got} != {want}")
+        checks.that(got == seed)
+    checks.agree(group.comm, f"{got} != {want}")
 
 
 def test_all_reduce_scalar_and_batched(group):
@@ -85,10 +86,11 @@ def test_all_gather_uneven_along_axis(group):
     got = group.strategy.run(step)
     parts = [SEED_GATHER[r % 2] for r in range(group.size)]
     want = {k: np.concatenate([p[k] for p in parts]) for k in ("a", "b")}
-    ok = all(np.array_equal(got[k], want[k]) for k in want)
+    checks = RankChecks()
+    checks.that(all(np.array_equal(got[k], want[k]) for k in want))
     if group.size == 2:
-        ok = ok and got["a"].tolist() == [0, 1] and got["b"].tolist() == [[0, 1], [2, 3], [4, 5]]
-    all_ranks_agree(group.comm, ok, f"{got}")
+        checks.that(got["a"].tolist() == [0, 1] and got["b"].tolist() == [[0, 1], [2, 3], [4, 5]])
+    checks.agree(group.comm, f"{got}")
 
 
 def test_all_gather_along_middle_axis_as_the_seed_describes(group):

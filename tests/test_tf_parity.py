@@ -10,7 +10,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError, PerReplica
-from tests.conftest import all_ranks_agree, in_merge_fn, raises_on_every_rank, strategy_in_mode
+from tests.conftest import RankChecks, all_ranks_agree, in_merge_fn, raises_on_every_rank, strategy_in_mode
 
 # -- 1. Strategy.reduce(MEAN, axis=k) keeps the float dtype -------------------------------------
 
@@ -25,9 +25,10 @@ def test_reduce_along_an_axis_keeps_float_dtypes(group, dtype):
         mean = group.strategy.reduce("MEAN", value, axis=0)
         total = group.strategy.reduce("SUM", value, axis=0)
     want_dtype = np.float64 if dtype is np.int32 else dtype
-    ok = mean.dtype == want_dtype and np.isclose(float(mean), 7 * (n + 1) / 6, rtol=1e-3)
-    ok = ok and total.dtype == dtype and float(total) == 7 * n * (n + 1) / 2
-    all_ranks_agree(group.comm, ok, f"{mean!r} {total!r}")
+    checks = RankChecks()
+    checks.that(mean.dtype == want_dtype and np.isclose(float(mean), 7 * (n + 1) / 6, rtol=1e-3))
+    checks.that(total.dtype == dtype and float(total) == 7 * n * (n + 1) / 2)
+    checks.agree(group.comm, f"{mean!r} {total!r}")
 
 
 def test_mean_in_a_merge_fn_keeps_float32(group):

@@ -18,7 +18,7 @@ import mpistrat.checkpoint.files as checkpoint_files
 from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD
 from mpistrat.values import local_variable
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import launcher_options
 from tests.training.test_optimizers import CONFIGS, numpy_reference
 
@@ -93,11 +93,12 @@ def test_round_trip(group, tmp_path):
         got = [w.numpy(), float(total.numpy()), float(mean.numpy()), opt.get_slot(w, "momentum").numpy()]
         iterations, step_value = int(opt.iterations.numpy()), int(step.numpy())
     n = group.size
-    ok = latest == path == os.path.join(directory, "ckpt-1") and int(ckpt.save_counter) == 1
-    ok = ok and step_value == 7 and iterations == 1
-    ok = ok and expected[1] == n * (n + 1) / 2 and expected[2] == (n + 1) / 2
-    ok = ok and all(np.allclose(g, e) for g, e in zip(got, expected, strict=True))
-    all_ranks_agree(group.comm, ok, f"{got} != {expected}")
+    checks = RankChecks()
+    checks.that(latest == path == os.path.join(directory, "ckpt-1") and int(ckpt.save_counter) == 1)
+    checks.that(step_value == 7 and iterations == 1)
+    checks.that(expected[1] == n * (n + 1) / 2 and expected[2] == (n + 1) / 2)
+    checks.that(all(np.allclose(g, e) for g, e in zip(got, expected, strict=True)))
+    checks.agree(group.comm, f"{got} != {expected}")
 
 
 def test_restore_creates_optimizer_slots(group, tmp_path):
@@ -376,9 +377,10 @@ def test_a_mirrored_variable_whose_copies_differ_is_refused_on_every_rank_and_no
         "the ranks' copies of a value every rank holds differ",
     )
     left = group.comm.bcast(sorted(os.listdir(directory)) if group.rank == 0 else None)
-    ok = "'model/v'" in message and "'model/same'" not in message and left == []
-    ok = ok and (background or int(ckpt.save_counter.numpy()) == 0)
-    all_ranks_agree(group.comm, ok, f"{left}: {message}")
+    checks = RankChecks()
+    checks.that("'model/v'" in message and "'model/same'" not in message and left == [])
+    checks.that(background or int(ckpt.save_counter.numpy()) == 0)
+    checks.agree(group.comm, f"{left}: {message}")
     unchecked = mpistrat.MPIStrategy(
         group.comm, communication_options=mpistrat.CommunicationOptions(check=False)
     )
@@ -721,9 +723,10 @@ def test_a_model_object_is_tracked_by_its_attributes_and_round_trips(group, tmp_
     variables = [f"model/{layer}/{v}" for layer in ("hidden", "out") for v in ("bias", "kernel")]
     slots = [f"model/optimizer/slots/{v}/momentum" for v in variables]
     rate = "model/optimizer/learning_rate"
-    ok = names == sorted([*variables, "model/optimizer/iterations", rate, *slots])
-    ok = ok and np.array_equal(got, want) and np.allclose(slot, -0.1 * group.size)
-    all_ranks_agree(group.comm, ok, f"{names} {got} {want}")
+    checks = RankChecks()
+    checks.that(names == sorted([*variables, "model/optimizer/iterations", rate, *slots]))
+    checks.that(np.array_equal(got, want) and np.allclose(slot, -0.1 * group.size))
+    checks.agree(group.comm, f"{names} {got} {want}")
 
 
 def test_keys_holding_a_slash_or_a_dot_are_escaped_as_tf_names_them_and_both_round_trip(group, tmp_path):
@@ -751,9 +754,10 @@ def test_keys_holding_a_slash_or_a_dot_are_escaped_as_tf_names_them_and_both_rou
     status.assert_consumed()
     with group.strategy.scope():
         got = [k1.numpy(), k2.numpy(), head.numpy(), opt.get_slot(k1, "momentum").numpy()]
-    ok = names == sorted(want) and all(np.array_equal(a, b) for a, b in zip(got, saved, strict=True))
-    ok = ok and got[1].tolist() == [2.0, 2.0, 2.0]
-    all_ranks_agree(group.comm, ok, f"{names} {got} {saved}")
+    checks = RankChecks()
+    checks.that(names == sorted(want) and all(np.array_equal(a, b) for a, b in zip(got, saved, strict=True)))
+    checks.that(got[1].tolist() == [2.0, 2.0, 2.0])
+    checks.agree(group.comm, f"{names} {got} {saved}")
 
 
 def test_two_keys_whose_text_is_the_same_are_refused():

@@ -20,7 +20,7 @@ from mpistrat import CheckpointOptions, InvalidArgumentError
 from mpistrat.optimizers import SGD
 from mpistrat.values import local_variable
 from tests.checkpoint.test_checkpoint import shared_dir
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.launch import MPIEXEC, ROOT, job_environment, launcher_options, run_job
 
 HERE = Path(__file__).resolve().parent
@@ -46,14 +46,16 @@ def test_a_background_save_holds_the_values_of_its_call(group, tmp_path):
     for _ in range(2):  # training goes on while the file is written
         group.strategy.run(lambda: opt.apply_gradients([(np.ones((64, 33), np.float32), w)]))
     ckpt.sync()
-    ok = not in_place_at_once and os.path.exists(path) and int(ckpt.save_counter) == 1
+    checks = RankChecks()
+    checks.that(not in_place_at_once and os.path.exists(path) and int(ckpt.save_counter) == 1)
     ckpt.restore(path).assert_consumed()
     with group.strategy.scope():
         now = [w.numpy(), opt.get_slot(w, "momentum").numpy()]
-        ok = ok and int(opt.iterations.numpy()) == 1 and mpistrat.latest_checkpoint(directory) == path
-    ok = ok and all(np.array_equal(a, b) for a, b in zip(saved, now, strict=True))
+        checks.that(int(opt.iterations.numpy()) == 1 and mpistrat.latest_checkpoint(directory) == path)
+    checks.that(all(np.array_equal(a, b) for a, b in zip(saved, now, strict=True)))
     left = sorted(os.listdir(directory))
-    all_ranks_agree(group.comm, ok and left == ["checkpoint", "ckpt-1"], f"{left} {now[0][0, :2]}")
+    checks.that(left == ["checkpoint", "ckpt-1"])
+    checks.agree(group.comm, f"{left} {now[0][0, :2]}")
 
 
 def test_a_background_save_compares_the_copies_of_its_call_not_later_writes(group, tmp_path):
@@ -101,11 +103,12 @@ def test_the_next_checkpoint_call_finishes_a_background_save_first(group, tmp_pa
     with group.strategy.scope():
         latest = mpistrat.latest_checkpoint(directory)  # waits for the second
         w.assign(np.zeros((64, 33), np.float32))
-    ok = latest == second == os.path.join(directory, "ckpt-2") and os.path.exists(first)
+    checks = RankChecks()
+    checks.that(latest == second == os.path.join(directory, "ckpt-2") and os.path.exists(first))
     ckpt.restore(first).assert_consumed()  # and a restore waits too
     with group.strategy.scope():
-        ok = ok and np.array_equal(w.numpy(), want)
-    all_ranks_agree(group.comm, ok, f"{first} {second} {latest}")
+        checks.that(np.array_equal(w.numpy(), want))
+    checks.agree(group.comm, f"{first} {second} {latest}")
 
 
 def test_consecutive_background_saves_each_hold_their_own_values(group, tmp_path):
@@ -132,13 +135,12 @@ def test_consecutive_background_saves_each_hold_their_own_values(group, tmp_path
     files = [load_file(p) for p in paths]
     got = [f["w"] for f in files]
     small_got = next(iter(load_file(small_path).values()))
-    ok = all(np.array_equal(g, x) for g, x in zip(got, want, strict=True))
-    ok = (
-        ok
-        and len({g.tobytes() for g in got}) == 3
-        and np.array_equal(small_got, np.arange(7, dtype=np.float32))
+    checks = RankChecks()
+    checks.that(all(np.array_equal(g, x) for g, x in zip(got, want, strict=True)))
+    checks.that(
+        len({g.tobytes() for g in got}) == 3 and np.array_equal(small_got, np.arange(7, dtype=np.float32))
     )
-    all_ranks_agree(group.comm, ok, f"{[g[0, :2] for g in got]} {[x[0, :2] for x in want]} {small_got}")
+    checks.agree(group.comm, f"{[g[0, :2] for g in got]} {[x[0, :2] for x in want]} {small_got}")
 
 
 def test_a_manager_records_and_deletes_once_the_file_is_in_place(group, tmp_path):
@@ -324,10 +326,11 @@ def test_the_log_gives_the_writes_own_time_and_steps_send_nothing_more_once_it_i
     after = [step() for _ in range(2)]
     strategy.experimental_finalize()
     poll = ("Allreduce", 104)  # one handshake: 13 int64
-    ok = writing == [*alone, poll] and committing[: len(alone) + 1] == [*alone, poll] and in_place
-    ok = ok and after == [alone, alone]
+    checks = RankChecks()
+    checks.that(writing == [*alone, poll] and committing[: len(alone) + 1] == [*alone, poll] and in_place)
+    checks.that(after == [alone, alone])
     said = [m for level, m in mpistrat_log if "in place" in m]
     seconds = [float(x) for m in said for x in re.findall(r"in the background in ([\d.]+) s", m)]
     if WORLD.Get_rank() == 0:  # the logger passes world rank 0's INFO (rank 0 of its group, too)
-        ok = ok and len(seconds) == 1 and 0.3 <= seconds[0] < 1.2
-    all_ranks_agree(group.comm, ok, f"{alone} | {writing} | {committing[:6]} | {after} | {said}")
+        checks.that(len(seconds) == 1 and 0.3 <= seconds[0] < 1.2)
+    checks.agree(group.comm, f"{alone} | {writing} | {committing[:6]} | {after} | {said}")

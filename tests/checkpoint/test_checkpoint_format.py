@@ -24,7 +24,7 @@ from mpistrat.checkpoint.files import read_table
 from mpistrat.checkpoint.pieces import Piece, calls, share, spans_of_share
 from mpistrat.optimizers import Adam
 from tests.checkpoint.test_checkpoint import shared_dir
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 FORMAT1 = Path(__file__).parent / "data" / "format1"
 FORMAT2 = Path(__file__).parent / "data" / "format2"
@@ -500,15 +500,18 @@ def test_a_format_1_checkpoint_of_the_previous_version_restores_at_any_rank_coun
     with group.strategy.scope():
         slots = {f"{v.name}/{n}": opt.get_slot(v, n).numpy() for v in (w, b) for n in opt.slot_names}
         got = [w.numpy(), b.numpy(), int(step.numpy()), float(seen.numpy()), int(opt.iterations.numpy())]
-    ok = np.array_equal(got[0], np.float32(want["model/w"])) and np.array_equal(got[1], want["model/b"])
-    ok = (
-        ok and got[2:] == [want["step"], want["seen"], want["opt/iterations"]] and int(ckpt.save_counter) == 1
+    checks = RankChecks()
+    checks.that(
+        np.array_equal(got[0], np.float32(want["model/w"])) and np.array_equal(got[1], want["model/b"])
     )
-    ok = ok and all(np.array_equal(v, np.asarray(want["slots"][k], v.dtype)) for k, v in slots.items())
+    checks.that(
+        got[2:] == [want["step"], want["seen"], want["opt/iterations"]] and int(ckpt.save_counter) == 1
+    )
+    checks.that(all(np.array_equal(v, np.asarray(want["slots"][k], v.dtype)) for k, v in slots.items()))
     batch = next(iterator)  # two of the four global batches were taken when it was saved
     first = np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(batch))])
-    ok = ok and first[0].tolist() == [32.0, 33.0]
-    all_ranks_agree(group.comm, ok, f"{got} {first[:1]}")
+    checks.that(first[0].tolist() == [32.0, 33.0])
+    checks.agree(group.comm, f"{got} {first[:1]}")
 
 
 def earlier_state(group, shard):
@@ -542,13 +545,14 @@ def test_a_format_2_checkpoint_of_an_earlier_version_restores_at_any_rank_count(
         slots = {f"{v.name}/{n}": opt.get_slot(v, n).numpy() for v in model.values() for n in opt.slot_names}
         got = [int(step.numpy()), float(seen.numpy()), int(opt.iterations.numpy()), int(ckpt.save_counter)]
         values = {f"model/{k}": v.numpy() for k, v in model.items()}
-    ok = all(np.array_equal(v, np.asarray(want[k], v.dtype)) for k, v in values.items())
-    ok = ok and got == [want["step"], want["seen"], want["opt/iterations"], 1]
-    ok = ok and all(np.array_equal(v, np.asarray(want["slots"][k], v.dtype)) for k, v in slots.items())
+    checks = RankChecks()
+    checks.that(all(np.array_equal(v, np.asarray(want[k], v.dtype)) for k, v in values.items()))
+    checks.that(got == [want["step"], want["seen"], want["opt/iterations"], 1])
+    checks.that(all(np.array_equal(v, np.asarray(want["slots"][k], v.dtype)) for k, v in slots.items()))
     batch = next(iterator)  # two of the four global batches were taken when it was saved
     first = np.concatenate([np.asarray(x) for x in group.comm.allgather(np.asarray(batch))])
-    ok = ok and first[0].tolist() == [32.0, 33.0]
-    all_ranks_agree(group.comm, ok, f"{got} {values} {first[:1]}")
+    checks.that(first[0].tolist() == [32.0, 33.0])
+    checks.agree(group.comm, f"{got} {values} {first[:1]}")
 
 
 @pytest.mark.parametrize("folder", [FORMAT2, FORMAT2_CRC32], ids=["unsealed", "crc32"])
@@ -578,6 +582,7 @@ def format_1_file(path, arrays):
 
 
 def test_format_1_members_in_fortran_order_and_damaged_members(group, tmp_path):
+    checks = RankChecks()
     directory = shared_dir(group, tmp_path)
     value = np.asfortranarray(np.arange(12.0).reshape(3, 4))
     good, short = os.path.join(directory, "good"), os.path.join(directory, "short")
@@ -596,10 +601,10 @@ def test_format_1_members_in_fortran_order_and_damaged_members(group, tmp_path):
     ckpt = mpistrat.Checkpoint(a=a, b=b)
     ckpt.restore(good).assert_consumed()
     with group.strategy.scope():
-        ok = np.array_equal(a.numpy(), value) and b.numpy().tolist() == [0, 1, 2, 3, 4]
-        ok = ok and int(ckpt.save_counter) == 3
+        checks.that(np.array_equal(a.numpy(), value) and b.numpy().tolist() == [0, 1, 2, 3, 4])
+        checks.that(int(ckpt.save_counter) == 3)
         a.assign(np.zeros((3, 4)))
-    all_ranks_agree(group.comm, ok, repr(a))
+    checks.agree(group.comm, repr(a))
     raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.restore(short), "header says")
     with group.strategy.scope():
         all_ranks_agree(group.comm, not a.numpy().any(), "assigned before the error")

@@ -8,7 +8,7 @@ import pytest
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
 from tests.checkpoint.test_checkpoint import shared_dir
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks
 
 
 def files(group, directory):
@@ -36,20 +36,22 @@ def test_save_numbers_its_files_and_write_does_not(group, tmp_path):
     plain = ckpt.write(os.path.join(directory, "plain"))  # tf: write leaves the counter and the index alone
     with group.strategy.scope():
         latest = mpistrat.latest_checkpoint(directory)
-    ok = saved == [prefix + "-1", prefix + "-2"] and int(ckpt.save_counter) == 2 and latest == saved[1]
-    ok = ok and plain == os.path.join(directory, "plain")
+    checks = RankChecks()
+    checks.that(
+        saved == [prefix + "-1", prefix + "-2"] and int(ckpt.save_counter) == 2 and latest == saved[1]
+    )
+    checks.that(plain == os.path.join(directory, "plain"))
     # tf: a new Checkpoint restoring ck-2 gets save_counter 2, and its next save is ck-3.
     _, _, again = state(group)
     again.restore(latest).assert_consumed()
     counter = int(again.save_counter)
-    ok = ok and counter == 2 and again.save(prefix) == prefix + "-3"
+    checks.that(counter == 2 and again.save(prefix) == prefix + "-3")
     again.read(plain).assert_consumed()  # tf: read() of a write()'s file restores its save_counter (2)
-    ok = (
-        ok
-        and int(again.save_counter) == 2
+    checks.that(
+        int(again.save_counter) == 2
         and files(group, directory) == ["checkpoint", "ck-1", "ck-2", "ck-3", "plain"]
     )
-    all_ranks_agree(group.comm, ok, f"{saved} {plain} {latest} {counter} {files(group, directory)}")
+    checks.agree(group.comm, f"{saved} {plain} {latest} {counter} {files(group, directory)}")
 
 
 def test_manager_keeps_the_newest_and_deletes_the_oldest_first(group, tmp_path):
@@ -64,20 +66,23 @@ def test_manager_keeps_the_newest_and_deletes_the_oldest_first(group, tmp_path):
         group.strategy.run(lambda: seen.assign_add(1.0))
         saved.append(manager.save())
     # tf: d2/ckpt-1, d2/ckpt-2, d2/ckpt-3; checkpoints ['d2/ckpt-2', 'd2/ckpt-3']; only those files.
-    ok = empty == (None, []) and names(saved) == ["ckpt-1", "ckpt-2", "ckpt-3"]
-    ok = ok and manager.checkpoints == saved[1:] and manager.latest_checkpoint == saved[2]
-    ok = ok and files(group, directory) == ["checkpoint", "ckpt-2", "ckpt-3"]
+    checks = RankChecks()
+    checks.that(empty == (None, []) and names(saved) == ["ckpt-1", "ckpt-2", "ckpt-3"])
+    checks.that(manager.checkpoints == saved[1:] and manager.latest_checkpoint == saved[2])
+    checks.that(files(group, directory) == ["checkpoint", "ckpt-2", "ckpt-3"])
     # tf: save(checkpoint_number=10) gives ckpt-10, checkpoints ['ckpt-3', 'ckpt-10'], save_counter 4.
     numbered = manager.save(checkpoint_number=10)
-    ok = ok and names([numbered]) == ["ckpt-10"] and names(manager.checkpoints) == ["ckpt-3", "ckpt-10"]
-    ok = ok and int(ckpt.save_counter) == 4 and files(group, directory) == ["checkpoint", "ckpt-10", "ckpt-3"]
+    checks.that(names([numbered]) == ["ckpt-10"] and names(manager.checkpoints) == ["ckpt-3", "ckpt-10"])
+    checks.that(
+        int(ckpt.save_counter) == 4 and files(group, directory) == ["checkpoint", "ckpt-10", "ckpt-3"]
+    )
     with group.strategy.scope():
         v.assign(0.0)
     ckpt.restore(saved[2]).assert_consumed()
     with group.strategy.scope():
         restored = (float(v.numpy()), float(seen.numpy()))
-    ok = ok and restored == (3.0, 3.0 * group.size)
-    all_ranks_agree(group.comm, ok, f"{empty} {saved} {numbered} {manager.checkpoints} {restored}")
+    checks.that(restored == (3.0, 3.0 * group.size))
+    checks.agree(group.comm, f"{empty} {saved} {numbered} {manager.checkpoints} {restored}")
 
 
 def test_a_restarted_job_finds_the_checkpoints_and_continues_after_restoring(group, tmp_path):
@@ -92,18 +97,19 @@ def test_a_restarted_job_finds_the_checkpoints_and_continues_after_restoring(gro
     second = mpistrat.CheckpointManager(fresh, directory, max_to_keep=2)
     found = (names([second.latest_checkpoint]), names(second.checkpoints), int(fresh.save_counter))
     unrestored = second.save()
-    ok = found == (["ckpt-10"], ["ckpt-3", "ckpt-10"], 0) and names([unrestored]) == ["ckpt-1"]
-    ok = ok and names(second.checkpoints) == ["ckpt-10", "ckpt-1"]
+    checks = RankChecks()
+    checks.that(found == (["ckpt-10"], ["ckpt-3", "ckpt-10"], 0) and names([unrestored]) == ["ckpt-1"])
+    checks.that(names(second.checkpoints) == ["ckpt-10", "ckpt-1"])
     # tf: restore(latest) first, and the numbering continues: save_counter 1 from ckpt-1, next ckpt-2.
     v, _, third_ckpt = state(group, -5.0)
     third = mpistrat.CheckpointManager(third_ckpt, directory, max_to_keep=3)
     third_ckpt.restore(third.latest_checkpoint).assert_consumed()
     counter = int(third_ckpt.save_counter)
     continued = third.save()
-    ok = ok and counter == 1 and names([continued]) == ["ckpt-2"] and float(v.numpy()) == 0.0
-    ok = ok and names(third.checkpoints) == ["ckpt-10", "ckpt-1", "ckpt-2"]
-    ok = ok and files(group, directory) == ["checkpoint", "ckpt-1", "ckpt-10", "ckpt-2"]
-    all_ranks_agree(group.comm, ok, f"{found} {unrestored} {counter} {continued} {third.checkpoints}")
+    checks.that(counter == 1 and names([continued]) == ["ckpt-2"] and float(v.numpy()) == 0.0)
+    checks.that(names(third.checkpoints) == ["ckpt-10", "ckpt-1", "ckpt-2"])
+    checks.that(files(group, directory) == ["checkpoint", "ckpt-1", "ckpt-10", "ckpt-2"])
+    checks.agree(group.comm, f"{found} {unrestored} {counter} {continued} {third.checkpoints}")
 
 
 def test_checkpoint_name_resaving_a_number_and_keeping_all(group, tmp_path):
@@ -114,14 +120,15 @@ def test_checkpoint_name_resaving_a_number_and_keeping_all(group, tmp_path):
     )
     # tf: save() then save(checkpoint_number=1) both give d3/model-1, and checkpoints is ['d3/model-1'].
     first, again = model.save(), model.save(checkpoint_number=1)
-    ok = first == again == os.path.join(directory, "d3", "model-1") and model.checkpoints == [first]
+    checks = RankChecks()
+    checks.that(first == again == os.path.join(directory, "d3", "model-1") and model.checkpoints == [first])
     keep_all = mpistrat.CheckpointManager(ckpt, os.path.join(directory, "d5"), max_to_keep=None)
     for _ in range(3):
         keep_all.save()
     # tf: max_to_keep=None keeps every checkpoint (numbered on by the shared save_counter: 3, 4, 5 here).
-    ok = ok and names(keep_all.checkpoints) == ["ckpt-3", "ckpt-4", "ckpt-5"]
-    ok = ok and keep_all.directory == os.path.join(directory, "d5") and keep_all.checkpoint is ckpt
-    all_ranks_agree(group.comm, ok, f"{first} {again} {model.checkpoints} {keep_all.checkpoints}")
+    checks.that(names(keep_all.checkpoints) == ["ckpt-3", "ckpt-4", "ckpt-5"])
+    checks.that(keep_all.directory == os.path.join(directory, "d5") and keep_all.checkpoint is ckpt)
+    checks.agree(group.comm, f"{first} {again} {model.checkpoints} {keep_all.checkpoints}")
 
 
 def test_bad_arguments_and_contexts(world, tmp_path):

@@ -22,7 +22,7 @@ import mpistrat.checkpoint.restoring as restoring
 from mpistrat.checkpoint.files import read_table
 from mpistrat.optimizers import Adam
 from tests.checkpoint.test_checkpoint import shared_dir
-from tests.conftest import _GROUPS, WORLD, _make, all_ranks_agree
+from tests.conftest import _GROUPS, WORLD, RankChecks, _make, all_ranks_agree
 from tests.support.counting import CountingComm, Ledger
 from tests.support.launch import run_job
 
@@ -195,9 +195,11 @@ def test_memory_of_a_save_and_a_restore_is_at_most_a_share(group, tmp_path, shar
         tracemalloc.stop()
     # A save's bookkeeping (its pieces, their checksums and the copies' to compare, rank 0's header
     # and what it gathers) is some 40 KiB whatever the size of the data: well below one share.
-    ok = peaks["save"] <= 2 * SLACK and peaks["async save"] <= share * 1.05 + SLACK
-    ok = ok and peaks["restore"] <= share * 1.05 + restoring.BATCH + SLACK
-    all_ranks_agree(group.comm, ok and data > 8 * SLACK, f"peaks {peaks}, data {data}, share {share:.0f}")
+    checks = RankChecks()
+    checks.that(peaks["save"] <= 2 * SLACK and peaks["async save"] <= share * 1.05 + SLACK)
+    checks.that(peaks["restore"] <= share * 1.05 + restoring.BATCH + SLACK)
+    checks.that(data > 8 * SLACK)
+    checks.agree(group.comm, f"peaks {peaks}, data {data}, share {share:.0f}")
 
 
 def every_size():
@@ -240,6 +242,7 @@ def test_every_rank_count_and_sharding_restores_every_other_bitwise(tmp_path, mo
 
 def test_a_large_entry_in_many_calls_and_windows_restores_bitwise(group, tmp_path, monkeypatch):
     """More than one MPI-IO call per rank, and a large entry gathered in several windows."""
+    checks = RankChecks()
     monkeypatch.setattr(pieces_module, "CALL_LIMIT", 1000)
     monkeypatch.setattr(restoring, "WINDOW", 3000)
     monkeypatch.setattr(restoring, "SMALL", 512)
@@ -257,14 +260,15 @@ def test_a_large_entry_in_many_calls_and_windows_restores_bitwise(group, tmp_pat
         on_read.assign(np.zeros(2000))
     ckpt.read(path).assert_consumed()
     with group.strategy.scope():
-        ok = np.array_equal(big.numpy(), value) and np.array_equal(on_read.numpy(), np.arange(2000.0))
-        ok = ok and np.array_equal(small.numpy(), values(4, (9,), np.float16))
-    all_ranks_agree(group.comm, ok, f"{big.numpy()[:3]} {sys.byteorder}")
+        checks.that(np.array_equal(big.numpy(), value) and np.array_equal(on_read.numpy(), np.arange(2000.0)))
+        checks.that(np.array_equal(small.numpy(), values(4, (9,), np.float16)))
+    checks.agree(group.comm, f"{big.numpy()[:3]} {sys.byteorder}")
 
 
 def test_a_restore_into_flat_storage_leaves_values_read_before_it_as_they_were(group, tmp_path):
     """A restore gathers straight into an optimizer's flat buffer; a value read before it (a view of
     that buffer) keeps what it held, as after any write (copy-on-write)."""
+    checks = RankChecks()
     directory = shared_dir(group, tmp_path)
     ckpt, _, _ = make_state(group.strategy, shard=False, shapes=LARGE)
     path = ckpt.write(os.path.join(directory, "flat"))
@@ -274,7 +278,7 @@ def test_a_restore_into_flat_storage_leaves_values_read_before_it_as_they_were(g
         before = np.array(kept)
     fresh.read(path).assert_consumed()
     with group.strategy.scope():
-        ok = np.array_equal(kept, before) and not before.any()
+        checks.that(np.array_equal(kept, before) and not before.any())
         restored = [w.numpy() for w in fresh_ws]
-        ok = ok and all(np.array_equal(w, values(k, w.shape)) for k, w in enumerate(restored))
-    all_ranks_agree(group.comm, ok, f"{kept[:3]} {fresh_ws[0].numpy()[:3]}")
+        checks.that(all(np.array_equal(w, values(k, w.shape)) for k, w in enumerate(restored)))
+    checks.agree(group.comm, f"{kept[:3]} {fresh_ws[0].numpy()[:3]}")

@@ -15,7 +15,7 @@ import mpistrat
 from mpistrat.checkpoint import local_copies
 from mpistrat.optimizers import Adam
 from tests.checkpoint.test_checkpoint import shared_dir
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 
@@ -192,9 +192,10 @@ def test_a_save_sends_its_keeper_one_share_and_nothing_else(tmp_path, monkeypatc
     bound = -(-data // size) + 16 * size + header + 4096  # 1/R of the data (and a pack's padding)
     without, with_copies = ledgers
     exchanged = with_copies.only("Sendrecv")
-    ok = exchanged.calls == 1 and exchanged.sent == exchanged.received and 0 < exchanged.sent <= bound
-    ok = ok and without.only("Sendrecv").calls == 0 and with_copies.calls == without.calls + 2
-    all_ranks_agree(WORLD, ok, f"{size} ranks: {exchanged.sent} bytes (bound {bound}); {with_copies.log}")
+    checks = RankChecks()
+    checks.that(exchanged.calls == 1 and exchanged.sent == exchanged.received and 0 < exchanged.sent <= bound)
+    checks.that(without.only("Sendrecv").calls == 0 and with_copies.calls == without.calls + 2)
+    checks.agree(WORLD, f"{size} ranks: {exchanged.sent} bytes (bound {bound}); {with_copies.log}")
     strategy.experimental_finalize()
 
 

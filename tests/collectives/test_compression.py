@@ -14,7 +14,7 @@ import pytest
 import mpistrat
 from mpistrat.collectives import compressed
 from mpistrat.options import CommunicationOptions
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger, ring_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,30 +62,29 @@ def error_bound(parts: list[np.ndarray], codec: str, mean: bool) -> np.ndarray:
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_sums_are_within_the_bound_and_other_leaves_are_exact(codec, op):
+    checks = RankChecks()
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     parts = [np.random.default_rng(r).standard_normal(1001).astype("f4") * 10 for r in range(size)]
     doubles = [p.astype("f8") / 3 for p in parts]
     c = mpistrat.MPIStrategy(WORLD).extended.collectives
     value = {"f32": parts[rank], "f64": doubles[rank], "i": np.arange(3) + rank, "c": parts[rank][:4] * 1j}
     got = c.all_reduce(op, value, CommunicationOptions(compression=codec))
-    ok, detail = True, ""
+    detail = ""
     for key, each in (("f32", parts), ("f64", doubles)):
         exact = np.array([math.fsum(float(p[j]) for p in each) for j in range(1001)]) / (
             size if op == "mean" else 1
         )
         err = np.abs(got[key].astype(np.float64) - exact)
-        ok = (
-            ok
-            and got[key].dtype == each[0].dtype
-            and bool((err <= error_bound(each, codec, op == "mean")).all())
+        checks.that(
+            got[key].dtype == each[0].dtype and bool((err <= error_bound(each, codec, op == "mean")).all())
         )
         detail += (
             f"{key}: worst {float((err / error_bound(each, codec, op == 'mean')).max()):.2f} of the bound; "
         )
     plain = c.all_reduce(op, {"i": value["i"], "c": value["c"]})
-    ok = ok and np.array_equal(got["i"], plain["i"]) and np.array_equal(got["c"], plain["c"])
-    ok = ok and len(set(WORLD.allgather(got["f32"].tobytes()))) == 1
-    all_ranks_agree(WORLD, ok, detail)
+    checks.that(np.array_equal(got["i"], plain["i"]) and np.array_equal(got["c"], plain["c"]))
+    checks.that(len(set(WORLD.allgather(got["f32"].tobytes()))) == 1)
+    checks.agree(WORLD, detail)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -206,9 +205,10 @@ def test_optimizers_take_the_option_for_their_gradients(shard_state):
         opt = mpistrat.optimizers.SGD(1.0, shard_state=shard_state, communication_options=opts)
     strategy.run(lambda: opt.apply_gradients([(grads[rank].copy(), w)]))
     exact = -np.array([math.fsum(float(g[j]) for g in grads) for j in range(50)])
-    ok = bool((np.abs(w.numpy() - exact) <= error_bound(grads, "bf16", False)).all())
-    ok = ok and len(set(WORLD.allgather(w.numpy().tobytes()))) == 1
-    all_ranks_agree(WORLD, ok, f"{w.numpy()[:4]} vs {exact[:4]}")
+    checks = RankChecks()
+    checks.that(bool((np.abs(w.numpy() - exact) <= error_bound(grads, "bf16", False)).all()))
+    checks.that(len(set(WORLD.allgather(w.numpy().tobytes()))) == 1)
+    checks.agree(WORLD, f"{w.numpy()[:4]} vs {exact[:4]}")
 
 
 def test_options_are_validated():

@@ -18,7 +18,7 @@ from mpi4py import MPI
 import mpistrat
 from mpistrat.collectives.exact_sum import exact_sum, format_of
 from mpistrat.options import CommunicationOptions
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,13 +91,12 @@ def test_exact_and_identical_under_every_packing_split_and_rank_order(dtype):
             eight = np.concatenate([a.reshape(-1) for a in c.all_reduce("sum", leaves_of(mine, CUTS), opts)])
             results[(name, bpp, 1)], results[(name, bpp, 8)] = one, eight
     blobs = {key: r.tobytes() for key, r in results.items()}
-    ok = len(set(blobs.values())) == 1 and results[("world", 0, 1)].tobytes() == want.tobytes()
+    checks = RankChecks()
+    checks.that(len(set(blobs.values())) == 1 and results[("world", 0, 1)].tobytes() == want.tobytes())
     got = results[("world", 0, 1)]
     ulps = np.abs(got.astype(np.float64) - fsum) / np.spacing(np.abs(got)).astype(np.float64)
-    ok = ok and bool((ulps <= 1).all())
-    all_ranks_agree(
-        WORLD, ok, f"distinct results {len(set(blobs.values()))}, max ulps from fsum {ulps.max()}"
-    )
+    checks.that(bool((ulps <= 1).all()))
+    checks.agree(WORLD, f"distinct results {len(set(blobs.values()))}, max ulps from fsum {ulps.max()}")
     everywhere = WORLD.allgather(got.tobytes())
     all_ranks_agree(WORLD, len(set(everywhere)) == 1, "ranks hold different bits")
     reversed_comm.Free()
@@ -113,10 +112,11 @@ def test_mean_is_the_exact_quotient_rounded_once_and_integers_go_their_usual_way
     want = [
         correctly_rounded(sum(Fraction(float(x[j])) for x in everyone) / size, "float32") for j in range(64)
     ]
-    ok = got["f"].dtype == np.float32 and got["f"].tolist() == want
-    ok = ok and np.array_equal(got["i"], (np.arange(5) * size + size * (size - 1) / 2) / size)
-    ok = ok and got["c"].real.tolist() == [0.0] * 8 and got["c"].imag.tolist() == want[:8]
-    all_ranks_agree(WORLD, ok, f"{got}")
+    checks = RankChecks()
+    checks.that(got["f"].dtype == np.float32 and got["f"].tolist() == want)
+    checks.that(np.array_equal(got["i"], (np.arange(5) * size + size * (size - 1) / 2) / size))
+    checks.that(got["c"].real.tolist() == [0.0] * 8 and got["c"].imag.tolist() == want[:8])
+    checks.agree(WORLD, f"{got}")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -214,9 +214,10 @@ def test_strategy_reduce_along_an_axis_gives_the_same_bits_at_any_rank_count(op)
         for i in range(3)
         for j in range(2)
     ]
-    ok = got["x"].tobytes() == reference["x"].tobytes() and got["x"].reshape(-1).tolist() == exact
-    ok = ok and float(got["n"]) == (1.0 if op == "mean" else 37.0) and got["x"].dtype == np.float32
-    all_ranks_agree(WORLD, ok, f"{got['x']} vs {reference['x']}")
+    checks = RankChecks()
+    checks.that(got["x"].tobytes() == reference["x"].tobytes() and got["x"].reshape(-1).tolist() == exact)
+    checks.that(float(got["n"]) == (1.0 if op == "mean" else 37.0) and got["x"].dtype == np.float32)
+    checks.agree(WORLD, f"{got['x']} vs {reference['x']}")
 
 
 @pytest.mark.mpi(min_size=2)

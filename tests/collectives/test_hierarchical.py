@@ -16,7 +16,7 @@ import mpistrat
 from mpistrat.comm.hierarchy import LEADERS, NODE
 from mpistrat.errors import CollectiveMismatchError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 HIERARCHICAL = CommunicationOptions(implementation="HIERARCHICAL")
@@ -36,9 +36,10 @@ def test_sums_equal_numpys_over_every_communicator(group, dtype, op):
     total = np.sum([contribution(r, dtype).astype(np.float64) for r in ranks], axis=0)
     want = total / len(ranks) if op == "mean" else total
     dtype_out = np.float64 if op == "mean" and dtype == "int32" else mine.dtype  # tf's MEAN of ints
-    ok = got["x"].dtype == dtype_out and np.array_equal(got["x"], want.astype(dtype_out))
-    ok = ok and np.array_equal(got["y"][0], got["x"][:3])
-    all_ranks_agree(group.comm, ok, f"{dtype} {op}: worst {np.max(np.abs(got['x'] - want))}")
+    checks = RankChecks()
+    checks.that(got["x"].dtype == dtype_out and np.array_equal(got["x"], want.astype(dtype_out)))
+    checks.that(np.array_equal(got["y"][0], got["x"][:3]))
+    checks.agree(group.comm, f"{dtype} {op}: worst {np.max(np.abs(got['x'] - want))}")
 
 
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
@@ -69,11 +70,12 @@ def test_on_one_node_nothing_goes_between_leaders_and_each_rank_moves_the_buffer
     node = [(c.name, c.sent, c.received) for c in ledger.on(NODE).log]
     n = x.nbytes
     want = [("Reduce", 0, n), ("Bcast", n, 0)] if world.rank == 0 else [("Reduce", n, 0), ("Bcast", 0, n)]
-    ok = node == want and ledger.on(LEADERS).calls == 0
-    ok = ok and ledger.without("Iallreduce", "Allreduce").calls == len(node)  # the handshake aside
+    checks = RankChecks()
+    checks.that(node == want and ledger.on(LEADERS).calls == 0)
+    checks.that(ledger.without("Iallreduce", "Allreduce").calls == len(node))  # the handshake aside
     want_sum = np.sum([contribution(r, "float32", 4096) for r in range(world.size)], axis=0)
-    ok = ok and np.array_equal(got, want_sum)
-    all_ranks_agree(world.comm, ok, f"{ledger.log}")
+    checks.that(np.array_equal(got, want_sum))
+    checks.agree(world.comm, f"{ledger.log}")
     strategy.experimental_finalize()
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import mpistrat
 from mpistrat.comm import mpi
 from mpistrat.options import CommunicationOptions
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,11 +69,12 @@ def test_all_reduce_in_pieces_matches_numpy(limit):
         buf = floats[rank].copy()
         c.all_reduce_in_place(buf)
     total, ftotal = np.sum(every, axis=0), np.sum(floats, axis=0)
-    ok = np.array_equal(one, total) and np.array_equal(np.concatenate(packed), total)
-    ok = ok and np.array_equal(np.concatenate([nest["a"], nest["b"].reshape(-1)]), ftotal)
-    ok = ok and np.array_equal(exact, ftotal) and np.array_equal(buf, ftotal)
-    ok = ok and bool((np.abs(small - ftotal) <= 2**-6 * np.sum(np.abs(floats), axis=0) + 1e-30).all())
-    all_ranks_agree(WORLD, ok, f"limit {limit}")
+    checks = RankChecks()
+    checks.that(np.array_equal(one, total) and np.array_equal(np.concatenate(packed), total))
+    checks.that(np.array_equal(np.concatenate([nest["a"], nest["b"].reshape(-1)]), ftotal))
+    checks.that(np.array_equal(exact, ftotal) and np.array_equal(buf, ftotal))
+    checks.that(bool((np.abs(small - ftotal) <= 2**-6 * np.sum(np.abs(floats), axis=0) + 1e-30).all()))
+    checks.agree(WORLD, f"limit {limit}")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -92,11 +93,13 @@ def test_all_gather_and_broadcast_in_rounds_match_numpy(limit):
     with mpi.count_limit(limit):
         got = c.all_gather({"small": small[rank], "big": big[rank]}, axis=0)
         cast = c.broadcast({"x": big[0] if rank == 0 else np.zeros_like(big[0]), "y": small[0] * (rank == 0)})
-    ok = np.array_equal(got["small"], np.concatenate(small)) and np.array_equal(
-        got["big"], np.concatenate(big)
+    checks = RankChecks()
+    checks.that(
+        np.array_equal(got["small"], np.concatenate(small))
+        and np.array_equal(got["big"], np.concatenate(big))
     )
-    ok = ok and np.array_equal(cast["x"], big[0]) and np.array_equal(cast["y"], small[0])
-    all_ranks_agree(WORLD, ok, f"limit {limit}")
+    checks.that(np.array_equal(cast["x"], big[0]) and np.array_equal(cast["y"], small[0]))
+    checks.agree(WORLD, f"limit {limit}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -148,11 +151,12 @@ def test_a_real_all_reduce_beyond_two_to_the_31_elements():
     x[edge] = (np.arange(16) % 5 + rank).astype(np.int8)
     got = mpistrat.MPIStrategy().extended.collectives.all_reduce("sum", x)
     want_edge = sum((np.arange(16) % 5 + r) for r in range(size)).astype(np.int8)
-    ok = got.shape == (n,) and np.array_equal(got[edge], want_edge)
+    checks = RankChecks()
+    checks.that(got.shape == (n,) and np.array_equal(got[edge], want_edge))
     step = 1 << 28
     for start in range(0, 2**31 - 8, step):
-        ok = ok and bool((got[start : min(start + step, 2**31 - 8)] == size).all())
-    all_ranks_agree(WORLD, ok, "a wrong element")
+        checks.that(bool((got[start : min(start + step, 2**31 - 8)] == size).all()))
+    checks.agree(WORLD, "a wrong element")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -160,18 +164,19 @@ def test_one_array_calls_of_one_shape_follow_each_calls_op_dtype_and_limit():
     """all_reduce of one array remembers its plan per shape: calls of that shape with other reduce
     ops and dtypes, and under a limit set after the plan was made (split, counted), still match
     NumPy."""
+    checks = RankChecks()
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     every = [np.random.default_rng(r).integers(-50, 50, 12) for r in range(size)]
     total = np.sum(every, axis=0)
     c = mpistrat.MPIStrategy(CountingComm(WORLD)).extended.collectives
-    ok, seen = True, []
+    seen = []
     for reduce_op, dtype in [("sum", "f4"), ("mean", "f4"), ("sum", "i4"), (mpistrat.ReduceOp.SUM, "f8")]:
         got = c.all_reduce(reduce_op, every[rank].astype(dtype))
         want = total.astype(dtype) if reduce_op != "mean" else total.astype(dtype) / size
-        ok = ok and got.dtype == np.dtype(dtype) and np.array_equal(got, want)
+        checks.that(got.dtype == np.dtype(dtype) and np.array_equal(got, want))
         seen.append((reduce_op, dtype, got.dtype.str))
     with mpi.count_limit(5), Ledger.recording() as ledger:
         split = c.all_reduce("sum", every[rank].astype("f8"))
-    ok = ok and np.array_equal(split, total.astype("f8"))
-    ok = ok and ledger.only("Allreduce").calls >= 3  # 12 elements in pieces of at most 5
-    all_ranks_agree(WORLD, ok, f"{seen}, {ledger.log}")
+    checks.that(np.array_equal(split, total.astype("f8")))
+    checks.that(ledger.only("Allreduce").calls >= 3)  # 12 elements in pieces of at most 5
+    checks.agree(WORLD, f"{seen}, {ledger.log}")

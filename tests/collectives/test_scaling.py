@@ -15,7 +15,7 @@ import pytest
 import mpistrat
 from mpistrat import CommunicationOptions, PerReplica
 from mpistrat.optimizers import SGD, Adam
-from tests.conftest import WORLD, all_ranks_agree
+from tests.conftest import WORLD, RankChecks, all_ranks_agree
 from tests.support.counting import CountingComm, Ledger, ring_bytes
 
 HANDSHAKE = 104  # bytes of one handshake: thirteen int64 in one Allreduce(MAX)
@@ -131,6 +131,7 @@ def test_sharded_step_moves_what_the_all_reduce_moves(name, bytes_per_pack):
     """Sharded state: per pack one reduce-scatter of the gradients and one all-gather of the weights;
     each rank hands MPI the pack and gets back its 1/R (and the reverse), which a ring moves in the
     bytes of one all-reduce. The weights match the serial reference and the unsharded step's."""
+    checks = RankChecks()
     strategy, ws, _, step = _optimizer_step(name, bytes_per_pack, shard=True)
     rank, size = strategy.extended.rank, strategy.num_replicas_in_sync
     strategy.run(step)
@@ -149,10 +150,10 @@ def test_sharded_step_moves_what_the_all_reduce_moves(name, bytes_per_pack):
     packs = -(-count // (per_rank * size))
     padded = packs * per_rank * size * 4  # bytes
     if size == 1:  # nothing to shard: the unsharded step
-        ok = ledger.names() == plain.names() and ledger.sent == plain.sent
+        checks.that(ledger.names() == plain.names() and ledger.sent == plain.sent)
     else:
         scatter, gather = ledger.only("Reduce_scatter_block"), ledger.only("Allgather")
-        ok = (  # the opening handshake, the packs, strategy.run's closing handshake
+        checks.that(
             ledger.names() == ["Allreduce"] + ["Reduce_scatter_block", "Allgather"] * packs + ["Allreduce"]
             and ledger.only("Allreduce").sent == 2 * HANDSHAKE
             and (scatter.sent, scatter.received) == (padded, padded // size)
@@ -160,8 +161,8 @@ def test_sharded_step_moves_what_the_all_reduce_moves(name, bytes_per_pack):
         )
         ring = sum(ring_bytes(c, size) for c in ledger.log)
         ideal = sum(ring_bytes(c, size) for c in plain.log)
-        ok = ok and ideal <= ring <= 1.10 * ideal
-    all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log} against {plain.log}")
+        checks.that(ideal <= ring <= 1.10 * ideal)
+    checks.agree(WORLD, f"{size} ranks: {ledger.log} against {plain.log}")
     _every_rank_the_same((ledger.calls, ledger.sent, ledger.received))
     want = _reference(name, size, steps=2)
     close = all(np.allclose(w.numpy(), r, rtol=1e-5, atol=1e-6) for w, r in zip(ws, want, strict=True))
@@ -235,14 +236,15 @@ def test_merge_call_arguments_reach_rank_0_collectively(counted):
     with Ledger.recording() as ledger:
         total = counted.run(lambda: mpistrat.get_replica_context().merge_call(merge_fn, args=(x,)))
     names = ledger.names()
-    ok = total == size * (size - 1) / 2 and "Recv" not in names and "Send" not in names
+    checks = RankChecks()
+    checks.that(total == size * (size - 1) / 2 and "Recv" not in names and "Send" not in names)
     if size > 1:
-        ok = ok and names.count("Gatherv") == 1
+        checks.that(names.count("Gatherv") == 1)
         if rank == 0:
-            ok = ok and ledger.only("Gatherv").received == (size - 1) * x.nbytes
+            checks.that(ledger.only("Gatherv").received == (size - 1) * x.nbytes)
         else:
-            ok = ok and ledger.only("Gatherv").sent == x.nbytes
-    all_ranks_agree(WORLD, ok, f"rank {rank}: total {total}, calls {ledger.log}")
+            checks.that(ledger.only("Gatherv").sent == x.nbytes)
+    checks.agree(WORLD, f"rank {rank}: total {total}, calls {ledger.log}")
     _every_rank_the_same(ledger.calls)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ReduceOp
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks, all_ranks_agree
 
 
 def test_num_replicas_in_sync(group):
@@ -100,12 +100,13 @@ def test_make_input_fn_iterator(group, use_dataset):
         ended = False
     except StopIteration:
         ended = True
-    ok = got == [[i] for i in range(20)] and ended and seen == [(n, n, r)]
+    checks = RankChecks()
+    checks.that(got == [[i] for i in range(20)] and ended and seen == [(n, n, r)])
     if use_dataset:
         iterator.initialize()
         again = [[int(v) for v in s.experimental_local_results(iterator.get_next())] for _ in range(20)]
-        ok = ok and again == got
-    all_ranks_agree(group.comm, ok, f"{got} {ended} {seen}")
+        checks.that(again == got)
+    checks.agree(group.comm, f"{got} {ended} {seen}")
 
 
 def test_update_config_proto(group):
@@ -156,20 +157,22 @@ def _collective_comms(group, op):
 def test_all_reduce_sum(group):
     # testAllReduceSum: expected (4., [42., 43.]) at 2 replicas
     (scalar, vector), (want_s, want_v) = _collective_comms(group, ReduceOp.SUM)
-    ok = float(scalar) == want_s and vector.tolist() == want_v and vector.dtype == np.float32
+    checks = RankChecks()
+    checks.that(float(scalar) == want_s and vector.tolist() == want_v and vector.dtype == np.float32)
     if group.size == 2:
-        ok = ok and (want_s, want_v) == (4.0, [42.0, 43.0])
-    all_ranks_agree(group.comm, ok, f"{scalar} {vector}")
+        checks.that((want_s, want_v) == (4.0, [42.0, 43.0]))
+    checks.agree(group.comm, f"{scalar} {vector}")
 
 
 def test_all_reduce_mean(group):
     # testAllReduceMean: expected (2., [21., 21.5]) at 2 replicas
     n = group.size
     (scalar, vector), (want_s, want_v) = _collective_comms(group, ReduceOp.MEAN)
-    ok = np.isclose(float(scalar), want_s / n) and np.allclose(vector, np.array(want_v) / n)
+    checks = RankChecks()
+    checks.that(np.isclose(float(scalar), want_s / n) and np.allclose(vector, np.array(want_v) / n))
     if n == 2:
-        ok = ok and float(scalar) == 2.0 and vector.tolist() == [21.0, 21.5]
-    all_ranks_agree(group.comm, bool(ok), f"{scalar} {vector}")
+        checks.that(float(scalar) == 2.0 and vector.tolist() == [21.0, 21.5])
+    checks.agree(group.comm, f"{scalar} {vector}")
 
 
 def test_numpy_dataset(group):
@@ -182,13 +185,14 @@ def test_numpy_dataset(group):
     with s.scope():
         it = s.make_dataset_iterator([(x, y), (x, y)])  # ds.repeat(2).batch(6)
         it.initialize()
-        ok = True
+        checks = RankChecks()
         for _ in range(2):
             bx, by = s.experimental_run(lambda z: z, it)
-            ok = ok and np.array_equal(s.gather(bx, axis=0), x) and np.array_equal(s.gather(by, axis=0), y)
+            checks.that(np.array_equal(s.gather(bx, axis=0), x) and np.array_equal(s.gather(by, axis=0), y))
         try:
             s.experimental_run(lambda z: z, it)
             ended = False
         except StopIteration:
             ended = True
-    all_ranks_agree(group.comm, ok and ended)
+    checks.that(ended)
+    checks.agree(group.comm)

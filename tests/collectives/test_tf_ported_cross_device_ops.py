@@ -28,7 +28,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ReduceOp
-from tests.conftest import all_ranks_agree, strategy_in_mode
+from tests.conftest import RankChecks, all_ranks_agree, strategy_in_mode
 
 DESTINATIONS = ["mirrored_variable", "mirrored_cpu", "device_string"]
 _STRATEGIES: dict = {}  # per communicator and bytes_per_pack
@@ -70,12 +70,12 @@ def test_batch_reduce(group, d1, d2):
     s, n, r = group.strategy, group.size, group.rank
     a, b = _destination(s, d1), _destination(s, d2)
     want = _expected(n)
-    ok = True
+    checks = RankChecks()
     with s.scope():
         for op in ("MEAN", "SUM"):
             x, y = s.extended.batch_reduce_to(ReduceOp(op), [(np.float32(r), a), (np.float32(r + 1.0), b)])
-            ok = ok and (float(x), float(y)) == (want[(op, 1)], want[(op, 2)])
-    all_ranks_agree(group.comm, ok)
+            checks.that((float(x), float(y)) == (want[(op, 1)], want[(op, 2)]))
+    checks.agree(group.comm)
 
 
 @pytest.mark.parametrize("destination", DESTINATIONS)
@@ -120,6 +120,7 @@ def test_reduction_distributed(group, bytes_per_pack):
     # testReductionDistributed (use_strategy_object=True, required_gpus=0): 1-d values, each worker
     # [0.] and [1.]; for every destination MEAN [0.], [1.]; SUM [0.], [num_workers] ([3.] at 3);
     # batch_reduce the same pairwise
+    checks = RankChecks()
     n = group.size
     options = mpistrat.CommunicationOptions(bytes_per_pack=bytes_per_pack)
     key = (group.name, "bytes_per_pack", bytes_per_pack)
@@ -128,20 +129,20 @@ def test_reduction_distributed(group, bytes_per_pack):
     s = _STRATEGIES[key]
     one, two = np.array([0.0], np.float32), np.array([1.0], np.float32)
     want = {"MEAN": ([0.0], [1.0]), "SUM": ([0.0], [1.0 * n])}
-    ok, got = True, []
+    got = []
     with s.scope():
         for destination in DESTINATIONS:
             dest = _destination(s, destination)
             for op in ("MEAN", "SUM"):
                 pair = [np.asarray(s.extended.reduce_to(ReduceOp(op), v, dest)).tolist() for v in (one, two)]
                 got.append(pair)
-                ok = ok and tuple(pair) == want[op]
+                checks.that(tuple(pair) == want[op])
         for d1, d2 in itertools.product(DESTINATIONS, DESTINATIONS):
             a, b = _destination(s, d1), _destination(s, d2)
             for op in ("MEAN", "SUM"):
                 x, y = s.extended.batch_reduce_to(ReduceOp(op), [(one, a), (two, b)])
-                ok = ok and (np.asarray(x).tolist(), np.asarray(y).tolist()) == want[op]
-    all_ranks_agree(group.comm, ok, f"{got}")
+                checks.that((np.asarray(x).tolist(), np.asarray(y).tolist()) == want[op])
+    checks.agree(group.comm, f"{got}")
 
 
 @pytest.mark.parametrize("batch_reduce", [False, True])

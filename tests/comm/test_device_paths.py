@@ -14,7 +14,7 @@ import pytest
 import mpistrat
 from mpistrat import CommunicationOptions
 from mpistrat.comm.transport import StagedMPI
-from tests.conftest import WORLD, all_ranks_agree
+from tests.conftest import WORLD, RankChecks, all_ranks_agree
 from tests.support import fake_cupy
 from tests.support.counting import CountingComm, Ledger
 from tests.support.device_cases import CASES
@@ -72,9 +72,10 @@ def test_staging_buffer_is_reused_and_grown(group, fake):
         staged.allreduce(x, out)
     big = fake.asarray(np.ones(300_000))  # 2.4 MB: more than the first buffer (1 MiB)
     staged.allreduce(big, big)
-    ok = allocations == [1 << 20, 1 << 22]
-    ok = ok and np.array_equal(out.get(), np.arange(10) * group.size) and (big.get() == group.size).all()
-    all_ranks_agree(group.comm, ok, f"allocations {allocations}")
+    checks = RankChecks()
+    checks.that(allocations == [1 << 20, 1 << 22])
+    checks.that(np.array_equal(out.get(), np.arange(10) * group.size) and (big.get() == group.size).all())
+    checks.agree(group.comm, f"allocations {allocations}")
     staged.close()
 
 

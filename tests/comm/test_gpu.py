@@ -16,7 +16,7 @@ import pytest
 import mpistrat
 from mpistrat import CommunicationOptions
 from mpistrat.comm import cuda, transport
-from tests.conftest import WORLD, all_ranks_agree
+from tests.conftest import WORLD, RankChecks, all_ranks_agree
 from tests.support.device_cases import CASES
 
 pytestmark = pytest.mark.gpu
@@ -105,6 +105,7 @@ def test_results_are_ready_on_a_non_default_stream(world, cp):
 
 def test_placement_uses_this_ranks_gpu(world, cp):
     placement = world.strategy.extended.placement
-    ok = placement.gpu is not None and cp.cuda.runtime.getDevice() == placement.gpu
-    ok = ok and world.strategy.extended.worker_devices[0].endswith(f"/device:GPU:{placement.gpu}")
-    all_ranks_agree(world.comm, ok, f"{placement}, current device {cp.cuda.runtime.getDevice()}")
+    checks = RankChecks()
+    checks.that(placement.gpu is not None and cp.cuda.runtime.getDevice() == placement.gpu)
+    checks.that(world.strategy.extended.worker_devices[0].endswith(f"/device:GPU:{placement.gpu}"))
+    checks.agree(world.comm, f"{placement}, current device {cp.cuda.runtime.getDevice()}")

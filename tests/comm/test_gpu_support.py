@@ -11,7 +11,7 @@ import pytest
 from mpistrat import InvalidArgumentError, config
 from mpistrat.comm import cuda, devices, nccl, transport
 from mpistrat.comm.transport import DeviceCapabilities, choose_device_transport
-from tests.conftest import all_ranks_agree, raises_on_every_rank, setting_warning
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank, setting_warning
 from tests.support import fake_cupy
 
 # -- fake MPI libraries for detection ------------------------------------------------------
@@ -162,9 +162,10 @@ def node_local_reference(comm):
 
 def test_cpu_placement_reports_the_cpu_device(group):
     got = devices.place(group.comm, {"MPISTRAT_DEVICE": "cpu"})
-    ok = (got.local_rank, got.local_size) == node_local_reference(group.comm) and got.gpu is None
-    ok = ok and got.device(group.rank) == f"/job:worker/replica:0/task:{group.rank}/device:CPU:0"
-    all_ranks_agree(group.comm, ok, repr(got))
+    checks = RankChecks()
+    checks.that((got.local_rank, got.local_size) == node_local_reference(group.comm) and got.gpu is None)
+    checks.that(got.device(group.rank) == f"/job:worker/replica:0/task:{group.rank}/device:CPU:0")
+    checks.agree(group.comm, repr(got))
 
 
 def test_hidden_gpus_mean_cpu(group):
@@ -195,10 +196,11 @@ def test_gpu_placement_round_robin_over_visible_devices(group, monkeypatch):
     monkeypatch.setenv("FAKE_CUPY_DEVICES", "2")
     got = devices.place(group.comm, {"CUDA_VISIBLE_DEVICES": "3,5"})
     local, _ = node_local_reference(group.comm)
-    ok = got.gpu == local % 2 and fake.cuda.runtime.getDevice() == local % 2
-    ok = ok and f"CUDA_VISIBLE_DEVICES entry {'35'[local % 2]}" in got.reason
-    ok = ok and got.device(group.rank).endswith(f"/device:GPU:{local % 2}")
-    all_ranks_agree(group.comm, ok, repr(got))
+    checks = RankChecks()
+    checks.that(got.gpu == local % 2 and fake.cuda.runtime.getDevice() == local % 2)
+    checks.that(f"CUDA_VISIBLE_DEVICES entry {'35'[local % 2]}" in got.reason)
+    checks.that(got.device(group.rank).endswith(f"/device:GPU:{local % 2}"))
+    checks.agree(group.comm, repr(got))
 
 
 def test_strategy_reports_its_gpu(group, monkeypatch):
@@ -286,6 +288,7 @@ def test_nccl_version_string(code, want):
 
 def test_a_later_strategy_keeps_the_device_of_the_first(world, monkeypatch):
     """A strategy over COMM_SELF must not move the process to GPU 0 (local rank 0 in COMM_SELF)."""
+    checks = RankChecks()
     import mpistrat
     from mpistrat.comm import devices as placement_module
 
@@ -296,11 +299,12 @@ def test_a_later_strategy_keeps_the_device_of_the_first(world, monkeypatch):
     try:
         local, _ = node_local_reference(world.comm)
         want = f"device:GPU:{local % 8}"
-        ok = first.extended.worker_devices[0].endswith(want) and second.extended.worker_devices[0].endswith(
-            want
+        checks.that(
+            first.extended.worker_devices[0].endswith(want)
+            and second.extended.worker_devices[0].endswith(want)
         )
-        ok = ok and fake.cuda.runtime.getDevice() == local % 8
-        all_ranks_agree(world.comm, ok, f"{first.extended.worker_devices} {second.extended.worker_devices}")
+        checks.that(fake.cuda.runtime.getDevice() == local % 8)
+        checks.agree(world.comm, f"{first.extended.worker_devices} {second.extended.worker_devices}")
     finally:
         first.experimental_finalize()
         second.experimental_finalize()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mpistrat
 from mpistrat.comm import packing
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks, all_ranks_agree
 
 DTYPES = ["float32", "float64", "int32", "int64", "uint8", "complex64", ">f8"]
 
@@ -99,6 +99,7 @@ def _nest(rank):
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("bytes_per_pack", [0, 24])
 def test_all_reduce_of_a_mixed_nest_matches_a_serial_sum(group, op, bytes_per_pack):
+    checks = RankChecks()
     n = group.size
     options = mpistrat.CommunicationOptions(bytes_per_pack=bytes_per_pack)
     for _ in range(2):  # the second call runs on cached plans and fingerprints
@@ -110,14 +111,17 @@ def test_all_reduce_of_a_mixed_nest_matches_a_serial_sum(group, op, bytes_per_pa
         if op == "mean":
             want = mpistrat.nest.map_structure(lambda x: np.true_divide(x, n), want)
         flat_got, flat_want = mpistrat.nest.flatten(got), mpistrat.nest.flatten(want)
-        ok = mpistrat.nest.flatten_with_paths(got)[0][0] == mpistrat.nest.flatten_with_paths(want)[0][
-            0
-        ] and all(
-            np.shape(g) == np.shape(w) and np.asarray(g).dtype == np.asarray(w).dtype and np.array_equal(g, w)
-            for g, w in zip(flat_got, flat_want, strict=True)
+        checks.that(
+            mpistrat.nest.flatten_with_paths(got)[0][0] == mpistrat.nest.flatten_with_paths(want)[0][0]
+            and all(
+                np.shape(g) == np.shape(w)
+                and np.asarray(g).dtype == np.asarray(w).dtype
+                and np.array_equal(g, w)
+                for g, w in zip(flat_got, flat_want, strict=True)
+            )
         )
-        ok = ok and isinstance(got["scalar"], np.floating)
-        all_ranks_agree(group.comm, ok, f"{got} != {want}")
+        checks.that(isinstance(got["scalar"], np.floating))
+        checks.agree(group.comm, f"{got} != {want}")
 
 
 def test_all_reduce_results_do_not_alias_the_inputs(group):
@@ -231,9 +235,10 @@ def test_each_strategy_owns_its_caches_and_a_loop_reuses_them(group):
     for _ in range(5):
         got = other.run(step)
     sizes = (len(caches.flat), len(caches.plans), len(caches.packs))
-    ok = sizes == (1, 1, 1) and np.array_equal(got["w"], grads["w"] * group.size)
+    checks = RankChecks()
+    checks.that(sizes == (1, 1, 1) and np.array_equal(got["w"], grads["w"] * group.size))
     caches.clear()
     again = other.run(step)
-    ok = ok and np.array_equal(again["b"], grads["b"]) and len(caches.plans) == 1
-    all_ranks_agree(group.comm, ok, f"{sizes}")
+    checks.that(np.array_equal(again["b"], grads["b"]) and len(caches.plans) == 1)
+    checks.agree(group.comm, f"{sizes}")
     other.experimental_finalize()

@@ -27,7 +27,7 @@ from mpistrat.cluster_resolver import (
     expand_hostlist,
     expand_tasks_per_node,
 )
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 HOSTLISTS = {  # tf's expand_hostlist (and scontrol show hostnames) on each
     "tux[1-3]": ["tux1", "tux2", "tux3"],
@@ -268,12 +268,13 @@ def test_an_mpi_strategy_reports_its_ranks_as_workers(group):
     r = group.strategy.cluster_resolver
     hosts = group.comm.allgather(MPI.Get_processor_name())
     spec = r.cluster_spec()
-    ok = (r.task_type, r.task_id) == ("worker", group.rank) and spec.jobs == ["worker"]
-    ok = ok and [a.rsplit(":", 1)[0] for a in spec.job_tasks("worker")] == hosts
-    ok = ok and len(set(spec.job_tasks("worker"))) == group.size  # unique addresses
-    ok = ok and r.master() == spec.task_address("worker", group.rank)
-    ok = ok and r.num_accelerators() == ({} if group.strategy.extended.placement.gpu is None else {"GPU": 1})
-    all_ranks_agree(group.comm, ok, repr(r))
+    checks = RankChecks()
+    checks.that((r.task_type, r.task_id) == ("worker", group.rank) and spec.jobs == ["worker"])
+    checks.that([a.rsplit(":", 1)[0] for a in spec.job_tasks("worker")] == hosts)
+    checks.that(len(set(spec.job_tasks("worker"))) == group.size)  # unique addresses
+    checks.that(r.master() == spec.task_address("worker", group.rank))
+    checks.that(r.num_accelerators() == ({} if group.strategy.extended.placement.gpu is None else {"GPU": 1}))
+    checks.agree(group.comm, repr(r))
 
 
 def test_the_default_strategy_has_no_resolver():

@@ -5,7 +5,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ContextError, InvalidArgumentError, ReduceOp, VariableAggregation
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 HINT = "use get_replica_context().merge_call()"
 
@@ -47,9 +47,10 @@ def test_reduce_to_only_first_replica_and_mirrored_values(group):
         )
         mirrored_sum = ext.reduce_to("SUM", mpistrat.Mirrored((np.float64(2.0),) * group.size), "/cpu:0")
         own = ext.reduce_to("MEAN", float(group.rank), float(group.rank))  # "pass value to destinations"
-    ok = np.array_equal(first, local_value(0)) and mirrored_sum == 2.0 * group.size
-    ok = ok and own == sum(range(group.size)) / group.size
-    all_ranks_agree(group.comm, ok, f"{first} {mirrored_sum}")
+    checks = RankChecks()
+    checks.that(np.array_equal(first, local_value(0)) and mirrored_sum == 2.0 * group.size)
+    checks.that(own == sum(range(group.size)) / group.size)
+    checks.agree(group.comm, f"{first} {mirrored_sum}")
 
 
 def test_batch_reduce_to_is_one_fused_collective(group):
@@ -66,9 +67,10 @@ def test_batch_reduce_to_is_one_fused_collective(group):
         handshakes = ext.collectives.seq - before
     n = group.size
     want = [serial("SUM", n), np.float32(sum(range(n))), np.arange(3) * sum(range(n))]
-    ok = handshakes == 1 and all(np.array_equal(o, w) for o, w in zip(out, want, strict=True))
-    ok = ok and out[1].dtype == np.float32 and out[2].dtype == np.arange(3).dtype
-    all_ranks_agree(group.comm, ok, f"{handshakes} {out}")
+    checks = RankChecks()
+    checks.that(handshakes == 1 and all(np.array_equal(o, w) for o, w in zip(out, want, strict=True)))
+    checks.that(out[1].dtype == np.float32 and out[2].dtype == np.arange(3).dtype)
+    checks.agree(group.comm, f"{handshakes} {out}")
 
 
 def test_reductions_inside_merge_fn_are_local(group):

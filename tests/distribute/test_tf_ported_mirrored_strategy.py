@@ -30,7 +30,7 @@ import mpistrat
 from mpistrat import ReduceOp, Variable
 from mpistrat import VariableAggregation as Aggregation
 from mpistrat import VariableSynchronization as Synchronization
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 
 def _replica_id():
@@ -145,9 +145,10 @@ def test_reduce_axis_to_cpu(group, dtype):
         total = s.reduce(ReduceOp.SUM, result, axis=0)
         mean = s.reduce(ReduceOp.MEAN, result, axis=0)
     expected = sum(x * (x + 1) for x in range(n))
-    ok = abs(float(total) - expected) < 1e-5
-    ok = ok and abs(float(mean) - expected / sum(x + 1 for x in range(n))) < 1e-5
-    all_ranks_agree(group.comm, ok, f"{total} {mean}")
+    checks = RankChecks()
+    checks.that(abs(float(total) - expected) < 1e-5)
+    checks.that(abs(float(mean) - expected / sum(x + 1 for x in range(n))) < 1e-5)
+    checks.agree(group.comm, f"{total} {mean}")
 
 
 def test_run(group):

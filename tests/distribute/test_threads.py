@@ -12,7 +12,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ContextError
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks, all_ranks_agree
 
 
 @pytest.mark.mpi(min_size=2)
@@ -36,15 +36,14 @@ def test_a_second_thread_inside_a_collective_is_refused_naming_both(world):
     if world.rank == 0:
         thread.join(timeout=30)
     message = str(caught[0]) if caught else ""
-    ok = total.tolist() == [world.size] * 3 and total.dtype == np.float32
+    checks = RankChecks()
+    checks.that(total.tolist() == [world.size] * 3 and total.dtype == np.float32)
     if world.rank == 0:
-        ok = ok and len(caught) == 1 and isinstance(caught[0], ContextError)
-        ok = (
-            ok
-            and "thread 'metrics-logger'" in message
-            and "thread 'MainThread' is inside all_reduce" in message
+        checks.that(len(caught) == 1 and isinstance(caught[0], ContextError))
+        checks.that(
+            "thread 'metrics-logger'" in message and "thread 'MainThread' is inside all_reduce" in message
         )
-    all_ranks_agree(world.comm, ok, f"{total} {caught!r}")
+    checks.agree(world.comm, f"{total} {caught!r}")
     again = strategy.run(lambda: mpistrat.get_replica_context().all_reduce("sum", np.float32(1)))
     all_ranks_agree(world.comm, float(again) == world.size, f"{again}")
 

@@ -15,7 +15,7 @@ from mpistrat import (
     InputOptions,
     InvalidArgumentError,
 )
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 
@@ -104,11 +104,12 @@ def test_empty_pipelines(group):
     # Only the last rank has data: the others learn the element spec from it for their empty batches.
     lengths = [0] * (group.size - 1) + [2]
     got = run_epoch(group.strategy, lengths)
-    ok = nothing == [] and len(got) == 2
-    ok = ok and all(
-        x.dtype == np.int64 and x.shape == ((2,) if group.rank == group.size - 1 else (0,)) for x in got
+    checks = RankChecks()
+    checks.that(nothing == [] and len(got) == 2)
+    checks.that(
+        all(x.dtype == np.int64 and x.shape == ((2,) if group.rank == group.size - 1 else (0,)) for x in got)
     )
-    all_ranks_agree(group.comm, ok, f"{nothing} {got}")
+    checks.agree(group.comm, f"{nothing} {got}")
 
 
 def test_nested_elements_and_element_spec(group):
@@ -128,10 +129,11 @@ def test_nested_elements_and_element_spec(group):
         "y": {"label": mpistrat.ArraySpec((None,), np.dtype(np.int32))},
     }
     pads = batches[group.rank + 1 :]
-    ok = before == want_spec and dist.element_spec == want_spec and it.element_spec == want_spec
-    ok = ok and len(batches) == group.size and len(batches[0]["x"]) == 2
-    ok = ok and all(p["x"].shape == (0, 3) and p["y"]["label"].dtype == np.int32 for p in pads)
-    all_ranks_agree(group.comm, ok, f"{before} {batches}")
+    checks = RankChecks()
+    checks.that(before == want_spec and dist.element_spec == want_spec and it.element_spec == want_spec)
+    checks.that(len(batches) == group.size and len(batches[0]["x"]) == 2)
+    checks.that(all(p["x"].shape == (0, 3) and p["y"]["label"].dtype == np.int32 for p in pads))
+    checks.agree(group.comm, f"{before} {batches}")
 
 
 def test_get_next_as_optional_agrees_on_the_end(group):
@@ -290,7 +292,8 @@ def test_a_pipeline_step_costs_one_handshake_and_the_counts_travel_once_at_the_e
     with Ledger.recording() as end:
         assert next(iterator, None) is None
     handshake = 2 * 13 * 8  # thirteen int64 in and out
-    ok = ledger.names() == ["Allreduce"] * (steps - 1) and ledger.moved == (steps - 1) * handshake
-    ok = ok and end.names() == ["Allreduce", "Allreduce", "Allgather"]  # the step, then the counts
-    all_ranks_agree(group.comm, ok, f"R={group.size}: steps {ledger.log}; end {end.log}")
+    checks = RankChecks()
+    checks.that(ledger.names() == ["Allreduce"] * (steps - 1) and ledger.moved == (steps - 1) * handshake)
+    checks.that(end.names() == ["Allreduce", "Allreduce", "Allgather"])  # the step, then the counts
+    checks.agree(group.comm, f"R={group.size}: steps {ledger.log}; end {end.log}")
     strategy.experimental_finalize()

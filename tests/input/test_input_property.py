@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import InputOptions, InvalidArgumentError
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks
 
 WORLD = MPI.COMM_WORLD
 MAX_RANKS = 4  # the suite runs at 1 to 4 ranks; draws beyond the world size are clipped
@@ -63,6 +63,7 @@ def by_hand(batch, k):
     uneven=st.sampled_from(["pad", "drop", "error"]),
 )
 def test_split_dataset_sees_every_example_exactly_once(prefixes, n, batch, k, uneven):
+    checks = RankChecks()
     k = min(k, WORLD.Get_size())
     strategy = prefixes[k]
     result = None
@@ -77,14 +78,16 @@ def test_split_dataset_sees_every_example_exactly_once(prefixes, n, batch, k, un
     splits = [by_hand(list(range(i, min(i + batch, n))), k) for i in range(0, n, batch)]
     first_uneven = next((s for s, parts in enumerate(splits) if not all(parts)), None)
     if uneven == "error" and first_uneven is not None:
-        ok = all(status == "error" and "without data" in got for status, got in results)
+        checks.that(all(status == "error" and "without data" in got for status, got in results))
     else:
         kept = splits if uneven == "pad" or first_uneven is None else splits[:first_uneven]
-        ok = all(status == "ok" and got == [p[r] for p in kept] for r, (status, got) in enumerate(results))
+        checks.that(
+            all(status == "ok" and got == [p[r] for p in kept] for r, (status, got) in enumerate(results))
+        )
         if kept is splits:  # nothing dropped: the union is the dataset, each example once
             union = [v for _, got in results for step in got for v in step]
-            ok = ok and sorted(union) == list(range(n)) and len(union) == n
-    all_ranks_agree(WORLD, ok, f"n={n} batch={batch} k={k} {uneven}: {results}")
+            checks.that(sorted(union) == list(range(n)) and len(union) == n)
+    checks.agree(WORLD, f"n={n} batch={batch} k={k} {uneven}: {results}")
 
 
 @COLLECTIVE
@@ -98,6 +101,7 @@ def test_split_dataset_sees_every_example_exactly_once(prefixes, n, batch, k, un
 def test_pipelines_of_any_length_never_hang_nor_lose_an_example(
     prefixes, sizes, batches, k, uneven, generator
 ):
+    checks = RankChecks()
     k = min(k, WORLD.Get_size())
     strategy = prefixes[k]
 
@@ -122,18 +126,20 @@ def test_pipelines_of_any_length_never_hang_nor_lose_an_example(
     ]
     expected = [[[v + 1000 * r for v in b] for b in bs] for r, bs in enumerate(expected)]
     if uneven == "error" and len(set(steps)) > 1:
-        ok = all(status == "error" and "different lengths" in got for status, got in results)
+        checks.that(all(status == "error" and "different lengths" in got for status, got in results))
     else:
         n_steps = min(steps) if uneven == "drop" else max(steps)
         want = [(bs + [[]] * n_steps)[:n_steps] for bs in expected]
-        ok = all(
-            status == "ok"
-            and [v for _, v in got] == want[r]
-            and all(d == np.dtype(np.int64).str for d, _ in got)
-            for r, (status, got) in enumerate(results)
+        checks.that(
+            all(
+                status == "ok"
+                and [v for _, v in got] == want[r]
+                and all(d == np.dtype(np.int64).str for d, _ in got)
+                for r, (status, got) in enumerate(results)
+            )
         )
         if uneven != "drop":  # every element of every pipeline seen exactly once
             union = [v for _, got in results for _, step in got for v in step]
             everything = [v for bs in expected for b in bs for v in b]
-            ok = ok and sorted(union) == sorted(everything) and len(union) == len(everything)
-    all_ranks_agree(WORLD, ok, f"sizes={sizes[:k]} batches={batches[:k]} {uneven}: {results}")
+            checks.that(sorted(union) == sorted(everything) and len(union) == len(everything))
+    checks.agree(WORLD, f"sizes={sizes[:k]} batches={batches[:k]} {uneven}: {results}")

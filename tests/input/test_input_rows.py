@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import ArrayDataset, CollectiveMismatchError, InputOptions, InvalidArgumentError
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 N = 23
@@ -104,18 +104,19 @@ def all_same(got: list, want: list) -> bool:
 @pytest.mark.parametrize("uneven", ["pad", "drop"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_replica_batches_match_a_numpy_reference_over_two_epochs(group, case, uneven):
+    checks = RankChecks()
     kwargs, shard = CASES[case]
     data = make_data()
     dist = group.strategy.experimental_distribute_dataset(
         make_dataset(data, kwargs, shard), InputOptions(uneven=uneven)
     )
-    ok, detail = True, ""
+    detail = ""
     for epoch in range(2):
         got = [batch for batch in dist]
         want = reference_epoch(data, kwargs, shard, epoch, group.size, group.rank, uneven)
-        ok = ok and all_same(got, want)
+        checks.that(all_same(got, want))
         detail += f"epoch {epoch}: {len(got)} batches, want {len(want)}; "
-    all_ranks_agree(group.comm, ok, detail)
+    checks.agree(group.comm, detail)
 
 
 def test_uneven_error_raises_where_the_reference_leaves_a_replica_empty(group):
@@ -144,10 +145,11 @@ def test_element_spec_peeks_without_losing_the_first_pass(group):
         },
     }
     it = iter(dist)
-    ok = spec == want_spec and it.element_spec == want_spec
+    checks = RankChecks()
+    checks.that(spec == want_spec and it.element_spec == want_spec)
     got = list(it)
-    ok = ok and all_same(got, reference_epoch(data, kwargs, shard, 0, group.size, group.rank, "pad"))
-    all_ranks_agree(group.comm, ok, f"{spec}")
+    checks.that(all_same(got, reference_epoch(data, kwargs, shard, 0, group.size, group.rank, "pad")))
+    checks.agree(group.comm, f"{spec}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -201,13 +203,15 @@ class Recorded(np.ndarray):
 
 @pytest.mark.parametrize("case", ["shuffled", "shuffled-sharded", "short-batches"])
 def test_each_rank_gathers_only_its_own_rows(group, case):
+    checks = RankChecks()
     kwargs, shard = CASES[case]
     plain = make_data()
     data = {"x": plain["x"].view(Recorded), "meta": {k: v.view(Recorded) for k, v in plain["meta"].items()}}
     dist = group.strategy.experimental_distribute_dataset(make_dataset(data, kwargs, shard))
     GATHERED.clear()
     spec = dist.element_spec  # peeks at the first global batch: its shapes, no rows
-    ok, detail = spec is not None and GATHERED == [], f"peek gathered {GATHERED}; "
+    checks.that(spec is not None and GATHERED == [])
+    detail = f"peek gathered {GATHERED}; "
     for epoch in range(2):
         GATHERED.clear()
         got = [batch for batch in dist]
@@ -218,11 +222,14 @@ def test_each_rank_gathers_only_its_own_rows(group, case):
         )
         per_request = math.ceil(kwargs["batch_size"] / group.size)
         # 3 leaves, each gathered once per step, only this replica's rows (not the global batch)
-        ok = ok and sum(requests) == 3 * share and len(requests) == 3 * len(orders)
-        ok = ok and max(requests) <= per_request
-        ok = ok and all_same(got, reference_epoch(plain, kwargs, shard, epoch, group.size, group.rank, "pad"))
+        checks.that(  # max() once there are requests
+            sum(requests) == 3 * share and len(requests) == 3 * len(orders) and max(requests) <= per_request
+        )
+        checks.that(
+            all_same(got, reference_epoch(plain, kwargs, shard, epoch, group.size, group.rank, "pad"))
+        )
         detail += f"epoch {epoch}: gathered {sum(requests)} rows in {requests}, share {share}; "
-    all_ranks_agree(group.comm, ok, detail)
+    checks.agree(group.comm, detail)
 
 
 HANDSHAKE_BYTES = 256  # one step's handshake, in and out of a rank, whatever the number of ranks
@@ -241,9 +248,10 @@ def test_a_dataset_step_costs_one_small_handshake(group):
     ledger = one_step_ledger(strategy, data, 8)
     big = one_step_ledger(strategy, data, 4000)  # a global batch 500 times larger
     alone = one_step_ledger(mpistrat.MPIStrategy(CountingComm(MPI.COMM_SELF)), data, 8)  # the constant
-    ok = ledger.names() == ["Allreduce"] and big.names() == ["Allreduce"] == alone.names()
-    ok = ok and ledger.moved == big.moved == alone.moved <= HANDSHAKE_BYTES
-    all_ranks_agree(group.comm, ok, f"R={group.size}: {ledger.log} {big.log}; alone {alone.log}")
+    checks = RankChecks()
+    checks.that(ledger.names() == ["Allreduce"] and big.names() == ["Allreduce"] == alone.names())
+    checks.that(ledger.moved == big.moved == alone.moved <= HANDSHAKE_BYTES)
+    checks.agree(group.comm, f"R={group.size}: {ledger.log} {big.log}; alone {alone.log}")
 
 
 def test_an_epoch_costs_one_handshake_per_step_and_one_at_the_end(group):

@@ -11,7 +11,7 @@ import pytest
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, ContextError, InputOptions, InvalidArgumentError
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 
 def batches_of(n, batch, dtype=np.int64):
@@ -36,10 +36,11 @@ def read_all(strategy, dataset, options=None):
 def test_issue_example_range_10_in_batches_of_4(group):
     got = [x.tolist() for x in read_all(group.strategy, batches_of(10, 4))]
     want = [reference_split(list(b), group.size)[group.rank] for b in batches_of(10, 4)]
-    ok = got == want
+    checks = RankChecks()
+    checks.that(got == want)
     if group.size == 3:  # the issue's steps: [[0,1],[2,3],[]], [[4,5],[6,7],[]], [[8],[9],[]]
-        ok = ok and got == [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [9]], [[], [], []]][group.rank]
-    all_ranks_agree(group.comm, ok, f"{got} != {want}")
+        checks.that(got == [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [9]], [[], [], []]][group.rank])
+    checks.agree(group.comm, f"{got} != {want}")
 
 
 def test_empty_replicas_get_empty_batches_of_the_right_dtype(group):
@@ -62,25 +63,27 @@ def test_every_example_seen_exactly_once(group, n, batch):
 
 
 def test_nested_elements(group):
+    checks = RankChecks()
     n, batch = 7, 3
     xs = np.arange(2 * n, dtype=np.float32).reshape(n, 2)
     ys = np.arange(n, dtype=np.int32)
     dataset = [{"x": xs[i : i + batch], "y": ys[i : i + batch]} for i in range(0, n, batch)]
     got = read_all(group.strategy, dataset)
-    ok, detail = len(got) == 3, ""
+    checks.that(len(got) == 3)
+    detail = ""
     for step, (g, b) in enumerate(zip(got, dataset, strict=False)):
         want_y = reference_split(list(b["y"]), group.size)[group.rank]
         start = want_y[0] - 3 * step if want_y else 0
         want_x = b["x"][start : start + len(want_y)]
-        ok = ok and set(g) == {"x", "y"} and g["y"].tolist() == want_y and g["y"].dtype == np.int32
-        ok = (
-            ok
+        checks.that(set(g) == {"x", "y"} and g["y"].tolist() == want_y and g["y"].dtype == np.int32)
+        checks.that(  # g["x"] once g is known to have it
+            set(g) == {"x", "y"}
             and g["x"].shape == (len(want_y), 2)
             and g["x"].dtype == np.float32
             and np.array_equal(g["x"], want_x)
         )
         detail += f"step {step}: {g} "
-    all_ranks_agree(group.comm, ok, detail)
+    checks.agree(group.comm, detail)
 
 
 def test_generator_dataset_and_element_spec_peek(group):
@@ -91,9 +94,10 @@ def test_generator_dataset_and_element_spec_peek(group):
     spec = dist.element_spec
     seen = [v for x in dist for v in x.tolist()]
     everyone = sorted(v for part in group.comm.allgather(seen) for v in part)
-    ok = spec == mpistrat.ArraySpec((None,), np.dtype(np.int64)) and everyone == list(range(5))
-    ok = ok and [x for x in dist] == []  # a generator is read once
-    all_ranks_agree(group.comm, ok, f"{spec} {everyone}")
+    checks = RankChecks()
+    checks.that(spec == mpistrat.ArraySpec((None,), np.dtype(np.int64)) and everyone == list(range(5)))
+    checks.that([x for x in dist] == [])  # a generator is read once
+    checks.agree(group.comm, f"{spec} {everyone}")
 
 
 def test_iterating_a_list_twice_gives_two_epochs(group):
@@ -114,9 +118,10 @@ def test_get_next_and_optional(group):
     except StopIteration:
         stopped = True
     want = [reference_split(list(range(i, i + 4)), group.size)[group.rank] for i in (0, 4)]
-    ok = a.tolist() == want[0] and opt.has_value() and opt.get_value().tolist() == want[1]
-    ok = ok and not end.has_value() and stopped and opt.element_spec == it.element_spec
-    all_ranks_agree(group.comm, ok, f"{a} {opt} {end}")
+    checks = RankChecks()
+    checks.that(a.tolist() == want[0] and opt.has_value() and opt.get_value().tolist() == want[1])
+    checks.that(not end.has_value() and stopped and opt.element_spec == it.element_spec)
+    checks.agree(group.comm, f"{a} {opt} {end}")
     raises_on_every_rank(group.comm, InvalidArgumentError, end.get_value, "has no value")
 
 

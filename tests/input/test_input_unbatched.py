@@ -11,7 +11,7 @@ import pytest
 
 import mpistrat
 from mpistrat import ArraySpec, CollectiveMismatchError, InputOptions, InvalidArgumentError
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 NEXT_IN_RUN = (
     "next(iterator) should be called from outside of replica_fn. "
@@ -192,9 +192,10 @@ def test_unbatched_scalars_one_per_replica_per_step(group):
     dist = s.experimental_distribute_dataset(range(5))
     spec = dist.element_spec
     got = [x for x in dist]
-    ok = spec == ArraySpec((), np.dtype(np.int64)) and all(np.shape(x) == () for x in got)
-    ok = ok and [int(x) for x in got] == _dealt(list(range(5)), n, r, 0)
-    all_ranks_agree(group.comm, ok, f"{spec} {got}")
+    checks = RankChecks()
+    checks.that(spec == ArraySpec((), np.dtype(np.int64)) and all(np.shape(x) == () for x in got))
+    checks.that([int(x) for x in got] == _dealt(list(range(5)), n, r, 0))
+    checks.agree(group.comm, f"{spec} {got}")
 
 
 def test_unbatched_float32_scalars_from_a_generator(group):
@@ -212,12 +213,13 @@ def test_unbatched_examples_with_vector_and_scalar_leaves(group):
     it = iter(s.make_dataset_iterator([{"x": x[i], "y": np.int64(i)} for i in range(3)]))
     first = it.get_next()
     want = {"x": ArraySpec((2,), np.dtype(np.float32)), "y": ArraySpec((), np.dtype(np.int64))}
-    ok = it.element_spec == want and first["x"].dtype == np.float32
+    checks = RankChecks()
+    checks.that(it.element_spec == want and first["x"].dtype == np.float32)
     if r < 3:
-        ok = ok and first["x"].tolist() == x[r].tolist() and int(first["y"]) == r
+        checks.that(first["x"].tolist() == x[r].tolist() and int(first["y"]) == r)
     else:  # tf's dummy: a leading dimension of 0, a scalar 0
-        ok = ok and first["x"].shape == (0,) and int(first["y"]) == 0
-    all_ranks_agree(group.comm, ok, f"{it.element_spec} {first}")
+        checks.that(first["x"].shape == (0,) and int(first["y"]) == 0)
+    checks.agree(group.comm, f"{it.element_spec} {first}")
 
 
 def test_every_unbatched_element_reaches_exactly_one_replica(group):

@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat import Variable
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks, all_ranks_agree
 
 
 def _tolist(x):
@@ -60,10 +60,11 @@ def _split(batch, n, r):
 
 def _check_iteration(group, dist, expected, iteration_type):
     # _test_input_iteration with api_type="wrap_into_dataset"
+    checks = RankChecks()
     detail = []
     if iteration_type == "for_loop":
         got = [_tolist(x) for x in dist]
-        ok = got == expected
+        checks.that(got == expected)
         detail.append(got)
     else:
         it = iter(dist)
@@ -84,10 +85,10 @@ def _check_iteration(group, dist, expected, iteration_type):
             raised = False
         except mpistrat.InvalidArgumentError:
             raised = True
-        ok = got == expected and ended and second == expected and optional == expected
-        ok = ok and not has_value and raised
+        checks.that(got == expected and ended and second == expected and optional == expected)
+        checks.that(not has_value and raised)
         detail += [got, ended, second, optional, has_value, raised]
-    all_ranks_agree(group.comm, ok, f"expected {expected}; got {detail}")
+    checks.agree(group.comm, f"expected {expected}; got {detail}")
 
 
 ITERATION_TYPES = ["get_next", "for_loop"]

@@ -13,7 +13,7 @@ import numpy as np
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions, ReduceOp
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 
 def host(x: Any) -> np.ndarray:
@@ -30,9 +30,10 @@ def local(rank: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 def agree_close(comm: Any, got: Any, want: np.ndarray, what: str, device: bool = True) -> None:
-    ok = on_device(got) == device and host(got).dtype == want.dtype and host(got).shape == want.shape
-    ok = ok and np.allclose(host(got), want)
-    all_ranks_agree(comm, ok, f"{what}: got {type(got).__name__} {host(got)!r}, want {want!r}")
+    checks = RankChecks()
+    checks.that(on_device(got) == device and host(got).dtype == want.dtype and host(got).shape == want.shape)
+    checks.that(np.allclose(host(got), want))
+    checks.agree(comm, f"{what}: got {type(got).__name__} {host(got)!r}, want {want!r}")
 
 
 def case_all_reduce_sum(xp: Any, strategy: Any, comm: Any) -> None:
@@ -159,9 +160,10 @@ def case_one_array_fast_path_meets_the_nest_path(xp: Any, strategy: Any, comm: A
 def case_devices_reported(xp: Any, strategy: Any, comm: Any) -> None:
     device = strategy.run(lambda: mpistrat.get_replica_context().devices)[0]
     placement = strategy.extended.placement
-    ok = placement.gpu is not None and device.endswith(f"/device:GPU:{placement.gpu}")
-    ok = ok and device.startswith(f"/job:worker/replica:0/task:{comm.Get_rank()}/")
-    all_ranks_agree(comm, ok, f"device {device}, placement {placement}")
+    checks = RankChecks()
+    checks.that(placement.gpu is not None and device.endswith(f"/device:GPU:{placement.gpu}"))
+    checks.that(device.startswith(f"/job:worker/replica:0/task:{comm.Get_rank()}/"))
+    checks.agree(comm, f"device {device}, placement {placement}")
 
 
 def case_checkpoint_round_trip(xp: Any, strategy: Any, comm: Any) -> None:

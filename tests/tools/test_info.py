@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat.tools import info
-from tests.conftest import WORLD, all_ranks_agree
+from tests.conftest import WORLD, RankChecks, all_ranks_agree
 from tests.support.launch import launcher_options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,21 +25,21 @@ def test_collect_on_every_rank_count():
         all_ranks_agree(WORLD, got is None, "only rank 0 gets the report")
         return
     ranks = got["ranks"]
-    ok = got["size"] == WORLD.Get_size() and [r["rank"] for r in ranks] == list(range(WORLD.Get_size()))
-    ok = ok and sum(got["ranks_per_node"].values()) == WORLD.Get_size()
-    ok = ok and all(r["host"] in got["ranks_per_node"] for r in ranks)
-    ok = ok and all(r["device"].startswith(f"/job:worker/replica:0/task:{r['rank']}/device:") for r in ranks)
-    ok = ok and bool(got["mpi4py"]) and got["host_transport"] == "mpi"
-    ok = ok and got["step_check"] in ("compiled", "Python (not built)", "Python (MPISTRAT_NATIVE=0)")
-    ok = ok and set(got["device_transport"]) == {"AUTO", "RING", "NCCL"}
-    live, why = got["fault_tolerance"]  # launched here without ULFM (make test-openmpi-faults launches it)
-    ok = (
-        ok
-        and not live
-        and ("--with-ft ulfm" in why)
-        and "a rank's death    ends the job: " in info.render(got)
+    checks = RankChecks()
+    checks.that(
+        got["size"] == WORLD.Get_size() and [r["rank"] for r in ranks] == list(range(WORLD.Get_size()))
     )
-    all_ranks_agree(WORLD, ok, json.dumps(got, default=str))
+    checks.that(sum(got["ranks_per_node"].values()) == WORLD.Get_size())
+    checks.that(all(r["host"] in got["ranks_per_node"] for r in ranks))
+    checks.that(all(r["device"].startswith(f"/job:worker/replica:0/task:{r['rank']}/device:") for r in ranks))
+    checks.that(bool(got["mpi4py"]) and got["host_transport"] == "mpi")
+    checks.that(got["step_check"] in ("compiled", "Python (not built)", "Python (MPISTRAT_NATIVE=0)"))
+    checks.that(set(got["device_transport"]) == {"AUTO", "RING", "NCCL"})
+    live, why = got["fault_tolerance"]  # launched here without ULFM (make test-openmpi-faults launches it)
+    checks.that(
+        not live and "--with-ft ulfm" in why and "a rank's death    ends the job: " in info.render(got)
+    )
+    checks.agree(WORLD, json.dumps(got, default=str))
 
 
 def test_cores_bindings_and_threads_are_shown_and_oversubscription_named(monkeypatch):
@@ -58,12 +58,13 @@ def test_cores_bindings_and_threads_are_shown_and_oversubscription_named(monkeyp
         hosts[name] = (ranks + 1, union | set(cpus))
     crowded = [n for n, (ranks, union) in hosts.items() if ranks > len(union)]
     text = info.render(got)
-    ok = [r["cpus"] for r in got["ranks"]] == [cpus for _, cpus in everyone]
-    ok = ok and len(got["oversubscribed"]) == len(crowded) and ("OVERSUBSCRIBED" in text) == bool(crowded)
-    ok = ok and "OMP_NUM_THREADS=3" in text and got["threads"]["OMP_NUM_THREADS"] == "3"
+    checks = RankChecks()
+    checks.that([r["cpus"] for r in got["ranks"]] == [cpus for _, cpus in everyone])
+    checks.that(len(got["oversubscribed"]) == len(crowded) and ("OVERSUBSCRIBED" in text) == bool(crowded))
+    checks.that("OMP_NUM_THREADS=3" in text and got["threads"]["OMP_NUM_THREADS"] == "3")
     ranks, union = hosts[mine[0]]
-    ok = ok and f"{ranks} rank{'s' if ranks > 1 else ''} on {len(union)} logical core" in text
-    all_ranks_agree(WORLD, ok, text)
+    checks.that(f"{ranks} rank{'s' if ranks > 1 else ''} on {len(union)} logical core" in text)
+    checks.agree(WORLD, text)
 
 
 def test_render_names_everything_a_user_checks_first():

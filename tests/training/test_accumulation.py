@@ -18,7 +18,7 @@ from mpi4py import MPI
 import mpistrat
 from mpistrat import CommunicationOptions, InvalidArgumentError
 from mpistrat.optimizers import SGD, Adam
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 from tests.training.test_flat_optimizers import (
     B1,
@@ -346,6 +346,7 @@ def test_a_cycle_saved_part_way_resumes_only_at_its_rank_count(tmp_path):
 def test_a_save_part_way_through_a_window_is_said_once(group, strategy, tmp_path, mpistrat_log):
     """On rank 0, once: the window the save fell in, and the rank count the file then restores at;
     nothing for a save between windows."""
+    checks = RankChecks()
     variables = make_variables(strategy)
     with strategy.scope():
         opt = make("momentum", False)
@@ -366,11 +367,16 @@ def test_a_save_part_way_through_a_window_is_said_once(group, strategy, tmp_path
         f"{group.size} ranks"
     )
     if WORLD.Get_rank() == 0:  # the logger passes world rank 0's warnings
-        ok = between == [] and len(said) == 1 and said[0][0] == "WARNING" and said[0][1].startswith(want)
-        ok = ok and "CheckpointManager(..., save_at_window_end=True)" in said[0][1]
+        checks.that(between == [] and len(said) == 1)
+        checks.that(  # the message, once there is one
+            len(said) == 1
+            and said[0][0] == "WARNING"
+            and said[0][1].startswith(want)
+            and "CheckpointManager(..., save_at_window_end=True)" in said[0][1]
+        )
     else:
-        ok = said == []
-    all_ranks_agree(group.comm, ok, f"{between} {said}")
+        checks.that(said == [])
+    checks.agree(group.comm, f"{between} {said}")
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -400,10 +406,13 @@ def test_a_manager_told_to_saves_at_the_windows_end_and_the_file_restores_at_one
     ref = Reference("momentum")
     ref.step({n: sum(summed_grad(n, t, group.size) for t in range(K)) / K for n in NAMES})
     table = read_table(path)
-    ok = made[:2] == [False, False] and (made[2] or asynchronous) and manager.latest_checkpoint == path
-    ok = ok and not [n for n in table.entries if "/accumulation/" in n]
+    checks = RankChecks()
+    checks.that(
+        made[:2] == [False, False] and (made[2] or asynchronous) and manager.latest_checkpoint == path
+    )
+    checks.that(not [n for n in table.entries if "/accumulation/" in n])
     first = manager.save()  # between windows: at once
-    ok = ok and os.path.exists(first) and first != path
+    checks.that(os.path.exists(first) and first != path)
     alone = mpistrat.MPIStrategy(MPI.COMM_SELF.Dup())  # another rank count than the one that saved
     restored = make_variables(alone)
     with alone.scope():
@@ -411,4 +420,5 @@ def test_a_manager_told_to_saves_at_the_windows_end_and_the_file_restores_at_one
     mpistrat.Checkpoint(model=restored, opt=opt1).restore(path).assert_consumed()
     bad = differences(weights(restored), ref.params)
     alone.experimental_finalize()
-    all_ranks_agree(group.comm, ok and not bad, f"{made} {sorted(table.entries)} {bad}")
+    checks.that(not bad)
+    checks.agree(group.comm, f"{made} {sorted(table.entries)} {bad}")

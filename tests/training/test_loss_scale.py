@@ -17,7 +17,7 @@ import pytest
 import mpistrat
 from mpistrat import InvalidArgumentError
 from mpistrat.optimizers import SGD, Adam, LossScaleOptimizer
-from tests.conftest import all_ranks_agree
+from tests.conftest import RankChecks, all_ranks_agree
 from tests.training import test_flat_optimizers as flat
 from tests.training.test_flat_optimizers import NAMES, differences, local_grad, make_variables, summed_grad
 
@@ -72,10 +72,11 @@ def test_the_scale_is_checkpointed_and_arguments_are_checked(group):
     directory = group.comm.bcast(tempfile.mkdtemp() if group.rank == 0 else None)
     path = ckpt.save(os.path.join(directory, "ckpt"))
     group.strategy.run(lambda: opt.apply_gradients([(np.array([np.inf, 1.0]), w)]))
-    ok = float(opt.dynamic_scale.numpy()) == 2.0
+    checks = RankChecks()
+    checks.that(float(opt.dynamic_scale.numpy()) == 2.0)
     ckpt.restore(path).assert_consumed()
-    ok = ok and float(opt.dynamic_scale.numpy()) == 4.0 and np.array_equal(w.numpy(), np.zeros(2))
-    all_ranks_agree(group.comm, ok, f"{opt.dynamic_scale.numpy()} {w.numpy()}")
+    checks.that(float(opt.dynamic_scale.numpy()) == 4.0 and np.array_equal(w.numpy(), np.zeros(2)))
+    checks.agree(group.comm, f"{opt.dynamic_scale.numpy()} {w.numpy()}")
     with pytest.raises(InvalidArgumentError, match="initial_scale must be a number > 0"):
         LossScaleOptimizer(SGD(), initial_scale=0.0)
     with pytest.raises(InvalidArgumentError, match="dynamic_growth_steps must be an integer >= 1"):
@@ -105,6 +106,7 @@ def test_a_save_mid_window_through_a_loss_scale_optimizer_waits_for_the_windows_
     ranks = sum(r + 1 for r in range(group.size))
     want = -0.5 * (np.array([1.0, 2.0]) + np.array([3.0, -1.0])) * ranks / 2
     entries = sorted(read_table(path).entries) if os.path.exists(path) else []
-    ok = opt.gradient_accumulation_steps == 2 and waited and entries and np.allclose(w.numpy(), want)
-    ok = ok and not [n for n in entries if "/accumulation/" in n]
-    all_ranks_agree(group.comm, bool(ok), f"{waited} {entries} {w.numpy()} {want}")
+    checks = RankChecks()
+    checks.that(opt.gradient_accumulation_steps == 2 and waited and entries and np.allclose(w.numpy(), want))
+    checks.that(not [n for n in entries if "/accumulation/" in n])
+    checks.agree(group.comm, f"{waited} {entries} {w.numpy()} {want}")

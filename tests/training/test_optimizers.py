@@ -14,7 +14,7 @@ import mpistrat
 from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD, Adam
 from mpistrat.training.variables import Writable
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 RNG = np.random.default_rng(1234)
@@ -78,9 +78,10 @@ def test_training_matches_numpy_gradient_descent(group, name):
     make, cfg = CONFIGS[name]
     w, b, opt = train(group, lambda: make(cfg["lr"]))
     ref_w, ref_b = numpy_reference(cfg, lambda k: cfg["lr"])
-    ok = np.allclose(w.numpy(), ref_w, rtol=1e-10, atol=1e-12) and np.isclose(float(b.numpy()), ref_b)
-    ok = ok and int(opt.iterations.numpy()) == STEPS
-    all_ranks_agree(group.comm, ok, f"{name}: {w.numpy()} {b.numpy()} vs {ref_w} {ref_b}")
+    checks = RankChecks()
+    checks.that(np.allclose(w.numpy(), ref_w, rtol=1e-10, atol=1e-12) and np.isclose(float(b.numpy()), ref_b))
+    checks.that(int(opt.iterations.numpy()) == STEPS)
+    checks.agree(group.comm, f"{name}: {w.numpy()} {b.numpy()} vs {ref_w} {ref_b}")
 
 
 def test_learning_rate_schedule(group):
@@ -97,17 +98,16 @@ def test_slots_iterations_and_dtype(group):
         opt = Adam(0.01)
     group.strategy.run(lambda: opt.apply_gradients([(np.ones(2), w), (None, w)]))
     m, v = opt.get_slot(w, "m"), opt.get_slot(w, "v")
-    ok = w.dtype == m.dtype == np.float32 and m.colocated_with is w and not m.trainable
-    ok = (
-        ok
-        and isinstance(m, mpistrat.MirroredVariable)
-        and isinstance(opt.iterations, mpistrat.MirroredVariable)
+    checks = RankChecks()
+    checks.that(w.dtype == m.dtype == np.float32 and m.colocated_with is w and not m.trainable)
+    checks.that(
+        isinstance(m, mpistrat.MirroredVariable) and isinstance(opt.iterations, mpistrat.MirroredVariable)
     )
-    ok = ok and opt.iterations.colocated_with == group.strategy.extended.non_slot_devices([w])
+    checks.that(opt.iterations.colocated_with == group.strategy.extended.non_slot_devices([w]))
     n = group.size
-    ok = ok and np.allclose(m.numpy(), 0.1 * n) and np.allclose(v.numpy(), 0.001 * n * n)
-    ok = ok and int(opt.iterations.numpy()) == 1 and len(opt.variables()) == 4
-    all_ranks_agree(group.comm, ok, f"{m!r} {v!r}")
+    checks.that(np.allclose(m.numpy(), 0.1 * n) and np.allclose(v.numpy(), 0.001 * n * n))
+    checks.that(int(opt.iterations.numpy()) == 1 and len(opt.variables()) == 4)
+    checks.agree(group.comm, f"{m!r} {v!r}")
     with pytest.raises(InvalidArgumentError, match="no slot"):
         opt.get_slot(w, "momentum")
 
@@ -155,9 +155,10 @@ def test_scalar_variables_keep_updating_after_any_write(group):
     for _ in range(3):
         group.strategy.run(lambda: opt.apply_gradients([(np.float64(1.0), b)]))
     n = group.size
-    ok = float(held) == 3.0 + n and float(b.numpy()) == 4.0 + n - 3 * n
-    ok = ok and isinstance(b.value(), np.ndarray) and int(opt.iterations.numpy()) == 3
-    all_ranks_agree(group.comm, ok, f"{b.numpy()} {held}")
+    checks = RankChecks()
+    checks.that(float(held) == 3.0 + n and float(b.numpy()) == 4.0 + n - 3 * n)
+    checks.that(isinstance(b.value(), np.ndarray) and int(opt.iterations.numpy()) == 3)
+    checks.agree(group.comm, f"{b.numpy()} {held}")
 
 
 def test_a_variable_made_outside_the_scope_is_named_with_the_fix(group):
@@ -226,9 +227,10 @@ def test_an_optimizer_of_ones_own_updates_one_variable_at_a_time(group):
         for p, a, g in zip(params, acc, gradients(params[0], params[1], np.arange(len(X))), strict=True):
             a += g * g
             p -= 0.5 * g / np.sqrt(a)
-    ok = np.allclose(w.numpy(), params[0], rtol=1e-10) and np.isclose(float(b.numpy()), params[1])
-    ok = ok and np.allclose(opt.get_slot(w, "acc").numpy(), acc[0], rtol=1e-10)
-    all_ranks_agree(group.comm, ok, f"{w.numpy()} against {params[0]}")
+    checks = RankChecks()
+    checks.that(np.allclose(w.numpy(), params[0], rtol=1e-10) and np.isclose(float(b.numpy()), params[1]))
+    checks.that(np.allclose(opt.get_slot(w, "acc").numpy(), acc[0], rtol=1e-10))
+    checks.agree(group.comm, f"{w.numpy()} against {params[0]}")
     with pytest.raises(InvalidArgumentError, match="_update_flat"):
         Adagrad(0.5, shard_state=True)
 

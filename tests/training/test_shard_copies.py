@@ -18,7 +18,7 @@ from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.optimizer_state import FlatState
 from mpistrat.training.shard_copies import Facts
 from mpistrat.training.variables import Variable
-from tests.conftest import WORLD, all_ranks_agree
+from tests.conftest import WORLD, RankChecks, all_ranks_agree
 from tests.support.counting import CountingComm, Ledger
 
 
@@ -167,6 +167,7 @@ def test_each_step_sends_the_keeper_one_shard_and_its_replica_holds_the_partners
     padded gradients over R) beside the reduce-scatter and all-gather; after every step the keeper's
     replica is the partner's own slots, bit for bit; and the weights are those of the steps without
     copies."""
+    checks = RankChecks()
     make, dtype = OPTIMIZERS[which]
     options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
     strategy = mpistrat.MPIStrategy(CountingComm(WORLD), communication_options=options)
@@ -197,10 +198,10 @@ def test_each_step_sends_the_keeper_one_shard_and_its_replica_holds_the_partners
             group = inner._state.groups[0]
             shard = group.layout.slot_length * np.dtype(dtype).itemsize  # this rank's part of a buffer
             exchanged = ledger.only("Sendrecv")
-            ok = exchanged.calls == 1 and (exchanged.sent, exchanged.received) == (shard, shard)
+            checks.that(exchanged.calls == 1 and (exchanged.sent, exchanged.received) == (shard, shard))
             scatter = ledger.only("Reduce_scatter_block")
-            ok = ok and scatter.received == shard  # the same shard the reduce-scatter hands this rank
-            all_ranks_agree(WORLD, ok, f"{size} ranks: {ledger.log}")
+            checks.that(scatter.received == shard)  # the same shard the reduce-scatter hands this rank
+            checks.agree(WORLD, f"{size} ranks: {ledger.log}")
     applied = int(inner.iterations.numpy())
     assert applied == (2 if which == "LossScale" else 3), applied
     ulfm._live = False  # the same steps without copies: the same weights

@@ -23,7 +23,7 @@ import mpistrat
 from mpistrat import Variable
 from mpistrat import VariableAggregation as Aggregation
 from mpistrat import VariableSynchronization as Synchronization
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 
 def _replica_id():
@@ -170,6 +170,7 @@ def test_only_first_replica_updates_variables(group):
     # read_var(v0) the first replica's 7; assign_add(7 (r + 1)) to v1: every copy 3 + 7 = 10 (only
     # replica 0's argument counts). Then 11 (r + 1) and 13 (r + 1): v0's copy r 2 + 16 (r + 1)
     # (18, 34), read_var 18; v1 23 everywhere
+    checks = RankChecks()
     s, r = group.strategy, group.rank
 
     def create_fn():
@@ -186,12 +187,8 @@ def test_only_first_replica_updates_variables(group):
 
     with s.scope():
         v0, v1 = s.extended.call_for_each_replica(create_fn)
-        ok = [local(v0), float(s.extended.read_var(v0)), local(v1), float(s.extended.read_var(v1))] == [
-            2,
-            2,
-            3,
-            3,
-        ]
+        step0 = [local(v0), float(s.extended.read_var(v0)), local(v1), float(s.extended.read_var(v1))]
+        checks.that(step0 == [2, 2, 3, 3])
 
         def update_member_fn():
             plus_one = np.float32(_replica_id() + 1)
@@ -199,7 +196,7 @@ def test_only_first_replica_updates_variables(group):
 
         s.extended.call_for_each_replica(update_member_fn)
         step1 = [local(v0), float(s.extended.read_var(v0)), local(v1), float(s.extended.read_var(v1))]
-        ok = ok and step1 == [2 + 5 * (r + 1), 7, 10, 10]
+        checks.that(step1 == [2 + 5 * (r + 1), 7, 10, 10])
 
         def update_state_ops_fn():
             plus_one = np.float32(_replica_id() + 1)
@@ -207,8 +204,8 @@ def test_only_first_replica_updates_variables(group):
 
         s.extended.call_for_each_replica(update_state_ops_fn)
         step2 = [local(v0), float(s.extended.read_var(v0)), local(v1), float(s.extended.read_var(v1))]
-        ok = ok and step2 == [2 + 16 * (r + 1), 18, 23, 23]
-    all_ranks_agree(group.comm, ok, f"{step1} {step2}")
+        checks.that(step2 == [2 + 16 * (r + 1), 18, 23, 23])
+    checks.agree(group.comm, f"{step1} {step2}")
 
 
 def test_none_synchronization_with_variable(group):

@@ -17,7 +17,7 @@ from mpistrat import (
     VariableAggregation,
     VariableSynchronization,
 )
-from tests.conftest import all_ranks_agree, raises_on_every_rank
+from tests.conftest import RankChecks, all_ranks_agree, raises_on_every_rank
 
 AGGREGATIONS = ["NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA"]
 HOWS = ["assign", "assign_add", "assign_sub"]
@@ -327,7 +327,8 @@ def test_a_value_read_before_a_write_keeps_its_value(group, how):
     write()
     mine[:] = 100.0  # the variable never keeps the caller's array
     want = {"assign": np.ones(4), "assign_add": np.arange(4) + 1, "assign_sub": np.arange(4) - 1}[how]
-    ok = (
+    checks = RankChecks()
+    checks.that(
         before.tolist() == [0, 1, 2, 3]
         and view.tolist() == [1, 2]
         and as_array.tolist() == [0, 1, 2, 3]
@@ -335,8 +336,8 @@ def test_a_value_read_before_a_write_keeps_its_value(group, how):
     )
     write()  # nothing holds the value now: this write may go in place, with the same result
     again = {"assign": np.ones(4) * 100, "assign_add": want + 100, "assign_sub": want - 100}[how]
-    ok = ok and var.numpy().tolist() == again.tolist() and var.dtype == np.float32
-    all_ranks_agree(group.comm, ok, f"{before} {view} {as_array} {var.numpy()}")
+    checks.that(var.numpy().tolist() == again.tolist() and var.dtype == np.float32)
+    checks.agree(group.comm, f"{before} {view} {as_array} {var.numpy()}")
 
 
 @pytest.mark.parametrize(
