@@ -1,7 +1,8 @@
 """The hot-path bookkeeping: what one strategy's collectives are doing, marked on every call.
 
 A :class:`Monitor` is a few attributes the collective's own thread writes as it enters
-and leaves a collective (:func:`collective`) and the handshake writes once every rank has
+and leaves a collective (:func:`collective`, through :meth:`Monitor.enter` and
+:meth:`Monitor.leave`, their one writer) and the handshake writes once every rank has
 entered (``agreed``); the watchdog thread (``watchdog.py``) reads them a few times a second
 and writes back only what it decided (``expired``, and its own ``warned`` and ``handled``).
 Its one dependency is the ``Collectives`` object it watches (held weakly), for
@@ -39,6 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # collective's handshake polls, to bound the collective itself. A module attribute, as
 # ``timeline.writer``: the decorator reads it once per call.
 exited = False
+_monotonic = time.monotonic  # read per call: a global, not a module attribute
 
 
 class Monitor:
@@ -50,9 +52,9 @@ class Monitor:
       ``rank``, ``size``, ``env_timeout``, ``env_polled``, ``stall_after``, ``side``, ``hosts``,
       ``deaths``;
       ``watched`` is cleared when the strategy is finalized or collected;
-    * the collective's thread, on every call (:func:`collective`, the handshake):
-      ``kind``, ``start``, ``deadline``, ``polled``, ``thread``, ``last_thread``, ``last``,
-      ``agreed``, ``completed``; ``polling`` while it waits in ``watchdog.wait``;
+    * the collective's thread, on every call: ``thread`` and ``last_thread`` (:func:`collective`),
+      ``kind``, ``start``, ``deadline``, ``polled`` (:meth:`enter`), ``last``, ``completed``
+      (:meth:`leave`), ``agreed`` (the handshake); ``polling`` while it waits in ``watchdog.wait``;
     * the watchdog thread, for the collective's thread to raise: ``expired``, ``lost``;
     * the watchdog thread, for itself (one stall or timeout acted on once): ``warned``,
       ``handled``.
@@ -90,6 +92,28 @@ class Monitor:
         # -- the watchdog thread's own
         self.warned: float | None = None  # start of the collective whose stall was warned of
         self.handled: float | None = None  # start of the collective whose timeout or loss was handled
+
+    def enter(self, kind: str, chosen: float | None) -> float:
+        """Mark this thread inside collective ``kind`` (the one writer of these marks, with
+        :meth:`leave`), its timeout ``chosen`` in the options (None: the environment's, if any, not
+        polled); returns its start (monotonic)."""
+        now = _monotonic()
+        timeout = chosen or self.env_timeout
+        self.kind = kind
+        self.deadline = None if timeout is None else now + timeout
+        # After the exit hook no thread watches: the handshake polls, to bound the collective itself.
+        self.polled = timeout is not None and (chosen is not None or self.env_polled or exited)
+        self.start = now  # last: the watchdog reads a collective's marks once its start is set
+        return now
+
+    def leave(self, kind: str, seq: int, completed: bool) -> float:
+        """Mark collective #``seq`` of ``kind`` left (``completed``: not by an error); returns its end."""
+        if completed:
+            self.completed = seq
+        self.start = self.deadline = None  # a later unwatched wait must not inherit this deadline
+        self.polled = False
+        self.last = (kind, seq, ended := _monotonic())
+        return ended
 
     @property
     def seq(self) -> int:
@@ -165,24 +189,16 @@ def collective(default_kind: str) -> Callable[[F], F]:
                 kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
                 options = args[options_at] if 0 <= options_at < len(args) else kwargs.get("options")
                 chosen = getattr(options, "timeout_seconds", None) or self.options.timeout_seconds
-                timeout = chosen or mon.env_timeout
-                now = time.monotonic()
-                mon.kind = kind
-                mon.deadline = None if timeout is None else now + timeout
-                # After the exit hook no thread watches: the handshake polls, to bound the collective itself.
-                polled = chosen is not None or mon.env_polled or exited
-                mon.polled = timeout is not None and polled
-                mon.start = now
+                began = mon.enter(kind, chosen)
+                completed = False
                 try:
                     result = method(self, *args, **kwargs)
-                    mon.completed = self.seq
+                    completed = True
                     return result
                 finally:
-                    mon.start = mon.deadline = None  # a later unwatched wait must not inherit this deadline
-                    mon.polled = False
-                    mon.last = (kind, self.seq, time.monotonic())
+                    ended = mon.leave(kind, self.seq, completed)
                     if timeline.writer is not None:
-                        timeline.writer.collective(self, kind, now, mon.last[2], args)
+                        timeline.writer.collective(self, kind, began, ended, args)
             except MPI.Exception as exc:  # the private communicators return MPI's errors (ERRORS_RETURN)
                 self.failures += 1
                 kind = args[kind_at] if 0 <= kind_at < len(args) else kwargs.get("kind", default_kind)
