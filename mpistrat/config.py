@@ -60,12 +60,13 @@ def _seconds(raw: str) -> float | None:
     return None if value == 0 or math.isinf(value) else value
 
 
-def _check(raw: str) -> int:
+def _check(raw: str) -> int | str:
+    """The check's level (0, 1, 2), or ``"step"`` (level 1, repeats checked once per step)."""
     raw = raw.lower()
     if raw in ("2", "strict"):
         return 2
     if raw == "step":
-        return 3  # collectives.handshake.STEP
+        return raw
     try:
         return int(_flag(raw))
     except ValueError:
@@ -145,8 +146,8 @@ SETTINGS: dict[str, Setting] = {
             _flag,
             True,
             "`1`/`on`, `0`/`off`",
-            "Run `MPISTRAT_CHECK=step`'s per-call record and per-step closing compiled where `pip "
-            "install` built them (`mpistrat info` says whether); off, their Python twins.",
+            "Keep `MPISTRAT_CHECK=step`'s state (each unchecked call's record) in its compiled twin "
+            "where `pip install` built it (`mpistrat info` says whether); off, its Python twin.",
         ),
         Setting(
             "MPISTRAT_TIMEOUT",

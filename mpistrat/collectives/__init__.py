@@ -52,6 +52,7 @@ from mpistrat.collectives import (
     objects,
     reduce_axis,
 )
+from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
@@ -158,9 +159,9 @@ class Collectives:
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
         # The check: the options', else the environment (read once, here). Under ``step`` the
         # handshakes that are sent check at level 1, and repeats are checked once per step.
-        check = self.options.check
-        setting = config.read("MPISTRAT_CHECK") if check is None else handshake.setting(check)
-        self.check: int = 1 if setting == handshake.STEP else setting
+        setting = config.read("MPISTRAT_CHECK") if self.options.check is None else self.options.check
+        self.check: int = handshake.level(setting)
+        checking = "step" if setting == "step" else f"level {self.check}"
         self.step_check: StepCheck | None = None  # set once every rank agreed on the setting, below
         error = None
         try:
@@ -180,10 +181,10 @@ class Collectives:
         route = self.options.implementation.value
         self.agree(
             kind,
-            fingerprint=setting ^ hierarchical.route_code(self.options.implementation),
+            fingerprint=hash64(checking) ^ hierarchical.route_code(self.options.implementation),
             describe=lambda: {
                 "leaves": [
-                    ("the check", "step" if setting == handshake.STEP else f"level {setting}", None),
+                    ("the check", checking, None),
                     ("CommunicationOptions.implementation", route, None),
                 ],
                 "advice": "Every rank must use the same MPISTRAT_CHECK or CommunicationOptions.check, "
@@ -192,7 +193,7 @@ class Collectives:
             error=error,
             extras=[],
         )
-        if setting == handshake.STEP:
+        if setting == "step":
             self.step_check = StepCheck(self.flight.unchecked)
             if self.size == 1:  # nobody to differ from, and strategy.run sends no closing handshake
                 self.step_check.learned()

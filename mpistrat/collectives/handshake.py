@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SLOTS",
-    "STEP",
     "StopState",
     "agree",
     "agree_within",
@@ -60,7 +59,6 @@ __all__ = [
     "close_step",
     "level",
     "persistent",
-    "setting",
     "skip_closing",
 ]
 
@@ -80,7 +78,6 @@ SLOTS = 13
 _PACKING = struct.Struct(f"@{SLOTS}q")  # native: int64, as the buffers
 _MAX = MPI.MAX
 _get_ident = threading.get_ident
-STEP = 3  # MPISTRAT_CHECK=step: a setting, not a level (its handshakes check at level 1)
 _STEP_OR_UNSET = (None, "step")  # a call's CommunicationOptions.check that leaves the setting as it is
 
 
@@ -130,14 +127,10 @@ def check_level(collectives: Collectives, options: CommunicationOptions | None =
     return level(options.check)
 
 
-def level(check: bool | str) -> int:
-    """The level of a ``CommunicationOptions.check`` value (``"step"``: 1, as its handshakes)."""
-    return 2 if check == "strict" else int(bool(check))
-
-
-def setting(check: bool | str) -> int:
-    """A ``CommunicationOptions.check`` value as ``MPISTRAT_CHECK`` reads it: its level, or ``STEP``."""
-    return STEP if check == "step" else level(check)
+def level(check: bool | int | str) -> int:
+    """The level of a check setting, a ``CommunicationOptions.check`` value or ``MPISTRAT_CHECK``'s
+    (0, 1, 2 or ``"step"``): 0 off, 1 on (``"step"`` too: its handshakes check at level 1), 2 strict."""
+    return 2 if check in ("strict", 2) else int(bool(check))
 
 
 class StopState:
