@@ -5,10 +5,10 @@
 First the handshake's message (13 int64, ``MAX``) three ways, interleaved: a blocking
 ``Allreduce``, ``Iallreduce`` + ``Wait``, and a persistent request's ``Start`` + ``Wait`` (what
 the handshake is where MPI has it). Then the closing of a step that left one collective unchecked,
-layer by layer: that raw persistent handshake, ``handshake.close_step`` (the handshake's
+layer by layer: that raw persistent handshake, ``closing.close_step`` (the handshake's
 bookkeeping: its number and codes, the flight entry, the straggler tally, the comparison; and the
-watch around it) and ``results.agree_on_result`` (the result's structure), beside the generic
-``agree`` that a closing goes through in the first step. Then whether Python
+watch around it) and ``results.agree_on_result`` (the result's structure), beside ``agree`` alone
+(the closing less its step check's and tally's marks). Then whether Python
 between the handshake's ``Start`` and ``Wait`` hides in its latency: about a microsecond of
 interpreted work before ``Start`` + ``Wait``, and the same work between them (where the MPI moves
 the message only inside its own calls, it does not). Last, a one-array ``all_reduce`` with the
@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.collectives import handshake
+from mpistrat.collectives import closing, handshake
 from mpistrat.distribute import results
 
 
@@ -96,15 +96,15 @@ def main() -> None:
 
     def close() -> None:
         record.extend(unchecked)
-        handshake.close_step(collectives, results.KIND, 5, lambda: None)
+        closing.close_step(collectives, results.KIND, lambda: 5, lambda: None)
 
-    def closing() -> None:
+    def structured() -> None:
         record.extend(unchecked)
         results.agree_on_result(collectives, result, None)
 
-    def generic() -> None:
+    def agree() -> None:
         record.extend(unchecked)
-        collectives.agree(results.KIND, fingerprint=5, closing=True)
+        collectives.agree(results.KIND, fingerprint=5)
 
     if comm.Get_rank() == 0:
         print("strategy.run's closing under MPISTRAT_CHECK=step, one collective unchecked")
@@ -113,8 +113,8 @@ def main() -> None:
         {
             "raw persistent handshake": raw,
             "+ bookkeeping, watch (close_step)": close,
-            "+ the result's structure": closing,
-            "the generic agree, for comparison": generic,
+            "+ the result's structure": structured,
+            "agree alone, for comparison": agree,
         },
         args.iters,
         args.repeats,

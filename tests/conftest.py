@@ -119,6 +119,20 @@ class Records(logging.Handler):
         self.messages.append((record.levelname, record.getMessage()))
 
 
+@pytest.fixture(params=["python", "compiled"])
+def step_twin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> type:
+    """Each twin of ``MPISTRAT_CHECK=step``'s state in turn (``collectives/step_check.py``): the
+    strategies a test makes run it, whatever ``MPISTRAT_NATIVE`` chose at import (both run in every
+    job, as CPython's Pure/Fast tests). The compiled one skips where it was not built."""
+    from mpistrat.collectives import step_check
+
+    twin = step_check.PythonStepCheck if request.param == "python" else step_check.CompiledStepCheck
+    if twin is None:
+        pytest.skip("the compiled twin was not built (no C compiler at install)")
+    monkeypatch.setattr(step_check, "twin", twin)
+    return twin
+
+
 @pytest.fixture
 def mpistrat_log() -> Iterator[list[tuple[str, str]]]:
     """(level, message) of every record the ``mpistrat`` logger lets through during the test."""

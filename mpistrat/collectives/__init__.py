@@ -51,6 +51,7 @@ from mpistrat.collectives import (
     in_place,
     objects,
     reduce_axis,
+    step_check,
 )
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.handshake import check_enabled, check_level
@@ -153,8 +154,8 @@ class Collectives:
         # its request out: it may still be active, and freeing an active request is erroneous (Open
         # MPI: MPI_ERR_REQUEST), so it is left to MPI_Finalize.
         self.requests: list[MPI.Prequest] = [] if request is None else [request]
-        # close_step's compiled form (a native_step.Closing), made at its first learned closing;
-        # False: none (not built, turned off, or not this strategy's kind of watch).
+        # A learned step's closing compiled (a native_step.Closing), made at its first;
+        # False: none (not built, the step check's Python twin, or not this strategy's kind of watch).
         self.native_closing: Any = None
         self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
         # The check: the options', else the environment (read once, here). Under ``step`` the
@@ -194,7 +195,7 @@ class Collectives:
             extras=[],
         )
         if setting == "step":
-            self.step_check = StepCheck(self.flight.unchecked)
+            self.step_check = self.flight.step = step_check.twin()
             if self.size == 1:  # nobody to differ from, and strategy.run sends no closing handshake
                 self.step_check.learned()
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages

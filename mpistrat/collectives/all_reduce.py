@@ -18,7 +18,6 @@ from mpistrat.collectives import hierarchical, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.fingerprint import arrays_code
 from mpistrat.collectives.handshake import agree_within
-from mpistrat.collectives.step_check import defer
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
@@ -219,8 +218,8 @@ def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: st
     op, fingerprint, packs, direct = plan
     if not self.check:
         self.seq += 1  # agree_within with the check off, inline: this is every call's path
-    elif defer(self.step_check, self.seq + 1, kind, fingerprint):  # MPISTRAT_CHECK=step, once learned
-        self.seq += 1  # unchecked: numbered, recorded, nothing sent
+    elif (step := self.step_check) is not None and step.defer(self.seq + 1, kind, fingerprint):
+        self.seq += 1  # MPISTRAT_CHECK=step, once learned: numbered, recorded, nothing sent
     else:
         agree_within(
             self,

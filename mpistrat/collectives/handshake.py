@@ -28,7 +28,6 @@ collective, at no extra cost.
 from __future__ import annotations
 
 import struct
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -36,33 +35,31 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives import failure, mismatch
+from mpistrat.collectives import mismatch
 from mpistrat.collectives.fingerprint import cached_code
-from mpistrat.collectives.native import native_step
-from mpistrat.collectives.step_check import MASK, defer
-from mpistrat.diagnostics import monitor as monitoring
-from mpistrat.diagnostics import stragglers, timeline, watchdog
+from mpistrat.diagnostics import timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
-from mpistrat.errors import CollectiveTimeoutError, ContextError
+from mpistrat.errors import CollectiveTimeoutError
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.collectives.state import CollectiveState as Collectives
 
 __all__ = [
+    "MAGIC_NUMBER",
     "SLOTS",
     "StopState",
     "agree",
     "agree_within",
     "check_enabled",
     "check_level",
-    "close_step",
+    "disagreed",
+    "exchange",
     "level",
     "persistent",
-    "skip_closing",
 ]
 
-_MAGIC = 0x6D707374  # "mpst"
+MAGIC_NUMBER = 0x6D707374  # "mpst": the handshake's first slot
 
 # The slots of the handshake's int64 vector. A new one is a name here and SLOTS one more.
 MAGIC, SEQ, KIND, FINGERPRINT = range(4)  # the same on every rank; their negations follow
@@ -77,7 +74,6 @@ SLOTS = 13
 # tuple assigned to an ndarray slice converts element by element: twice the time).
 _PACKING = struct.Struct(f"@{SLOTS}q")  # native: int64, as the buffers
 _MAX = MPI.MAX
-_get_ident = threading.get_ident
 _STEP_OR_UNSET = (None, "step")  # a call's CommunicationOptions.check that leaves the setting as it is
 
 
@@ -134,7 +130,7 @@ def level(check: bool | int | str) -> int:
 
 
 class StopState:
-    """A stop asked for on this rank, and whether every rank has learned of one (preemption).
+    """A stop asked for on this rank, and whether one has reached every rank (preemption).
 
     Each ``Collectives`` owns one (``collectives.stop``) and passes it to whoever asks to
     stop. :meth:`request` only sets a flag (safe in a signal handler); the next handshake
@@ -161,7 +157,7 @@ class StopState:
         """Whether a handshake has carried some rank's request (the same answer on every rank)."""
         return self._agreed
 
-    def learned(self) -> None:
+    def reached(self) -> None:
         """The handshake's: some rank's request reached every rank at this collective."""
         self._agreed = True
 
@@ -181,7 +177,6 @@ def agree_within(
     maximum: int | None = None,
     options: CommunicationOptions | None = None,
     deferrable: bool = False,
-    closing: bool = False,
 ) -> Any:
     """Agree with every rank on entering collective ``kind`` with matching arguments.
 
@@ -200,9 +195,6 @@ def agree_within(
             sends (see :mod:`.step_check`), and ``error`` is raised on this rank alone. Data
             collectives pass True; a handshake whose news may come from one rank alone (an
             error, a stop) does not.
-        closing: a step's closing handshake (``strategy.run``'s): under ``step`` it ends the
-            first step's checking call by call (after that a step closes with
-            :func:`close_step`).
 
     Returns:
         With ``extras``, every rank's extras (a table, one row per rank); with
@@ -231,13 +223,11 @@ def agree_within(
         if error is not None:  # as with the check off: the others are in the transfer
             self.seq += 1
             raise error
-        if defer(step, self.seq + 1, kind, fingerprint):
+        if step.defer(self.seq + 1, kind, fingerprint):
             self.seq += 1
             return None
     self.seq += 1
-    top = _exchange(self, kind, fingerprint, describe, error, maximum or 0)
-    if closing and step is not None:
-        step.learned()
+    top = exchange(self, kind, fingerprint, describe, error, maximum or 0)
     if extras is None:
         return None if maximum is None else top[MAXIMUM]
     mine = np.asarray(extras, dtype=np.int64)
@@ -247,80 +237,7 @@ def agree_within(
     return everyone
 
 
-def close_step(self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any]) -> None:
-    """Under ``MPISTRAT_CHECK=step``, once the first step was checked: the handshake that closes a
-    step (``strategy.run``'s, ``kind``) with collectives left unchecked, which it checks beside its
-    own ``fingerprint``. What ``agree`` does for the same call, without its arguments' handling or
-    its generic watch (this is every step's path); then the straggler tally forgets it, whatever
-    came of it (who arrives last at a step's end says nothing new: the step's collectives did).
-
-    Watched as every collective is: a stall or timeout in it is named. Its common case (not polled,
-    no timeline) runs compiled where it was built (:mod:`.native`), to the same effect.
-    """
-    native = self.native_closing
-    if native is None:
-        native = self.native_closing = _native_closing(self, kind)
-    try:
-        if native and native.close(self, kind, fingerprint, describe):
-            return
-        try:
-            _close_in_python(self, kind, fingerprint, describe)
-        finally:
-            self.stragglers.forget()
-    except MPI.Exception as exc:  # as the watch of every other collective turns it
-        raise failure.from_mpi(self, exc, kind) from exc
-
-
-def _close_in_python(self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any]) -> None:
-    """:func:`close_step` but its tally's ``forget()``, in Python: the compiled closing's twin."""
-    monitor = self.monitor
-    me = _get_ident()
-    if not monitor.busy.acquire(False):  # as the watch of every collective does
-        if monitor.thread != me:
-            raise ContextError(monitoring.two_threads(monitor, me, kind))
-        self.seq += 1  # inside this thread's own collective: part of it
-        _exchange(self, kind, fingerprint, describe, None, 0)
-        return
-    monitor.thread = me
-    try:
-        self.seq += 1
-        # The watch that monitor.collective wraps every collective in, inline: every step's path.
-        chosen = self.options.timeout_seconds
-        timeout = chosen or monitor.env_timeout
-        monitor.kind = kind
-        monitor.start = began = time.monotonic()
-        monitor.deadline = None if timeout is None else began + timeout
-        polled = chosen is not None or monitor.env_polled or monitoring.exited  # after the exit hook: polled
-        monitor.polled = timeout is not None and polled
-        try:
-            _exchange(self, kind, fingerprint, describe, None, 0)
-            monitor.completed = self.seq
-        finally:
-            monitor.start = monitor.deadline = None
-            monitor.polled = False
-            monitor.last = (kind, self.seq, ended := time.monotonic())
-            if timeline.writer is not None:
-                timeline.writer.collective(self, kind, began, ended, ())
-    except BaseException:
-        self.failures += 1
-        raise
-    finally:
-        monitor.last_thread, monitor.thread = me, None
-        monitor.busy.release()
-
-
-def skip_closing(self: Collectives, kind: str) -> None:
-    """Under ``MPISTRAT_CHECK=step``, once the first step was checked: the closing of a step that
-    left nothing unchecked (on every rank alike: the last handshake cleared every rank's record).
-    Nothing is sent; it is numbered and marked finished, as a closing that sent."""
-    self.seq += 1
-    monitor = self.monitor
-    monitor.completed = self.seq
-    monitor.last = (kind, self.seq, time.monotonic())
-    self.stragglers.forget()
-
-
-def _exchange(
+def exchange(
     self: Collectives,
     kind: str,
     fingerprint: int,
@@ -342,8 +259,8 @@ def _exchange(
     last, longest = tally.outgoing
     _PACKING.pack_into(  # in slot order
         send, 0,  # type: ignore[arg-type]  # an ndarray is a buffer
-        _MAGIC, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
-        -_MAGIC, -seq, -kind_code, -fingerprint,  # at NEGATED
+        MAGIC_NUMBER, seq, kind_code, fingerprint,  # MAGIC ... FINGERPRINT
+        -MAGIC_NUMBER, -seq, -kind_code, -fingerprint,  # at NEGATED
         error is not None, maximum, last, longest,  # ERROR, MAXIMUM, LAST_ARRIVAL, LONGEST_WAIT
         stop.requested,  # STOP
     )  # fmt: skip
@@ -378,16 +295,16 @@ def _exchange(
         entry[SITE] = timeline.writer.handshake(self, seq, kind, began, ended)
     self.handshakes += 1
     if top[STOP]:
-        stop.learned()
+        stop.reached()
     if top[ERROR] or top[0] + top[4] or top[1] + top[5] or top[2] + top[6] or top[3] + top[7]:
-        _disagreed(self, kind, describe, error, entry)
+        disagreed(self, kind, describe, error, entry)
     monitor.agreed = monitor.start  # every rank has entered this collective (for the watchdog)
     if step is not None:
         step.verified()
     return top
 
 
-def _disagreed(
+def disagreed(
     self: Collectives,
     kind: str,
     describe: Callable[[], Any] | None,
@@ -401,44 +318,6 @@ def _disagreed(
     if step is not None:  # the same on every rank: the setting was agreed at creation
         step.raise_first_difference(self.comm)
     mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
-
-
-def _native_closing(self: Collectives, kind: str) -> Any:
-    """The compiled closing of ``kind`` for these collectives, or False where close_step must run in
-    Python: not built or turned off (:mod:`.native`), no persistent handshake, or a watch that
-    polls (a timeout chosen in the options, or set in the environment and not ``off``)."""
-    send, recv, handshake, _, stop = self.handshake_buffers
-    monitor = self.monitor
-    step = self.step_check
-    if (
-        native_step is None
-        or not isinstance(handshake, MPI.Prequest)
-        or step is None
-        or self.options.timeout_seconds is not None
-        or (monitor.env_polled and monitor.env_timeout is not None)
-    ):
-        return False
-    return native_step.Closing(
-        monitor=monitor,
-        busy=monitor.busy,
-        flight=self.flight,
-        tally=self.stragglers,
-        stop=stop,
-        record=step.record,
-        send=send,
-        recv=recv,
-        request=handshake,
-        timeline=timeline,
-        monitoring=monitoring,
-        kind=kind,
-        kind_code=cached_code(self.caches.codes, kind, kind.__str__),
-        magic=_MAGIC,
-        timeout=monitor.env_timeout,
-        disagreed=_disagreed,
-        nothing=stragglers.NOTHING,
-        fold_every=stragglers.FOLD_EVERY,
-        mask=MASK,
-    )
 
 
 # Watched on its own when a caller opens with it alone; a collective already watched opens with

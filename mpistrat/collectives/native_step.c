@@ -1,13 +1,15 @@
-/* MPISTRAT_CHECK=step's two hot paths, compiled: a learned step's deferral of each data
-   collective (step_check.defer) and its closing handshake (handshake.close_step).
+/* MPISTRAT_CHECK=step's hot paths, compiled: the state every unchecked collective reads
+   (StepState, the base of step_check.CompiledStepCheck: a collective's deferral and the record's
+   code) and a learned step's closing handshake (Closing, closing.close_step's compiled twin).
 
-   The Python functions are the reference, and run where this was not built (no C compiler at
-   `pip install .`) or MPISTRAT_NATIVE is off. Each compiled path does what its twin does in its
-   common case and returns False, having done nothing, for any other: the caller then takes the
-   Python path. The handshake's slots are handshake.py's (MAGIC ... STOP, in that order); the
-   record's code is StepCheck.code()'s, the hash of two tuples, computed without building them.
-   State that every call reads (the phase, the record, the kinds' codes) is held here, in
-   StepState, the base of step_check.StepCheck. */
+   The Python code is the reference: step_check.PythonStepState, and closing.close_step's
+   watched handshake. It runs where this was not built (no C compiler at `pip install .`) or
+   MPISTRAT_NATIVE is off, to the same effect. StepState reads and writes its own fields alone (a
+   kind's first code comes from the function it is made with, step_check.kind_code). Closing does
+   what its twin does in its common case and returns False, having done nothing, for any other: the
+   caller then takes the Python path. It reads and writes the attributes of the objects it is made
+   with, by the names in PyInit_native_step (tests/collectives/test_step_twins.py pins each one);
+   the handshake's slots are handshake.py's (MAGIC ... STOP, in that order). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,7 +37,7 @@ typedef struct {
 
 static PyObject *s_seq, *s_thread, *s_last_thread, *s_kind, *s_start, *s_deadline,
     *s_last, *s_agreed, *s_completed, *s_handshakes, *s_failures, *s_outgoing, *s_requested,
-    *s_learned, *s_filed, *s_fold, *s_writer, *s_exited;
+    *s_reached, *s_filed, *s_fold, *s_writer, *s_exited;
 
 static double monotonic(void) {
     struct timespec t;
@@ -82,16 +84,6 @@ static int record_hash(PyObject *record, Py_hash_t *out) {
     return 0;
 }
 
-static PyObject *record_code(PyObject *Py_UNUSED(module), PyObject *record) {
-    if (!PyList_Check(record)) {
-        PyErr_Format(PyExc_TypeError, "record_code() expects a list, got %.100s", Py_TYPE(record)->tp_name);
-        return NULL;
-    }
-    Py_hash_t h;
-    if (record_hash(record, &h) < 0) return NULL;
-    return PyLong_FromSsize_t(h);
-}
-
 static int set_float(PyObject *obj, PyObject *name, double value) {
     PyObject *v = PyFloat_FromDouble(value);
     if (v == NULL) return -1;
@@ -135,7 +127,7 @@ static PyObject *last_of(PyObject *kind, long long seq, double ended) {
     return last;
 }
 
-/* Whether the watch would poll this closing (handshake.close_step's `polled`): then Python waits. */
+/* Whether the watch would poll this closing (Monitor.enter's `polled`): then Python waits. */
 static int polled(Closing *self) {
     if (self->timeout < 0) return 0;
     PyObject *exited = PyObject_GetAttr(self->monitoring, s_exited);
@@ -146,7 +138,7 @@ static int polled(Closing *self) {
 }
 
 /* close(collectives, kind, fingerprint, describe) -> bool: see the module's comment and
-   handshake.close_step, whose arguments these are. */
+   closing.close_step, whose arguments these are (its fingerprint computed). */
 static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "close() takes the collectives, a kind, a fingerprint, a describe");
@@ -254,7 +246,7 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     if (PyObject_SetAttr(self->tally, s_outgoing, self->nothing_pair) < 0) goto marks;
     if (add_to(collectives, s_handshakes, 1, NULL) < 0) goto marks;
     if (top[STOP]) {
-        if ((got = PyObject_CallMethodNoArgs(self->stop, s_learned)) == NULL) goto marks;
+        if ((got = PyObject_CallMethodNoArgs(self->stop, s_reached)) == NULL) goto marks;
         Py_DECREF(got);
     }
     int differ = top[ERROR] != 0;
@@ -306,111 +298,6 @@ release:
     return result;
 }
 
-/* StepState: step_check.StepCheck's fields, read natively by defer(). */
-typedef struct {
-    PyObject_HEAD
-    char learning;
-    PyObject *record, *kinds;
-    Py_ssize_t limit;
-} StepState;
-
-static PyObject *s_kind_code;
-static PyTypeObject StepStateType;
-
-static int StepState_init(StepState *self, PyObject *args, PyObject *kwds) {
-    static char *keywords[] = {"record", "limit", NULL};
-    PyObject *record;
-    Py_ssize_t limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!n", keywords, &PyList_Type, &record, &limit)) return -1;
-    PyObject *kinds = PyDict_New();
-    if (kinds == NULL) return -1;
-    Py_XSETREF(self->kinds, kinds);
-    Py_XSETREF(self->record, Py_NewRef(record));
-    self->limit = limit;
-    self->learning = 1;
-    return 0;
-}
-
-static int StepState_traverse(StepState *self, visitproc visit, void *arg) {
-    Py_VISIT(self->record);
-    Py_VISIT(self->kinds);
-    return 0;
-}
-
-static int StepState_clear(StepState *self) {
-    Py_CLEAR(self->record);
-    Py_CLEAR(self->kinds);
-    return 0;
-}
-
-static void StepState_dealloc(StepState *self) {
-    PyObject_GC_UnTrack(self);
-    StepState_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyMemberDef StepState_members[] = {
-    {"learning", T_BOOL, offsetof(StepState, learning), 0, "Every call sends (until a closing passes)."},
-    {"record", T_OBJECT_EX, offsetof(StepState, record), READONLY, "The unchecked collectives, flat."},
-    {"kinds", T_OBJECT_EX, offsetof(StepState, kinds), READONLY, "Each kind's code in the record."},
-    {"limit", T_PYSSIZET, offsetof(StepState, limit), READONLY, "The record's length at most."},
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyTypeObject StepStateType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "mpistrat.collectives.native_step.StepState",
-    .tp_doc = "StepState(record, limit): the phase, record and kinds' codes of step_check.StepCheck.",
-    .tp_basicsize = sizeof(StepState),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)StepState_init,
-    .tp_dealloc = (destructor)StepState_dealloc,
-    .tp_traverse = (traverseproc)StepState_traverse,
-    .tp_clear = (inquiry)StepState_clear,
-    .tp_members = StepState_members,
-};
-
-/* defer(step, seq, kind, fingerprint) -> bool: step_check.defer, whose arguments these are. */
-static PyObject *defer(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "defer() takes a step check, a number, a kind and a fingerprint");
-        return NULL;
-    }
-    if (args[0] == Py_None) Py_RETURN_FALSE;
-    if (!PyObject_TypeCheck(args[0], &StepStateType)) {
-        PyErr_Format(PyExc_TypeError, "defer() needs a StepState, got %.100s", Py_TYPE(args[0])->tp_name);
-        return NULL;
-    }
-    StepState *step = (StepState *)args[0];
-    PyObject *record = step->record, *kind = args[2];
-    if (record == NULL) {
-        PyErr_SetString(PyExc_TypeError, "defer() needs an initialised StepState");
-        return NULL;
-    }
-    if (step->learning || PyList_GET_SIZE(record) >= step->limit) Py_RETURN_FALSE;
-    PyObject *code = PyDict_GetItemWithError(step->kinds, kind); /* borrowed */
-    if (code != NULL) {
-        Py_INCREF(code);
-    } else if (PyErr_Occurred() || (code = PyObject_CallMethodOneArg(args[0], s_kind_code, kind)) == NULL) {
-        return NULL; /* a kind's first unchecked call: StepCheck.kind_code remembers its code */
-    }
-    PyObject *entry = PyNumber_Xor(code, args[3]);
-    Py_DECREF(code);
-    if (entry == NULL) return NULL;
-    Py_ssize_t before = PyList_GET_SIZE(record);
-    int failed = PyList_Append(record, args[1]) < 0 || PyList_Append(record, kind) < 0 ||
-                 PyList_Append(record, entry) < 0;
-    Py_DECREF(entry);
-    if (failed) { /* all three or none, as the Python twin's += */
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        if (PyList_SetSlice(record, before, PyList_GET_SIZE(record), NULL) < 0) PyErr_Clear();
-        PyErr_Restore(type, value, traceback);
-        return NULL;
-    }
-    Py_RETURN_TRUE;
-}
 
 static int Closing_traverse(Closing *self, visitproc visit, void *arg) {
     Py_VISIT(self->monitor);
@@ -518,7 +405,7 @@ static int Closing_init(Closing *self, PyObject *args, PyObject *kwds) {
 
 static PyMethodDef Closing_methods[] = {
     {"close", (PyCFunction)(void (*)(void))Closing_close, METH_FASTCALL,
-     "close(fingerprint, describe) -> bool: close the step natively (True), or do nothing (False)."},
+     "close(collectives, kind, fingerprint, describe) -> bool: close the step here (True), or do nothing (False)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -530,7 +417,7 @@ static PyMemberDef Closing_members[] = {
 static PyTypeObject ClosingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "mpistrat.collectives.native_step.Closing",
-    .tp_doc = "One communicator's compiled closing handshake (see handshake.close_step).",
+    .tp_doc = "One communicator's compiled closing handshake (see closing.close_step).",
     .tp_basicsize = sizeof(Closing),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -542,32 +429,154 @@ static PyTypeObject ClosingType = {
     .tp_members = Closing_members,
 };
 
-static PyMethodDef module_methods[] = {
-    {"defer", (PyCFunction)(void (*)(void))defer, METH_FASTCALL,
-     "defer(step, seq, kind, fingerprint) -> bool: record call #seq unchecked (step_check.defer)."},
-    {"record_code", record_code, METH_O,
-     "record_code(record) -> int: hash((tuple(record[0::3]), tuple(record[2::3]))), tuples unbuilt."},
+/* StepState: the phase, the record, the kinds' codes, the record's limit, the kind coder. */
+typedef struct {
+    PyObject_HEAD
+    char learning;
+    PyObject *record, *kinds, *coder;
+    Py_ssize_t limit;
+} StepState;
+
+static int StepState_init(StepState *self, PyObject *args, PyObject *kwds) {
+    static char *keywords[] = {"limit", "coder", NULL};
+    PyObject *coder;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nO", keywords, &limit, &coder)) return -1;
+    if (!PyCallable_Check(coder)) {
+        PyErr_SetString(PyExc_TypeError, "StepState() needs a callable coder");
+        return -1;
+    }
+    PyObject *record = PyList_New(0), *kinds = PyDict_New();
+    if (record == NULL || kinds == NULL) {
+        Py_XDECREF(record);
+        Py_XDECREF(kinds);
+        return -1;
+    }
+    Py_XSETREF(self->record, record);
+    Py_XSETREF(self->kinds, kinds);
+    Py_XSETREF(self->coder, Py_NewRef(coder));
+    self->limit = limit;
+    self->learning = 1;
+    return 0;
+}
+
+static int StepState_traverse(StepState *self, visitproc visit, void *arg) {
+    Py_VISIT(self->record);
+    Py_VISIT(self->kinds);
+    Py_VISIT(self->coder);
+    return 0;
+}
+
+static int StepState_clear(StepState *self) {
+    Py_CLEAR(self->record);
+    Py_CLEAR(self->kinds);
+    Py_CLEAR(self->coder);
+    return 0;
+}
+
+static void StepState_dealloc(StepState *self) {
+    PyObject_GC_UnTrack(self);
+    StepState_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int initialised(StepState *self) {
+    if (self->record != NULL) return 1;
+    PyErr_SetString(PyExc_TypeError, "an uninitialised StepState");
+    return 0;
+}
+
+/* defer(seq, kind, fingerprint) -> bool: PythonStepState.defer, whose arguments these are. */
+static PyObject *StepState_defer(StepState *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "defer() takes a number, a kind and a fingerprint");
+        return NULL;
+    }
+    if (!initialised(self)) return NULL;
+    PyObject *record = self->record, *kind = args[1];
+    if (self->learning || PyList_GET_SIZE(record) >= self->limit) Py_RETURN_FALSE;
+    PyObject *code = PyDict_GetItemWithError(self->kinds, kind); /* borrowed */
+    if (code != NULL) {
+        Py_INCREF(code);
+    } else if (PyErr_Occurred() || (code = PyObject_CallFunctionObjArgs(self->coder, self->kinds, kind, NULL)) == NULL) {
+        return NULL; /* a kind's first unchecked call: the coder remembers its code in kinds */
+    }
+    PyObject *entry = PyNumber_Xor(code, args[2]);
+    Py_DECREF(code);
+    if (entry == NULL) return NULL;
+    Py_ssize_t before = PyList_GET_SIZE(record);
+    int failed = PyList_Append(record, args[0]) < 0 || PyList_Append(record, kind) < 0 ||
+                 PyList_Append(record, entry) < 0;
+    Py_DECREF(entry);
+    if (failed) { /* all three or none, as the Python twin's += */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (PyList_SetSlice(record, before, PyList_GET_SIZE(record), NULL) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* record_code() -> int: hash((tuple(record[0::3]), tuple(record[2::3]))), the tuples unbuilt. */
+static PyObject *StepState_record_code(StepState *self, PyObject *Py_UNUSED(ignored)) {
+    if (!initialised(self)) return NULL;
+    Py_hash_t h;
+    if (record_hash(self->record, &h) < 0) return NULL;
+    return PyLong_FromSsize_t(h);
+}
+
+static PyMethodDef StepState_methods[] = {
+    {"defer", (PyCFunction)(void (*)(void))StepState_defer, METH_FASTCALL,
+     "defer(seq, kind, fingerprint) -> bool: record call #seq unchecked (PythonStepState.defer)."},
+    {"record_code", (PyCFunction)StepState_record_code, METH_NOARGS,
+     "record_code() -> int: the hash of the record's numbers and codes (PythonStepState.record_code)."},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef StepState_members[] = {
+    {"learning", T_BOOL, offsetof(StepState, learning), 0, "Every call sends (until a closing passes)."},
+    {"record", T_OBJECT_EX, offsetof(StepState, record), READONLY, "The unchecked collectives, flat."},
+    {"kinds", T_OBJECT_EX, offsetof(StepState, kinds), READONLY, "Each kind's code in the record."},
+    {"limit", T_PYSSIZET, offsetof(StepState, limit), READONLY, "The record's length at most."},
+    {"coder", T_OBJECT_EX, offsetof(StepState, coder), READONLY, "coder(kinds, kind): a kind's first code."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject StepStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpistrat.collectives.native_step.StepState",
+    .tp_doc = "StepState(limit, coder): the phase, record and kinds' codes of MPISTRAT_CHECK=step.",
+    .tp_basicsize = sizeof(StepState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)StepState_init,
+    .tp_dealloc = (destructor)StepState_dealloc,
+    .tp_traverse = (traverseproc)StepState_traverse,
+    .tp_clear = (inquiry)StepState_clear,
+    .tp_methods = StepState_methods,
+    .tp_members = StepState_members,
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "native_step",
-    "MPISTRAT_CHECK=step's hot paths, compiled: a call's deferral, a step's closing.", -1,
-    module_methods, NULL, NULL, NULL, NULL,
+    "MPISTRAT_CHECK=step's hot paths, compiled: StepState (a call's deferral), Closing (a step's closing).", -1,
+    NULL, NULL, NULL, NULL, NULL,
 };
 
+/* The attributes Closing reads and writes of the objects it is made with (pinned by
+   tests/collectives/test_step_twins.py: a rename in Python fails there, not silently here). */
+#define CLOSING_NAMES                                                                                 \
+    X(s_seq, "seq") X(s_thread, "thread") X(s_last_thread, "last_thread") X(s_kind, "kind")            \
+    X(s_start, "start") X(s_deadline, "deadline") X(s_last, "last") X(s_agreed, "agreed")              \
+    X(s_completed, "completed") X(s_handshakes, "handshakes") X(s_failures, "failures")                \
+    X(s_outgoing, "outgoing") X(s_requested, "requested") X(s_reached, "reached") X(s_filed, "_filed") \
+    X(s_fold, "_fold") X(s_writer, "writer") X(s_exited, "exited")
+
 PyMODINIT_FUNC PyInit_native_step(void) {
-    struct { PyObject **name; const char *text; } names[] = {
-        {&s_seq, "seq"}, {&s_thread, "thread"}, {&s_last_thread, "last_thread"}, {&s_kind, "kind"},
-        {&s_start, "start"}, {&s_deadline, "deadline"}, {&s_last, "last"},
-        {&s_agreed, "agreed"}, {&s_completed, "completed"}, {&s_handshakes, "handshakes"},
-        {&s_failures, "failures"}, {&s_outgoing, "outgoing"}, {&s_requested, "requested"},
-        {&s_learned, "learned"}, {&s_filed, "_filed"}, {&s_fold, "_fold"}, {&s_writer, "writer"},
-        {&s_exited, "exited"}, {&s_kind_code, "kind_code"},
-    };
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL) return NULL;
-    }
+#define X(name, text) if ((name = PyUnicode_InternFromString(text)) == NULL) return NULL;
+    CLOSING_NAMES
+#undef X
     if (PyType_Ready(&ClosingType) < 0 || PyType_Ready(&StepStateType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

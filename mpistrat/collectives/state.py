@@ -63,7 +63,7 @@ class CollectiveState(Protocol):
     pending: dict[str, Callable[[], None]]
     after_step: dict[str, Callable[[], None]]
     requests: list[MPI.Prequest]  # MPI requests freed with the communicator
-    native_closing: Any  # close_step compiled (native_step.Closing), False: none, None: not yet made
+    native_closing: Any  # the compiled closing (closing.py), False: none, None: not yet made
 
     def agree(
         self,
@@ -76,7 +76,6 @@ class CollectiveState(Protocol):
         maximum: int | None = None,
         options: CommunicationOptions | None = None,
         deferrable: bool = False,
-        closing: bool = False,
     ) -> Any: ...
 
     def failed_in_mpi(self, exc: MPI.Exception, kind: str) -> MpistratError: ...

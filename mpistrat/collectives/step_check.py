@@ -31,95 +31,95 @@ entry.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpi4py import MPI
 
+from mpistrat.collectives import native
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.mismatch import by_rank
-from mpistrat.collectives.native import native_step
 from mpistrat.errors import CollectiveMismatchError
 
-__all__ = ["LIMIT", "MASK", "StepCheck", "StepState", "defer", "record_code"]
+__all__ = ["LIMIT", "MASK", "CompiledStepCheck", "PythonStepCheck", "StepCheck", "kind_code", "twin"]
 
 LIMIT = 3 * 4096  # the record's length at most (4096 collectives): the next one sends a handshake
 _KINDS = 4096  # kinds' codes remembered at most (a kind may name a variable: a program may make many)
 MASK = (1 << 62) - 1  # codes are 62-bit: the handshake's slots also hold their negations
 
 
+def kind_code(kinds: dict[str, int], kind: str) -> int:
+    """The code of collective ``kind`` in the record, remembered in ``kinds`` (a kind's first
+    unchecked call: ``defer`` reads it there from then on)."""
+    if len(kinds) >= _KINDS:
+        kinds.clear()
+    code = kinds[kind] = hash64(kind)
+    return code
+
+
 class PythonStepState:
-    """The fields every unchecked call reads: the compiled ``native_step.StepState``'s Python twin."""
+    """The state every unchecked call reads, and its two methods: the compiled
+    ``native_step.StepState``'s Python twin, the reference (``native_step.c`` does the same)."""
 
-    __slots__ = ("kinds", "learning", "limit", "record")
+    __slots__ = ("coder", "kinds", "learning", "limit", "record")
 
-    def __init__(self, record: list[Any], limit: int) -> None:
+    def __init__(self, limit: int, coder: Callable[[dict[str, int], str], int]) -> None:
         self.learning = True  # until a step's closing handshake passes: every collective sends
-        self.record = record  # appended to by defer, to limit
+        self.record: list[Any] = []  # appended to by defer, to limit
         self.limit = limit
         self.kinds: dict[str, int] = {}  # each kind's code, for the record (a plain dict: read per call)
+        self.coder = coder  # coder(kinds, kind): a kind's first code, remembered in kinds
+
+    def defer(self, seq: int, kind: str, fingerprint: int) -> bool:
+        """Once the first step was checked (not learning): record data collective #``seq``,
+        ``kind``, unchecked (True: the caller numbers it and sends nothing); else do nothing (False).
+
+        ``agree_within(..., deferrable=True)`` defers through it; a caller that has nothing else to
+        check (no error, the strategy's options) may call it first and skip the handshake's arguments.
+        """
+        record = self.record
+        if self.learning or len(record) >= self.limit:
+            return False
+        code = self.kinds.get(kind) or self.coder(self.kinds, kind)
+        # Its number too: a call that took a number and left no record (bad input raised on one rank, a
+        # call with the check off) shifts the pairing of the calls after it.
+        record += (seq, kind, code ^ fingerprint)
+        return True
+
+    def record_code(self) -> int:
+        """The hash of the record's numbers and codes (ints hash alike on every rank)."""
+        record = self.record
+        return hash((tuple(record[0::3]), tuple(record[2::3])))
 
 
-def python_record_code(record: list[Any]) -> int:
-    """The hash of the record's numbers and codes (``native_step.record_code``'s Python twin)."""
-    return hash((tuple(record[0::3]), tuple(record[2::3])))  # ints hash alike on every rank
-
-
-def python_defer(step: StepCheck | None, seq: int, kind: str, fingerprint: int) -> bool:
-    """Under ``MPISTRAT_CHECK=step``, once the first step was checked (``step`` not learning): record
-    data collective #``seq``, ``kind``, unchecked (True: the caller numbers it and sends nothing);
-    else do nothing (False). ``defer`` is this or its compiled twin (:mod:`.native`).
-
-    ``agree_within(..., deferrable=True)`` defers through it; a caller that has nothing else to
-    check (no error, the strategy's options) may call it first and skip the handshake's arguments.
-    """
-    if step is None or step.learning:
-        return False
-    record = step.record
-    if len(record) >= step.limit:
-        return False
-    kind_code = step.kinds.get(kind) or step.kind_code(kind)
-    # Its number too: a call that took a number and left no record (bad input raised on one rank, a
-    # call with the check off) shifts the pairing of the calls after it.
-    record += (seq, kind, kind_code ^ fingerprint)
-    return True
-
-
-if TYPE_CHECKING:  # the twins alike
-    StepState: TypeAlias = PythonStepState
-    record_code = python_record_code
-    defer = python_defer
-else:  # the compiled ones where they run (mpistrat.collectives.native)
-    StepState = PythonStepState if native_step is None else native_step.StepState
-    record_code = python_record_code if native_step is None else native_step.record_code
-    defer = python_defer if native_step is None else native_step.defer
-
-
-class StepCheck(StepState):
-    """One communicator's phase (``learning``: every call sends) and record of unchecked collectives.
+class StepCheck:
+    """One communicator's phase (``learning``: every call sends) and record of unchecked collectives,
+    over one twin's state: :class:`PythonStepCheck` or :class:`CompiledStepCheck` (the same methods).
 
     ``record``: each unchecked collective's number, kind and code (its kind's code ^ its
     fingerprint), flat and in order (three appends per call: every data collective's path), at
-    most ``LIMIT`` long. It is the flight recorder's list (``Flight.unchecked``): a hang's
-    diagnosis shows what it holds.
+    most ``LIMIT`` long. The flight recorder shows it (``Flight.step``): a hang's diagnosis says
+    what it holds.
     """
 
     __slots__ = ()
 
-    def __init__(self, record: list[Any]) -> None:
-        super().__init__(record, LIMIT)
+    if TYPE_CHECKING:  # each twin's state
+        record: list[Any]
 
-    def kind_code(self, kind: str) -> int:
-        """The code of collective ``kind`` in the record, remembered in :attr:`kinds` (``defer``
-        reads it there first: this is a kind's first unchecked call)."""
-        if len(self.kinds) >= _KINDS:
-            self.kinds.clear()
-        code = self.kinds[kind] = hash64(kind)
-        return code
+        @property
+        def learning(self) -> bool: ...
+
+        @learning.setter
+        def learning(self, value: bool) -> None: ...
+
+        def defer(self, seq: int, kind: str, fingerprint: int) -> bool: ...
+
+        def record_code(self) -> int: ...
 
     def code(self) -> int:
         """The code of the unchecked collectives (0: none) that the next handshake carries."""
-        record = self.record
-        return record_code(record) & MASK if record else 0
+        return self.record_code() & MASK if self.record else 0
 
     def learned(self) -> None:
         """A step's closing handshake passed on every rank: repeats may go unchecked from here."""
@@ -167,3 +167,30 @@ def _raise_first(records: list[list[tuple[int, str, int]]]) -> NoReturn:
                 "the call itself."
             )
     raise AssertionError("the records differ")  # unreachable: some entry differs
+
+
+class PythonStepCheck(StepCheck, PythonStepState):
+    """The step check over its Python state."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        PythonStepState.__init__(self, LIMIT, kind_code)
+
+
+if TYPE_CHECKING or native.native_step is None:
+    CompiledStepCheck: type[StepCheck] | None = None  # not built: the Python twin runs
+else:
+
+    class CompiledStepCheck(StepCheck, native.native_step.StepState):
+        """The step check over its compiled state (``native_step.c``)."""
+
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            native.native_step.StepState.__init__(self, LIMIT, kind_code)
+
+
+# The twin a ``Collectives`` makes under ``MPISTRAT_CHECK=step``: compiled where it was built and
+# ``MPISTRAT_NATIVE`` is on (:mod:`.native`); a test may set either.
+twin: type[StepCheck] = CompiledStepCheck if CompiledStepCheck and native.chosen else PythonStepCheck

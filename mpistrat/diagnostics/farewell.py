@@ -99,7 +99,7 @@ def leave(channel: SideChannel) -> None:
 def _unchecked(mon: Monitor) -> list[object]:
     """This rank's record of the collectives no handshake has checked yet (flat), if any."""
     owner = mon.owner()
-    return list(owner.flight.unchecked) if owner is not None and hasattr(owner, "flight") else []
+    return owner.flight.unchecked() if owner is not None and hasattr(owner, "flight") else []
 
 
 def _compare_unchecked(mon: Monitor) -> None:

@@ -3,7 +3,7 @@
 Every handshake that sends (the check on, or an ``all_gather``) writes one entry into a
 ring of ``MPISTRAT_FLIGHT_RECORDS`` (default 8): its sequence number, kind, fingerprint,
 when it began and when it completed. Under ``MPISTRAT_CHECK=step`` the collectives that sent
-nothing since the last handshake are shown among them, from their own record (``unchecked``:
+nothing since the last handshake are shown among them, from the step check's record (``step``:
 number, kind, code, flat; no times: they waited for nothing), until a handshake checked them.
 The watchdog's answers carry the record, so a stall warning or a timeout shows where every rank
 has been, and an uncaught exception prints this rank's. The call site of each entry is found
@@ -26,7 +26,7 @@ import collections
 import itertools
 import time
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 from mpistrat.diagnostics import abort
 
@@ -35,6 +35,14 @@ __all__ = ["Flight", "block", "split"]
 SEQ, KIND, FINGERPRINT, BEGAN, ENDED, STATE, SITE = range(7)  # the fields of an entry
 UNCHECKED = "unchecked until the step's closing handshake (MPISTRAT_CHECK=step)"  # such an entry's state
 MARK = "\nflight records"  # where a diagnosis's records begin (see split)
+
+
+class Recording(Protocol):
+    """What the recorder reads of ``MPISTRAT_CHECK=step``'s check (``collectives.step_check.StepCheck``)."""
+
+    @property
+    def record(self) -> list[Any]:
+        """The collectives no handshake checked yet: number, kind and code of each, flat."""
 
 
 def entry(seq: int, kind: str, fingerprint: int, began: float) -> list[Any]:
@@ -54,18 +62,22 @@ class Flight(collections.deque[list[Any]]):
 
     def __init__(self, n: int, owner: str = "a strategy", size: int = 0):
         super().__init__(maxlen=n)
-        # MPISTRAT_CHECK=step's record of the collectives that sent nothing since the last handshake
-        # (collectives.step_check.StepCheck writes it): shown among the entries.
-        self.unchecked: list[Any] = []
+        # MPISTRAT_CHECK=step's check, whose record of the collectives that sent nothing since the
+        # last handshake shows among the entries (None: the check is not per step).
+        self.step: Recording | None = None
         self.number = next(_numbers)
         self.label = f"{owner} ({size} rank{'s' if size != 1 else ''})" if size else owner
         if n:
             _live.add(self)
 
+    def unchecked(self) -> list[Any]:
+        """A copy of the step check's record (empty: none)."""
+        return [] if self.step is None else list(self.step.record)
+
     def entries(self) -> list[list[Any]]:
         """The last ``maxlen`` entries, the unchecked collectives' among them, oldest first."""
         kept = self.maxlen or 0
-        ring, record = list(self), self.unchecked[-3 * kept :] if kept else []  # copies: others write
+        ring, record = list(self), self.unchecked()[-3 * kept :] if kept else []  # copies: others write
         if not record:
             return ring
         unchecked = [[*record[i : i + 3], 0.0, 0.0, UNCHECKED, None] for i in range(0, len(record), 3)]

@@ -20,8 +20,8 @@ import optree
 
 from mpistrat import nest
 from mpistrat.collectives import leaves
+from mpistrat.collectives.closing import close_step
 from mpistrat.collectives.fingerprint import cached_code
-from mpistrat.collectives.handshake import close_step, skip_closing
 from mpistrat.errors import CollectiveMismatchError, StructureMismatchError
 
 if TYPE_CHECKING:
@@ -47,30 +47,20 @@ def agree_on_result(collectives: Collectives, result: Any, error: Exception | No
         if error is not None:
             raise error
         return
-    step = collectives.step_check
-    # MPISTRAT_CHECK=step after the first step: one handshake checks what the step left unchecked
-    if step is not None and not step.learning and (error is None or not step.record):
-        if step.record:
-            spec, code = _structure(collectives.caches, result)
-            try:
-                close_step(collectives, KIND, code, lambda: _describe(spec))
-            except StructureMismatchError as exc:
-                _regroup_or_raise(collectives, spec, exc)
-        else:  # nothing went unchecked, on any rank (the last handshake cleared every record)
-            skip_closing(collectives, KIND)
-        if error is not None:
-            raise error
-        return
     spec = None
-    code = 0
-    if error is None:
-        spec, code = _structure(collectives.caches, result)
+
+    def code() -> int:  # the result's structure, found only when the closing sends
+        nonlocal spec
+        if error is not None:
+            return 0
+        spec, fingerprint = _structure(collectives.caches, result)
+        return fingerprint
+
     told = error
     if isinstance(error, StructureMismatchError):  # the others must not take it for their results' mismatch
         told = CollectiveMismatchError(str(error))
     try:
-        collectives.agree(KIND, fingerprint=code, describe=lambda: _describe(spec), error=told, closing=True)
-        collectives.stragglers.forget()  # who arrives last here says nothing new: the step's collectives did
+        close_step(collectives, KIND, code, lambda: _describe(spec), told)
     except StructureMismatchError as exc:  # no rank raised: only the results' structures differ
         _regroup_or_raise(collectives, spec, exc)
         return

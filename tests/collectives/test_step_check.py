@@ -2,7 +2,8 @@
 data collective sends nothing of its own and is checked by the step's one handshake
 (``apply_gradients``', or the one closing ``strategy.run``). Counted on a counting communicator;
 results against serial NumPy; a divergence raises on every rank by the end of the step, naming
-the first collective that differed, and every rank checks call by call again after it."""
+the first collective that differed, and every rank checks call by call again after it. Each test
+runs under both twins of the step check's state (``step_twin``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from mpistrat import CollectiveMismatchError, CommunicationOptions
 from mpistrat.optimizers import SGD
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
+
+pytestmark = pytest.mark.usefixtures("step_twin")  # every test under each twin
 
 SMALL = 8  # a latency-bound step: 8 one-element all_reduces
 HANDSHAKE = ("Allreduce", 104)  # the ledger's name for the handshake's Iallreduce of 13 int64

@@ -1,15 +1,19 @@
-"""The compiled twins of ``MPISTRAT_CHECK=step``'s hot paths (``native_step.c``) against their Python
-twins, the reference: the record's code against Python's own hash of the record's tuples, each
-deferral's record against ``python_defer``'s, a compiled closing's marks (monitor, flight record,
-straggler tally) against the Python closing's, and ranks running either twin in one job agreeing
-on every step and naming the same first difference."""
+"""The two twins of ``MPISTRAT_CHECK=step``'s hot paths: the compiled ``native_step.c`` against the
+Python reference (``step_check.PythonStepState``, ``closing.close_step``'s watched handshake). The
+record's code against Python's own hash of the record's tuples, each deferral's record against
+the Python twin's, the names each state exposes, every name the C reads pinned, a compiled
+closing's marks against the Python closing's, and ranks running either twin in one job agreeing
+on every step and naming the same first difference. (``tests/collectives/test_step_check.py``
+runs whole under each twin.)"""
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import sysconfig
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,24 +22,86 @@ from hypothesis import strategies as st
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions
-from mpistrat.collectives import all_reduce as all_reduce_module
-from mpistrat.collectives import handshake, native, step_check
-from mpistrat.collectives.step_check import LIMIT, StepCheck, python_defer, python_record_code
+from mpistrat.collectives import native, step_check
+from mpistrat.collectives.step_check import LIMIT, CompiledStepCheck, PythonStepCheck, PythonStepState
 from mpistrat.diagnostics import stragglers
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 
 compiled = native.native_step
-needs_compiled = pytest.mark.skipif(compiled is None, reason=f"the step check runs {native.describe()}")
+needs_compiled = pytest.mark.skipif(CompiledStepCheck is None, reason="the compiled twin was not built")
 KIND = "strategy.run (result)"
+SOURCE = Path(step_check.__file__).with_name("native_step.c")
 
 
-def test_the_compiled_twins_are_built_where_a_c_compiler_is():
-    """``pip install .`` builds them where it finds a compiler; a failed build there is a defect, not
+def test_the_compiled_twin_is_built_where_a_c_compiler_is():
+    """``pip install .`` builds it where it finds a compiler; a failed build there is a defect, not
     a fallback to pass over (the install goes on without one: the extension is optional)."""
     compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
     if shutil.which(compiler) is None:
-        pytest.skip(f"no C compiler ({compiler}): the Python twins run")
+        pytest.skip(f"no C compiler ({compiler}): the Python twin runs")
     import mpistrat.collectives.native_step  # noqa: F401  # raises where the build failed
+
+
+# Every attribute the compiled closing reads or writes, by the object it is made with: a rename of
+# one in Python fails here instead of passing the C by (it looks them up by name, at run time).
+CLOSING_READS = {
+    "monitor": {"thread", "last_thread", "kind", "start", "deadline", "last", "agreed", "completed"},
+    "collectives": {"seq", "handshakes", "failures"},
+    "tally": {"outgoing", "_filed", "_fold"},
+    "stop": {"requested", "reached"},
+    "timeline": {"writer"},
+    "monitoring": {"exited"},
+    "busy": {"acquire", "release"},
+    "flight": {"append"},
+    "request": {"Start", "Wait"},
+}
+
+
+def test_every_name_the_c_reads_is_pinned_and_exists():
+    """The names in ``native_step.c`` are this table's, no more and none fewer (StepState reads none:
+    a kind's first code comes from the function it is made with), and each object the closing is
+    made with has each of its names."""
+    from mpi4py import MPI
+
+    from mpistrat.collectives import Collectives
+    from mpistrat.diagnostics import monitor, timeline
+
+    source = SOURCE.read_text()
+    interned = set(re.findall(r'X\(s_\w+, "(\w+)"\)', source))
+    by_string = set(re.findall(r'PyObject_GetAttrString\(\w+, "(\w+)"\)', source))
+    assert interned | by_string == set().union(*CLOSING_READS.values())
+    assert "PyObject_CallFunctionObjArgs(self->coder, self->kinds, kind, NULL)" in source
+    collectives = Collectives(MPI.COMM_SELF.Dup(), CommunicationOptions(check="step"))
+    request = MPI.COMM_SELF.Allreduce_init(np.zeros(1), np.zeros(1), MPI.MAX)
+    objects = {
+        "monitor": collectives.monitor,
+        "collectives": collectives,
+        "tally": collectives.stragglers,
+        "stop": collectives.stop,
+        "timeline": timeline,
+        "monitoring": monitor,
+        "busy": collectives.monitor.busy,
+        "flight": collectives.flight,
+        "request": request,
+    }
+    missing = [(o, n) for o, names in CLOSING_READS.items() for n in names if not hasattr(objects[o], n)]
+    request.Free()
+    assert missing == []
+
+
+@needs_compiled
+def test_both_twins_expose_the_same_names():
+    """What Python reads and calls of the state, the same on both: the fields (``learning`` written
+    too), ``defer`` and ``record_code``; and the step check's own methods over either."""
+    fields = {"learning", "record", "kinds", "limit", "coder"}
+    assert set(PythonStepState.__slots__) == fields
+    assert fields | {"defer", "record_code"} <= set(dir(compiled.StepState))
+    for twin in (PythonStepCheck, CompiledStepCheck):
+        step = twin()
+        assert (step.learning, step.record, step.kinds, step.limit) == (True, [], {}, LIMIT)
+        assert step.coder is step_check.kind_code
+        step.learned()
+        assert step.learning is False
 
 
 # records as defer leaves them (number, kind, code), and any list of such items
@@ -53,28 +119,30 @@ records = triples | st.lists(st.one_of(st.integers(-(2**70), 2**70), st.text(max
 @needs_compiled
 @given(records)
 def test_the_records_code_is_pythons_hash_of_its_numbers_and_codes(record):
-    assert compiled.record_code(record) == hash((tuple(record[0::3]), tuple(record[2::3])))
+    step = CompiledStepCheck()
+    step.record.extend(record)
+    assert step.record_code() == hash((tuple(record[0::3]), tuple(record[2::3])))
 
 
 @needs_compiled
 def test_a_deferral_records_what_the_python_twin_records():
     """The same calls through both twins: the same answers (not learned yet, recorded, the record
     full at LIMIT) and the same records, a kind's first call included."""
-    twins = {defer: StepCheck([]) for defer in (compiled.defer, python_defer)}
+    twins = [CompiledStepCheck(), PythonStepCheck()]
     calls = [(seq, kind, (seq * 7919) << 40) for seq in range(1, LIMIT // 3 + 3) for kind in ["all_reduce"]]
     calls[5] = (6, "all_gather", -(2**62))  # a second kind, and a negative fingerprint
-    answers = {}
-    for defer, step in twins.items():
-        got = [defer(step, 1, "all_reduce", 3)]  # learning: every call sends
+    answers = []
+    for step in twins:
+        got = [step.defer(1, "all_reduce", 3)]  # learning: every call sends
         step.learned()
-        got += [defer(step, seq, kind, fingerprint) for seq, kind, fingerprint in calls]
-        got.append(defer(None, 1, "all_reduce", 3))  # no step check (the check on)
-        answers[defer] = got
-    native_step, python_step = twins.values()
-    assert answers[compiled.defer] == answers[python_defer]
-    assert answers[python_defer][:2] == [False, True] and answers[python_defer][-3:] == [False] * 3
+        got += [step.defer(seq, kind, fingerprint) for seq, kind, fingerprint in calls]
+        answers.append(got)
+    native_step, python_step = twins
+    assert answers[0] == answers[1]
+    assert answers[1][:2] == [False, True] and answers[1][-2:] == [False] * 2
     assert native_step.record == python_step.record and len(python_step.record) == LIMIT
     assert native_step.kinds == python_step.kinds
+    assert native_step.code() == python_step.code() != 0
 
 
 def small_step(rank):
@@ -97,24 +165,15 @@ def expected_sums(size):
     return [np.float32(sum(np.float32(r + i) for r in range(size))) for i in range(8)]
 
 
-def python_twins(monkeypatch, strategy):
-    """Make this rank run the Python twins (the deferral, the record's code, the closing)."""
-    monkeypatch.setattr(all_reduce_module, "defer", python_defer)
-    monkeypatch.setattr(handshake, "defer", python_defer)
-    monkeypatch.setattr(step_check, "record_code", python_record_code)
-    strategy.extended.collectives.native_closing = False
-
-
 @pytest.mark.mpi(min_size=2)
 @needs_compiled
 def test_ranks_running_either_twin_agree_and_name_the_same_first_difference(monkeypatch):
-    """Rank 0 runs the Python twins, the others the compiled ones: learned steps pass with the sums
+    """Rank 0 runs the Python twin, the others the compiled one: learned steps pass with the sums
     of serial NumPy, and a step where the last rank calls differently raises on every rank with the
     same message, naming the first collective that differed. Then they go on together."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    monkeypatch.setattr(step_check, "twin", PythonStepCheck if rank == 0 else CompiledStepCheck)
     strategy = mpistrat.MPIStrategy(WORLD, communication_options=CommunicationOptions(check="step"))
-    if rank == 0:
-        python_twins(monkeypatch, strategy)
     sums = [strategy.run(small_step, args=(rank,)) for _ in range(3)]
     ok = all(s == expected_sums(size) for s in sums)
     x = np.ones(4, np.float32)
@@ -138,7 +197,7 @@ def test_ranks_running_either_twin_agree_and_name_the_same_first_difference(monk
     closes = WORLD.allgather(closing.closes if closing else None)
     strategy.experimental_finalize()
     # closed compiled: the 2nd and 3rd steps before the error and after it (a first step is checked
-    # call by call and closes generically; the divergent step raised)
+    # call by call and closes in Python; the divergent step raised)
     ok = ok and closes == [None] + [4] * (size - 1)
     all_ranks_agree(WORLD, ok, f"closings done compiled {closes}; {messages}")
 
@@ -171,31 +230,31 @@ def marks(strategy, before):
     ("timeout", "environment"), [(None, None), (None, "off"), (30.0, None), (None, "30")]
 )
 def test_a_compiled_closing_leaves_the_marks_the_python_closing_leaves(monkeypatch, timeout, environment):
-    """The same steps on two strategies, one closing in Python: the same numbers, monitor marks,
-    flight record and tally after each learned step, whose unchecked calls follow a checked one.
-    Counted: the compiled closing closed each learned step. A timeout chosen in the options or the
-    environment polls the wait, which the compiled closing leaves to Python: it is then not made, and
-    both close alike in Python. ``MPISTRAT_TIMEOUT=off`` polls nothing: compiled."""
+    """The same steps on two strategies, one over each twin: the same numbers, monitor marks, flight
+    record and tally after each learned step, whose unchecked calls follow a checked one; the
+    closing marked finished, its record cleared, its tally forgotten. Counted: the compiled closing
+    closed each learned step. A timeout chosen in the options or the environment polls the wait,
+    which the compiled closing leaves to Python: it is then not made, and both close alike in
+    Python. ``MPISTRAT_TIMEOUT=off`` polls nothing: compiled."""
     rank = WORLD.Get_rank()
     if environment is not None:
         monkeypatch.setenv("MPISTRAT_TIMEOUT", environment)  # read when a strategy is created
     options = CommunicationOptions(check="step", timeout_seconds=timeout)
-    compiled_one = mpistrat.MPIStrategy(WORLD, communication_options=options)
-    python_one = mpistrat.MPIStrategy(WORLD, communication_options=options)
-    python_one.extended.collectives.native_closing = False
-    seen = {}
-    for strategy in (compiled_one, python_one):
+    seen, closes = {}, None
+    for twin in (CompiledStepCheck, PythonStepCheck):
+        monkeypatch.setattr(step_check, "twin", twin)
+        strategy = mpistrat.MPIStrategy(WORLD, communication_options=options)
         steps = []
         for _ in range(3):
             before = time.monotonic()
             sums = strategy.run(checked_in_the_middle, args=(rank,))
             steps.append({**marks(strategy, before), "sums": sums == expected_sums(WORLD.Get_size())})
-        seen[strategy] = steps
-    closing = compiled_one.extended.collectives.native_closing
-    closes = closing.closes if closing else None  # the 2nd and 3rd steps: the 1st closes generically
-    compiled_one.experimental_finalize()
-    python_one.experimental_finalize()
-    got, want = seen[compiled_one], seen[python_one]
+        closing = strategy.extended.collectives.native_closing
+        if twin is CompiledStepCheck:  # the 2nd and 3rd steps: the 1st closes in Python
+            closes = closing.closes if closing else None
+        strategy.experimental_finalize()
+        seen[twin] = steps
+    got, want = seen[CompiledStepCheck], seen[PythonStepCheck]
     polled = timeout is not None or environment not in (None, "off")
     ok = got == want and closes == (None if polled else 2)
     ok = ok and want[-1]["last"] == (KIND, want[-1]["seq"]) and want[-1]["completed"] == want[-1]["seq"]
