@@ -121,12 +121,14 @@ def test_a_collective_that_failed_inside_fn_is_not_waited_for(group):
     all_ranks_agree(group.comm, after == n, f"{after}")
 
 
+@pytest.mark.usefixtures("step_twin")
 @pytest.mark.parametrize("case", ["list lengths", "dict keys", "a leaf on replica 0, a list on others"])
 def test_under_step_a_learned_steps_closing_compares_the_results_as_tf(case):
     """Under ``MPISTRAT_CHECK=step`` a step after the first closes with one handshake when it left a
     collective unchecked: that handshake carries the result's structure too, so a structure tf
     rejects raises on every rank there, and one tf regroups is each rank's own result, as with
-    the check on. Steps alike first, so the step that differs is one of the learned ones."""
+    the check on. Steps alike first, so the step that differs is one of the learned ones. Under
+    each twin of the step check (the compiled one closes compiled)."""
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         pytest.skip("needs two replicas to differ")
