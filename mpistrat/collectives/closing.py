@@ -50,16 +50,17 @@ def close_step(
     this rank alone, as every unchecked collective's)."""
     step = self.step_check
     learned = step is not None and not step.learning  # under MPISTRAT_CHECK=step, after the first step
+    if step is not None and learned and not step.record:  # nothing unchecked, on any rank: nothing sent
+        self.seq += 1
+        self.monitor.leave(kind, self.seq, completed=True)
+        self.stragglers.forget()
+        if error is not None:
+            raise error
+        return
+    code = fingerprint()
+    if learned and error is None and _compiled(self, kind, code, describe):
+        return  # the compiled closing forgot the tally's arrival too
     try:
-        if step is not None and learned and not step.record:  # nothing unchecked, on any rank: nothing sent
-            self.seq += 1
-            self.monitor.leave(kind, self.seq, completed=True)
-            if error is not None:
-                raise error
-            return
-        code = fingerprint()
-        if learned and error is None and _compiled(self, kind, code, describe):
-            return
         _handshake(self, kind, code, describe, error)
         if step is not None:
             step.learned()
