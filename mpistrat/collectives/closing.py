@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mpistrat.collectives import handshake, native, step_check
+from mpistrat.collectives import handshake, step_check
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.diagnostics import monitor as monitoring
 from mpistrat.diagnostics import stragglers, timeline, watchdog
@@ -97,7 +97,7 @@ def _native_closing(self: Collectives, kind: str) -> Any:
     send, recv, request, _, stop = self.handshake_buffers
     monitor = self.monitor
     step = self.step_check
-    compiled = native.native_step
+    compiled = step_check.native_step
     if (
         compiled is None
         or step_check.CompiledStepCheck is None

@@ -32,16 +32,28 @@ entry.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpi4py import MPI
 
-from mpistrat.collectives import native
+from mpistrat import config
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.mismatch import by_rank
 from mpistrat.errors import CollectiveMismatchError
 
-__all__ = ["LIMIT", "MASK", "CompiledStepCheck", "PythonStepCheck", "StepCheck", "kind_code", "twin"]
+__all__ = [
+    "LIMIT",
+    "MASK",
+    "CompiledStepCheck",
+    "PythonStepCheck",
+    "StepCheck",
+    "chosen",
+    "describe",
+    "kind_code",
+    "native_step",
+    "twin",
+]
 
 LIMIT = 3 * 4096  # the record's length at most (4096 collectives): the next one sends a handshake
 _KINDS = 4096  # kinds' codes remembered at most (a kind may name a variable: a program may make many)
@@ -178,19 +190,44 @@ class PythonStepCheck(StepCheck, PythonStepState):
         PythonStepState.__init__(self, LIMIT, kind_code)
 
 
-if TYPE_CHECKING or native.native_step is None:
+def _load() -> ModuleType | None:
+    try:
+        import mpistrat.collectives.native_step as module
+    except ImportError:
+        return None
+    return module
+
+
+# The compiled twins (native_step.c), where ``pip install .`` built them (it goes on without a C
+# compiler); strategies use them where built and MPISTRAT_NATIVE is on (the default; read once).
+native_step = _load()
+chosen = native_step is not None and bool(config.read("MPISTRAT_NATIVE"))
+
+
+def describe() -> str:
+    """Which twin strategies use: ``compiled``, or ``Python`` and why (``mpistrat info`` shows it).
+
+    >>> describe() in ("compiled", "Python (not built)", "Python (MPISTRAT_NATIVE=0)")
+    True
+    """
+    if chosen:
+        return "compiled"
+    return "Python (not built)" if native_step is None else "Python (MPISTRAT_NATIVE=0)"
+
+
+if TYPE_CHECKING or native_step is None:
     CompiledStepCheck: type[StepCheck] | None = None  # not built: the Python twin runs
 else:
 
-    class CompiledStepCheck(StepCheck, native.native_step.StepState):
+    class CompiledStepCheck(StepCheck, native_step.StepState):
         """The step check over its compiled state (``native_step.c``)."""
 
         __slots__ = ()
 
         def __init__(self) -> None:
-            native.native_step.StepState.__init__(self, LIMIT, kind_code)
+            native_step.StepState.__init__(self, LIMIT, kind_code)
 
 
 # The twin a ``Collectives`` makes under ``MPISTRAT_CHECK=step``: compiled where it was built and
-# ``MPISTRAT_NATIVE`` is on (:mod:`.native`); a test may set either.
-twin: type[StepCheck] = CompiledStepCheck if CompiledStepCheck and native.chosen else PythonStepCheck
+# ``MPISTRAT_NATIVE`` is on; a test may set either.
+twin: type[StepCheck] = CompiledStepCheck if CompiledStepCheck and chosen else PythonStepCheck

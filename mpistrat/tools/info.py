@@ -25,7 +25,7 @@ from typing import Any
 import mpi4py
 from mpi4py import MPI
 
-from mpistrat.collectives import native
+from mpistrat.collectives import step_check
 from mpistrat.comm import cuda, devices, transport
 from mpistrat.diagnostics import launch, ulfm
 from mpistrat.errors import MpistratError
@@ -131,7 +131,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any] | None:
         "threads": host.threads(),
         "blas_threads": host.blas_threads(),
         "host_transport": transport.HostMPI.name,
-        "step_check": native.describe(),
+        "step_check": step_check.describe(),
         "fault_tolerance": ulfm.fault_tolerance(),
         "device_transport": first["device_transport"],
         "ranks": ranks,

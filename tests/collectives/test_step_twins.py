@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions
-from mpistrat.collectives import native, step_check
+from mpistrat.collectives import step_check
 from mpistrat.collectives.step_check import LIMIT, CompiledStepCheck, PythonStepCheck, PythonStepState
 from mpistrat.diagnostics import stragglers
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
 
-compiled = native.native_step
+compiled = step_check.native_step
 needs_compiled = pytest.mark.skipif(CompiledStepCheck is None, reason="the compiled twin was not built")
 KIND = "strategy.run (result)"
 SOURCE = Path(step_check.__file__).with_name("native_step.c")

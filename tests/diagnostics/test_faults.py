@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpistrat.collectives import native
+from mpistrat.collectives import step_check
 from mpistrat.diagnostics import side_channel
 from tests.support import launch
 from tests.support.launch import MPIEXEC
@@ -211,7 +211,7 @@ def test_a_stall_in_a_steps_compiled_closing_is_warned_of_naming_the_rank():
     late = r"waited \d+ s: waiting for rank 1: rank 1 is not in a collective \(last finished all_reduce #7"
     assert re.search(late, out), out
     # the learned steps' closings (the 2nd to 4th), the stalled one included
-    closings = "3 compiled" if native.chosen else "0 compiled"
+    closings = "3 compiled" if step_check.chosen else "0 compiled"
     assert on_every_rank(out, f"finished, its closings {closings}"), out
 
 
