@@ -27,12 +27,12 @@ from typing import Any
 if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on"):  # noqa: SIM112
     os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
-from mpistrat import context
 from mpistrat.diagnostics import startup as _startup  # starts MPI, and notes when
 
 # Imported now, not on first use: its exit hook is registered when it is imported, so that it runs
 # after the exit handlers the program registers after `import mpistrat` (atexit is LIFO).
 from mpistrat.diagnostics.abort import set_abort_on_exception as set_abort_on_exception
+from mpistrat.interface import modes
 
 __version__ = "0.1.0"
 
@@ -133,5 +133,5 @@ def _default_strategy() -> Any:
     return default_strategy()
 
 
-context.set_default_strategy(_default_strategy)
+modes.set_default_strategy(_default_strategy)
 _startup.reached("import mpistrat")

@@ -11,7 +11,6 @@ from mpistrat import experimental, nest
 from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointLoadStatus, latest_checkpoint
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.checkpoint.preemption import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
-from mpistrat.context import experimental_set_strategy, has_strategy, in_cross_replica_context
 from mpistrat.diagnostics.abort import set_abort_on_exception
 from mpistrat.diagnostics.stragglers import StragglerRow, Stragglers
 from mpistrat.diagnostics.timeline import start_timeline, stop_timeline, trace
@@ -37,6 +36,7 @@ from mpistrat.input.batches import ArraySpec
 from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, ValueContext
 from mpistrat.input.datasets import DistributedDataset, DistributedDatasetsFromFunction, InputIterator
 from mpistrat.input.iterators import DistributedIterator
+from mpistrat.interface.modes import experimental_set_strategy, has_strategy, in_cross_replica_context
 from mpistrat.options import CheckpointOptions, CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.training import metrics, optimizers

@@ -128,7 +128,7 @@ def test_each_module_imports_only_its_own_layer_and_those_below(path: Path):
 
 
 def test_nothing_below_distribute_names_the_strategy():
-    """Not even in an annotation: the layers below see a strategy through ``mpistrat.replicas``."""
+    """Not even in an annotation: the layers below see a strategy through ``mpistrat.interface.protocols``."""
     offenders = []
     for path in below_distribute():
         for imported in imports_of(path):

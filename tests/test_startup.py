@@ -28,9 +28,10 @@ STUB = ROOT / "mpistrat" / "__init__.pyi"
 # What `import mpistrat` loads, and why each: a new module here is loaded by every rank of every job.
 EAGER = {
     "mpistrat": "the public face",
-    "mpistrat.context": "has_strategy and its kin; __init__ registers the default strategy with it",
-    "mpistrat.errors": "the context's errors",
-    "mpistrat.replicas": "the protocols the context holds",
+    "mpistrat.interface": "the package of the modes",
+    "mpistrat.interface.modes": "has_strategy and its kin; __init__ registers the default strategy with it",
+    "mpistrat.errors": "the modes' errors",
+    "mpistrat.interface.protocols": "the protocols the modes hold",
     "mpistrat.diagnostics": "the package of abort",
     "mpistrat.diagnostics.abort": "its exit hook must come before the program's exit handlers",
     "mpistrat.diagnostics.callsite": "abort names where Ctrl-C stopped",
@@ -38,9 +39,10 @@ EAGER = {
     "mpistrat.config": "abort reads MPISTRAT_ABORT_ON_EXCEPTION",
     "mpistrat.log": "abort labels its lines with the rank",
 }
-# A minimal strategy.run loads this many mpistrat modules (64 with collectives/failure.py): one more
-# is a new import on every job's path. Raise it only for a module every job needs.
-RUN_MODULES = 64
+# A minimal strategy.run loads this many mpistrat modules (64 with collectives/failure.py, 65 with
+# the interface/ package): one more is a new import on every job's path. Raise it only for a module
+# every job needs.
+RUN_MODULES = 65
 # Packages a job that does not use them never loads.
 UNUSED = (
     "mpistrat.checkpoint",  # until a Checkpoint is made

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat import context
 from mpistrat.checkpoint import background, local_copies, mpiio, restoring, saving
 from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
 from mpistrat.checkpoint.format import Table, renamed
@@ -42,9 +41,10 @@ from mpistrat.checkpoint.tracking import name_before_escaping, tracked
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.errors import ContextError, InvalidArgumentError, PeerFailedError
 from mpistrat.input.position import InputPosition
+from mpistrat.interface import modes
+from mpistrat.interface.protocols import StrategyProtocol
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
-from mpistrat.replicas import StrategyProtocol
 from mpistrat.training.optimizers import LossScaleOptimizer, Optimizer
 from mpistrat.training.variables import Variable, plain_variable
 
@@ -161,14 +161,14 @@ class Checkpoint:
             raise InvalidArgumentError(
                 f"Checkpoint.{method}: the tracked variables and inputs belong to different strategies"
             )
-        mode = context.current_mode()
+        mode = modes.current_mode()
         strategy = next(iter(owners.values())) if owners else mode.strategy
-        if mode.kind in (context.REPLICA, context.MERGE):
+        if mode.kind in (modes.REPLICA, modes.MERGE):
             raise ContextError(
                 f"Checkpoint.{method} is collective: call it on every rank in cross-replica context "
                 "(outside strategy.run and merge_fn)"
             )
-        if mode.kind is not context.DEFAULT and mode.strategy is not strategy:
+        if mode.kind is not modes.DEFAULT and mode.strategy is not strategy:
             raise ContextError(
                 f"Checkpoint.{method}: the variables belong to {strategy}, not to {mode.strategy}"
             )
@@ -484,8 +484,8 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     Collective over the current strategy: in ``strategy.scope()`` rank 0 reads and every
     rank gets its answer; outside any scope each rank reads for itself.
     """
-    mode = context.current_mode()
-    if mode.kind in (context.REPLICA, context.MERGE):
+    mode = modes.current_mode()
+    if mode.kind in (modes.REPLICA, modes.MERGE):
         raise ContextError(
             "latest_checkpoint is collective: call it on every rank in cross-replica context "
             "(outside strategy.run and merge_fn)"

@@ -21,7 +21,6 @@ from typing import Any
 
 from mpi4py import MPI
 
-from mpistrat import context
 from mpistrat.comm import devices
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
@@ -29,6 +28,7 @@ from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.strategy_base import Strategy
 from mpistrat.distribute.updates import select_replica, ungroup
 from mpistrat.errors import ContextError
+from mpistrat.interface import modes
 from mpistrat.options import CommunicationOptions
 
 __all__ = ["DefaultExtended", "default_strategy"]
@@ -43,13 +43,13 @@ class _DefaultStrategy(Strategy):
     def _require_own(self, method: str) -> None:
         """Nothing to refuse: the default strategy's methods work in any scope, as tf's."""
 
-    def _enter_scope(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
-        if mode.kind is context.DEFAULT:  # as tf: it keeps its default replica context
-            return context.default_scope()
+    def _enter_scope(self, mode: modes.Mode) -> contextlib.AbstractContextManager[Any]:
+        if mode.kind is modes.DEFAULT:  # as tf: it keeps its default replica context
+            return modes.default_scope()
         return super()._enter_scope(mode)
 
     def _run_in_merge_fn(
-        self, mode: context.Mode, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, mode: modes.Mode, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """In its own merge_fn the one replica runs as ``run`` runs it anywhere else."""
         if mode.strategy is not self:
@@ -78,7 +78,7 @@ class DefaultExtended(StrategyExtended):
         self._require_cross_replica(method)
         return self._local
 
-    def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
+    def _enter(self, mode: modes.Mode) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def update(
@@ -97,7 +97,7 @@ class DefaultExtended(StrategyExtended):
 
     def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
         """Variables created inside record ``colocate_with_variable`` (any variable: no scope to check)."""
-        return context.colocation(self._container_strategy, colocate_with_variable)
+        return modes.colocation(self._container_strategy, colocate_with_variable)
 
     def call_merge_fn(
         self,
@@ -107,7 +107,7 @@ class DefaultExtended(StrategyExtended):
     ) -> Any:
         """Call ``merge_fn`` here, in the merge context: the one replica holds every replica's values."""
         strategy = self._container_strategy
-        with context.push(context.Mode(strategy, None, context.MERGE)):
+        with modes.push(modes.Mode(strategy, None, modes.MERGE)):
             return merge_fn(strategy, *args, **kwargs)
 
 
@@ -122,4 +122,4 @@ def default_strategy() -> Strategy:
     return _DefaultStrategy()
 
 
-context.set_default_strategy(default_strategy)
+modes.set_default_strategy(default_strategy)

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mpistrat import context
 from mpistrat.collectives import FREED, Collectives
 from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
@@ -38,8 +37,9 @@ from mpistrat.distribute import merge, reductions, updates
 from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.interface import modes
+from mpistrat.interface.protocols import SyncedWrites
 from mpistrat.options import CommunicationOptions
-from mpistrat.replicas import SyncedWrites
 from mpistrat.values import HasLocalCopy, local_variable
 
 if TYPE_CHECKING:
@@ -213,27 +213,27 @@ class StrategyExtended:
 
     # -- context rules ------------------------------------------------------------------
 
-    def _require_cross_replica(self, method: str) -> context.Mode:
+    def _require_cross_replica(self, method: str) -> modes.Mode:
         """Cross-replica context of this strategy, or the default context; else raise as tf does."""
-        mode = context.current_mode()
-        if mode.kind is not context.DEFAULT:
+        mode = modes.current_mode()
+        if mode.kind is not modes.DEFAULT:
             self._require_cross_replica_of_mine(method, mode)
         return mode
 
-    def _require_cross_replica_of_mine(self, method: str, mode: context.Mode) -> None:
+    def _require_cross_replica_of_mine(self, method: str, mode: modes.Mode) -> None:
         """Outside the default context: this strategy's, and cross-replica."""
         if mode.strategy is not self._container_strategy:
             self._require_scope(method, mode)  # raises
         if mode.replica_context is not None:
             raise ContextError(
-                f"{method}: Method requires being in cross-replica context, {context.CROSS_REPLICA_HINT}"
+                f"{method}: Method requires being in cross-replica context, {modes.CROSS_REPLICA_HINT}"
             )
 
-    def _require_scope(self, method: str, mode: context.Mode | None = None) -> None:
-        mode = mode or context.current_mode()
+    def _require_scope(self, method: str, mode: modes.Mode | None = None) -> None:
+        mode = mode or modes.current_mode()
         if mode.strategy is self._container_strategy:
             return
-        if mode.kind is context.DEFAULT:
+        if mode.kind is modes.DEFAULT:
             raise ContextError(
                 f'{method}: Need to be inside "with strategy.scope()" for {self._container_strategy}'
             )
@@ -242,24 +242,24 @@ class StrategyExtended:
             f"{self._container_strategy}"
         )
 
-    def _enter(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
+    def _enter(self, mode: modes.Mode) -> contextlib.AbstractContextManager[Any]:
         """Enter this strategy's scope when called from the default context (as tf does)."""
-        if mode.kind is context.DEFAULT:
+        if mode.kind is modes.DEFAULT:
             return self._container_strategy.scope()
         return _NOTHING
 
     def _reductions(self, method: str) -> SpmdReducer | LocalReducer:
         """The reducer of the current cross-replica context (else raise), for ``reduce_to``,
         ``batch_reduce_to`` and ``broadcast_to``, which check their arguments, then hand them to it."""
-        mode = context.current_mode()
-        if mode.kind is not context.DEFAULT:
+        mode = modes.current_mode()
+        if mode.kind is not modes.DEFAULT:
             self._require_cross_replica_of_mine(method, mode)
         return self.reducer(mode)
 
-    def reducer(self, mode: context.Mode) -> SpmdReducer | LocalReducer:
+    def reducer(self, mode: modes.Mode) -> SpmdReducer | LocalReducer:
         """The one place that tells a merge_fn, where every replica's value is at hand (array
         arithmetic), from the SPMD context, where each rank holds its own (one collective)."""
-        return self._local if mode.kind is context.MERGE else self._spmd
+        return self._local if mode.kind is modes.MERGE else self._spmd
 
     # -- reductions ---------------------------------------------------------------------
 
@@ -331,11 +331,11 @@ class StrategyExtended:
         merge_call) ``fn`` runs on this replica's copy there. With ``group=False`` each leaf
         of the result becomes a tuple of the values held here (one per local replica).
         """
-        mode = context.current_mode()
-        if mode.kind is context.REPLICA and mode.strategy is self._container_strategy:
+        mode = modes.current_mode()
+        if mode.kind is modes.REPLICA and mode.strategy is self._container_strategy:
             return self._update_copy(var, fn, args, kwargs, group, mode)
         mode = self._require_cross_replica("update")
-        if mode.kind is context.DEFAULT:  # as tf: from the default context, in this strategy's scope
+        if mode.kind is modes.DEFAULT:  # as tf: from the default context, in this strategy's scope
             with self._container_strategy.scope():
                 return self.update(var, fn, args, kwargs, group)
         return self._update_copy(var, fn, args, kwargs, group, mode)
@@ -347,10 +347,10 @@ class StrategyExtended:
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
         group: bool,
-        mode: context.Mode,
+        mode: modes.Mode,
     ) -> Any:
         """``update``'s work in a replica or cross-replica context of this strategy."""
-        merging = mode.kind is context.MERGE
+        merging = mode.kind is modes.MERGE
         (a, kw), taken = updates.select_replica(
             (tuple(args), dict(kwargs or {})), self.rank, self.size, "update", one_process=merging
         )
@@ -403,7 +403,7 @@ class StrategyExtended:
         with self._enter(mode), self.writes_in_sync():
             (a, kw), _ = updates.select_replica(
                 (tuple(args), dict(kwargs or {})), self.rank, self.size, "update_non_slot",
-                one_process=mode.kind is context.MERGE,
+                one_process=mode.kind is modes.MERGE,
             )  # fmt: skip
             result = fn(*a, **kw)
         return result if group else updates.ungroup(result)
@@ -442,7 +442,7 @@ class StrategyExtended:
                 f"tf.distribute.Strategy.scope(), not: {colocate_with_variable!r} (a variable created in "
                 "this strategy's scope(), or the value of non_slot_devices())"
             )
-        return context.colocation(self._container_strategy, colocate_with_variable)
+        return modes.colocation(self._container_strategy, colocate_with_variable)
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` (a per-rank copy) belongs to, else ``value`` itself."""

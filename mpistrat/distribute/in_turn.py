@@ -5,7 +5,7 @@ MirroredStrategy does on its devices. Each replica runs in a thread of its own, 
 so that a ``merge_call`` inside ``fn`` can wait for the other replicas to reach theirs, as tf's
 replica threads do: ``merge_fn`` then runs once with every replica's arguments, and each replica
 goes on with its own part of the result. Nothing here communicates (``fn`` may not: see
-``context.Mode``), and an exception in ``fn`` or ``merge_fn`` reaches the caller as it was raised.
+``modes.Mode``), and an exception in ``fn`` or ``merge_fn`` reaches the caller as it was raised.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mpistrat import context, nest
+from mpistrat import nest
 from mpistrat.distribute.merge import regroup, select
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError
+from mpistrat.interface import modes
 
 if TYPE_CHECKING:
     from mpistrat.distribute.strategy_base import Strategy
@@ -35,7 +36,7 @@ class _Replica:
     def __init__(self, strategy: Strategy, replica: int, fn: Callable[..., Any], args: Any, kwargs: Any):
         self.context = ReplicaContext(strategy, replica)
         self.context._in_turn = self  # its merge_call comes here (see ReplicaContext.merge_call)
-        self.mode = context.Mode(strategy, self.context, context.MERGE)
+        self.mode = modes.Mode(strategy, self.context, modes.MERGE)
         self.call = (fn, args, kwargs)
         self.merge: tuple[Callable[..., Any], Any] | None = None  # (merge_fn, (args, kwargs)) pending
         self.merged: Any = None
@@ -50,7 +51,7 @@ class _Replica:
         self._go.clear()
         fn, args, kwargs = self.call
         try:
-            with context.push(self.mode):
+            with modes.push(self.mode):
                 self.result = fn(*args, **kwargs)
         except _Stopped:
             pass
@@ -114,7 +115,7 @@ def _merge(strategy: Strategy, replicas: list[_Replica]) -> None:
     merge_fn = replicas[0].merge[0]  # type: ignore[index]
     arguments = [r.merge[1] for r in replicas]  # type: ignore[index]
     m_args, m_kwargs = regroup(arguments[0], arguments)
-    with context.push(context.Mode(strategy, None, context.MERGE)):
+    with modes.push(modes.Mode(strategy, None, modes.MERGE)):
         result = merge_fn(strategy, *m_args, **m_kwargs)
     for i, replica in enumerate(replicas):
         replica.merged = nest.tree_map(lambda leaf, i=i: select(leaf, i), result)

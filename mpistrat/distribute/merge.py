@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from mpistrat import context, nest
+from mpistrat import nest
 from mpistrat.collectives import Unsendable, check_level
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.errors import (
@@ -42,6 +42,7 @@ from mpistrat.errors import (
     StructureMismatchError,
     UnsupportedTypeError,
 )
+from mpistrat.interface import modes
 from mpistrat.values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def merge_on_root(strategy: Strategy, merge_fn: Callable[..., Any], args: Any, k
         record = extended.writes  # the writes merge_fn makes to the strategy's variables
         writes = record.record()
         try:
-            with context.push(context.Mode(strategy, None, context.MERGE)):
+            with modes.push(modes.Mode(strategy, None, modes.MERGE)):
                 result = merge_fn(strategy, *m_args, **m_kwargs)
         finally:
             record.stop()
@@ -214,7 +215,7 @@ def merge_on_every_rank(strategy: Strategy, merge_fn: Callable[..., Any], args: 
     record = extended.writes  # the writes merge_fn makes to the strategy's variables
     written = record.record()
     try:
-        with context.push(context.Mode(strategy, None, context.CROSS_REPLICA)):
+        with modes.push(modes.Mode(strategy, None, modes.CROSS_REPLICA)):
             result = merge_fn(strategy, *m_args, **m_kwargs)
     except BaseException as exc:
         error = exc

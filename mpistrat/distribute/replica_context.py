@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mpistrat import context
 from mpistrat.errors import ContextError
+from mpistrat.interface import modes
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
@@ -37,7 +37,7 @@ class ReplicaContext:
         self._modes: list[Any] = []
 
     def __enter__(self) -> ReplicaContext:
-        push = context.push(context.Mode(self._strategy, self, context.REPLICA))
+        push = modes.push(modes.Mode(self._strategy, self, modes.REPLICA))
         push.__enter__()
         self._modes.append(push)
         return self
@@ -118,7 +118,7 @@ class ReplicaContext:
         42
         """
         in_turn = self._in_turn
-        if in_turn is not None and context.current_mode().replica_context is self:
+        if in_turn is not None and modes.current_mode().replica_context is self:
             return in_turn.merge_call(merge_fn, args, dict(kwargs or {}))  # strategy.run inside a merge_fn
         self._require_current("merge_call")
         return self._strategy.extended.call_merge_fn(merge_fn, args, dict(kwargs or {}))
@@ -137,7 +137,7 @@ class ReplicaContext:
         return self._strategy.extended.update(var, fn, args, kwargs, group)
 
     def _require_current(self, method: str) -> None:
-        mode = context.require_replica(f"ReplicaContext.{method}")  # nor strategy.run inside a merge_fn
+        mode = modes.require_replica(f"ReplicaContext.{method}")  # nor strategy.run inside a merge_fn
         if mode.replica_context is not self:
             raise ContextError(
                 f"ReplicaContext.{method} called on a replica context that is not the current one; "

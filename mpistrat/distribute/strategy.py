@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mpistrat import config, context
+from mpistrat import config
 from mpistrat.collectives import mismatch
 from mpistrat.diagnostics import abort, launch, watchdog
 from mpistrat.distribute import merge
@@ -24,6 +24,7 @@ from mpistrat.errors import (
     PeerFailedError,
     UnsupportedTypeError,
 )
+from mpistrat.interface import modes
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -105,10 +106,8 @@ class MPIStrategy(Strategy):
         ``PreemptionCheckpointHandler.run`` and ``next(iterator)`` recover by themselves.
         See docs/fault-tolerance.md.
         """
-        mode = context.current_mode()
-        if mode.kind is not context.DEFAULT and (
-            mode.strategy is not self or mode.replica_context is not None
-        ):
+        mode = modes.current_mode()
+        if mode.kind is not modes.DEFAULT and (mode.strategy is not self or mode.replica_context is not None):
             raise ContextError(
                 "MPIStrategy.recover() must be called in cross-replica context (outside strategy.run and "
                 "merge_fn), on every surviving rank"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import optree
 
-from mpistrat import context, nest, values
+from mpistrat import nest, values
 from mpistrat.distribute import in_turn, reductions, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
@@ -26,6 +26,7 @@ from mpistrat.input.contexts import (
     ValueContext,
     distribute_values_from_function,
 )
+from mpistrat.interface import modes
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import Mirrored, PerReplica
 
@@ -73,7 +74,7 @@ class Strategy:
     @property
     def replicas(self) -> StrategyExtended:
         """This strategy's group of replicas, as the layers below ``distribute/`` use it
-        (:class:`mpistrat.replicas.Replicas`): the same object as :attr:`extended`."""
+        (:class:`mpistrat.interface.protocols.Replicas`): the same object as :attr:`extended`."""
         return self._extended
 
     @property
@@ -88,8 +89,8 @@ class Strategy:
 
     def _require_own(self, method: str) -> None:
         """Raise, as tf does, when another strategy's scope is active (the default context is fine)."""
-        mode = context.current_mode()
-        if mode.kind is not context.DEFAULT and mode.strategy is not self:
+        mode = modes.current_mode()
+        if mode.kind is not modes.DEFAULT and mode.strategy is not self:
             raise ContextError(
                 f"{method}: Mixing different tf.distribute.Strategy objects: {mode.strategy} is not {self}"
             )
@@ -108,21 +109,21 @@ class Strategy:
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[Strategy]:
-        mode = context.current_mode()
-        if mode.kind is not context.DEFAULT:
+        mode = modes.current_mode()
+        if mode.kind is not modes.DEFAULT:
             if mode.strategy is not self:
                 raise ContextError(_MIXING)  # a RuntimeError, as tf's
-            context.require_cross_replica("Strategy.scope")
+            modes.require_cross_replica("Strategy.scope")
         self._extended.collectives  # noqa: B018 (raises if finalized)
-        if mode.kind is context.MERGE:  # inside merge_fn (rank 0 alone) the scope is already entered:
+        if mode.kind is modes.MERGE:  # inside merge_fn (rank 0 alone) the scope is already entered:
             yield self  # keep the merge context, or rank 0 would enter collectives alone
             return
         with self._enter_scope(mode):
             yield self
 
-    def _enter_scope(self, mode: context.Mode) -> contextlib.AbstractContextManager[Any]:
+    def _enter_scope(self, mode: modes.Mode) -> contextlib.AbstractContextManager[Any]:
         """What entering the scope pushes: this strategy's SPMD cross-replica mode."""
-        return context.push(context.Mode(self, None, context.CROSS_REPLICA, context.in_default_scope()))
+        return modes.push(modes.Mode(self, None, modes.CROSS_REPLICA, modes.in_default_scope()))
 
     def run(
         self,
@@ -143,10 +144,10 @@ class Strategy:
         >>> strategy.run(replica_id) == strategy.extended.rank
         True
         """
-        mode = context.require_cross_replica("Strategy.run")
-        if mode.kind is context.MERGE:
+        mode = modes.require_cross_replica("Strategy.run")
+        if mode.kind is modes.MERGE:
             return self._run_in_merge_fn(mode, fn, tuple(args), dict(kwargs or {}))
-        if mode.kind is not context.DEFAULT and mode.strategy is not self:
+        if mode.kind is not modes.DEFAULT and mode.strategy is not self:
             raise ContextError(_MIXING)  # a RuntimeError, as tf's
         collectives = self._extended.collectives  # raises if finalized
         rank = self._extended.rank
@@ -177,13 +178,13 @@ class Strategy:
     experimental_run_v2 = run
 
     def _run_in_merge_fn(
-        self, mode: context.Mode, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, mode: modes.Mode, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """``run`` inside a root-mode merge_fn: rank 0 holds every replica's arguments, so it calls
         ``fn`` once per replica, in turn, as tf's MirroredStrategy does; a ``PerReplica`` of the results.
 
         Each call is in that replica's context, but on rank 0 alone: communicating, or touching a
-        copy of a variable that another rank holds, raises ContextError (see ``context.Mode``); a
+        copy of a variable that another rank holds, raises ContextError (see ``modes.Mode``); a
         ``merge_call`` inside waits for every replica's (see :mod:`mpistrat.distribute.in_turn`).
         """
         size = self.num_replicas_in_sync
@@ -241,7 +242,7 @@ class Strategy:
         >>> strategy.reduce("mean", np.array([1.0, 2.0, 6.0], np.float32), axis=0)
         np.float32(3.0)
         """
-        mode = context.require_cross_replica("Strategy.reduce")
+        mode = modes.require_cross_replica("Strategy.reduce")
         self._require_own("Strategy.reduce")
         return self._extended.reducer(mode).reduce(reduce_op, value, axis)
 
@@ -252,7 +253,7 @@ class Strategy:
         >>> mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF).gather(np.array([1, 2]), axis=0)
         array([1, 2])
         """
-        mode = context.require_cross_replica("Strategy.gather")
+        mode = modes.require_cross_replica("Strategy.gather")
         self._require_own("Strategy.gather")
         return self._extended.reducer(mode).gather(value, axis)
 
@@ -323,7 +324,7 @@ class Strategy:
 
     def experimental_finalize(self) -> list[Any]:
         """Free the private communicator (collective). Using the strategy afterwards raises."""
-        if context.current_mode().kind is context.MERGE:
+        if modes.current_mode().kind is modes.MERGE:
             raise ContextError(
                 "experimental_finalize() cannot be called inside merge_fn: it runs on rank 0 alone and "
                 "finalizing is collective; call it in cross-replica context on every rank"

@@ -15,8 +15,8 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mpistrat import context
 from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
+from mpistrat.interface import modes
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -192,10 +192,10 @@ class InputOptions:
         _check_index("experimental_per_replica_buffer_size", self.experimental_per_replica_buffer_size, 1)
 
 
-def require_spmd(method: str) -> context.Mode:
+def require_spmd(method: str) -> modes.Mode:
     """The current mode, if every rank executes here (not inside a ``merge_fn``)."""
-    mode = context.current_mode()
-    if mode.kind is context.MERGE:
+    mode = modes.current_mode()
+    if mode.kind is modes.MERGE:
         raise ContextError(
             f"{method} cannot be called inside a merge_fn: merge_fn runs on rank 0 alone, "
             "and reading distributed input needs every rank"
@@ -225,7 +225,7 @@ def distribute_values_from_function(collectives: Any, value_fn: Callable[[ValueC
     if not callable(value_fn):
         raise InvalidArgumentError(f"value_fn must be callable; got {type(value_fn).__name__}")
     mode = require_spmd("experimental_distribute_values_from_function")
-    if mode.replica_context is not None and mode.kind is not context.DEFAULT:
-        context.require_cross_replica("experimental_distribute_values_from_function")
+    if mode.replica_context is not None and mode.kind is not modes.DEFAULT:
+        modes.require_cross_replica("experimental_distribute_values_from_function")
     ranks, _ = handed(collectives)
     return value_fn(ValueContext(ranks.rank, ranks.size))

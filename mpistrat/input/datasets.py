@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from mpistrat import context
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.input.batches import examine
 from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, handed, require_spmd
@@ -25,6 +24,7 @@ from mpistrat.input.iterators import DistributedIterator, Optional, SplitIterato
 from mpistrat.input.pipelines import PipelineIterator, SpecCell
 from mpistrat.input.position import InputPosition
 from mpistrat.input.source import END, UNKNOWN, Source, wrap_user_error
+from mpistrat.interface import modes
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -53,7 +53,7 @@ def _options(options: InputOptions | None, where: str) -> InputOptions:
 
 def _require_cross_replica(where: str) -> None:
     require_spmd(where)
-    context.require_cross_replica(where)
+    modes.require_cross_replica(where)
 
 
 class DistributedDataset:

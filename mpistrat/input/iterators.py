@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mpistrat import context, nest
+from mpistrat import nest
 from mpistrat.collectives import check_enabled
 from mpistrat.collectives.fingerprint import checksum, hash64
 from mpistrat.diagnostics import ulfm
@@ -29,6 +29,7 @@ from mpistrat.input.contexts import InputOptions, require_spmd
 from mpistrat.input.elements import Elements
 from mpistrat.input.position import InputPosition
 from mpistrat.input.source import END, UNKNOWN, Source, wrap_user_error
+from mpistrat.interface import modes
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -379,8 +380,8 @@ def refuse_in_replica_fn() -> None:
     Local (every rank runs the same ``replica_fn``, so every rank raises); the default
     replica context, outside any scope, is not inside ``run``.
     """
-    mode = context.current_mode()
-    if mode.replica_context is not None and mode.kind is not context.DEFAULT:
+    mode = modes.current_mode()
+    if mode.replica_context is not None and mode.kind is not modes.DEFAULT:
         raise InvalidArgumentError(
             "next(iterator) should be called from outside of replica_fn. "
             "e.g. strategy.run(replica_fn, args=(next(iterator),))"

@@ -6,7 +6,7 @@ broadcast at creation, or a :class:`SyncOnReadVariable` (ON_READ). Either holds 
 rank (a plain :class:`~mpistrat.training.variables.Variable`). Writes in replica context are
 aggregated across replicas as ``aggregation`` says; writes in cross-replica context apply on
 every rank. What a write does inside a merge_fn or ``update()`` the strategy says through the
-:class:`~mpistrat.replicas.SyncedWrites` each variable is handed at creation.
+:class:`~mpistrat.interface.protocols.SyncedWrites` each variable is handed at creation.
 
 >>> import mpistrat, numpy as np
 >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
@@ -22,13 +22,13 @@ import contextlib
 import re
 from typing import Any
 
-from mpistrat import context
 from mpistrat.collectives import check_enabled
 from mpistrat.collectives.fingerprint import checksum
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
+from mpistrat.interface import modes
+from mpistrat.interface.protocols import SyncedWrites
 from mpistrat.reduce_op import ReduceOp
-from mpistrat.replicas import SyncedWrites
 from mpistrat.training.recovery import broadcast_in_place
 from mpistrat.training.variables import (
     Variable,
@@ -82,7 +82,7 @@ class DistributedVariable(Variable, DistributedValues):
                 f"change the `synchronization` for variable: {self._name} (AUTO, ON_WRITE or ON_READ; a "
                 "variable created in a strategy's scope has a copy on every rank)"
             )
-        mode = context.current_mode()
+        mode = modes.current_mode()
         strategy = mode.strategy
         replicas = strategy.replicas
         # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
@@ -154,16 +154,16 @@ class DistributedVariable(Variable, DistributedValues):
         xp = packing.array_module(self._local())
         self._component.local_array = xp.asarray(payload)
 
-    def _mode(self, method: str) -> context.Mode:
+    def _mode(self, method: str) -> modes.Mode:
         """The current mode; a different strategy's scope is an error."""
-        mode = context.current_mode()
-        if mode.kind is not context.DEFAULT and mode.strategy is not self._distribute_strategy:
+        mode = modes.current_mode()
+        if mode.kind is not modes.DEFAULT and mode.strategy is not self._distribute_strategy:
             raise ContextError(
                 f"{self._name}.{method}: this variable belongs to {self._distribute_strategy}, but the "
                 f"current strategy is {mode.strategy}; use it inside its own strategy's scope()"
             )
         if (
-            mode.kind is context.MERGE
+            mode.kind is modes.MERGE
             and mode.replica_context is not None
             and (method != "value" or not self.mirrored)
         ):
@@ -185,7 +185,7 @@ class DistributedVariable(Variable, DistributedValues):
             out = collectives.all_reduce(ReduceOp[op.name], local, kind=kind, error=error)
         return out.astype(self.dtype, copy=False)
 
-    def _agreed(self, how: str, value: Any, mode: context.Mode, advice: str = "") -> Any:
+    def _agreed(self, how: str, value: Any, mode: modes.Mode, advice: str = "") -> Any:
         """A cross-replica write's value, after checking every rank writes the same bytes.
 
         Every rank executes a cross-replica write, each with its own ``value``: one that
@@ -195,7 +195,7 @@ class DistributedVariable(Variable, DistributedValues):
         (replayed everywhere) are not compared.
         """
         replicas = self._replicas
-        if mode.kind is context.MERGE or self._writes.in_sync or not check_enabled(replicas.collectives):
+        if mode.kind is modes.MERGE or self._writes.in_sync or not check_enabled(replicas.collectives):
             return self._coerce(value, how)
         new: Any = None  # stays None only on a rank that raises ``error`` (then ``describe`` is not called)
         error: MpistratError | None = None
@@ -231,8 +231,8 @@ class DistributedVariable(Variable, DistributedValues):
         Creating it is collective, as creating any distributed variable is: deep-copy on every rank.
         """
         strategy = self._distribute_strategy
-        mode = context.current_mode()
-        scope = strategy.scope() if mode.kind is context.DEFAULT else contextlib.nullcontext()
+        mode = modes.current_mode()
+        scope = strategy.scope() if mode.kind is modes.DEFAULT else contextlib.nullcontext()
         local = self._local().copy()
         with scope:
             copy = type(self)(
@@ -268,7 +268,7 @@ class MirroredVariable(DistributedVariable):
 
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)
-        if mode.kind is context.REPLICA:
+        if mode.kind is modes.REPLICA:
             self._write_in_replica(how, value, mode)
             return
         if self._writes.in_sync:  # inside update()/update_non_slot(): this rank's copy, as it is
@@ -277,7 +277,7 @@ class MirroredVariable(DistributedVariable):
         value = self._agreed(how, value, mode)
         self._replicas.update(self, lambda v, x: v._write(how, x), args=(value,))
 
-    def _write_in_replica(self, how: str, value: Any, mode: context.Mode) -> None:
+    def _write_in_replica(self, how: str, value: Any, mode: modes.Mode) -> None:
         agg = self._aggregation
         if agg is VariableAggregation.NONE:  # as tf: each replica writes its copy; they must write alike
             self._component._write(how, self._agreed(how, value, mode, _AGGREGATION_HELP))
@@ -307,7 +307,7 @@ class SyncOnReadVariable(DistributedVariable):
     def value(self) -> Any:
         mode = self._mode("value")
         local = self._component.local_array
-        if mode.kind is context.REPLICA:
+        if mode.kind is modes.REPLICA:
             return read_only(local)
         agg = self._aggregation
         if agg is VariableAggregation.NONE:
@@ -317,7 +317,7 @@ class SyncOnReadVariable(DistributedVariable):
                 "cross-replica context (there is no way to combine the replicas' copies); create it with "
                 "aggregation SUM, MEAN or ONLY_FIRST_REPLICA, or read it in replica context"
             )
-        if mode.kind is context.MERGE:
+        if mode.kind is modes.MERGE:
             if agg is VariableAggregation.ONLY_FIRST_REPLICA:
                 return read_only(local)  # merge_fn runs on rank 0, which holds replica 0's copy
             raise ContextError(
@@ -329,7 +329,7 @@ class SyncOnReadVariable(DistributedVariable):
 
     def _write(self, how: str, value: Any) -> None:
         mode = self._mode(how)
-        if mode.kind is context.REPLICA:
+        if mode.kind is modes.REPLICA:
             self._component._write(how, value)
             return
         sums = self._aggregation is VariableAggregation.SUM
@@ -342,7 +342,7 @@ class SyncOnReadVariable(DistributedVariable):
         new = self._agreed(how, value, mode)
         if sums:  # the copies must sum to the value
             new = self._share(new, mode)
-        if how != "assign" and mode.kind is context.MERGE:  # rank 0 alone: every rank updates its own copy
+        if how != "assign" and mode.kind is modes.MERGE:  # rank 0 alone: every rank updates its own copy
             writes = self._writes.merged
             if writes is None:  # merge_call starts the record before it runs merge_fn
                 raise MpistratError(f"{self._name}.{how}: a merge write outside merge_call")
@@ -351,7 +351,7 @@ class SyncOnReadVariable(DistributedVariable):
             return
         self._component._write(how, new)
 
-    def _share(self, total: Any, mode: context.Mode) -> Any:
+    def _share(self, total: Any, mode: modes.Mode) -> Any:
         """This rank's copy of a SUM variable whose copies sum to ``total``.
 
         Integers are split exactly: the first ``total % size`` ranks hold one more, so that
@@ -359,7 +359,7 @@ class SyncOnReadVariable(DistributedVariable):
         merge_fn, rank 0's share is every rank's (it alone runs there).
         """
         size, xp = self._replicas.size, packing.array_module(total)
-        if self.dtype.kind not in "iu" or mode.kind is context.MERGE:
+        if self.dtype.kind not in "iu" or mode.kind is modes.MERGE:
             return (total / size).astype(self.dtype, copy=False)
         quotient, remainder = xp.divmod(total, size)
         return (quotient + (self._replicas.rank < remainder)).astype(self.dtype, copy=False)
@@ -375,14 +375,14 @@ class SyncOnReadVariable(DistributedVariable):
 
 def _class_to_create(synchronization: Any) -> type[Variable]:
     """Which variable ``Variable(...)`` makes here: plain outside a scope, else mirrored or sync-on-read."""
-    mode = context.current_mode()
-    colocation = context.current_colocation()
+    mode = modes.current_mode()
+    colocation = modes.current_colocation()
     if colocation is not None and colocation[0] is not mode.strategy:
         raise ContextError(
             "creating a variable inside colocate_vars_with() of a strategy whose scope is not active; "
             f'need to be inside "with strategy.scope()" for {colocation[0]}'
         )
-    if not context.has_strategy():
+    if not modes.has_strategy():
         return Variable
     if mode.inside_default:
         raise ContextError(  # a RuntimeError, as tf's
@@ -390,7 +390,7 @@ def _class_to_create(synchronization: Any) -> type[Variable]:
             f"{mode.strategy}'s scope, which is inside the default strategy's scope(); leave the default "
             "strategy's scope first"
         )
-    if mode.kind is context.MERGE:
+    if mode.kind is modes.MERGE:
         raise ContextError(
             "cannot create a distributed variable inside merge_fn: it runs on rank 0 alone and creation is "
             "collective; create variables in strategy.scope() or in replica context before merge_call"

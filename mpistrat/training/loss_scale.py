@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat import context
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.interface import modes
 from mpistrat.training.optimizer_base import Optimizer
 from mpistrat.training.optimizer_state import own_copy
 from mpistrat.training.recovery import broadcast_in_place
@@ -108,7 +108,7 @@ class LossScaleOptimizer:
         ``dynamic_growth_steps`` applied steps)."""
         scale = float(self._scale.local_array)
         if not self._registered:  # every rank at its first step (in strategy.run), in the same order
-            context.get_strategy().replicas.collectives.recoverables.add(self)
+            modes.get_strategy().replicas.collectives.recoverables.add(self)
             self._registered = True
         applied = self.inner_optimizer._apply(grads_and_vars, scale)
         if applied is not None:

@@ -16,18 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat import context
 from mpistrat.comm.packing import array_module
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.interface import modes
 from mpistrat.reduce_op import ReduceOp
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
-def _require_replica_context(function: str) -> context.Mode:
+def _require_replica_context(function: str) -> modes.Mode:
     """The current mode, unless it is a strategy's cross-replica context (tf raises RuntimeError there)."""
-    mode = context.current_mode()
-    if mode.kind is not context.DEFAULT and mode.replica_context is None:
+    mode = modes.current_mode()
+    if mode.kind is not modes.DEFAULT and mode.replica_context is None:
         raise ContextError(
             f"You are calling `{function}` in cross replica context (strategy.scope() or a merge_fn), while "
             "it was expected to be called in replica context (inside strategy.run)"
@@ -38,7 +38,7 @@ def _require_replica_context(function: str) -> context.Mode:
 def _global_count(local: int) -> int:
     """The number of examples of this step over every replica (a collective)."""
     mode = _require_replica_context("compute_average_loss")
-    if mode.kind is context.MERGE:
+    if mode.kind is modes.MERGE:
         raise ContextError(
             "compute_average_loss: without global_batch_size it counts the examples of every replica, "
             "which cannot be done inside merge_fn (rank 0 alone); pass global_batch_size"

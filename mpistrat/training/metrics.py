@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat import context
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.interface import modes
 from mpistrat.training.distributed_variables import DistributedVariable
 from mpistrat.training.variables import Variable
 
@@ -97,7 +97,7 @@ class Metric:
         if (
             self._variables
             and isinstance(self._variables[0], DistributedVariable)
-            and context.current_mode().kind is not context.REPLICA
+            and modes.current_mode().kind is not modes.REPLICA
         ):
             raise ContextError(
                 f"{type(self).__name__} {self._name!r}.update_state: a metric created in a strategy's "

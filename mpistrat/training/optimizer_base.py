@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat import context
 from mpistrat.collectives.fingerprint import code_of
 from mpistrat.collectives.sum_modes import EXACT, sum_mode
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.interface import modes
 from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.training import overlap
@@ -114,7 +114,7 @@ class Optimizer(KerasArguments):
         self._communication_options = communication_options
         self._name = name
         self._rate = LearningRate(learning_rate, name)
-        self._strategy = context.get_strategy() if context.has_strategy() else None
+        self._strategy = modes.get_strategy() if modes.has_strategy() else None
         self._iterations: Variable | None = None
         self._slots: dict[int, tuple[Variable, dict[str, Any]]] = {}  # slots: Variable or ShardedSlot
         # flat when the class updates blocks and no subclass took over one variable at a time
@@ -195,7 +195,7 @@ class Optimizer(KerasArguments):
         """Steps applied so far (an int64 variable; created on first use, collectively)."""
         if self._iterations is None:
             with creation_scope(self._name, self._strategy):
-                extended = context.get_strategy().replicas
+                extended = modes.get_strategy().replicas
                 with extended.colocate_vars_with(extended.non_slot_devices([])):
                     self._iterations = Variable(
                         np.int64(0), trainable=False, name=f"{self._name}/iter",
@@ -273,7 +273,7 @@ class Optimizer(KerasArguments):
         for var in new:
             self._decays[id(var)] = bool(self._base.weight_decay) and self._use_weight_decay(var)
         if self._strategy is None:  # plain variables: the default strategy's, or the one in scope
-            strategy, distributed = context.get_strategy(), context.has_strategy()
+            strategy, distributed = modes.get_strategy(), modes.has_strategy()
         else:
             strategy, distributed = self._strategy, True
         extended = strategy.replicas
@@ -325,7 +325,7 @@ class Optimizer(KerasArguments):
         out: dict[str, list[Variable]] = {n: [] for n in self.slot_names}
         for var in var_list:
             with creation_scope(self._name, self._strategy):
-                extended = context.get_strategy().replicas
+                extended = modes.get_strategy().replicas
                 with extended.colocate_vars_with(var):
                     xp = packing.array_module(local_copy(var))
                     slots = {
@@ -359,7 +359,7 @@ class Optimizer(KerasArguments):
         """The step of :meth:`apply_gradients`; ``scaling``: a ``LossScaleOptimizer``'s scale, which
         divides the summed gradient, and whose step is skipped (False) where that sum is not
         finite. Returns whether the step was applied (None: a call that only accumulated)."""
-        replica = context.get_replica_context()
+        replica = modes.get_replica_context()
         if replica is None:
             raise ContextError(
                 f"{self._name}.apply_gradients() cannot be called in cross-replica context; use "
@@ -449,7 +449,7 @@ class Optimizer(KerasArguments):
 
     def accumulation_state(self) -> tuple[Variable, list[tuple[Variable, Any]]] | None:
         """Mid-cycle: what a checkpoint saves of it (:meth:`Accumulator.state`); else None."""
-        extended = (self._strategy or context.get_strategy()).replicas
+        extended = (self._strategy or modes.get_strategy()).replicas
         return None if self._accumulator is None else self._accumulator.state(extended.rank, extended.size)
 
     def prepare_accumulation(self, var_list: list[Variable] | None) -> None:

@@ -11,10 +11,10 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from mpistrat import context
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.collectives.handshake import check_level
 from mpistrat.errors import ContextError, InvalidArgumentError
+from mpistrat.interface import modes
 
 if TYPE_CHECKING:
     from mpistrat.options import CommunicationOptions
@@ -55,13 +55,13 @@ def adopted_strategy(name: str, strategy: Any, unused: bool, var: Variable) -> A
 def creation_scope(name: str, strategy: Any) -> Iterator[None]:
     """Enter ``strategy`` (the variables') from the default context to create an optimizer's
     variables; refuse inside merge_fn (rank 0 alone)."""
-    mode = context.current_mode()
-    if mode.kind is context.MERGE:
+    mode = modes.current_mode()
+    if mode.kind is modes.MERGE:
         raise ContextError(
             f"{name}: cannot create slot variables inside merge_fn (rank 0 alone); call "
             "optimizer.build(var_list) in strategy.scope() first"
         )
-    if strategy is not None and mode.kind is context.DEFAULT:
+    if strategy is not None and mode.kind is modes.DEFAULT:
         with strategy.scope():
             yield
     else:
@@ -74,8 +74,8 @@ def own_replica_strategy(name: str, strategy: Any, variables: list[Variable]) ->
 
     Returns that strategy; None for the default strategy's plain variables (nothing to send).
     """
-    mode = context.require_replica("ReplicaContext.apply_gradients")
-    mine = strategy or context.default_strategy()
+    mode = modes.require_replica("ReplicaContext.apply_gradients")
+    mine = strategy or modes.default_strategy()
     if mode.strategy is not mine and strategy is None:
         # Plain variables hold one unsynchronized copy per rank: no step of a strategy may write them.
         names = ", ".join(repr(v.name) for v in variables[:3]) + (", ..." if len(variables) > 3 else "")

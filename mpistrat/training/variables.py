@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mpistrat import context
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, enum_member
+from mpistrat.interface import modes
 from mpistrat.values import DistributedValues, HasLocalCopy, Mirrored, PerReplica
 
 __all__ = [
@@ -132,7 +132,7 @@ class Variable(HasLocalCopy):
         on_read = self._synchronization is VariableSynchronization.ON_READ
         self._trainable = (not on_read) if trainable is None else bool(trainable)  # ON_READ may train, as tf
         self._value = _initial(initial_value, dtype, self._name)
-        colocation = context.current_colocation()
+        colocation = modes.current_colocation()
         self.colocated_with = None if colocation is None else colocation[1]
 
     # -- properties -------------------------------------------------------------------
@@ -356,7 +356,7 @@ del _name, _op, _unary
 def _refuse_replica_write(var: Variable, how: str) -> None:
     """A plain variable has one copy per process: written in a strategy's replica context, each
     rank would write its own value into its own copy, and the copies would differ silently."""
-    if context.current_mode().kind is context.REPLICA and context.has_strategy():
+    if modes.current_mode().kind is modes.REPLICA and modes.has_strategy():
         raise ContextError(
             f"{var.name}.{how}: this variable was created outside strategy.scope(), so each rank holds an "
             "unsynchronized copy, and writing it inside strategy.run would leave the copies different. "

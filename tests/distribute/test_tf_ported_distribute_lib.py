@@ -19,7 +19,7 @@ import pytest
 
 import mpistrat
 from mpistrat import MPI, ContextError, InvalidArgumentError, ReduceOp
-from mpistrat import context as ds_context
+from mpistrat.interface import modes as ds_context
 from tests.conftest import all_ranks_agree
 
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mpistrat.errors import ContextError
-from mpistrat.replicas import ReplicaContextProtocol as ReplicaContext
-from mpistrat.replicas import StrategyProtocol as Strategy
+from mpistrat.interface.protocols import ReplicaContextProtocol as ReplicaContext
+from mpistrat.interface.protocols import StrategyProtocol as Strategy
 
 __all__ = [
     "ModeKind",
@@ -48,7 +48,7 @@ class ModeKind(enum.Enum):
     MERGE = "merge"
 
 
-# The members as module names, for ``mode.kind is context.MERGE``: on Python 3.11 an Enum's class
+# The members as module names, for ``mode.kind is modes.MERGE``: on Python 3.11 an Enum's class
 # attribute costs a lookup through its metaclass (~80 ns), on paths that run at every step.
 DEFAULT = ModeKind.DEFAULT
 CROSS_REPLICA = ModeKind.CROSS_REPLICA
@@ -110,7 +110,7 @@ def set_default_strategy(factory: Callable[[], Strategy]) -> None:
 
 
 def _no_default_strategy() -> Strategy:
-    raise ContextError("no default strategy: import mpistrat (not mpistrat.context alone)")
+    raise ContextError("no default strategy: import mpistrat (not mpistrat.interface.modes alone)")
 
 
 _default_strategy: Callable[[], Strategy] = _no_default_strategy
