@@ -233,13 +233,13 @@ class Checkpoint:
         yet) restores nothing. A background save still being written is finished first.
         """
         strategy = self._strategy("restore")
-        collectives = strategy.replicas.collectives
+        collectives = strategy.extended.collectives
         background.wait_for_saves(collectives)
         hints = _agree_to_read(collectives, save_path, options, "restore")
         if save_path is None:
             return CheckpointLoadStatus(None, [], [])
         return self._load(
-            os.fspath(save_path), "restore", collectives, strategy.replicas.writes_in_sync, hints
+            os.fspath(save_path), "restore", collectives, strategy.extended.writes_in_sync, hints
         )
 
     def read(
@@ -249,10 +249,10 @@ class Checkpoint:
         if save_path is None:
             raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
         strategy = self._strategy("read")
-        collectives = strategy.replicas.collectives
+        collectives = strategy.extended.collectives
         background.wait_for_saves(collectives)
         hints = _agree_to_read(collectives, save_path, options, "read")
-        return self._load(os.fspath(save_path), "read", collectives, strategy.replicas.writes_in_sync, hints)
+        return self._load(os.fspath(save_path), "read", collectives, strategy.extended.writes_in_sync, hints)
 
     def _load(
         self,
@@ -320,7 +320,7 @@ def track(checkpoint: Checkpoint, name: str, variable: Variable) -> None:
 def collectives_of(checkpoint: Checkpoint, method: str) -> Collectives:
     """The collectives of the ranks that save and restore ``checkpoint`` (``method`` names the
     caller in errors: outside cross-replica context, or variables of several strategies)."""
-    return strategy_of(checkpoint, method).replicas.collectives
+    return strategy_of(checkpoint, method).extended.collectives
 
 
 def strategy_of(checkpoint: Checkpoint, method: str) -> StrategyProtocol:
@@ -490,7 +490,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
             "latest_checkpoint is collective: call it on every rank in cross-replica context "
             "(outside strategy.run and merge_fn)"
         )
-    collectives = mode.strategy.replicas.collectives
+    collectives = mode.strategy.extended.collectives
     background.wait_for_saves(collectives)
     collectives.agree("checkpoint.latest")
     return collectives.on_root(

@@ -375,7 +375,7 @@ class PreemptionWatcher:
     def __init__(self) -> None:
         from mpistrat.interface import modes  # the strategy layer imports this module
 
-        self._collectives = modes.get_strategy().replicas.collectives
+        self._collectives = modes.get_strategy().extended.collectives
         self._reasons: list[str] = []
         self._message: str | None = None
         _watch_signals(self)

@@ -72,12 +72,6 @@ class Strategy:
         return self._extended
 
     @property
-    def replicas(self) -> StrategyExtended:
-        """This strategy's group of replicas, as the layers below ``distribute/`` use it
-        (:class:`mpistrat.interface.protocols.Replicas`): the same object as :attr:`extended`."""
-        return self._extended
-
-    @property
     def num_replicas_in_sync(self) -> int:
         """Number of replicas over which gradients are aggregated (the number of ranks)."""
         return self._extended.size

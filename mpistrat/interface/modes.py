@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mpistrat.errors import ContextError
-from mpistrat.interface.protocols import ReplicaContextProtocol as ReplicaContext
-from mpistrat.interface.protocols import StrategyProtocol as Strategy
+from mpistrat.interface.protocols import ReplicaContextProtocol, StrategyProtocol
 
 __all__ = [
     "ModeKind",
@@ -64,8 +63,8 @@ class Mode:
     one replica at a time on rank 0 alone, where nothing may communicate.
     """
 
-    strategy: Strategy
-    replica_context: ReplicaContext | None
+    strategy: StrategyProtocol
+    replica_context: ReplicaContextProtocol | None
     kind: ModeKind
     # A scope entered inside the default strategy's explicit scope(): as in tf, creating a
     # variable there mixes two strategies and is refused.
@@ -90,30 +89,30 @@ def current_mode() -> Mode:
     strategy = _default_strategy()
     mode = _default_mode
     if mode is None or mode.strategy is not strategy:  # Modes are frozen: one per default strategy
-        mode = _default_mode = Mode(strategy, strategy.replicas.default_replica_context, DEFAULT)
+        mode = _default_mode = Mode(strategy, strategy.extended.default_replica_context, DEFAULT)
     return mode
 
 
 _default_mode: Mode | None = None
 
 
-def default_strategy() -> Strategy:
+def default_strategy() -> StrategyProtocol:
     """The strategy in effect outside any scope (single replica)."""
     return _default_strategy()
 
 
-def set_default_strategy(factory: Callable[[], Strategy]) -> None:
+def set_default_strategy(factory: Callable[[], StrategyProtocol]) -> None:
     """Register what ``get_strategy()`` returns outside any scope (``distribute/default.py`` does,
     on import)."""
     global _default_strategy
     _default_strategy = factory
 
 
-def _no_default_strategy() -> Strategy:
+def _no_default_strategy() -> StrategyProtocol:
     raise ContextError("no default strategy: import mpistrat (not mpistrat.interface.modes alone)")
 
 
-_default_strategy: Callable[[], Strategy] = _no_default_strategy
+_default_strategy: Callable[[], StrategyProtocol] = _no_default_strategy
 
 
 def in_default_scope() -> bool:
@@ -153,7 +152,7 @@ class _Pushed:
 
 
 @contextlib.contextmanager
-def colocation(strategy: Strategy, target: Any) -> Iterator[None]:
+def colocation(strategy: StrategyProtocol, target: Any) -> Iterator[None]:
     """A ``colocate_vars_with`` block of ``strategy``: variables created in it are placed with ``target``."""
     stack = getattr(_local, "colocation", None)
     if stack is None:
@@ -165,13 +164,13 @@ def colocation(strategy: Strategy, target: Any) -> Iterator[None]:
         stack.pop()
 
 
-def current_colocation() -> tuple[Strategy, Any] | None:
+def current_colocation() -> tuple[StrategyProtocol, Any] | None:
     """The innermost ``colocate_vars_with`` block of this thread: ``(strategy, target)``, or None."""
     stack = getattr(_local, "colocation", None)
     return stack[-1] if stack else None
 
 
-def get_strategy() -> Strategy:
+def get_strategy() -> StrategyProtocol:
     """The current strategy: the one in scope, else the default single-replica strategy."""
     return current_mode().strategy
 
@@ -182,7 +181,7 @@ def has_strategy() -> bool:
     return current_mode().strategy is not _default_strategy()
 
 
-def experimental_set_strategy(strategy: Strategy | None) -> None:
+def experimental_set_strategy(strategy: StrategyProtocol | None) -> None:
     """Make ``strategy`` current for this thread until it is set again, as if its ``scope()`` were entered.
 
     ``None`` goes back to the default strategy. Not inside a strategy's scope (a
@@ -207,13 +206,13 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
     stack.clear()
     _local.set_strategy = None
     if strategy is not None and strategy is not _default_strategy():
-        strategy.replicas.collectives  # noqa: B018 (raises if finalized)
+        strategy.extended.collectives  # noqa: B018 (raises if finalized)
         mode = Mode(strategy, None, CROSS_REPLICA)
         stack.append(mode)
         _local.set_strategy = mode
 
 
-def get_replica_context() -> ReplicaContext | None:
+def get_replica_context() -> ReplicaContextProtocol | None:
     """The current ``ReplicaContext``; None in a cross-replica context.
 
     Outside any scope this is the default strategy's replica context.
@@ -221,7 +220,7 @@ def get_replica_context() -> ReplicaContext | None:
     return current_mode().replica_context
 
 
-def get_cross_replica_context() -> Strategy | None:
+def get_cross_replica_context() -> StrategyProtocol | None:
     """The current strategy in a cross-replica context, else None."""
     mode = current_mode()
     return mode.strategy if mode.replica_context is None else None

@@ -1,16 +1,17 @@
 """What the layers below ``distribute/`` may use of a strategy: typed interfaces, as torch's
 ``ProcessGroup`` is the interface its lower layers see.
 
-``context``, ``training/`` and ``checkpoint/`` are typed against these protocols, never against
-``Strategy`` or ``ReplicaContext`` (which live above them and satisfy the protocols by their shape).
-A strategy hands its group of replicas (:class:`Replicas`: rank, size, collectives, the writes of
-its synced variables, merge functions, updates) as ``strategy.replicas``.
+``input/``, ``training/`` and ``checkpoint/`` and the modes are typed against these protocols,
+never against ``Strategy``, ``StrategyExtended`` or ``ReplicaContext`` (which live above them and
+satisfy the protocols by their shape). They reach what a strategy's replicas share (rank, size,
+collectives, the writes of its synced variables, updates) through ``strategy.extended``, tf's name,
+typed by :class:`StrategyExtendedProtocol`.
 
 >>> import mpistrat
 >>> strategy = mpistrat.MPIStrategy(mpistrat.MPI.COMM_SELF)
->>> isinstance(strategy, StrategyProtocol), isinstance(strategy.replicas, Replicas)
+>>> isinstance(strategy, StrategyProtocol), isinstance(strategy.extended, StrategyExtendedProtocol)
 (True, True)
->>> strategy.replicas.rank, strategy.replicas.size
+>>> strategy.extended.rank, strategy.extended.size
 (0, 1)
 """
 
@@ -18,18 +19,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-__all__ = ["ReplicaContextProtocol", "Replicas", "StrategyProtocol", "SyncedWrites"]
+if TYPE_CHECKING:
+    from mpistrat.collectives import Collectives
+
+__all__ = ["ReplicaContextProtocol", "StrategyExtendedProtocol", "StrategyProtocol", "SyncedWrites"]
 
 
 @runtime_checkable
-class Replicas(Protocol):
-    """A strategy's group of replicas, as the layers below it use it (``StrategyExtended`` is one).
-
-    ``collectives`` is a ``mpistrat.collectives.Collectives`` (typed ``Any`` here: this module sits
-    below the collectives); it raises the strategy's "finalized" error once the strategy is freed.
-    """
+class StrategyExtendedProtocol(Protocol):
+    """A strategy's ``extended``, as the layers below ``distribute/`` use it (``StrategyExtended``
+    is one). ``collectives`` raises the strategy's "finalized" error once the strategy is freed."""
 
     @property
     def rank(self) -> int: ...
@@ -41,7 +42,7 @@ class Replicas(Protocol):
     def default_replica_context(self) -> ReplicaContextProtocol: ...
 
     @property
-    def collectives(self) -> Any: ...
+    def collectives(self) -> Collectives: ...
 
     @property
     def writes(self) -> SyncedWrites:
@@ -59,20 +60,9 @@ class Replicas(Protocol):
         """Writes inside are the same on every rank by construction, so they are not compared."""
         ...
 
-    def call_merge_fn(
-        self,
-        merge_fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Run ``merge_fn(strategy, *args, **kwargs)`` as ``ReplicaContext.merge_call`` does."""
-        ...
-
     def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]: ...
 
     def non_slot_devices(self, var_list: Any) -> tuple[str, ...]: ...
-
-    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any, options: Any = None) -> Any: ...
 
     def update(
         self,
@@ -83,22 +73,13 @@ class Replicas(Protocol):
         group: bool = True,
     ) -> Any: ...
 
-    def update_non_slot(
-        self,
-        colocate_with: Any,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        group: bool = True,
-    ) -> Any: ...
-
 
 @runtime_checkable
 class StrategyProtocol(Protocol):
-    """A strategy, as ``context``, ``training/`` and ``checkpoint/`` see it."""
+    """A strategy, as the layers below ``distribute/`` see it."""
 
     @property
-    def replicas(self) -> Replicas: ...
+    def extended(self) -> StrategyExtendedProtocol: ...
 
     @property
     def num_replicas_in_sync(self) -> int: ...

@@ -66,7 +66,7 @@ def exact_rows(strategy: Any, options: CommunicationOptions | None) -> bool:
     strategy's)."""
     if strategy is None:
         return False
-    merged = strategy.replicas.collectives.options
+    merged = strategy.extended.collectives.options
     if options is not None:
         merged = merged.merge(options)
     return sum_mode(merged) is EXACT
@@ -113,7 +113,7 @@ class Accumulator:
         before the K-th call, so that a retry of that call applies it once; if its handshake failed
         (bad input on some rank, this call's or a quiet call's), the cycle is dropped on every rank and
         the next call starts a new one. ``strategy``: the optimizer's (None: one process)."""
-        collectives = None if strategy is None else strategy.replicas.collectives
+        collectives = None if strategy is None else strategy.extended.collectives
         disagreements = None if collectives is None else collectives.disagreements
         try:
             yield

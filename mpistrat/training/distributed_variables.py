@@ -84,7 +84,7 @@ class DistributedVariable(Variable, DistributedValues):
             )
         mode = modes.current_mode()
         strategy = mode.strategy
-        replicas = strategy.replicas
+        extended = strategy.extended
         # rank 0's initial value everywhere; a rank with another shape, dtype or kind fails them all
         sync, agg = self._synchronization.name, self._aggregation.name
         kind = f"variable_creation({canonical_name(self._name)}, {sync}, {agg})"
@@ -96,7 +96,7 @@ class DistributedVariable(Variable, DistributedValues):
                 "non-floating dtype is not supported, please use a different aggregation or dtype (a mean "
                 f"of {self._value.dtype} copies would truncate)"
             )
-        collectives = replicas.collectives
+        collectives = extended.collectives
         value = collectives.broadcast(self._value, kind=kind, error=error)
         if collectives.size > 1:  # names may differ in a replica's number: rank 0's wins, as tf's replica 0's
             self._name = collectives.broadcast_from_root(self._name, kind="variable_creation (name)")
@@ -105,9 +105,9 @@ class DistributedVariable(Variable, DistributedValues):
         self._component.owner = self
         DistributedValues.__init__(self, (self._component,))
         self._distribute_strategy = strategy
-        self._replicas = replicas
-        self.synced_key = replicas.register_synced(self)
-        self._writes: SyncedWrites = replicas.writes  # what its writes do now (see there)
+        self._extended = extended
+        self.synced_key = extended.register_synced(self)
+        self._writes: SyncedWrites = extended.writes  # what its writes do now (see there)
         if self.mirrored:
             collectives.recoverables.add(self)  # its copy taken from a survivor after a rank's death
 
@@ -142,7 +142,7 @@ class DistributedVariable(Variable, DistributedValues):
 
     @property
     def device(self) -> str:
-        return self._replicas.parameter_devices[0]
+        return self._extended.parameter_devices[0]
 
     def note_write(self, new: Any) -> None:
         """A write to this rank's copy; inside rank 0's merge_fn it must reach the other ranks."""
@@ -178,7 +178,7 @@ class DistributedVariable(Variable, DistributedValues):
         self, op: VariableAggregation, local: Any, kind: str, error: MpistratError | None = None
     ) -> Any:
         """One collective combining every rank's ``local`` as ``op`` says."""
-        collectives, kind = self._replicas.collectives, f"{kind}({self._name})"
+        collectives, kind = self._extended.collectives, f"{kind}({self._name})"
         if op is VariableAggregation.ONLY_FIRST_REPLICA:
             out = collectives.broadcast(local, kind=kind, error=error)
         else:
@@ -194,8 +194,8 @@ class DistributedVariable(Variable, DistributedValues):
         Writes inside ``update`` (computed from reduced values) and inside a merge_fn on rank 0
         (replayed everywhere) are not compared.
         """
-        replicas = self._replicas
-        if mode.kind is modes.MERGE or self._writes.in_sync or not check_enabled(replicas.collectives):
+        extended = self._extended
+        if mode.kind is modes.MERGE or self._writes.in_sync or not check_enabled(extended.collectives):
             return self._coerce(value, how)
         new: Any = None  # stays None only on a rank that raises ``error`` (then ``describe`` is not called)
         error: MpistratError | None = None
@@ -205,7 +205,7 @@ class DistributedVariable(Variable, DistributedValues):
             code = checksum(new)
         except MpistratError as exc:
             error = exc
-        replicas.collectives.agree(
+        extended.collectives.agree(
             f"{how}({self._name})",
             fingerprint=code,
             describe=lambda: {
@@ -217,7 +217,7 @@ class DistributedVariable(Variable, DistributedValues):
         return new
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}:{{\n  {self._replicas.rank}: {self._component!r}\n}}"
+        return f"{type(self).__name__}:{{\n  {self._extended.rank}: {self._component!r}\n}}"
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -275,7 +275,7 @@ class MirroredVariable(DistributedVariable):
             self._component._write(how, value)
             return
         value = self._agreed(how, value, mode)
-        self._replicas.update(self, lambda v, x: v._write(how, x), args=(value,))
+        self._extended.update(self, lambda v, x: v._write(how, x), args=(value,))
 
     def _write_in_replica(self, how: str, value: Any, mode: modes.Mode) -> None:
         agg = self._aggregation
@@ -285,11 +285,11 @@ class MirroredVariable(DistributedVariable):
         error, local = None, None
         try:
             local = self._coerce(value, how)
-            if agg is VariableAggregation.SUM and type(value) in _PYTHON_NUMBERS and self._replicas.size > 1:
+            if agg is VariableAggregation.SUM and type(value) in _PYTHON_NUMBERS and self._extended.size > 1:
                 raise InvalidArgumentError(  # as tf, which sums only values computed in each replica
                     f"{self._name}.{how}: A non-DistributedValues value {value!r} cannot be reduced with "
                     "the given reduce op ReduceOp.SUM: a Python number is the same on every replica, as in "
-                    f"tf, and its sum over {self._replicas.size} replicas is rarely what was meant. Write an "
+                    f"tf, and its sum over {self._extended.size} replicas is rarely what was meant. Write an "
                     "array computed in the replica (np.asarray(x)) to sum the replicas' values, or use "
                     "aggregation MEAN or ONLY_FIRST_REPLICA for a value that is the same on every replica"
                 )
@@ -358,11 +358,11 @@ class SyncOnReadVariable(DistributedVariable):
         ``10`` over 3 ranks is 4, 3, 3 (a floor division alone would read back 9). Inside a
         merge_fn, rank 0's share is every rank's (it alone runs there).
         """
-        size, xp = self._replicas.size, packing.array_module(total)
+        size, xp = self._extended.size, packing.array_module(total)
         if self.dtype.kind not in "iu" or mode.kind is modes.MERGE:
             return (total / size).astype(self.dtype, copy=False)
         quotient, remainder = xp.divmod(total, size)
-        return (quotient + (self._replicas.rank < remainder)).astype(self.dtype, copy=False)
+        return (quotient + (self._extended.rank < remainder)).astype(self.dtype, copy=False)
 
     def apply_merge_write(self, payload: Any) -> None:
         if isinstance(payload, tuple):  # (how, delta): applied to this rank's own copy

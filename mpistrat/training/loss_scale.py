@@ -108,7 +108,7 @@ class LossScaleOptimizer:
         ``dynamic_growth_steps`` applied steps)."""
         scale = float(self._scale.local_array)
         if not self._registered:  # every rank at its first step (in strategy.run), in the same order
-            modes.get_strategy().replicas.collectives.recoverables.add(self)
+            modes.get_strategy().extended.collectives.recoverables.add(self)
             self._registered = True
         applied = self.inner_optimizer._apply(grads_and_vars, scale)
         if applied is not None:

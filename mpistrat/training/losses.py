@@ -43,7 +43,7 @@ def _global_count(local: int) -> int:
             "compute_average_loss: without global_batch_size it counts the examples of every replica, "
             "which cannot be done inside merge_fn (rank 0 alone); pass global_batch_size"
         )
-    collectives = mode.strategy.replicas.collectives
+    collectives = mode.strategy.extended.collectives
     return int(collectives.all_reduce(ReduceOp.SUM, np.int64(local), kind="compute_average_loss"))
 
 

@@ -172,7 +172,7 @@ class Optimizer(KerasArguments):
                 f"{self._name}.finalize_variable_values: no moving average for {unknown} (this optimizer "
                 "has not updated them)"
             )
-        collectives = None if self._strategy is None else self._strategy.replicas.collectives
+        collectives = None if self._strategy is None else self._strategy.extended.collectives
         overwrite_with_slot(state, "average", wanted, collectives, f"{self._name}.finalize_variable_values")
 
     def state_nbytes(self) -> int:
@@ -195,7 +195,7 @@ class Optimizer(KerasArguments):
         """Steps applied so far (an int64 variable; created on first use, collectively)."""
         if self._iterations is None:
             with creation_scope(self._name, self._strategy):
-                extended = modes.get_strategy().replicas
+                extended = modes.get_strategy().extended
                 with extended.colocate_vars_with(extended.non_slot_devices([])):
                     self._iterations = Variable(
                         np.int64(0), trainable=False, name=f"{self._name}/iter",
@@ -276,7 +276,7 @@ class Optimizer(KerasArguments):
             strategy, distributed = modes.get_strategy(), modes.has_strategy()
         else:
             strategy, distributed = self._strategy, True
-        extended = strategy.replicas
+        extended = strategy.extended
         bytes_per_pack = 0
         if distributed:
             collectives = extended.collectives
@@ -325,7 +325,7 @@ class Optimizer(KerasArguments):
         out: dict[str, list[Variable]] = {n: [] for n in self.slot_names}
         for var in var_list:
             with creation_scope(self._name, self._strategy):
-                extended = modes.get_strategy().replicas
+                extended = modes.get_strategy().extended
                 with extended.colocate_vars_with(var):
                     xp = packing.array_module(local_copy(var))
                     slots = {
@@ -416,7 +416,7 @@ class Optimizer(KerasArguments):
             lr, bad_rate = self._rate.at(step)
             rule = self._rule(lr, step, scaling)
             applied = state.step(
-                None if strategy is None else strategy.replicas.collectives,
+                None if strategy is None else strategy.extended.collectives,
                 [g for g, _ in pairs],
                 variables,
                 self._update_flat if rule is None else rule.update,
@@ -438,7 +438,7 @@ class Optimizer(KerasArguments):
         None when nothing: the plain update."""
         if self._plain and scaling is None:
             return None
-        collectives = None if self._strategy is None else self._strategy.replicas.collectives
+        collectives = None if self._strategy is None else self._strategy.extended.collectives
         sharded = self._shard_state and collectives is not None and collectives.size > 1
         exact = (
             collectives is not None
@@ -449,7 +449,7 @@ class Optimizer(KerasArguments):
 
     def accumulation_state(self) -> tuple[Variable, list[tuple[Variable, Any]]] | None:
         """Mid-cycle: what a checkpoint saves of it (:meth:`Accumulator.state`); else None."""
-        extended = (self._strategy or modes.get_strategy()).replicas
+        extended = (self._strategy or modes.get_strategy()).extended
         return None if self._accumulator is None else self._accumulator.state(extended.rank, extended.size)
 
     def prepare_accumulation(self, var_list: list[Variable] | None) -> None:
@@ -467,7 +467,7 @@ class Optimizer(KerasArguments):
         """In replica context, as Keras does without merge_call: one fused all-reduce of the gradients
         (``ReplicaContext.all_reduce``), then each variable's ``_apply_dense`` on this rank's copies
         (``extended.update`` in replica context). The update fails on every rank or none."""
-        extended, options = replica.strategy.replicas, self._communication_options
+        extended, options = replica.strategy.extended, self._communication_options
         summed = replica.all_reduce(ReduceOp.SUM, [g for g, _ in pairs], options)
         counter = own_copy(self.iterations)
         step = int(counter.local_array)

@@ -17,6 +17,7 @@ from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.interface import modes
 
 if TYPE_CHECKING:
+    from mpistrat.interface.protocols import StrategyProtocol
     from mpistrat.options import CommunicationOptions
     from mpistrat.training.variables import Variable
 
@@ -68,7 +69,9 @@ def creation_scope(name: str, strategy: Any) -> Iterator[None]:
         yield
 
 
-def own_replica_strategy(name: str, strategy: Any, variables: list[Variable]) -> Any:
+def own_replica_strategy(
+    name: str, strategy: StrategyProtocol | None, variables: list[Variable]
+) -> StrategyProtocol | None:
     """The step runs in the replica context of its variables' strategy (else it would reduce over
     another communicator, or not at all), and not in ``strategy.run`` inside a merge_fn.
 

@@ -66,6 +66,7 @@ from mpistrat.training.variables import Variable, Writable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
+    from mpistrat.interface.protocols import StrategyProtocol
     from mpistrat.options import CommunicationOptions
 
 __all__ = ["PIECES", "PIECE_BYTES", "OptimizerView", "apply", "can_stream", "step"]
@@ -81,7 +82,7 @@ class OptimizerView:
     """What the streamed step needs of the optimizer whose ``apply_gradients`` it runs."""
 
     name: str
-    strategy: Any  # the strategy it was made under (None: none)
+    strategy: StrategyProtocol | None  # the strategy it was made under
     state: FlatState | None  # its flat state, once built
     options: CommunicationOptions | None  # its communication options, over the strategy's
     accumulating: bool  # gradient_accumulation_steps > 1
@@ -102,7 +103,7 @@ def apply(optimizer: OptimizerView, pairs: Iterable[tuple[Any, Any]]) -> list[An
     if optimizer.accumulating or optimizer.strategy is None or state is None:
         return list(pairs)
     strategy = own_replica_strategy(optimizer.name, optimizer.strategy, [])
-    collectives = None if strategy is None else strategy.replicas.collectives
+    collectives = None if strategy is None else strategy.extended.collectives
     if collectives is None or not can_stream(state, collectives, optimizer.options):
         return list(pairs)
 
