@@ -39,10 +39,10 @@ EAGER = {
     "mpistrat.config": "abort reads MPISTRAT_ABORT_ON_EXCEPTION",
     "mpistrat.log": "abort labels its lines with the rank",
 }
-# A minimal strategy.run loads this many mpistrat modules (64 with collectives/failure.py, 65 with
-# the interface/ package): one more is a new import on every job's path. Raise it only for a module
-# every job needs.
-RUN_MODULES = 65
+# A minimal strategy.run loads this many mpistrat modules (64 with collectives/failure.py, 66 with
+# the interface/ package and collectives/stop.py): one more is a new import on every job's path.
+# Raise it only for a module every job needs.
+RUN_MODULES = 66
 # Packages a job that does not use them never loads.
 UNUSED = (
     "mpistrat.checkpoint",  # until a Checkpoint is made

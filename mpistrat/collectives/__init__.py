@@ -19,10 +19,10 @@
 ``failure.py``      what a collective that fails on some ranks tells the rest of the program
 ==================  ==========================================================
 
-A new collective is a function ``name(self: Collectives, ..., *, kind=...)`` in a file
-of its own, decorated with ``@watchdog.collective("name")`` (stalls and timeouts),
-opening with ``self.agree(kind, fingerprint=..., describe=..., error=...)``, and
-assigned as a method below; ``self`` is typed by ``state.CollectiveState``.
+A new collective is a function ``name(self: CollectiveState, ..., *, kind=...)`` in a file
+of its own (``state.CollectiveState``: what a collective may use of its ``Collectives``),
+decorated with ``@watchdog.collective("name")`` (stalls and timeouts), opening with
+``self.agree(kind, fingerprint=..., describe=..., error=...)``, and assigned as a method below.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())
@@ -58,6 +58,7 @@ from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.objects import Unsendable
 from mpistrat.collectives.step_check import StepCheck
+from mpistrat.collectives.stop import StopState
 from mpistrat.collectives.sum_modes import sum_mode
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics import flight, startup, stragglers, timeline, watchdog
@@ -86,7 +87,7 @@ class Collectives:
         self.disagreements = 0  # failed handshakes so far (each raised on every rank)
         self.failures = 0  # collectives that raised so far (a failed handshake, a timeout, a transfer)
         # A stop requested here (a preemption signal) that the handshake carries to every rank.
-        self.stop = handshake.StopState()
+        self.stop = StopState()
         # Work started over this communicator that every rank must finish before it is freed (a
         # background checkpoint save): name -> what finishes it (collective).
         self.pending: dict[str, Callable[[], None]] = {}

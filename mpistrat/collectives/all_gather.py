@@ -32,7 +32,7 @@ from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = ["all_gather"]
 
@@ -42,7 +42,7 @@ _DIRECT_BYTES = 1 << 20
 
 @watchdog.collective("all_gather")
 def all_gather(
-    self: Collectives,
+    self: CollectiveState,
     value: Any,
     axis: int,
     options: CommunicationOptions | None = None,
@@ -116,7 +116,7 @@ def all_gather(
     return optree.tree_unflatten(treespec, out)
 
 
-def _all_gather_array(self: Collectives, x: np.ndarray, axis: int, kind: str) -> np.ndarray:
+def _all_gather_array(self: CollectiveState, x: np.ndarray, axis: int, kind: str) -> np.ndarray:
     """``all_gather`` of one plain NumPy array: the same steps, fingerprint and result without the
     nest bookkeeping (a batch gathered at every step is the common call)."""
     bpp = self.options.bytes_per_pack
@@ -139,7 +139,7 @@ def _all_gather_array(self: Collectives, x: np.ndarray, axis: int, kind: str) ->
     return gathered if axis == 0 else np.ascontiguousarray(np.moveaxis(gathered, 0, axis))
 
 
-def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.ndarray) -> np.ndarray:
+def _allgather_direct(self: CollectiveState, arr: np.ndarray, axis: int, sizes: np.ndarray) -> np.ndarray:
     """One large NumPy leaf, received in place into its result: memory is the result alone.
 
     This rank copies its own block into the result; along axis 0 the blocks are
@@ -177,7 +177,7 @@ def _allgather_direct(self: Collectives, arr: np.ndarray, axis: int, sizes: np.n
 
 
 def _allgather_pack(
-    self: Collectives,
+    self: CollectiveState,
     moved: list[Any],
     p: Any,
     sizes: np.ndarray,

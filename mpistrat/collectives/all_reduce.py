@@ -26,7 +26,7 @@ from mpistrat.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 _SUM = MPI.SUM  # passed by position: mpi4py parses a keyword on every call
 
@@ -35,7 +35,7 @@ __all__ = ["all_reduce", "allreduce_arrays", "describe", "reduce_special"]
 
 @watchdog.collective("all_reduce")
 def all_reduce(
-    self: Collectives,
+    self: CollectiveState,
     reduce_op: ReduceOp | str,
     value: Any,
     options: CommunicationOptions | None = None,
@@ -95,7 +95,7 @@ def all_reduce(
 
 
 def allreduce_arrays(
-    self: Collectives,
+    self: CollectiveState,
     arrays: list[Any],
     bytes_per_pack: int,
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO,
@@ -141,7 +141,7 @@ def allreduce_arrays(
 
 
 def reduce_special(
-    self: Collectives, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
+    self: CollectiveState, arrays: list[Any], mean: bool, opts: CommunicationOptions, kind: str
 ) -> list[Any]:
     """Sum (MEAN: average) with ``opts.reduction`` set: per pack, the mode's sum for the packs it
     takes (exact, or 16-bit values on the wire); the other packs go the plain way."""
@@ -180,7 +180,7 @@ def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: Communicat
     return described
 
 
-def _array_plan(self: Collectives, reduce_op: Any, x: Any) -> tuple[Any, ...] | None:
+def _array_plan(self: CollectiveState, reduce_op: Any, x: Any) -> tuple[Any, ...] | None:
     """What ``all_reduce`` of one plain NumPy or CuPy array needs to know beyond the array: its
     ReduceOp, fingerprint and pack plan, and whether it goes straight to MPI; None where the
     one-array path does not take it (a reduce_op not seen yet, a dtype not plain, a device array
@@ -212,7 +212,7 @@ def _array_plan(self: Collectives, reduce_op: Any, x: Any) -> tuple[Any, ...] | 
     return plan
 
 
-def _all_reduce_array(self: Collectives, plan: tuple[Any, ...], x: Any, kind: str) -> Any:
+def _all_reduce_array(self: CollectiveState, plan: tuple[Any, ...], x: Any, kind: str) -> Any:
     """``all_reduce`` of one plain NumPy or CuPy array (``plan``: :func:`_array_plan`'s), without
     the nest bookkeeping."""
     op, fingerprint, packs, direct = plan

@@ -22,14 +22,14 @@ from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = ["broadcast"]
 
 
 @watchdog.collective("broadcast")
 def broadcast(
-    self: Collectives,
+    self: CollectiveState,
     value: Any,
     root: int = 0,
     *,
@@ -87,7 +87,7 @@ def broadcast(
     return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
 
 
-def _bcast(self: Collectives, buf: Any, transport: Any, root: int, kind: str) -> None:
+def _bcast(self: CollectiveState, buf: Any, transport: Any, root: int, kind: str) -> None:
     """``transport.bcast``; host buffers in pieces beyond the count limit, device ones checked against it."""
     if mpi.COUNT_LIMIT is not None:
         if type(buf) is np.ndarray:

@@ -32,13 +32,13 @@ from mpistrat.diagnostics import monitor as monitoring
 from mpistrat.diagnostics import stragglers, timeline, watchdog
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = ["close_step"]
 
 
 def close_step(
-    self: Collectives,
+    self: CollectiveState,
     kind: str,
     fingerprint: Callable[[], int],
     describe: Callable[[], Any],
@@ -70,14 +70,18 @@ def close_step(
 
 @watchdog.collective("step closing")
 def _handshake(
-    self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any], error: BaseException | None
+    self: CollectiveState,
+    kind: str,
+    fingerprint: int,
+    describe: Callable[[], Any],
+    error: BaseException | None,
 ) -> None:
     """The closing's handshake, watched as every collective (its own: ``strategy.run`` is in none)."""
     self.seq += 1
     handshake.exchange(self, kind, fingerprint, describe, error, 0)
 
 
-def _compiled(self: Collectives, kind: str, fingerprint: int, describe: Callable[[], Any]) -> bool:
+def _compiled(self: CollectiveState, kind: str, fingerprint: int, describe: Callable[[], Any]) -> bool:
     """A learned step's closing, compiled (``native_step.Closing``, its common case: no poll, no
     timeline, no collective under way) where the step check runs its compiled twin; False (nothing
     done) where :func:`_handshake` must run."""
@@ -90,7 +94,7 @@ def _compiled(self: Collectives, kind: str, fingerprint: int, describe: Callable
         raise self.failed_in_mpi(exc, kind) from exc
 
 
-def _native_closing(self: Collectives, kind: str) -> Any:
+def _native_closing(self: CollectiveState, kind: str) -> Any:
     """The compiled closing of ``kind`` for these collectives, or False where the closing runs in
     Python: the step check's Python twin, no persistent handshake, or a watch that polls (a timeout
     chosen in the options, or set in the environment and not ``off``)."""

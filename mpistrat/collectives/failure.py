@@ -46,12 +46,12 @@ from mpistrat.diagnostics.callsite import call_site
 from mpistrat.errors import CommunicationError, MpistratError
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = ["abandon", "from_mpi"]
 
 
-def abandon(collectives: Collectives | None) -> None:
+def abandon(collectives: CollectiveState | None) -> None:
     """Collective #``collectives.seq`` raised on this rank after its handshake, between its transfers:
     count it as that collective's failure (see the module's docstring). None (no collectives): nothing.
     Called where the error is caught, to be raised again: a step pays nothing for it otherwise."""
@@ -61,7 +61,7 @@ def abandon(collectives: Collectives | None) -> None:
         monitor.completed = min(monitor.completed, collectives.seq - 1)
 
 
-def from_mpi(collectives: Collectives, exc: MPI.Exception, kind: str) -> MpistratError:
+def from_mpi(collectives: CollectiveState, exc: MPI.Exception, kind: str) -> MpistratError:
     """The error MPI's ``exc`` in collective ``kind`` (#``collectives.seq``, on this rank) is raised as:
     a ``PeerFailedError`` where a rank died, else a ``CommunicationError``.
 

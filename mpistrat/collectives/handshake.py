@@ -15,7 +15,7 @@ or bad input on any one rank is then raised on every rank instead of deadlocking
 setting, numbers the call, and is watched (timeouts, stall diagnosis) when its caller
 is not. Per-rank numbers (all_gather's sizes) follow in one ``Allgather``; one
 number's maximum over the ranks rides in the handshake itself, and so does the request
-of a :class:`StopState` (``Collectives.stop``: a preemption signal seen on any rank):
+of a ``stop.StopState`` (``Collectives.stop``: a preemption signal seen on any rank):
 once any rank requests a stop, its ``agreed`` turns true on every rank at the same
 collective, at no extra cost.
 
@@ -43,12 +43,11 @@ from mpistrat.errors import CollectiveTimeoutError
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = [
     "MAGIC_NUMBER",
     "SLOTS",
-    "StopState",
     "agree",
     "agree_within",
     "check_enabled",
@@ -109,12 +108,12 @@ class _Abandoned:
         )
 
 
-def check_enabled(collectives: Collectives, options: CommunicationOptions | None = None) -> bool:
+def check_enabled(collectives: CollectiveState, options: CommunicationOptions | None = None) -> bool:
     """Whether the handshake check runs for a call with ``options`` (default: the collectives' own)."""
     return check_level(collectives, options) > 0
 
 
-def check_level(collectives: Collectives, options: CommunicationOptions | None = None) -> int:
+def check_level(collectives: CollectiveState, options: CommunicationOptions | None = None) -> int:
     """0: no check; 1: the handshake (the default); 2 (``strict``): also compare the copies of
     the variables every-rank merge functions update. The call's option, else the collectives'
     level (``Collectives.check``: their option, else ``MPISTRAT_CHECK`` at their creation)."""
@@ -129,45 +128,8 @@ def level(check: bool | int | str) -> int:
     return 2 if check in ("strict", 2) else int(bool(check))
 
 
-class StopState:
-    """A stop asked for on this rank, and whether one has reached every rank (preemption).
-
-    Each ``Collectives`` owns one (``collectives.stop``) and passes it to whoever asks to
-    stop. :meth:`request` only sets a flag (safe in a signal handler); the next handshake
-    carries it (``Allreduce(MAX)``), and from that collective on :attr:`agreed` is true on
-    every rank. :meth:`clear` once the stop was handled.
-
-    >>> stop = StopState()
-    >>> stop.request(); stop.requested, stop.agreed
-    (True, False)
-    """
-
-    __slots__ = ("_agreed", "requested")
-
-    def __init__(self) -> None:
-        self.requested = False  # read by every handshake: a plain attribute, no property
-        self._agreed = False
-
-    def request(self) -> None:
-        """Ask every rank to stop: the next handshake carries the request."""
-        self.requested = True
-
-    @property
-    def agreed(self) -> bool:
-        """Whether a handshake has carried some rank's request (the same answer on every rank)."""
-        return self._agreed
-
-    def reached(self) -> None:
-        """The handshake's: some rank's request reached every rank at this collective."""
-        self._agreed = True
-
-    def clear(self) -> None:
-        """Forget the request and the agreement (the stop was handled)."""
-        self.requested = self._agreed = False
-
-
 def agree_within(
-    self: Collectives,
+    self: CollectiveState,
     kind: str,
     *,
     fingerprint: int = 0,
@@ -238,7 +200,7 @@ def agree_within(
 
 
 def exchange(
-    self: Collectives,
+    self: CollectiveState,
     kind: str,
     fingerprint: int,
     describe: Callable[[], Any] | None,
@@ -305,7 +267,7 @@ def exchange(
 
 
 def disagreed(
-    self: Collectives,
+    self: CollectiveState,
     kind: str,
     describe: Callable[[], Any] | None,
     error: BaseException | None,

@@ -30,7 +30,7 @@ from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = [
     "all_gather_bytes",
@@ -45,7 +45,7 @@ __all__ = [
 
 @watchdog.collective("all_reduce")
 def all_reduce_in_place(
-    self: Collectives,
+    self: CollectiveState,
     buf: Any,
     *,
     kind: str = "all_reduce",
@@ -83,7 +83,11 @@ def all_reduce_in_place(
 
 @watchdog.collective("reduce_scatter")
 def reduce_scatter_in_place(
-    self: Collectives, buf: Any, *, kind: str = "reduce_scatter", options: CommunicationOptions | None = None
+    self: CollectiveState,
+    buf: Any,
+    *,
+    kind: str = "reduce_scatter",
+    options: CommunicationOptions | None = None,
 ) -> None:
     """Sum ``buf`` (``size`` equal blocks) across ranks; rank ``r``'s block of the sum lands at the
     start of its ``buf`` (the rest is left undefined).
@@ -111,7 +115,7 @@ def reduce_scatter_in_place(
 
 
 @watchdog.collective("all_reduce")
-def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "all_reduce") -> None:
+def exact_mean_in_place(self: CollectiveState, rows: Any, out: Any, *, kind: str = "all_reduce") -> None:
     """``out`` (``n`` elements) becomes the sum over every rank's ``[K, n]`` ``rows`` divided by K,
     exactly and rounded once (``deterministic=True`` with gradient accumulation): the same bits
     however the rows are spread over the ranks. Two ``Allreduce`` calls, as one exact sum; device
@@ -134,7 +138,7 @@ def exact_mean_in_place(self: Collectives, rows: Any, out: Any, *, kind: str = "
 
 @watchdog.collective("all_gather")
 def all_gather_in_place(
-    self: Collectives, buf: Any, *, kind: str = "all_gather", options: CommunicationOptions | None = None
+    self: CollectiveState, buf: Any, *, kind: str = "all_gather", options: CommunicationOptions | None = None
 ) -> None:
     """Each rank's block ``r`` of ``buf`` (``size`` equal blocks) to every rank, in place; device
     buffers through the transport of ``options``' implementation (the default: the collectives')."""
@@ -152,7 +156,7 @@ def all_gather_in_place(
 
 @watchdog.collective("all_gather")
 def all_gather_bytes(
-    self: Collectives, mine: np.ndarray, out: np.ndarray, counts: list[int], *, kind: str = "all_gather"
+    self: CollectiveState, mine: np.ndarray, out: np.ndarray, counts: list[int], *, kind: str = "all_gather"
 ) -> None:
     """Every rank's bytes ``mine`` end to end in ``out`` (host memory), ``counts[r]`` of them from
     rank ``r``: one ``Allgatherv``, or ``Allgather`` when the counts are equal (MPICH's is twice as
@@ -166,7 +170,7 @@ def all_gather_bytes(
 
 @watchdog.collective("exchange")
 def exchange(
-    self: Collectives, send: Any, dest: int, recv: Any, source: int, *, kind: str = "exchange"
+    self: CollectiveState, send: Any, dest: int, recv: Any, source: int, *, kind: str = "exchange"
 ) -> None:
     """``send`` to rank ``dest`` while ``recv`` fills from rank ``source``: every rank at once, the
     destinations a permutation of the ranks (a sharded optimizer's copies for its keepers). Flat
@@ -185,7 +189,7 @@ _EXCHANGE_TAG = 0x6D78  # beside the side channel's tag: never matched with its 
 
 @watchdog.collective("all_to_all")
 def all_to_all_bytes(
-    self: Collectives,
+    self: CollectiveState,
     send: np.ndarray,
     send_counts: list[int],
     recv: np.ndarray,

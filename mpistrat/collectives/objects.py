@@ -29,7 +29,7 @@ from mpistrat.diagnostics import watchdog
 from mpistrat.errors import UnsupportedTypeError, portable
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = [
     "INLINE_BYTES",
@@ -49,7 +49,7 @@ _NO_BYTES = np.empty(0, dtype=np.uint8)  # what a rank with no raw bytes sends
 
 @watchdog.collective("merge_call")
 def gather_to_root(
-    self: Collectives, obj: Any, root: int = 0, *, kind: str = "merge_call"
+    self: CollectiveState, obj: Any, root: int = 0, *, kind: str = "merge_call"
 ) -> list[Any] | None:
     """Every rank's ``obj`` on ``root`` (a list in rank order), None elsewhere.
 
@@ -98,7 +98,7 @@ def gather_to_root(
 
 @watchdog.collective("broadcast_from_root")
 def broadcast_from_root(
-    self: Collectives, obj: Any = None, root: int = 0, *, kind: str = "broadcast_from_root"
+    self: CollectiveState, obj: Any = None, root: int = 0, *, kind: str = "broadcast_from_root"
 ) -> Any:
     """``obj`` from ``root`` on every rank: pickled, with array bytes inside the message up
     to ``INLINE_BYTES`` and as one raw ``Bcast`` above."""
@@ -122,7 +122,7 @@ def broadcast_from_root(
 
 @watchdog.collective("scatter_from_root")
 def scatter_from_root(
-    self: Collectives, objs: list[Any] | None = None, root: int = 0, *, kind: str = "scatter_from_root"
+    self: CollectiveState, objs: list[Any] | None = None, root: int = 0, *, kind: str = "scatter_from_root"
 ) -> Any:
     """``objs[r]`` (given on ``root``) on rank ``r``: each rank receives only its own object.
 
@@ -165,7 +165,7 @@ def scatter_from_root(
     return objs[root]
 
 
-def on_root(self: Collectives, fn: Callable[[], Any], root: int = 0, *, kind: str) -> Any:
+def on_root(self: CollectiveState, fn: Callable[[], Any], root: int = 0, *, kind: str) -> Any:
     """``fn()`` run on ``root`` alone; its result, or the exception it raised, on every rank.
 
     Root re-raises its own exception (with its traceback); the others raise a copy

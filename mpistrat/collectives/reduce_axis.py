@@ -40,14 +40,14 @@ from mpistrat.options import CommunicationOptions
 from mpistrat.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState as Collectives
+    from mpistrat.collectives.state import CollectiveState
 
 __all__ = ["mean_of", "reduce_along_axis"]
 
 
 @watchdog.collective("reduce")
 def reduce_along_axis(
-    self: Collectives,
+    self: CollectiveState,
     reduce_op: ReduceOp | str,
     value: Any,
     axis: int,
@@ -122,7 +122,7 @@ def mean_of(total: Any, count: Any) -> Any:
 
 
 def _exact_pack(
-    self: Collectives, members: list[int], moved: list[Any], op: ReduceOp, out: list[Any]
+    self: CollectiveState, members: list[int], moved: list[Any], op: ReduceOp, out: list[Any]
 ) -> None:
     """The leaves ``members`` (one dtype) as one ``[rows, elements]`` block of contributions,
     shorter leaves padded with zero rows (zeros add nothing); their counts ride along."""

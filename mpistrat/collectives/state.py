@@ -3,11 +3,9 @@ shared state, as a protocol the op files are typed against.
 
 Each op file defines its collective as a function of ``self`` and ``Collectives``
 (``collectives/__init__.py``) assigns it as a method. The op files type ``self`` with this
-protocol, imported under the name of what they are methods of
-(``from mpistrat.collectives.state import CollectiveState as Collectives``), so they never
-import the class that imports them. Besides the state, the protocol names the two calls one
-collective makes of another: ``agree`` (the handshake every collective opens with) and
-``all_reduce``.
+protocol (``self: CollectiveState``), so they never import the class that imports them. Besides
+the state, the protocol names the two calls one collective makes of another: ``agree`` (the
+handshake every collective opens with) and ``all_reduce``.
 
 >>> from mpi4py import MPI
 >>> from mpistrat.collectives import Collectives
@@ -25,6 +23,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives.caches import Caches
 from mpistrat.collectives.step_check import StepCheck
+from mpistrat.collectives.stop import StopState
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics.flight import Flight
 from mpistrat.diagnostics.monitor import Monitor
@@ -56,7 +55,7 @@ class CollectiveState(Protocol):
     stragglers: Tally
     flight: Flight
     monitor: Monitor
-    stop: Any  # a handshake.StopState (the handshake module is typed against this one)
+    stop: StopState
     # The handshake's reused send and receive buffers, its persistent collective (or None), the
     # buffers as MPI messages, and the stop state.
     handshake_buffers: tuple[np.ndarray, np.ndarray, Any, tuple[list[Any], list[Any]], Any]
