@@ -33,12 +33,12 @@ from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState
+    from mpistrat.collectives.ranks import Ranks
 
 __all__ = ["compressed_sum", "route_code"]
 
 
-def compressed_sum(self: CollectiveState, x: np.ndarray, codec: str, mean: bool, where: str) -> np.ndarray:
+def compressed_sum(self: Ranks, x: np.ndarray, codec: str, mean: bool, where: str) -> np.ndarray:
     """The sum (MEAN: average) over every rank of the 1-D host array ``x``, 16-bit between nodes.
 
     Collective over the strategy's ranks. Returns a new array of ``x``'s dtype.

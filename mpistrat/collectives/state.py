@@ -24,6 +24,7 @@ from mpi4py import MPI
 from mpistrat.collectives.caches import Caches
 from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.stop import StopState
+from mpistrat.collectives.sum_modes import SumMode
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics.flight import Flight
 from mpistrat.diagnostics.monitor import Monitor
@@ -43,7 +44,7 @@ class CollectiveState(Protocol):
     rank: int
     size: int
     options: CommunicationOptions
-    sum_mode: Any  # how float sums travel by default, a sum_modes.SumMode (typed against this protocol)
+    sum_mode: SumMode  # how float sums travel by default
     check: int  # the check level (0, 1, 2), or handshake.STEP (MPISTRAT_CHECK=step)
     step_check: StepCheck | None  # MPISTRAT_CHECK=step's record of unchecked collectives
     seq: int

@@ -37,7 +37,7 @@ from mpistrat.comm import mpi, packing
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
 
 if TYPE_CHECKING:
-    from mpistrat.collectives.state import CollectiveState
+    from mpistrat.collectives.ranks import Ranks
 
 __all__ = ["BF16", "EXACT", "FP16", "PLAIN", "SumMode", "sum_mode"]
 
@@ -62,7 +62,7 @@ class SumMode:
 
     def sum(
         self,
-        collectives: CollectiveState,
+        collectives: Ranks,
         buf: Any,
         *,
         kind: str,
@@ -75,7 +75,7 @@ class SumMode:
         result = self._sum_host(collectives, host, kind, mean, implementation)
         return result if type(buf) is np.ndarray else packing.array_module(buf).asarray(result)
 
-    def reduce_scatter(self, collectives: CollectiveState, buf: np.ndarray, kind: str) -> None:
+    def reduce_scatter(self, collectives: Ranks, buf: np.ndarray, kind: str) -> None:
         """Rank ``r``'s block (of ``size`` equal blocks) of the sum of the host ``buf``, at its start."""
         per = buf.size // collectives.size
         if mpi.COUNT_LIMIT is not None and per > mpi.COUNT_LIMIT:  # an all-reduce in pieces, then the block
@@ -85,7 +85,7 @@ class SumMode:
             collectives.comm.Reduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def _sum_host(
-        self, collectives: CollectiveState, host: np.ndarray, kind: str, mean: bool, implementation: Any
+        self, collectives: Ranks, host: np.ndarray, kind: str, mean: bool, implementation: Any
     ) -> np.ndarray:
         # PLAIN takes no dtype: its callers sum every pack their plain way, never through here.
         raise NotImplementedError(f"{self!r} has no sum of its own")
@@ -99,14 +99,14 @@ class _Exact(SumMode):
     def takes(self, dtype: np.dtype) -> bool:
         return exact_sum.supported(dtype)
 
-    def reduce_scatter(self, collectives: CollectiveState, buf: np.ndarray, kind: str) -> None:
+    def reduce_scatter(self, collectives: Ranks, buf: np.ndarray, kind: str) -> None:
         # The exact all-reduce of the whole buffer, this rank's block kept (twice a reduce-scatter's bytes).
         per = buf.size // collectives.size
         total = self.sum(collectives, buf, kind=kind)
         buf[:per] = total[collectives.rank * per : (collectives.rank + 1) * per]
 
     def _sum_host(
-        self, collectives: CollectiveState, host: np.ndarray, kind: str, mean: bool, implementation: Any
+        self, collectives: Ranks, host: np.ndarray, kind: str, mean: bool, implementation: Any
     ) -> np.ndarray:
         real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
         divisor = collectives.size if mean else None
@@ -126,12 +126,12 @@ class _Compressed(SumMode):
     def takes(self, dtype: np.dtype) -> bool:
         return dtype in _FLOATS
 
-    def reduce_scatter(self, collectives: CollectiveState, buf: np.ndarray, kind: str) -> None:
+    def reduce_scatter(self, collectives: Ranks, buf: np.ndarray, kind: str) -> None:
         per = buf.size // collectives.size
         buf[:per] = compressed.compressed_reduce_scatter(collectives.comm, buf, self.name, kind)
 
     def _sum_host(
-        self, collectives: CollectiveState, host: np.ndarray, kind: str, mean: bool, implementation: Any
+        self, collectives: Ranks, host: np.ndarray, kind: str, mean: bool, implementation: Any
     ) -> np.ndarray:
         if implementation is CommunicationImplementation.HIERARCHICAL:
             return hierarchical.compressed_sum(collectives, host, self.name, mean, kind)
