@@ -1,6 +1,6 @@
 """An optimizer's flat state: its variables and slots in flat buffers, and the step over them.
 
-``build`` puts the variables it is given, per dtype, into a :class:`Group`: their values
+``build`` puts the variables it is given, per dtype, into a ``groups.Group``: their values
 in one :class:`~mpistrat.training.flat_storage.FlatBuffer` (in creation order, the same on every
 rank), each slot in another (sharded: only this rank's part of it), a staging buffer for
 one pack of gradients.
@@ -27,6 +27,7 @@ from mpistrat.diagnostics import ulfm
 from mpistrat.errors import InvalidArgumentError, MpistratError
 from mpistrat.training import pack_step, shard_copies
 from mpistrat.training.flat_storage import FlatBuffer
+from mpistrat.training.groups import Group
 from mpistrat.training.layout import Layout
 from mpistrat.training.optimizer_checks import compare_copies
 from mpistrat.training.pack_step import BLOCK, WHOLE, Piece, Run, Update
@@ -43,61 +44,12 @@ __all__ = [
     "SAME_VARIABLES",
     "WHOLE",
     "FlatState",
-    "Group",
     "checked_gradients",
     "creation_order",
     "own_copy",
     "rate_code",
     "storage_place",
 ]
-
-
-class Group:
-    """Variables of one dtype and array module from one ``build``, their slots and buffers."""
-
-    def __init__(
-        self,
-        variables: list[Variable],
-        slot_variables: dict[str, list[Variable]] | None,
-        slot_names: tuple[str, ...],
-        layout: Layout,
-    ):
-        self.variables = variables
-        self.layout = layout
-        self.params = FlatBuffer([own_copy(v) for v in variables], layout.length)
-        xp, dtype = self.params.xp, self.params.dtype
-        self.xp, self.dtype = xp, dtype
-        self.slots: dict[str, Any] = {}  # FlatBuffer (unsharded) or this rank's array (sharded)
-        for name in slot_names:
-            if slot_variables is None:  # sharded (at one rank: this rank's part is all of it)
-                self.slots[name] = xp.zeros(layout.slot_length, dtype)
-            else:
-                self.slots[name] = FlatBuffer([own_copy(s) for s in slot_variables[name]])
-        self.staging = xp.empty(layout.pack, dtype)
-        self.rewritten = False  # slots written outside a step (a restore): other ranks' copies are stale
-        self._rows: Any = None  # [K, pack]: an accumulation cycle's packs, for an exact mean
-        self.stream: Any = None  # a streamed step's staging of every pack (training/overlap.py)
-
-    def row_staging(self, rows: int) -> Any:
-        """A ``[rows, pack]`` staging buffer (made at the first exact accumulated step, then kept)."""
-        if self._rows is None or self._rows.shape[0] != rows:
-            self._rows = self.xp.empty((rows, self.layout.pack), self.dtype)
-        return self._rows
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this rank holds besides the parameters: slots and the staging buffer."""
-        held = [s.array if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
-        held.append(self.staging)
-        if self._rows is not None:
-            held.append(self._rows)
-        if self.stream is not None:
-            held.append(self.stream.buffer)
-        return sum(int(a.nbytes) for a in held)
-
-    def claim_slots(self) -> list[Any]:
-        """Each slot's array in ``slot_names`` order, claimed for an in-place write."""
-        return [s.claim() if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
 
 
 def own_copy(var: Variable) -> Variable:

@@ -52,12 +52,12 @@ from mpistrat.diagnostics import ulfm
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
+from mpistrat.training.groups import Group
+from mpistrat.training.layout import Layout
 from mpistrat.training.optimizer_checks import compare_copies, own_replica_strategy
 from mpistrat.training.optimizer_state import (
     SAME_VARIABLES,
     FlatState,
-    Group,
-    Layout,
     checked_gradients,
     own_copy,
     rate_code,

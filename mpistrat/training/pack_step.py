@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
+    from mpistrat.training.groups import Group
 
 __all__ = [
     "BLOCK",
@@ -83,7 +84,7 @@ class Run(NamedTuple):
 class Updates(Protocol):
     """Which elements of one group a step updates (what an update and a :class:`Rule` read)."""
 
-    group: Any  # the optimizer_state.Group: its layout, flat parameters, slots and staging
+    group: Group  # its layout, flat parameters, slots and staging
     present: list[int]  # the group's variables given gradients in this step, in group order
     updates: list[list[tuple[int, int]]]  # per pack: element ranges this rank updates
     # per pack: (start, stop, p) for each variable this rank updates, p its index in ``present``
@@ -340,10 +341,10 @@ def gather_pack(
 
 
 def owned_segments(
-    group: Any, present: list[int], k: int, rank: int | None = None
+    group: Group, present: list[int], k: int, rank: int | None = None
 ) -> list[tuple[int, int, int]]:
-    """``(start, stop, p)`` for each of the ``present`` variables of ``group`` (an
-    ``optimizer_state.Group``; ``p`` its index in ``present``) with elements in pack ``k`` that
+    """``(start, stop, p)`` for each of the ``present`` variables of ``group`` (``p`` its index in
+    ``present``) with elements in pack ``k`` that
     ``rank`` (this rank) updates."""
     spans = group.params.spans
     own_lo, own_hi = group.layout.owned(k, rank)
@@ -355,7 +356,7 @@ def owned_segments(
     return out
 
 
-def owned_ranges(group: Any, present: list[int], k: int, rank: int | None = None) -> list[tuple[int, int]]:
+def owned_ranges(group: Group, present: list[int], k: int, rank: int | None = None) -> list[tuple[int, int]]:
     """:func:`owned_segments` as element ranges, adjacent ones joined."""
     return joined([(a, b) for a, b, _ in owned_segments(group, present, k, rank)])
 

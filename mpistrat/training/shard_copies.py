@@ -44,6 +44,7 @@ from mpistrat.training.flat_storage import FlatBuffer
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.options import CommunicationOptions
+    from mpistrat.training.groups import Group
 
 __all__ = ["Copies", "Facts", "facts", "keeper_shift", "recover", "run"]
 
@@ -76,7 +77,7 @@ class Mirror:
     partner's elements of each pack end to end, pack ``k`` from ``k * per_rank``): what
     ``pack_step.update_pack`` and ``StepRule.replay`` read of a group step."""
 
-    group: Any
+    group: Group
     present: list[int]
     updates: list[list[tuple[int, int]]]
     segments: list[list[tuple[int, int, int]]]

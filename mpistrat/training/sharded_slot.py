@@ -26,7 +26,7 @@ from mpistrat.training.optimizer_state import creation_order
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
-    from mpistrat.training.optimizer_state import Group
+    from mpistrat.training.groups import Group
 
 __all__ = ["ShardedSlot"]
 
