@@ -59,7 +59,7 @@ class CollectiveState(Protocol):
     stop: StopState
     # The handshake's reused send and receive buffers, its persistent collective (or None), the
     # buffers as MPI messages, and the stop state.
-    handshake_buffers: tuple[np.ndarray, np.ndarray, Any, tuple[list[Any], list[Any]], Any]
+    handshake_buffers: tuple[np.ndarray, np.ndarray, Any, tuple[list[Any], list[Any]], StopState]
     pending: dict[str, Callable[[], None]]
     after_step: dict[str, Callable[[], None]]
     requests: list[MPI.Prequest]  # MPI requests freed with the communicator

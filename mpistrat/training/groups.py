@@ -7,6 +7,7 @@ how it is cut into packs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from mpistrat.training.flat_storage import FlatBuffer
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from mpistrat.training.layout import Layout
     from mpistrat.training.variables import Variable
 
-__all__ = ["Group"]
+__all__ = ["Group", "Staging"]
 
 
 class Group:
@@ -43,7 +44,7 @@ class Group:
         self.staging = xp.empty(layout.pack, dtype)
         self.rewritten = False  # slots written outside a step (a restore): other ranks' copies are stale
         self._rows: Any = None  # [K, pack]: an accumulation cycle's packs, for an exact mean
-        self.stream: Any = None  # a streamed step's staging of every pack (training/overlap.py)
+        self.stream: Staging | None = None  # a streamed step's staging (training/overlap.py makes it)
 
     def row_staging(self, rows: int) -> Any:
         """A ``[rows, pack]`` staging buffer (made at the first exact accumulated step, then kept)."""
@@ -65,3 +66,15 @@ class Group:
     def claim_slots(self) -> list[Any]:
         """Each slot's array in ``slot_names`` order, claimed for an in-place write."""
         return [s.claim() if isinstance(s, FlatBuffer) else s for s in self.slots.values()]
+
+
+@dataclasses.dataclass
+class Staging:
+    """A group's gradients in a streamed step, every pack of them at once, its pieces and which
+    variables each holds (``overlap.staging_of`` makes it)."""
+
+    packed: bool  # one piece per pack
+    buffer: Any  # the layout's length
+    pieces: list[tuple[int, int, int]]  # (pack, a, b): elements a:b of the pack
+    members: list[list[int]]  # per piece: the group's variables with elements in it
+    pieces_of: list[list[int]]  # per variable: the pieces it has elements in

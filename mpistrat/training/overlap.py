@@ -52,7 +52,7 @@ from mpistrat.diagnostics import ulfm
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
 from mpistrat.training import pack_step
-from mpistrat.training.groups import Group
+from mpistrat.training.groups import Group, Staging
 from mpistrat.training.layout import Layout
 from mpistrat.training.optimizer_checks import compare_copies, own_replica_strategy
 from mpistrat.training.optimizer_state import (
@@ -158,36 +158,25 @@ def piece_ranges(layout: Layout, itemsize: int, packed: bool) -> list[tuple[int,
     return [(a, min(a + size, pack)) for a in range(0, pack, size)]
 
 
-@dataclasses.dataclass
-class Staging:
-    """A group's gradients, every pack of them at once, its pieces and which variables each holds."""
-
-    packed: bool  # one piece per pack
-    buffer: Any  # the layout's length
-    pieces: list[tuple[int, int, int]]  # (pack, a, b): elements a:b of the pack
-    members: list[list[int]]  # per piece: the group's variables with elements in it
-    pieces_of: list[list[int]]  # per variable: the pieces it has elements in
-
-    @classmethod
-    def of(cls, group: Group, packed: bool) -> Staging:
-        lay = group.layout
-        ranges = piece_ranges(lay, group.dtype.itemsize, packed)
-        if group.stream is None or group.stream.packed != packed:
-            pieces = [(k, a, b) for k in range(lay.packs) for a, b in ranges]
-            members: list[list[int]] = [[] for _ in pieces]
-            for n, (k, a, b) in enumerate(pieces):
-                at = k * lay.pack
-                members[n] = [
-                    j
-                    for j, (lo, hi) in enumerate(group.params.spans)
-                    if lo < hi and lo < at + b and at + a < hi
-                ]
-            pieces_of: list[list[int]] = [[] for _ in group.params.spans]
-            for n, held in enumerate(members):
-                for j in held:
-                    pieces_of[j].append(n)
-            group.stream = cls(packed, np.zeros(lay.length, group.dtype), pieces, members, pieces_of)
-        return group.stream
+def staging_of(group: Group, packed: bool) -> Staging:
+    """The group's staging of every pack for a streamed step, its pieces and which variables each
+    holds (made once, kept on the group while ``packed`` stays the same)."""
+    lay = group.layout
+    ranges = piece_ranges(lay, group.dtype.itemsize, packed)
+    if group.stream is None or group.stream.packed != packed:
+        pieces = [(k, a, b) for k in range(lay.packs) for a, b in ranges]
+        members: list[list[int]] = [[] for _ in pieces]
+        for n, (k, a, b) in enumerate(pieces):
+            at = k * lay.pack
+            members[n] = [
+                j for j, (lo, hi) in enumerate(group.params.spans) if lo < hi and lo < at + b and at + a < hi
+            ]
+        pieces_of: list[list[int]] = [[] for _ in group.params.spans]
+        for n, held in enumerate(members):
+            for j in held:
+                pieces_of[j].append(n)
+        group.stream = Staging(packed, np.zeros(lay.length, group.dtype), pieces, members, pieces_of)
+    return group.stream
 
 
 class _Stream:
@@ -199,7 +188,7 @@ class _Stream:
         self.collectives, self.kind, self.options = collectives, kind, options
         packed = collectives.options.merge(options).bytes_per_pack > 0
         self.groups = groups
-        self.staging = [Staging.of(g, packed) for g in groups]
+        self.staging = [staging_of(g, packed) for g in groups]
         self.left = [[len(m) for m in s.members] for s in self.staging]  # per piece: gradients to come
         self.arrived = [[False] * len(g.variables) for g in groups]
         # the order pieces start in: the same on every rank
