@@ -649,9 +649,14 @@ def test_a_busy_loop_beside_the_bench_is_warned_about_and_reported(tmp_path):
     """The rank and two busy loops share CPU 0: the rank gets a third of it, the loops the rest, and
     bench says the host was busy (others kept about 0.67 of the rank's one core busy, none left free),
     under its table and in the JSON, which ``report`` then repeats."""
-    loop = [sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"]
-    busy = [subprocess.Popen(loop) for _ in range(2)]
+    # each loop says it is pinned and spinning before the bench starts: the sweep is short, and a
+    # loop still starting Python (slow beside other tests) would leave the rank its core
+    code = "import os, sys; os.sched_setaffinity(0, {0}); sys.stdout.write('x'); sys.stdout.flush()\n"
+    code += "while True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)]
     try:
+        for p in busy:
+            assert p.stdout is not None and p.stdout.read(1) == b"x"
         out = tmp_path / "run.json"
         args = ["--ops", "all_reduce", "--max", "64", "--iters", "500", "--json", str(out), "--no-progress"]
         cmd = ["taskset", "-c", "0", *mpiexec(), "-n", "1", sys.executable, "-m", "mpistrat", "bench", *args]
