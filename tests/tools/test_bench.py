@@ -670,9 +670,7 @@ def test_a_busy_loop_beside_the_bench_is_warned_about_and_reported(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     load = json.loads(out.read_text())["meta"]["load"]
     assert len(load) == 1 and load[0]["cores"] == 1 and load[0]["ranks"] == 1, load
-    # two loops against one rank: about 0.67 on a quiet machine, nearer 0.5 where a test beside
-    # this one also takes turns on CPU 0; a quiet core reads about 0
-    assert load[0]["others_cores"] >= 0.3, load
+    assert load[0]["others_cores"] >= 0.5, load  # two loops against one rank: about 0.67
     said = f"other processes kept {load[0]['others_cores']:g} of the ranks' 1 cores busy during the sweep"
     assert f"# WARNING: {load[0]['host']} was busy: " in done.stdout and said in done.stdout, done.stdout[
         -2000:
