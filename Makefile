@@ -57,9 +57,6 @@ FAULTS := tests/diagnostics/test_faults.py tests/distribute/test_recovery.py
 # The node tests run in make test-nodes, at two virtual nodes.
 NODE_TESTS := tests/nodes
 FAULT_WORKERS ?= 4
-# The rest of the serial pass: most tests run in the pytest process (one core), the rest start
-# jobs of their own; two workers keep both cores of a small machine busy.
-SERIAL_WORKERS ?= 2
 # CI leaves out the further cases of the survival jobs (FAULTS_MARK="not extended": tests marked
 # extended); by default every case runs.
 FAULTS_MARK ?=
@@ -69,7 +66,7 @@ FAULTS_SELECT = $(if $(FAULTS_MARK),-m "$(FAULTS_MARK)")
 # other venvs' installs (`make test-readme`, then `make test SKIP_README=1`).
 README_TEST := tests/test_readme.py::test_the_readme_install_and_first_program_run_verbatim
 test-serial: install
-	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(SERIAL_WORKERS) $(addprefix --ignore=,$(FAULTS)) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
+	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) $(addprefix --ignore=,$(FAULTS)) --ignore=$(NODE_TESTS) $(if $(SKIP_README),--deselect $(README_TEST))
 	timeout -k 10 $(RUN_TIMEOUT) $(PYTEST) -n $(FAULT_WORKERS) $(FAULTS)
 
 test-readme: install
