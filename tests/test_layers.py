@@ -318,7 +318,7 @@ ALLOWED_REACH_INS: dict[tuple[str, str], str] = {
     ("input/source.py", "self._arrays._opened_pass"): "a Source reading an ArrayDataset opens that "
     "dataset's pass at the position they share: one reader split over two files, kept off the public "
     "ArrayDataset",
-    ("training/optimizer_state.py", "own_copy(var)._value"): "the gradient check reads every "
+    ("training/optimizer_state.py", "local_variable(var)._value"): "the gradient check reads every "
     "variable's array at every step: the attribute itself costs half of the local_array property "
     "(30 ns against 62 a read), and the step must cost no more than the loop a user would write",
     ("training/loss_scale.py", "self.inner_optimizer._apply"): "a LossScaleOptimizer runs its inner "

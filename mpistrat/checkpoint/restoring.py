@@ -34,9 +34,10 @@ from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.input.position import InputPosition
 from mpistrat.training.accumulation import RankShare
-from mpistrat.training.optimizer_state import own_copy, storage_place
+from mpistrat.training.optimizer_state import storage_place
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableSynchronization, Writable
+from mpistrat.values import local_variable
 
 if TYPE_CHECKING:
     from mpistrat.checkpoint.local_copies import Copies
@@ -286,7 +287,7 @@ def _into(entry: Entry, target: Any, temporaries: dict[str, Any], a: int, b: int
     ``target`` once all of its bytes are in."""
     on_read = getattr(target, "synchronization", None) is VariableSynchronization.ON_READ
     if isinstance(target, Variable) and not on_read and not entry.fortran:
-        with Writable(own_copy(target)) as array:
+        with Writable(local_variable(target)) as array:
             if type(array) is np.ndarray and array.dtype == entry.dtype and array.flags.c_contiguous:
                 yield bytes_of(array)[a:b]
                 return

@@ -31,9 +31,9 @@ import numpy as np
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.interface import modes
 from mpistrat.training.optimizer_base import Optimizer
-from mpistrat.training.optimizer_state import own_copy
 from mpistrat.training.recovery import broadcast_in_place
 from mpistrat.training.variables import Variable, Writable, plain_variable
+from mpistrat.values import local_variable
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -112,7 +112,7 @@ class LossScaleOptimizer:
             self._registered = True
         applied = self.inner_optimizer._apply(grads_and_vars, scale)
         if applied is not None:
-            counter = own_copy(self._counter)
+            counter = local_variable(self._counter)
             with Writable(self._scale) as held_scale, Writable(counter) as count:
                 if not applied:
                     held_scale[...] = scale / 2.0

@@ -41,10 +41,10 @@ from mpistrat.training.optimizer_checks import (
     not_floating,
     own_replica_strategy,
 )
-from mpistrat.training.optimizer_state import FlatState, creation_order, own_copy
+from mpistrat.training.optimizer_state import FlatState, creation_order
 from mpistrat.training.sharded_slot import ShardedSlot
 from mpistrat.training.variables import Variable, VariableAggregation, Writable
-from mpistrat.values import local_copy
+from mpistrat.values import local_copy, local_variable
 
 __all__ = ["Optimizer"]
 
@@ -219,8 +219,8 @@ class Optimizer(KerasArguments):
         >>> float(opt.learning_rate)
         0.01
         """
-        # iterations on this rank, without creating it (0 before the first step)
-        return self._rate.read(0 if self._iterations is None else int(own_copy(self._iterations).local_array))
+        step = 0 if self._iterations is None else local_variable(self._iterations).local_array
+        return self._rate.read(int(step))  # this rank's count, without creating it
 
     @learning_rate.setter
     def learning_rate(self, value: float | Callable[[int], float]) -> None:
@@ -411,7 +411,7 @@ class Optimizer(KerasArguments):
             if state is None:  # one variable at a time, without merge_call (Keras's path)
                 self._apply_each(replica, pairs)
                 return True
-            counter = own_copy(self.iterations)
+            counter = local_variable(self.iterations)
             step = int(counter.local_array)
             lr, bad_rate = self._rate.at(step)
             rule = self._rule(lr, step, scaling)
@@ -469,7 +469,7 @@ class Optimizer(KerasArguments):
         (``extended.update`` in replica context). The update fails on every rank or none."""
         extended, options = replica.strategy.extended, self._communication_options
         summed = replica.all_reduce(ReduceOp.SUM, [g for g, _ in pairs], options)
-        counter = own_copy(self.iterations)
+        counter = local_variable(self.iterations)
         step = int(counter.local_array)
         lr, bad_rate = self._rate.at(step)
         if bad_rate is not None:  # a schedule's value: every rank computes the same
@@ -482,7 +482,7 @@ class Optimizer(KerasArguments):
         with Writable(counter) as count:  # this rank's copy: every rank counts the same steps
             count += 1
         extended.collectives.commits += 1  # applied here: what a recovery goes on from
-        written = ((v.name, own_copy(v).local_array) for _, v in pairs)  # read only under strict
+        written = ((v.name, local_variable(v).local_array) for _, v in pairs)  # read only under strict
         compare_copies(extended.collectives, written, f"{self._name}.apply_gradients", options)
 
     def _apply_dense(self, var: Variable, grad: Any, lr: float, step: int, *slots: Variable) -> None:

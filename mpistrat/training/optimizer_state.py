@@ -46,15 +46,9 @@ __all__ = [
     "FlatState",
     "checked_gradients",
     "creation_order",
-    "own_copy",
     "rate_code",
     "storage_place",
 ]
-
-
-def own_copy(var: Variable) -> Variable:
-    """The plain variable holding this rank's copy (a plain variable is its own)."""
-    return local_variable(var)
 
 
 @dataclasses.dataclass
@@ -153,7 +147,7 @@ class FlatState:
         """Put new ``variables`` (in the same order on every rank) into groups, one per dtype."""
         by_kind: dict[tuple[Any, Any], list[int]] = {}
         for i, var in enumerate(variables):
-            local = own_copy(var).local_array
+            local = local_variable(var).local_array
             by_kind.setdefault((packing.array_module(local), local.dtype), []).append(i)
         for (_, dtype), indices in by_kind.items():
             size = sum(int(np.prod(variables[i].shape)) for i in indices)
@@ -237,7 +231,7 @@ class FlatState:
         )
         if len(self._plans) >= 64:  # a loop repeats a few sets; anything else is not worth keeping
             self._plans.clear()
-        locals_ = [own_copy(v).local_array for v in variables]
+        locals_ = [local_variable(v).local_array for v in variables]
         like = ([type(a) for a in locals_], [a.shape for a in locals_], [a.dtype for a in locals_])
         plan = self._plans[key] = _Plan(steps, fingerprint, described, list(variables), like)
         return plan
@@ -364,7 +358,7 @@ def storage_place(var: Variable) -> tuple[FlatBuffer, int, int] | None:
     :func:`creation_order` (the same on every rank) and the element it starts at; None outside
     flat storage. A checkpoint lays values out in this order, so that a rank's share of them is
     one run of memory, and restores adjacent ones straight into it."""
-    local = own_copy(var)
+    local = local_variable(var)
     storage = local.storage
     if not isinstance(storage, FlatBuffer):  # None: not in flat storage
         return None
@@ -382,7 +376,7 @@ def checked_gradients(grads: list[Any], variables: list[Variable]) -> list[Any]:
     """Each gradient as an array, checked against its variable's shape, dtype and array module."""
     out = []
     for grad, var in zip(grads, variables, strict=True):
-        local = own_copy(var)._value  # every variable at every step: the attribute, not local_array
+        local = local_variable(var)._value  # every variable at every step: the attribute, not local_array
         if type(grad) is not type(local):
             grad = packing.as_array(grad, f"apply_gradients: the gradient of {var.name!r}")
             if packing.array_module(grad) is not packing.array_module(local):

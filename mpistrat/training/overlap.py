@@ -59,10 +59,10 @@ from mpistrat.training.optimizer_state import (
     SAME_VARIABLES,
     FlatState,
     checked_gradients,
-    own_copy,
     rate_code,
 )
 from mpistrat.training.variables import Variable, Writable
+from mpistrat.values import local_variable
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -116,7 +116,7 @@ def apply(optimizer: OptimizerView, pairs: Iterable[tuple[Any, Any]]) -> list[An
         optimizer.adopt(var)
         return state.where[id(var)]
 
-    counter = own_copy(optimizer.iterations)
+    counter = local_variable(optimizer.iterations)
     now = int(counter.local_array)
     lr, bad_rate = optimizer.rate_at(now)
     rule = optimizer.rule_at(lr, now)
@@ -291,7 +291,7 @@ def step(
                         "adds variables a list"
                     ) from None
                 (grad,) = checked_gradients([grad], [var])
-                local = own_copy(var).local_array
+                local = local_variable(var).local_array
                 seen = known[id(var)] = (index[id(group)], j, type(local), local.shape, local.dtype)
             i, j = seen[0], seen[1]
             if stream.arrived[i][j]:
