@@ -5,8 +5,11 @@ The state is ``P = nbytes / itemsize`` parameters in ``s.leaves`` variables and 
 (sharded with ``--shard``): a file of about ``3 nbytes``. ``raw`` saves as a hand-written
 parallel writer would: every rank writes its 1/R of the file's bytes with one ``Write_at_all``,
 ``Sync``, and rank 0 renames the file into place. ``raw`` restores with one ``Read_at_all`` of
-1/R and one ``Allgather`` of the whole. The files go to ``--checkpoint-dir`` (default: a new
-folder in the current directory, on the file system a job would use), removed afterwards.
+1/R and one ``Allgather`` of the whole; ``raw2`` as a hand-written restore that keeps a restore's
+guarantees must: it reads into a buffer of its own (the variables keep their values until the bytes
+are checked), checksums it (CRC-32C) and shares the checksums before the ``Allgather``. The files
+go to ``--checkpoint-dir`` (default: a new folder in the current directory, on the file system a
+job would use), removed afterwards.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ import itertools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 import mpistrat
+from mpistrat.checkpoint.crc import CRC32C
 from mpistrat.checkpoint.files import read_table
-from mpistrat.tools.bench_case import Case, Setup, split
+from mpistrat.tools.bench_case import Case, Check, Setup, split
 
 __all__ = ["checkpoint_restore", "checkpoint_save", "io_factor"]
 
@@ -106,13 +111,15 @@ def checkpoint_save(s: Setup) -> Case:
 
 
 def checkpoint_restore(s: Setup) -> Case:
-    """``Checkpoint.read`` of the model, and raw MPI-IO: ``Read_at_all`` of 1/R, ``Allgather``."""
+    """``Checkpoint.read`` of the model, raw MPI-IO (``Read_at_all`` of 1/R, ``Allgather``) and raw
+    MPI-IO checked (into a new buffer, its CRC-32C shared, then the ``Allgather``)."""
     model, folder = _Model(s), _directory(s)
     path = model.checkpoint.write(os.path.join(folder, "mpistrat"))
     nbytes = os.path.getsize(path)
     comm = s.comm
     per = -(-nbytes // s.size)
     mine, whole = np.empty(per, np.uint8), np.empty(per * s.size, np.uint8)
+    whole2 = np.empty_like(whole)
     first = model.variables[0]
     want = model.initial[: first.shape[0]]
     at = read_table(path).entries["model/0"].offset  # type: ignore[union-attr]
@@ -128,10 +135,28 @@ def checkpoint_restore(s: Setup) -> Case:
         comm.Allgather(mine, whole)
         return True
 
+    def checked() -> list[int]:
+        share = np.empty(per, np.uint8)  # new memory, as a restore's must be
+        fh = MPI.File.Open(comm, path, MPI.MODE_RDONLY)
+        fh.Read_at_all(s.rank * per, share)
+        fh.Close()
+        crcs: list[int] = comm.allgather(CRC32C(share.data))
+        comm.Allgather(share, whole2)
+        return crcs
+
+    def checked_back(crcs: list[int]) -> bool:
+        got = [CRC32C(whole2[r * per : (r + 1) * per].data) for r in range(s.size)]
+        return crcs == got and bool(np.array_equal(whole2[at : at + want.nbytes].view(want.dtype), want))
+
     def restored(_: bool) -> bool:
         return bool(np.array_equal(np.asarray(first), want))
 
     def read_back(_: bool) -> bool:
         return bool(np.array_equal(whole[at : at + want.nbytes].view(want.dtype), want))
 
-    return Case(nbytes, model.count, s.leaves, {"mpistrat": (restore, restored), "raw": (raw, read_back)})
+    sides: dict[str, tuple[Callable[[], Any], Check]] = {
+        "mpistrat": (restore, restored),
+        "raw": (raw, read_back),
+        "raw2": (checked, checked_back),
+    }
+    return Case(nbytes, model.count, s.leaves, sides)

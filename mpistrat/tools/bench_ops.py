@@ -402,7 +402,7 @@ OPS: dict[str, Op] = {
             "checkpoint_restore",
             "Checkpoint.read of the same (busbw: per rank)",
             "Read_at_all of 1/R + Allgather",
-            None,
+            "the same into a new buffer + its CRC-32C shared, before the Allgather",
             "none",
             io_factor,
             checkpoint_restore,
