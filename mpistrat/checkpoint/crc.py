@@ -7,8 +7,8 @@ the one the algorithm gives over the entry's bytes, so anyone can check a file w
 
 CRC-32C runs in the CPU's own instruction through the ``crc32c`` wheel (about 10 GB/s, five times
 zlib's CRC-32), which lets go of Python's lock while it runs: :func:`in_thread` checksums pieces
-beside the MPI-IO that writes or reads them. Without the wheel, a NumPy version gives the same
-values, more slowly.
+beside the MPI-IO that writes or reads them, where a rank has a core to spare (:func:`spare_core`).
+Without the wheel, a NumPy version gives the same values, more slowly.
 
 >>> a, b = b"every rank its ", b"share"
 >>> f"{CRC32C(b'123456789'):08x}"  # the check value of CRC-32C (iSCSI, RFC 3720)
@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +33,7 @@ import numpy as np
 
 from mpistrat.checkpoint.pieces import Piece
 
-__all__ = ["BY_KEY", "CRC32", "CRC32C", "Checksum", "in_thread", "records"]
+__all__ = ["BY_KEY", "CRC32", "CRC32C", "Checksum", "in_thread", "records", "spare_core"]
 
 
 class Checksum:
@@ -161,10 +162,29 @@ def records(pieces: Iterable[Piece], checksum: Checksum = CRC32C) -> list[tuple[
 _worker: ThreadPoolExecutor | None = None
 
 
-def in_thread(fn: Callable[[], Any]) -> Future[Any]:
+def in_thread(fn: Callable[[], Any], beside: bool = True) -> Future[Any]:
     """``fn()`` in the checksum thread (one per process; calls run in the order given), while the
-    caller moves the bytes: the checksums release Python's lock, MPI-IO too."""
+    caller moves the bytes: the checksums release Python's lock, MPI-IO too. With ``beside`` false,
+    ``fn()`` runs here and now (its result, or its error, in the future returned)."""
     global _worker
+    if not beside:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn())
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
     if _worker is None:
         _worker = ThreadPoolExecutor(1, thread_name_prefix="mpistrat-checksum")
     return _worker.submit(fn)
+
+
+def spare_core(ranks_here: int) -> bool:
+    """Whether this process has a second core of its own, given ``ranks_here`` ranks on its node:
+    where the ranks take every core (one bound to each, or more ranks than cores), a checksum thread
+    only takes turns with them, and the switches cost more than they hide (docs/performance.md).
+    """
+    cores = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    unbound = mine >= cores  # every rank of the node may run on every core: they share them
+    return (mine // max(ranks_here, 1) if unbound else mine) >= 2

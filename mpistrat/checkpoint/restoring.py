@@ -11,7 +11,8 @@ from rank 0 but the table of contents.
 
 Everything is read and every entry's checksum checked before the first value is assigned: a
 damaged file is an error on every rank, with every variable as it was. The reads go in calls of
-at most ``READ_CALL`` bytes, each checksummed in a thread while the next is read.
+at most ``READ_CALL`` bytes, each checksummed in a thread while the next is read where the rank
+has a core to spare, else right after it is read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint import mpiio
-from mpistrat.checkpoint.crc import in_thread, records
+from mpistrat.checkpoint.crc import in_thread, records, spare_core
 from mpistrat.checkpoint.format import Entry, Table, corrupt
 from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, joined, share, spans_of_share
 from mpistrat.comm import packing
@@ -97,9 +98,10 @@ def load(
         pieces.append(Piece(entry.name, start, entry.offset + start, staging[at : at + int(part.nbytes)]))
         at += int(part.nbytes)
     work: list[Future[list[tuple[str, int, int, int]]]] = []
+    beside = spare_core(collectives.hosts.count(collectives.hosts[rank]) if collectives.hosts else 1)
 
     def checksum_beside(call: list[Piece]) -> None:  # while the next call is read
-        work.append(in_thread(lambda: records(call, table.checksum)))
+        work.append(in_thread(lambda: records(call, table.checksum), beside))
 
     reading = calls(pieces, READ_CALL)
     if copies is not None:  # node-local copies: the ranks holding them serve every rank's reads

@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import struct
+import threading
 import zipfile
 import zlib
 from pathlib import Path
@@ -19,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 import mpistrat
 from mpistrat import InvalidArgumentError
-from mpistrat.checkpoint import crc
+from mpistrat.checkpoint import crc, restoring
 from mpistrat.checkpoint.files import read_table
 from mpistrat.checkpoint.pieces import Piece, calls, share, spans_of_share
 from mpistrat.optimizers import Adam
@@ -122,6 +123,93 @@ def test_calls_join_consecutive_bytes_up_to_the_limit_and_keep_every_byte(spans,
         assert sum(p.nbytes for p in call) <= limit
         assert all(a.offset + a.nbytes == b.offset for a, b in itertools.pairwise(call))
         assert all(np.array_equal(p.memory, np.arange(p.offset, p.offset + p.nbytes) % 256) for p in call)
+
+
+# -- where a restore checksums: beside its reads with a core to spare, else after each ------------
+
+
+@pytest.mark.parametrize(
+    ("cores", "mine", "ranks", "spare"),
+    [
+        (2, 2, 2, False),
+        (2, 2, 1, True),
+        (16, 16, 4, True),
+        (16, 16, 9, False),
+        (16, 1, 4, False),
+        (16, 2, 4, True),
+    ],
+)
+def test_a_rank_has_a_spare_core_bound_to_two_or_sharing_twice_its_nodes_ranks(
+    monkeypatch, cores, mine, ranks, spare
+):
+    monkeypatch.setattr(crc.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(crc.os, "sched_getaffinity", lambda _: set(range(mine)), raising=False)
+    assert crc.spare_core(ranks) is spare
+
+
+def flipped_in_data(group, path, name):
+    """A copy of ``path`` with a byte of entry ``name``'s data flipped (rank 0 writes it)."""
+    bad = path + ".flipped"
+    if group.rank == 0:
+        entry = read_table(path).entries[name]
+        data = bytearray(Path(path).read_bytes())
+        data[entry.offset + entry.nbytes // 2] ^= 0x01
+        Path(bad).write_bytes(bytes(data))
+    group.comm.Barrier()
+    return bad
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["thread", "in-line"])
+def test_a_restore_checksums_where_it_should_and_refuses_a_flipped_byte_either_way(
+    group, tmp_path, monkeypatch, beside
+):
+    monkeypatch.setattr(restoring, "spare_core", lambda _: beside)
+    in_main_thread = []
+    checksummed = restoring.records
+
+    def recording(pieces, checksum):
+        in_main_thread.append(threading.current_thread() is threading.main_thread())
+        return checksummed(pieces, checksum)
+
+    monkeypatch.setattr(restoring, "records", recording)
+    want = (np.arange(1 << 18) % 11).astype(np.float32)  # 1 MiB: a window of its own
+    with group.strategy.scope():
+        v = mpistrat.Variable(want, name="v")
+        small = mpistrat.Variable(np.arange(5.0), name="small")
+    ckpt = mpistrat.Checkpoint(v=v, small=small)
+    path = ckpt.write(os.path.join(shared_dir(group, tmp_path), "good"))
+    with group.strategy.scope():
+        v.assign(np.zeros_like(want))
+    ckpt.read(path)
+    restored = np.array_equal(v.numpy(), want)
+    bad = flipped_in_data(group, path, "v")
+    with group.strategy.scope():
+        v.assign(np.full_like(want, -1.0))
+    raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.read(bad), "checksum mismatch in v")
+    untouched = bool((v.numpy() == -1.0).all()) and small.numpy().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    where = in_main_thread and all(m is not beside for m in in_main_thread)
+    all_ranks_agree(group.comm, restored and untouched and where, f"{restored} {untouched} {in_main_thread}")
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["thread", "in-line"])
+def test_an_error_while_one_rank_checksums_is_an_error_on_every_rank(group, tmp_path, monkeypatch, beside):
+    monkeypatch.setattr(restoring, "spare_core", lambda _: beside)
+    checksummed = restoring.records
+
+    def failing(pieces, checksum):
+        if group.rank == group.size - 1:
+            raise MemoryError("no memory left for the checksum")
+        return checksummed(pieces, checksum)
+
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(1000.0), name="v")
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.write(os.path.join(shared_dir(group, tmp_path), "good"))
+    monkeypatch.setattr(restoring, "records", failing)
+    with group.strategy.scope():
+        v.assign(np.zeros(1000))
+    raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.read(path), "no memory left")
+    all_ranks_agree(group.comm, not v.numpy().any(), "assigned after a failed checksum")
 
 
 # -- the file is standard safetensors ------------------------------------------------------------
