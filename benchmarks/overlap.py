@@ -1,7 +1,7 @@
 """A training step whose backward pass yields gradients: list against generator, beside raw mpi4py.
 
     mpiexec -n 2 python -m benchmarks.overlap [--layers 16] [--size 1M] [--compute-ms 2]
-        [--pack 1M | --pieces N] [--repeat 20]
+        [--pack 1M | --pieces N] [--progress-ms MS] [--repeat 20]
 
 Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its gradient takes
 ``--compute-ms`` of NumPy work to compute (the simulated backward pass, last layer first). A step:
@@ -18,7 +18,10 @@ Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its grad
 Without ``--pack`` the strategy has mpistrat's default (no ``bytes_per_pack``: the list step sums
 one pack, the generator step ``overlap.PIECES`` pieces of it, ``--pieces`` to try another number);
 ``--pack`` sets ``CommunicationOptions(bytes_per_pack=...)``. The raw overlapped loop cuts the same
-packs or pieces (in whole layers). Times are medians over ``--repeat`` steps, interleaved, on rank
+packs or pieces (in whole layers). ``--progress-ms`` runs a thread beside the generator and raw
+overlapped steps that enters MPI's progress engine every MS (an ``Iprobe`` on a communicator of its
+own, the Python lock let go between), as a user would to move the sums while NumPy computes.
+Times are medians over ``--repeat`` steps, interleaved, on rank
 0's clock; "compute" is the backward pass alone. The last line is the generator step over
 ``max(compute, communication)``, the target's measure.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -60,6 +64,31 @@ class Backward:
     def last_first(self) -> Iterator[tuple[int, np.ndarray]]:
         for i in reversed(range(len(self.grads))):
             yield i, self.gradient(i)
+
+
+class Progress:
+    """While in use, a thread entering MPI's progress engine every ``ms`` (none when ``ms`` is 0)."""
+
+    def __init__(self, comm: MPI.Intracomm, ms: float):
+        self.comm, self.seconds = comm.Dup(), ms / 1e3
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> None:
+        if self.seconds:
+            self.stop.clear()
+            self.thread = threading.Thread(target=self.run, daemon=True)
+            self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.seconds):
+            self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    def __exit__(self, *_: object) -> None:
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join()
+            self.thread = None
 
 
 def packs_of(layers: int, n: int, pack_elements: int) -> list[list[int]]:
@@ -103,6 +132,7 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=2.0)
     parser.add_argument("--pack", type=parse_size, default=None, help="bytes_per_pack (default: none)")
     parser.add_argument("--pieces", type=int, default=overlap.PIECES, help="the generator's pieces, unpacked")
+    parser.add_argument("--progress-ms", type=float, default=0.0, help="a progress thread's period (0: none)")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
@@ -119,6 +149,7 @@ def main() -> None:
     piece = args.pack if args.pack is not None else max(overlap.PIECE_BYTES, n * layers * 4 // args.pieces)
     packs = packs_of(layers, n, piece // 4)
     summed = np.ones(n * layers, np.float32)
+    progress = Progress(comm, args.progress_ms)
 
     def listed() -> None:
         grads = dict(backward.last_first())
@@ -126,7 +157,12 @@ def main() -> None:
         strategy.run(lambda: opt.apply_gradients(pairs))
 
     def generated() -> None:
-        strategy.run(lambda: opt.apply_gradients((g, variables[i]) for i, g in backward.last_first()))
+        with progress:
+            strategy.run(lambda: opt.apply_gradients((g, variables[i]) for i, g in backward.last_first()))
+
+    def raw_overlapped() -> None:
+        with progress:
+            raw_overlapped_step(comm, raw_w, raw_flat, backward, n, packs)
 
     def compute() -> None:
         dict(backward.last_first())
@@ -137,7 +173,7 @@ def main() -> None:
         "list": listed,
         "generator": generated,
         "raw": lambda: raw_step(comm, raw_w, backward, n),
-        "raw overlapped": lambda: raw_overlapped_step(comm, raw_w, raw_flat, backward, n, packs),
+        "raw overlapped": raw_overlapped,
         "communication": lambda: comm.Allreduce(MPI.IN_PLACE, summed),
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -155,7 +191,8 @@ def main() -> None:
         )
         print(
             f"ranks {comm.Get_size()}, {layers} layers x {args.size} B float32, {args.compute_ms} ms compute "
-            f"per layer, {cut} ({len(packs)} raw), {MPI.Get_library_version().splitlines()[0]}"
+            f"per layer, {cut} ({len(packs)} raw), progress thread every {args.progress_ms} ms, "
+            f"{MPI.Get_library_version().splitlines()[0]}"
         )
         raw = statistics.median(times["raw"])
         print(f"{'step':>15} {'ms':>8} {'x raw':>6}")
