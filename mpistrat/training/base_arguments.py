@@ -160,7 +160,10 @@ class StepRule:
         self.whole = args.whole or trust_ratio or self.skip_nonfinite
         self.exact = exact
         self._inner = update
-        self.update: Update = update if not args.use_ema else self._without_average
+        # What the update's pass does to each block first (see :meth:`update`): the global clip's
+        # scale, and the weight decay when every variable decays.
+        self._scale: float | None = None
+        self._decay_rate = (args.weight_decay or 0.0) * lr if all(decays.values()) else None
         self.code, self.described = _identity(args, trust_ratio, self.skip_nonfinite)
         # What this step found over the ranks, for replay: the variables' numbers, the clipping
         # scale (one for the global norm, one per variable for clipnorm), LAMB's ratios.
@@ -172,7 +175,14 @@ class StepRule:
         """Whether variable ``p`` of group step ``s`` decays."""
         return self._decays[id(s.group.variables[s.present[p]])]
 
-    def _without_average(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+    def update(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
+        """The optimizer's update of one block, after what the rule does elementwise: the global
+        clip's scale of ``g`` and the weight decay of ``w``, in the pass the block is in cache for,
+        rather than in passes of their own over every pack."""
+        if self._scale is not None:
+            g *= self._scale
+        if self._decay_rate:
+            w -= w * self._decay_rate
         self._inner(w, g, slots[: self.own_slots], lr, step)
 
     # -- before the update: the gradient's transforms, weight decay ------------------------
@@ -207,12 +217,15 @@ class StepRule:
     def _transform(self, packs: list[Pack]) -> None:
         """What ``before`` does once the norms are known: clip, then decay (no communication)."""
         args = self.args
-        if self._clip_scales is not None:
-            self._clip(packs)
+        scales = self._clip_scales
+        if isinstance(scales, np.ndarray):
+            self._clip(packs, scales)
+        elif scales is not None and scales != 1.0:
+            self._scale = scales  # applied by update, block by block
         if args.clipvalue is not None:
             for _, _, grad, _, _, _ in packs:
                 packing.array_module(grad).clip(grad, -args.clipvalue, args.clipvalue, out=grad)
-        if args.weight_decay:
+        if args.weight_decay and self._decay_rate is None:  # some variable is excluded
             self._decay(packs)
 
     def _scales(self, squares: np.ndarray) -> float | np.ndarray:
@@ -228,13 +241,8 @@ class StepRule:
         assert clipnorm is not None
         return clipnorm / np.maximum(np.sqrt(squares), clipnorm)
 
-    def _clip(self, packs: list[Pack]) -> None:
-        scales = self._clip_scales
-        if not isinstance(scales, np.ndarray):
-            if scales != 1.0:
-                for _, _, grad, _, _, _ in packs:
-                    grad *= scales
-            return
+    def _clip(self, packs: list[Pack], scales: np.ndarray) -> None:
+        """``clipnorm``: each variable's gradient by its own scale."""
         assert self._numbers is not None
         for s, k, grad, base, _, _ in packs:
             for a, b, p in s.segments[k]:
@@ -282,10 +290,11 @@ class StepRule:
         ratios, numbers = self._ratios, self._numbers
         assert ratios is not None and numbers is not None
         for s, k, grad, base, params, _ in packs:
+            first = numbers.index(s, 0)
             for a, b, p in s.segments[k]:
-                u = grad[a - base : b - base]
-                u *= ratios[numbers.index(s, p)] * self.lr
-                params[a:b] -= u
+                u, w = grad[a - base : b - base], params[a:b]
+                u *= float(ratios[first + p]) * self.lr  # a float: the variables' dtype, no float64 pass
+                w -= u
 
     def _average(self, packs: list[Pack]) -> None:
         """``average = m * average + (1 - m) * w`` (``average = w`` at the first step), then every

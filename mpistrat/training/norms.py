@@ -33,9 +33,10 @@ from mpistrat.training.variables import to_numpy
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["Norms", "grid_shift"]
+__all__ = ["CHUNK", "Norms", "grid_shift"]
 
 _PLAIN = CommunicationOptions(deterministic=False, compression="none")
+CHUNK = 1 << 16  # elements per dot of a total's sum
 _NO_EXPONENT = -1100  # below any float64's: a variable whose squares are all zero
 
 
@@ -79,16 +80,32 @@ class Norms:
         (``"grad"``) or the weights (``"weights"``), and ``flag`` summed over the ranks."""
         if self.exact:
             return self._exact(sources, per_variable, flag)
-        local = np.zeros((len(sources), len(self.sizes)), np.float64)
-        for row, x, n in self._pieces(sources):
-            local[row, n] += float(packing.array_module(x).vdot(x, x).real)
-        if not per_variable:
-            local = local.sum(axis=1, keepdims=True)
+        local = np.array([self._local(source, per_variable) for source in sources], np.float64)
         vector = local.ravel() if flag is None else np.append(local.ravel(), flag)
         if self.sharded:
             assert self.collectives is not None
             self.collectives.all_reduce_in_place(vector, kind=self.kind, options=_PLAIN)
         return vector[: local.size].reshape(local.shape), 0.0 if flag is None else float(vector[-1])
+
+    def _local(self, source: str, per_variable: bool) -> list[float]:
+        """This rank's sums of squares of ``source``, per variable or in one total: a BLAS dot per
+        variable, or per ``CHUNK`` of each range this rank updates (float32 dots over a few
+        thousand elements keep their digits; their sum is float64)."""
+        sums = [0.0] * (len(self.sizes) if per_variable else 1)
+        for s, k, grad, base, params, _ in self.packs:
+            x, shift = (grad, base) if source == "grad" else (params, 0)
+            dot = packing.array_module(x).vdot
+            if per_variable:
+                first = self._start[id(s.group)]
+                for a, b, p in s.segments[k]:
+                    v = x[a - shift : b - shift]
+                    sums[first + p] += float(dot(v, v).real)
+            else:
+                for a, b in s.updates[k]:
+                    for c in range(a, b, CHUNK):
+                        v = x[c - shift : min(c + CHUNK, b) - shift]
+                        sums[0] += float(dot(v, v).real)
+        return sums
 
     def _pieces(self, sources: list[str]) -> Any:
         """(row, this rank's elements of one variable in one pack, the variable's number)."""
