@@ -32,7 +32,8 @@ class _Rule:
 
     make: Callable[[bool], mpistrat.optimizers.Optimizer]  # make(shard): shard_state=True when shard
     slots: int
-    # update(step, w, g, slots): one step on one leaf, in place; step counts from 0 as in _apply_dense
+    # update(step, w, g, slots): one step on one leaf, in place; step counts from 0 as in _apply_dense;
+    # g is the leaf's part of the fused buffer, which it may overwrite
     update: Callable[[int, np.ndarray, np.ndarray, list[np.ndarray]], None]
     # flat(step, w, g, slots, scratch, starts): the same step on flat arrays holding every leaf, in
     # place: g is the step's own buffer, which it overwrites; scratch a buffer of the same size;
@@ -177,10 +178,9 @@ def _lamb_direction(step: int, g: np.ndarray, slots: list[np.ndarray], scratch: 
 
 
 def _lamb_update(step: int, w: np.ndarray, g: np.ndarray, slots: list[np.ndarray]) -> None:
-    u = g.copy()
-    _lamb_direction(step, u, slots, np.empty_like(u))
-    w_norm, u_norm = np.linalg.norm(w), np.linalg.norm(u)
-    w -= (w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0) * _LR * u
+    _lamb_direction(step, g, slots, np.empty_like(g))  # g: the fused buffer's, overwritten each step
+    w_norm, u_norm = np.linalg.norm(w), np.linalg.norm(g)
+    w -= (w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0) * _LR * g
 
 
 def _lamb_flat(

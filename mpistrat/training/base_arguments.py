@@ -244,11 +244,13 @@ class StepRule:
     def _clip(self, packs: list[Pack], scales: np.ndarray) -> None:
         """``clipnorm``: each variable's gradient by its own scale."""
         assert self._numbers is not None
+        factors = scales.tolist()  # floats, as in _trust
         for s, k, grad, base, _, _ in packs:
+            first = self._numbers.index(s, 0)
             for a, b, p in s.segments[k]:
-                scale = scales[self._numbers.index(s, p)]
-                if scale != 1.0:
-                    grad[a - base : b - base] *= scale
+                if (scale := factors[first + p]) != 1.0:
+                    g = grad[a - base : b - base]
+                    g *= scale
 
     def _decay(self, packs: list[Pack]) -> None:
         rate = (self.args.weight_decay or 0.0) * self.lr
@@ -289,11 +291,12 @@ class StepRule:
         """``w -= ratio * lr * u`` per variable, ``ratio = ||w|| / ||u||`` (1 when either is 0)."""
         ratios, numbers = self._ratios, self._numbers
         assert ratios is not None and numbers is not None
+        factors = (ratios * self.lr).tolist()  # floats: a multiply in the variables' dtype, not float64
         for s, k, grad, base, params, _ in packs:
             first = numbers.index(s, 0)
             for a, b, p in s.segments[k]:
                 u, w = grad[a - base : b - base], params[a:b]
-                u *= float(ratios[first + p]) * self.lr  # a float: the variables' dtype, no float64 pass
+                u *= factors[first + p]
                 w -= u
 
     def _average(self, packs: list[Pack]) -> None:

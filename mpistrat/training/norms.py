@@ -20,6 +20,7 @@ int64, exact), accurate to about 2**-50 of the largest square.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +63,19 @@ class Norms:
         self.sharded = sharded and collectives is not None
         self.exact = exact
         self._start: dict[int, int] = {}  # by group: a step holds each group once
-        sizes: list[int] = []
+        self._groups: list[Any] = []  # a step of each group, in number order
+        self.count = 0  # variables
         for s, *_ in packs:
             if id(s.group) not in self._start:
-                self._start[id(s.group)] = len(sizes)
-                sizes += [s.group.params.spans[i][1] - s.group.params.spans[i][0] for i in s.present]
-        self.sizes = np.array(sizes, np.int64)
+                self._start[id(s.group)] = self.count
+                self._groups.append(s)
+                self.count += len(s.present)
+
+    @functools.cached_property
+    def sizes(self) -> np.ndarray:
+        """Each variable's number of elements, by number."""
+        spans = [s.group.params.spans[i] for s in self._groups for i in s.present]
+        return np.array([b - a for a, b in spans], np.int64)
 
     def index(self, s: Any, p: int) -> int:
         """The number of variable ``p`` of group step ``s`` (or of another view of its group's step)."""
@@ -80,32 +88,31 @@ class Norms:
         (``"grad"``) or the weights (``"weights"``), and ``flag`` summed over the ranks."""
         if self.exact:
             return self._exact(sources, per_variable, flag)
-        local = np.array([self._local(source, per_variable) for source in sources], np.float64)
+        local = np.array(self._local(sources, per_variable), np.float64)
         vector = local.ravel() if flag is None else np.append(local.ravel(), flag)
         if self.sharded:
             assert self.collectives is not None
             self.collectives.all_reduce_in_place(vector, kind=self.kind, options=_PLAIN)
         return vector[: local.size].reshape(local.shape), 0.0 if flag is None else float(vector[-1])
 
-    def _local(self, source: str, per_variable: bool) -> list[float]:
-        """This rank's sums of squares of ``source``, per variable or in one total: a BLAS dot per
+    def _local(self, sources: list[str], per_variable: bool) -> list[list[float]]:
+        """This rank's sums of squares of each source, per variable or in one total: a BLAS dot per
         variable, or per ``CHUNK`` of each range this rank updates (float32 dots over a few
         thousand elements keep their digits; their sum is float64)."""
-        sums = [0.0] * (len(self.sizes) if per_variable else 1)
+        rows = [[0.0] * (self.count if per_variable else 1) for _ in sources]
         for s, k, grad, base, params, _ in self.packs:
-            x, shift = (grad, base) if source == "grad" else (params, 0)
-            dot = packing.array_module(x).vdot
             if per_variable:
                 first = self._start[id(s.group)]
-                for a, b, p in s.segments[k]:
-                    v = x[a - shift : b - shift]
-                    sums[first + p] += float(dot(v, v).real)
+                ranges = [(a, b, first + p) for a, b, p in s.segments[k]]
             else:
-                for a, b in s.updates[k]:
-                    for c in range(a, b, CHUNK):
-                        v = x[c - shift : min(c + CHUNK, b) - shift]
-                        sums[0] += float(dot(v, v).real)
-        return sums
+                ranges = [(c, min(c + CHUNK, b), 0) for a, b in s.updates[k] for c in range(a, b, CHUNK)]
+            dot = packing.array_module(grad).vdot
+            for sums, source in zip(rows, sources, strict=True):
+                x, shift = (grad, base) if source == "grad" else (params, 0)
+                for a, b, n in ranges:
+                    v = x[a - shift : b - shift]
+                    sums[n] += float(dot(v, v).real)
+        return rows
 
     def _pieces(self, sources: list[str]) -> Any:
         """(row, this rank's elements of one variable in one pack, the variable's number)."""
@@ -120,7 +127,7 @@ class Norms:
 
     def _exact(self, sources: list[str], per_variable: bool, flag: float | None) -> tuple[np.ndarray, float]:
         """Fixed-point sums on a grid every rank derives alike (see the module's docstring)."""
-        columns = len(self.sizes) if per_variable else 1
+        columns = self.count if per_variable else 1
         exponents = np.full((len(sources), columns), _NO_EXPONENT, np.int64)
         nonfinite = 0
         squares = []
