@@ -29,6 +29,10 @@ CASES = {
     "sgd-clipnorm": (lambda s: SGD(LR, momentum=0.9, clipnorm=0.5, shard_state=s), {"clipnorm": 0.5}),
     "adam-global": (lambda s: Adam(LR, global_clipnorm=1.0, shard_state=s), {"global_clipnorm": 1.0}),
     "adamw-excluded": (lambda s: AdamW(LR, weight_decay=0.3, shard_state=s), {"weight_decay": 0.3}),
+    "adamw-global-every": (  # every variable decays: the decay and the clip's scale ride in the update's pass
+        lambda s: AdamW(LR, weight_decay=0.3, global_clipnorm=1.0, shard_state=s),
+        {"weight_decay": 0.3, "global_clipnorm": 1.0, "every": True},
+    ),
     "rmsprop-ema": (
         lambda s: RMSprop(LR, momentum=0.5, centered=True, use_ema=True, ema_momentum=0.7, shard_state=s),
         {"ema": 0.7},
@@ -40,7 +44,7 @@ CASES = {
         {"global_clipnorm": 2.0, "weight_decay": 0.1},
     ),
 }
-EXCLUDED = ("b", "s")  # variables named here keep their weights from decay
+EXCLUDED = ("b", "s")  # variables named here keep their weights from decay (but for "every" cases)
 
 
 def keras_step(kind: str, settings: dict, w: dict, slots: dict, grads: dict, t: int, decays: dict) -> None:
@@ -101,7 +105,7 @@ def reference(case: str, size: int) -> tuple[dict, dict]:
     w = {n: initial(n).astype(np.float64) for n in NAMES}
     start = {"accumulator": 0.1}
     slots = {n: {s: np.full_like(w[n], start.get(s, 0.0)) for s in slot_names} for n in NAMES}
-    decays = {n: n not in EXCLUDED for n in NAMES}
+    decays = {n: settings.get("every") or n not in EXCLUDED for n in NAMES}
     for t in range(STEPS):
         keras_step(kind, settings, w, slots, {n: summed_grad(n, t, size) for n in NAMES}, t, decays)
     return w, {f"{n}/{s}": v for n, d in slots.items() for s, v in d.items()}
@@ -111,7 +115,7 @@ def train(strategy, case: str, shard: bool, rank: int, stream: bool = False):
     with strategy.scope():
         variables = {n: mpistrat.Variable(initial(n), name=n) for n in NAMES}
         opt = CASES[case][0](shard)
-    if opt.weight_decay:
+    if opt.weight_decay and not CASES[case][1].get("every"):
         opt.exclude_from_weight_decay([variables[n] for n in EXCLUDED])
     for t in range(STEPS):
         pairs = [(local_grad(n, t, rank), variables[n]) for n in NAMES]
