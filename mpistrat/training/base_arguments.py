@@ -6,7 +6,9 @@ Every optimizer takes ``weight_decay``, ``clipnorm``, ``clipvalue``, ``global_cl
 gradient: divide by the loss scale, clip (each variable's norm, the global norm, or each
 value), decay the weights (``w -= w * weight_decay * lr``, except the variables excluded), run
 the optimizer's update, then update the moving average of the weights (the ``average`` slot)
-and, every ``ema_overwrite_frequency`` steps, overwrite the weights with it.
+and, every ``ema_overwrite_frequency`` steps, overwrite the weights with it. The global clip's
+scale and the decay (when no variable is excluded) are applied block by block in the update's
+pass (:meth:`StepRule.update`), not in passes of their own: the same arithmetic per element.
 
 :class:`StepRule` is that work for one step, as :mod:`~mpistrat.training.pack_step` calls it
 on this rank's elements of each pack. A norm over whole variables (``clipnorm``,
