@@ -22,7 +22,8 @@
 A new collective is a function ``name(self: CollectiveState, ..., *, kind=...)`` in a file
 of its own (``state.CollectiveState``: what a collective may use of its ``Collectives``),
 decorated with ``@watchdog.collective("name")`` (stalls and timeouts), opening with
-``self.agree(kind, fingerprint=..., describe=..., error=...)``, and assigned as a method below.
+``self.agree(kind, fingerprint=..., describe=..., error=...)``, and assigned as a method below,
+as a ``_Deferred`` (its file imported at first use) unless every strategy uses it.
 
 >>> from mpi4py import MPI
 >>> c = Collectives(MPI.COMM_SELF.Dup())
@@ -33,6 +34,7 @@ decorated with ``@watchdog.collective("name")`` (stalls and timeouts), opening w
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,26 +42,12 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.collectives import (
-    all_gather,
-    all_reduce,
-    broadcast,
-    caches,
-    failure,
-    handshake,
-    hierarchical,
-    in_place,
-    objects,
-    reduce_axis,
-    step_check,
-)
+from mpistrat.collectives import all_reduce, caches, handshake
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.handshake import check_enabled, check_level
 from mpistrat.collectives.leaves import to_arrays
-from mpistrat.collectives.objects import Unsendable
-from mpistrat.collectives.step_check import StepCheck
 from mpistrat.collectives.stop import StopState
-from mpistrat.collectives.sum_modes import sum_mode
+from mpistrat.collectives.sum_modes import route_code, sum_mode
 from mpistrat.comm.transport import Transports
 from mpistrat.diagnostics import flight, startup, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -67,10 +55,31 @@ from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
     from mpistrat.collectives.recoverables import Recoverables
+    from mpistrat.collectives.step_check import StepCheck
 
-__all__ = ["Collectives", "Unsendable", "check_enabled", "check_level", "to_arrays"]
+__all__ = ["Collectives", "check_enabled", "check_level", "to_arrays"]
 
 FREED = "this strategy was finalized (experimental_finalize); create a new MPIStrategy"
+
+
+class _Deferred:
+    """A method of ``Collectives`` whose module is imported when the method is first used; the
+    class then holds the function itself.
+
+    >>> Collectives.exchange.__module__, Collectives.__dict__["exchange"].__name__
+    ('mpistrat.collectives.in_place', 'exchange')
+    """
+
+    def __init__(self, module: str, function: str = ""):
+        self.module, self.function = module, function
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.function = name, self.function or name
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        function = getattr(importlib.import_module(f"{__name__}.{self.module}"), self.function)
+        setattr(owner, self.name, function)
+        return function.__get__(instance, owner)
 
 
 class Collectives:
@@ -183,7 +192,7 @@ class Collectives:
         route = self.options.implementation.value
         self.agree(
             kind,
-            fingerprint=hash64(checking) ^ hierarchical.route_code(self.options.implementation),
+            fingerprint=hash64(checking) ^ route_code(self.options.implementation),
             describe=lambda: {
                 "leaves": [
                     ("the check", checking, None),
@@ -196,6 +205,8 @@ class Collectives:
             extras=[],
         )
         if setting == "step":
+            from mpistrat.collectives import step_check  # MPISTRAT_CHECK=step only
+
             self.step_check = self.flight.step = step_check.twin()
             if self.size == 1:  # nobody to differ from, and strategy.run sends no closing handshake
                 self.step_check.learned()
@@ -243,21 +254,22 @@ class Collectives:
 
     agree = handshake.agree
     all_reduce = all_reduce.all_reduce
-    reduce_along_axis = reduce_axis.reduce_along_axis
-    all_gather = all_gather.all_gather
-    broadcast = broadcast.broadcast
-    gather_to_root = objects.gather_to_root
-    broadcast_from_root = objects.broadcast_from_root
-    scatter_from_root = objects.scatter_from_root
-    on_root = objects.on_root
-    failed_in_mpi = failure.from_mpi
-    all_reduce_in_place = in_place.all_reduce_in_place
-    reduce_scatter_in_place = in_place.reduce_scatter_in_place
-    all_gather_in_place = in_place.all_gather_in_place
-    all_gather_bytes = in_place.all_gather_bytes
-    exact_mean_in_place = in_place.exact_mean_in_place
-    exchange = in_place.exchange
-    all_to_all_bytes = in_place.all_to_all_bytes
+    # Imported at first use (a job that never gathers never reads all_gather.py)
+    reduce_along_axis = _Deferred("reduce_axis")
+    all_gather = _Deferred("all_gather")
+    broadcast = _Deferred("broadcast")
+    gather_to_root = _Deferred("objects")
+    broadcast_from_root = _Deferred("objects")
+    scatter_from_root = _Deferred("objects")
+    on_root = _Deferred("objects")
+    failed_in_mpi = _Deferred("failure", "from_mpi")
+    all_reduce_in_place = _Deferred("in_place")
+    reduce_scatter_in_place = _Deferred("in_place")
+    all_gather_in_place = _Deferred("in_place")
+    all_gather_bytes = _Deferred("in_place")
+    exact_mean_in_place = _Deferred("in_place")
+    exchange = _Deferred("in_place")
+    all_to_all_bytes = _Deferred("in_place")
 
 
 def _close(transports: Transports, requests: list[MPI.Prequest]) -> None:

@@ -14,11 +14,10 @@ import numpy as np
 import optree
 from mpi4py import MPI
 
-from mpistrat.collectives import hierarchical, mismatch
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives.fingerprint import arrays_code
 from mpistrat.collectives.handshake import agree_within
-from mpistrat.collectives.sum_modes import PLAIN, sum_mode
+from mpistrat.collectives.sum_modes import PLAIN, route_code, sum_mode
 from mpistrat.comm import mpi, packing
 from mpistrat.diagnostics import watchdog
 from mpistrat.errors import MpistratError
@@ -80,7 +79,7 @@ def all_reduce(
     agree_within(
         self,
         kind,
-        fingerprint=fingerprint ^ mode.code ^ hierarchical.route_code(opts.implementation),
+        fingerprint=fingerprint ^ mode.code ^ route_code(opts.implementation),
         describe=lambda: describe(value, op, _route(opts, device=impl is not None), opts),
         error=error,
         options=opts,
@@ -168,6 +167,8 @@ def reduce_special(
 def describe(value: Any, op: ReduceOp | None, impl: str | None, opts: CommunicationOptions) -> dict[str, Any]:
     """``mismatch.describe``, with the reduction settings as a last entry when they are not plain:
     a rank that differs only in them is named with them (the other: "no such leaf")."""
+    from mpistrat.collectives import mismatch  # the ranks disagree: not every job's path
+
     described = mismatch.describe(value, op, implementation=impl, bytes_per_pack=opts.bytes_per_pack)
     if not opts.reduction:  # as the plain paths describe themselves
         return described
@@ -196,7 +197,7 @@ def _array_plan(self: CollectiveState, reduce_op: Any, x: Any) -> tuple[Any, ...
     hierarchical_route = opts.implementation is CommunicationImplementation.HIERARCHICAL
     if type(x) is np.ndarray:
         fingerprint, packs = lv.numpy_plan(self.caches, op, lv.LEAF_SPEC, [x], opts.bytes_per_pack)
-        fingerprint ^= hierarchical.route_code(opts.implementation)
+        fingerprint ^= route_code(opts.implementation)
     elif hierarchical_route:
         return None
     else:

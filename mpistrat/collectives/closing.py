@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mpistrat.collectives import handshake, step_check
+from mpistrat.collectives import handshake
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.diagnostics import monitor as monitoring
 from mpistrat.diagnostics import stragglers, timeline, watchdog
@@ -98,9 +98,13 @@ def _native_closing(self: CollectiveState, kind: str) -> Any:
     """The compiled closing of ``kind`` for these collectives, or False where the closing runs in
     Python: the step check's Python twin, no persistent handshake, or a watch that polls (a timeout
     chosen in the options, or set in the environment and not ``off``)."""
+    step = self.step_check
+    if step is None:  # the compiled closing runs with the step check's compiled twin alone
+        return False
+    from mpistrat.collectives import step_check  # loaded already: it made ``step``
+
     send, recv, request, _, stop = self.handshake_buffers
     monitor = self.monitor
-    step = self.step_check
     compiled = step_check.native_step
     if (
         compiled is None

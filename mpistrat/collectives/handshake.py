@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives import mismatch
 from mpistrat.collectives.fingerprint import cached_code
 from mpistrat.diagnostics import timeline, watchdog
 from mpistrat.diagnostics.flight import ENDED, SITE, STATE
@@ -279,6 +278,8 @@ def disagreed(
     step = self.step_check
     if step is not None:  # the same on every rank: the setting was agreed at creation
         step.raise_first_difference(self.comm)
+    from mpistrat.collectives import mismatch  # the ranks disagree: not every job's path
+
     mismatch.raise_disagreement(self.comm, kind, self.seq, describe or (lambda: None), error)
 
 

@@ -26,16 +26,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mpistrat.collectives import compressed
-from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import mpi
 from mpistrat.comm.hierarchy import reduce_to_leader
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.options import CommunicationImplementation
 
 if TYPE_CHECKING:
     from mpistrat.collectives.ranks import Ranks
 
-__all__ = ["compressed_sum", "route_code"]
+__all__ = ["compressed_sum"]
 
 
 def compressed_sum(self: Ranks, x: np.ndarray, codec: str, mean: bool, where: str) -> np.ndarray:
@@ -65,11 +63,3 @@ def compressed_sum(self: Ranks, x: np.ndarray, codec: str, mean: bool, where: st
     if mean:
         out /= self.size
     return out
-
-
-def route_code(implementation: CommunicationImplementation) -> int:
-    """What a handshake's fingerprint mixes in for the route of host sums (0 for flat MPI): ranks
-    that would sum over different communicators disagree, and raise, instead of waiting forever."""
-    if implementation is CommunicationImplementation.HIERARCHICAL:
-        return code_of("CommunicationOptions.implementation", "HIERARCHICAL")
-    return 0

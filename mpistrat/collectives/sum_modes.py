@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives import compressed, exact_sum, hierarchical
 from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import mpi, packing
 from mpistrat.options import CommunicationImplementation, CommunicationOptions
@@ -39,7 +38,7 @@ from mpistrat.options import CommunicationImplementation, CommunicationOptions
 if TYPE_CHECKING:
     from mpistrat.collectives.ranks import Ranks
 
-__all__ = ["BF16", "EXACT", "FP16", "PLAIN", "SumMode", "sum_mode"]
+__all__ = ["BF16", "EXACT", "FP16", "PLAIN", "SumMode", "route_code", "sum_mode"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what 16-bit compression takes
 
@@ -97,6 +96,8 @@ class _Exact(SumMode):
     name = "deterministic"
 
     def takes(self, dtype: np.dtype) -> bool:
+        from mpistrat.collectives import exact_sum  # each mode's own module: imported when it is used
+
         return exact_sum.supported(dtype)
 
     def reduce_scatter(self, collectives: Ranks, buf: np.ndarray, kind: str) -> None:
@@ -108,6 +109,8 @@ class _Exact(SumMode):
     def _sum_host(
         self, collectives: Ranks, host: np.ndarray, kind: str, mean: bool, implementation: Any
     ) -> np.ndarray:
+        from mpistrat.collectives import exact_sum
+
         real = host.view(host.real.dtype) if host.dtype.kind == "c" else host
         divisor = collectives.size if mean else None
         summed, _ = exact_sum.exact_sum(collectives.comm, real.reshape(1, -1), [], divisor)
@@ -127,12 +130,16 @@ class _Compressed(SumMode):
         return dtype in _FLOATS
 
     def reduce_scatter(self, collectives: Ranks, buf: np.ndarray, kind: str) -> None:
+        from mpistrat.collectives import compressed
+
         per = buf.size // collectives.size
         buf[:per] = compressed.compressed_reduce_scatter(collectives.comm, buf, self.name, kind)
 
     def _sum_host(
         self, collectives: Ranks, host: np.ndarray, kind: str, mean: bool, implementation: Any
     ) -> np.ndarray:
+        from mpistrat.collectives import compressed, hierarchical
+
         if implementation is CommunicationImplementation.HIERARCHICAL:
             return hierarchical.compressed_sum(collectives, host, self.name, mean, kind)
         return compressed.compressed_sum(collectives.comm, host, self.name, mean, kind)
@@ -148,3 +155,12 @@ _MODES = {m.name: m for m in (PLAIN, EXACT, BF16, FP16)}
 def sum_mode(options: CommunicationOptions) -> SumMode:
     """The mode ``options`` ask for (their ``reduction``)."""
     return _MODES[options.reduction]
+
+
+def route_code(implementation: CommunicationImplementation) -> int:
+    """What a handshake's fingerprint mixes in for the route of host sums (0 for flat MPI): ranks
+    that would sum over different communicators (``hierarchical.py``) disagree, and raise, instead
+    of waiting forever."""
+    if implementation is CommunicationImplementation.HIERARCHICAL:
+        return code_of("CommunicationOptions.implementation", "HIERARCHICAL")
+    return 0

@@ -26,16 +26,18 @@ import importlib
 import os
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
 
 from mpistrat.comm.base import Transport
-from mpistrat.comm.hierarchy import HierarchicalMPI
 from mpistrat.comm.mpi import buffer_spec, mpi_datatype
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
+
+if TYPE_CHECKING:
+    from mpistrat.comm.hierarchy import HierarchicalMPI
 
 __all__ = [
     "CudaAwareMPI",
@@ -369,6 +371,8 @@ class Transports:
     def hierarchical(self) -> HierarchicalMPI:
         """Host sums within each node, between the nodes' leaders, then in the node (comm/hierarchy.py)."""
         if self._hierarchical is None:
+            from mpistrat.comm.hierarchy import HierarchicalMPI  # HIERARCHICAL only
+
             self._hierarchical = HierarchicalMPI(self.comm)
         return self._hierarchical
 

@@ -34,7 +34,7 @@ import numpy as np
 import optree
 
 from mpistrat import nest
-from mpistrat.collectives import Unsendable, check_level
+from mpistrat.collectives import check_level
 from mpistrat.collectives.fingerprint import checksum, code_of
 from mpistrat.errors import (
     InvalidArgumentError,
@@ -123,6 +123,8 @@ def _strip_shared(leaf: Any) -> Any:
 
 def regroup(local: Any, gathered: list[Any]) -> Any:
     """Rank 0's args with each leaf replaced by ``PerReplica`` of every rank's value."""
+    from mpistrat.collectives.objects import Unsendable  # loaded already: ``gathered`` came through it
+
     leaves, spec = nest.tree_flatten(local)
     per_rank = [leaves]
     for r, other in enumerate(gathered[1:], start=1):

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.collectives.reduce_axis import mean_of
 from mpistrat.comm import packing
 from mpistrat.errors import ContextError, InvalidArgumentError, MpistratError, enum_member
 from mpistrat.options import CommunicationOptions
@@ -226,7 +225,11 @@ def _combine(op: Any, parts: tuple[Any, ...], axis: int | None, method: str) -> 
     total = arrays[0]
     for a in arrays[1:]:
         total = total + a
-    return mean_of(total, count) if op == ReduceOp.MEAN else total
+    if op != ReduceOp.MEAN:
+        return total
+    from mpistrat.collectives.reduce_axis import mean_of  # one rule for a mean's dtype, the collectives'
+
+    return mean_of(total, count)
 
 
 # -- the arguments' checks, before either context's reduction -------------------------------

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from mpistrat import config
-from mpistrat.collectives import mismatch
 from mpistrat.diagnostics import abort, launch, watchdog
 from mpistrat.distribute import merge
 from mpistrat.distribute.default import default_strategy
@@ -224,6 +223,8 @@ def _agree_on_resolver(strategy: MPIStrategy, problem: str) -> None:
 
 
 def _raise_problems(problems: list[str]) -> None:
+    from mpistrat.collectives import mismatch  # the resolvers differ: not every job's path
+
     bad: dict[str, list[int]] = {}
     for r, p in enumerate(problems):
         if p:
