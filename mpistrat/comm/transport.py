@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -279,7 +278,7 @@ def gpu_identity(cupy: Any) -> str | None:
         bus = str(cupy.cuda.runtime.deviceGetPCIBusId(ordinal))
     except Exception:
         bus = f"visible={os.environ.get('CUDA_VISIBLE_DEVICES', '*')} ordinal={ordinal}"
-    return f"{socket.gethostname()}/{bus}"
+    return f"{os.uname().nodename}/{bus}"
 
 
 def device_capabilities(comm: MPI.Intracomm, cupy: Any) -> DeviceCapabilities:

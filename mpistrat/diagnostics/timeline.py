@@ -27,7 +27,6 @@ import contextlib
 import functools
 import itertools
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -82,7 +81,7 @@ class Writer:
             "format": FORMAT,
             "rank": self.rank,
             "size": self.size,
-            "host": socket.gethostname(),
+            "host": os.uname().nodename,
             "pid": os.getpid(),
             "clock": "monotonic",
             "started": time.monotonic(),

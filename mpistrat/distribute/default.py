@@ -26,7 +26,6 @@ from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.strategy_base import Strategy
-from mpistrat.distribute.updates import select_replica, ungroup
 from mpistrat.errors import ContextError
 from mpistrat.interface import modes
 from mpistrat.options import CommunicationOptions
@@ -90,10 +89,12 @@ class DefaultExtended(StrategyExtended):
         group: bool = True,
     ) -> Any:
         """Run ``fn(var, *args, **kwargs)``: the default strategy's variables are plain ones."""
+        from mpistrat.distribute import updates  # a job that updates no variable never loads it
+
         self._require_cross_replica("update")
-        (a, kw), _ = select_replica((tuple(args), dict(kwargs or {})), 0, 1, "update")
+        (a, kw), _ = updates.select_replica((tuple(args), dict(kwargs or {})), 0, 1, "update")
         result = fn(var, *a, **kw)
-        return result if group else ungroup(result)
+        return result if group else updates.ungroup(result)
 
     def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
         """Variables created inside record ``colocate_with_variable`` (any variable: no scope to check)."""

@@ -33,7 +33,7 @@ from mpistrat.collectives import FREED, Collectives
 from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
 from mpistrat.diagnostics.stragglers import Stragglers
-from mpistrat.distribute import merge, reductions, updates
+from mpistrat.distribute import merge, reductions
 from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -350,6 +350,8 @@ class StrategyExtended:
         mode: modes.Mode,
     ) -> Any:
         """``update``'s work in a replica or cross-replica context of this strategy."""
+        from mpistrat.distribute import updates  # a job that updates no variable never loads it
+
         merging = mode.kind is modes.MERGE
         (a, kw), taken = updates.select_replica(
             (tuple(args), dict(kwargs or {})), self.rank, self.size, "update", one_process=merging
@@ -399,6 +401,8 @@ class StrategyExtended:
         is no device to choose). Writes ``fn`` makes to mirrored variables reach every rank, as
         with :meth:`update`.
         """
+        from mpistrat.distribute import updates
+
         mode = self._require_cross_replica("update_non_slot")
         with self._enter(mode), self.writes_in_sync():
             (a, kw), _ = updates.select_replica(

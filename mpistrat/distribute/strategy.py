@@ -13,7 +13,6 @@ from mpi4py import MPI
 from mpistrat import config
 from mpistrat.diagnostics import abort, launch, watchdog
 from mpistrat.distribute import merge
-from mpistrat.distribute.default import default_strategy
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.strategy_base import Strategy
 from mpistrat.errors import (
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
     from mpistrat.distribute.cluster_resolver import ClusterResolver
     from mpistrat.distribute.recovery import Recovery
 
-__all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy", "default_strategy"]
+__all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy"]
 
 _ALWAYS = CommunicationOptions(check=True)  # the check holds whatever MPISTRAT_CHECK says
 

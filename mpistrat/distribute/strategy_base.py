@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from mpistrat import nest, values
-from mpistrat.distribute import in_turn, reductions, results
+from mpistrat.distribute import reductions, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, UnsupportedTypeError
@@ -181,6 +181,8 @@ class Strategy:
         copy of a variable that another rank holds, raises ContextError (see ``modes.Mode``); a
         ``merge_call`` inside waits for every replica's (see :mod:`mpistrat.distribute.in_turn`).
         """
+        from mpistrat.distribute import in_turn  # a root-mode merge_fn that calls run: few jobs
+
         size = self.num_replicas_in_sync
         calls = [(self._unwrap(args, r), self._unwrap(kwargs, r)) for r in range(size)]
         results = in_turn.run_in_turn(self, fn, calls)
