@@ -2,6 +2,8 @@
 
 Dicts flatten in sorted key order and ``None`` is a leaf, as in ``tf.nest``. An
 ``OrderedDict`` flattens in insertion order (optree's rule; tf.nest sorts its keys too).
+optree is imported at the first walk of a nest: a job whose values are single arrays and
+numbers (:data:`LEAF_TYPES`, mapped without a walk) never reads its files.
 
 >>> flatten({"b": [1, 2], "a": 0})
 [0, 1, 2]
@@ -12,13 +14,17 @@ Dicts flatten in sorted key order and ``None`` is a leaf, as in ``tf.nest``. An
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-import optree
+import numpy as np
 
 from mpistrat.errors import InvalidArgumentError, MpistratError, UnsupportedTypeError
 
+if TYPE_CHECKING:
+    import optree
+
 __all__ = [
+    "LEAF_TYPES",
     "tree_flatten",
     "tree_map",
     "tree_paths",
@@ -41,6 +47,10 @@ class _TreeOptions(TypedDict):
 # The one place mpistrat's tree options live.
 _OPTS: _TreeOptions = {"none_is_leaf": True, "namespace": "mpistrat"}
 
+# Types that are always one leaf under these options (an array, a number, None): mapped without
+# optree (a gradient, a metric, a strategy.run result).
+LEAF_TYPES = frozenset({np.ndarray, type(None), bool, int, float, np.float32, np.float64, np.int32, np.int64})
+
 
 # optree's functions with mpistrat's options: every tree walk in the package goes through these.
 
@@ -48,25 +58,41 @@ _OPTS: _TreeOptions = {"none_is_leaf": True, "namespace": "mpistrat"}
 def tree_map(
     fn: Callable[..., Any], tree: Any, *rests: Any, is_leaf: Callable[[Any], bool] | None = None
 ) -> Any:
-    """``optree.tree_map`` with ``None`` a leaf and sorted dict keys."""
+    """``optree.tree_map`` with ``None`` a leaf and sorted dict keys.
+
+    >>> tree_map(lambda x, y: (x, y), 1, [2, 3])  # a leaf is a prefix of any tree: y is whole
+    (1, [2, 3])
+    """
+    if type(tree) in LEAF_TYPES:
+        return fn(tree, *rests)
+    import optree
+
     return optree.tree_map(fn, tree, *rests, is_leaf=is_leaf, **_OPTS)
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """``(leaves, treespec)``; ``optree.tree_unflatten(treespec, leaves)`` inverts it."""
+    import optree
+
     return optree.tree_flatten(tree, **_OPTS)
 
 
 def tree_structure(tree: Any) -> optree.PyTreeSpec:
+    import optree
+
     return optree.tree_structure(tree, **_OPTS)
 
 
 def tree_paths(tree: Any) -> list[tuple[Any, ...]]:
+    import optree
+
     return optree.tree_paths(tree, **_OPTS)
 
 
 def flatten(structure: Any) -> list[Any]:
     """The leaves of ``structure`` in tf.nest order."""
+    import optree
+
     return optree.tree_leaves(structure, **_OPTS)
 
 
@@ -76,6 +102,8 @@ def flatten_with_paths(structure: Any) -> list[tuple[tuple[Any, ...], Any]]:
     >>> flatten_with_paths({"a": [5, 6]})
     [(('a', 0), 5), (('a', 1), 6)]
     """
+    import optree
+
     paths, leaves, _ = optree.tree_flatten_with_path(structure, **_OPTS)
     return list(zip(paths, leaves, strict=True))
 
@@ -87,6 +115,8 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 def pack_sequence_as(structure: Any, flat_sequence: list[Any]) -> Any:
     """Rebuild ``structure`` with its leaves replaced by ``flat_sequence``."""
+    import optree
+
     treespec = optree.tree_structure(structure, **_OPTS)
     flat = list(flat_sequence)
     if len(flat) != treespec.num_leaves:
@@ -106,6 +136,8 @@ def map_structure(func: Callable[..., Any], *structures: Any, check_types: bool 
         raise InvalidArgumentError("map_structure needs at least one structure")
     for other in structures[1:]:
         assert_same_structure(structures[0], other, check_types=check_types)
+    import optree
+
     # Leaves pair up in tf.nest's order, every mapping by sorted key: a dict and an OrderedDict
     # with the same keys pair by key although optree flattens the OrderedDict as inserted.
     paths, first, spec = optree.tree_flatten_with_path(structures[0], **_OPTS)
@@ -125,6 +157,8 @@ def _by_key(entries: list[Any], children: list[Any]) -> tuple[list[Any], list[An
 def _in_tf_order(structure: Any) -> list[Any]:
     """The leaves in tf.nest's order: depth first, every mapping's entries by sorted key (the
     lexicographic order of their key paths)."""
+    import optree
+
     paths, leaves, _ = optree.tree_flatten_with_path(structure, **_OPTS)
     return [leaves[i] for i in sorted(range(len(paths)), key=paths.__getitem__)]
 
@@ -194,4 +228,6 @@ def _node_type(spec: optree.PyTreeSpec) -> type:
 
 def is_nested(structure: Any) -> bool:
     """True for a list, tuple, dict or namedtuple (anything that is not a leaf)."""
+    import optree
+
     return not optree.treespec_is_leaf(optree.tree_structure(structure, **_OPTS))

@@ -19,7 +19,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 from mpi4py import MPI
 
 from mpistrat.collectives import leaves as lv
@@ -113,7 +112,7 @@ def all_gather(
             o, ax = part[k], axes[i]
             xp = packing.array_module(o)
             out[i] = o if ax == 0 else xp.ascontiguousarray(xp.moveaxis(o, 0, ax))
-    return optree.tree_unflatten(treespec, out)
+    return lv.unflatten(treespec, out)
 
 
 def _all_gather_array(self: CollectiveState, x: np.ndarray, axis: int, kind: str) -> np.ndarray:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 from mpi4py import MPI
 
 from mpistrat.collectives import leaves as lv
@@ -90,7 +89,7 @@ def all_reduce(
     else:
         divisor = self.size if op is ReduceOp.MEAN else None
         out = allreduce_arrays(self, arrays, opts.bytes_per_pack, opts.implementation, divisor, packs)
-    return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
+    return lv.unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
 
 
 def allreduce_arrays(

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 
 from mpistrat.collectives import leaves as lv
 from mpistrat.collectives import mismatch
@@ -84,7 +83,7 @@ def broadcast(
             buf = packing.empty((sum(arrays[i].size for i in p.indices),), p.dtype, p.module)
         _bcast(self, buf, transport, root, kind)
         packing.unpack(buf, arrays, p, out)
-    return optree.tree_unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
+    return lv.unflatten(treespec, out if numpy_only else lv.like_leaves(leaves, out))
 
 
 def _bcast(self: CollectiveState, buf: Any, transport: Any, root: int, kind: str) -> None:

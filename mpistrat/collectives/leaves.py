@@ -17,7 +17,6 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 
 from mpistrat import nest
 from mpistrat.collectives.fingerprint import arrays_code
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LEAF_SPEC",
-    "MAX_DEPTH",
     "all_leaves",
     "device_implementation",
     "divide",
@@ -46,10 +44,8 @@ __all__ = [
     "reduce_op",
     "to_arrays",
     "too_deep",
+    "unflatten",
 ]
-
-# optree refuses to walk deeper than this (a RecursionError), whatever sys.getrecursionlimit() says.
-MAX_DEPTH = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
 
 
 def like_leaves(leaves: list[Any], out: list[Any]) -> list[Any]:
@@ -82,9 +78,19 @@ def to_arrays(value: Any, leaves: list[Any], kind: str) -> list[Any]:
 
 _REDUCE_OPS: dict[Any, ReduceOp] = {}
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
-LEAF_SPEC = nest.tree_structure(0)
-# Types that are always one leaf: flattened without optree (a strategy.run result, a metric).
-_LEAVES = frozenset({np.ndarray, type(None), bool, int, float, np.float32, np.float64, np.int32, np.int64})
+
+
+class _OneLeaf:
+    """The structure :func:`flatten` gives a value that is one leaf, whatever its type: its own
+    object, so that one array's collective, fingerprint and result need no optree."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "*"
+
+
+LEAF_SPEC = _OneLeaf()
 
 
 def plain(dtype: np.dtype) -> bool:
@@ -98,7 +104,7 @@ def all_leaves(values: Any) -> bool:
     >>> all_leaves([np.ones(2), 1.0, None]), all_leaves([np.ones(2), [1.0]])
     (True, False)
     """
-    return _LEAVES.issuperset(map(type, values))
+    return nest.LEAF_TYPES.issuperset(map(type, values))
 
 
 def known_reduce_op(value: Any) -> ReduceOp | None:
@@ -137,14 +143,16 @@ def numpy_plan(
 
 
 def flatten(value: Any, memo: Any = None) -> tuple[list[Any], Any]:
-    """``nest.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays.
+    """``nest.tree_flatten(value)`` with mpistrat's options, faster for flat containers of arrays;
+    :func:`unflatten` inverts it.
 
     Flat lists, tuples and dicts of NumPy arrays (gradients, metrics) are flattened from the
     structures ``memo`` (``Collectives.caches.flat``) remembers: optree spends ~0.2 us per
-    leaf deciding that an array is a leaf. An array, a number or None alone is one leaf.
+    leaf deciding that an array is a leaf. A value that is one leaf has the structure
+    :data:`LEAF_SPEC` (an array, a number or None without a walk).
     """
     kind = type(value)
-    if kind in _LEAVES:
+    if kind in nest.LEAF_TYPES:
         return [value], LEAF_SPEC
     flat = kind is list or kind is tuple or kind is dict
     flat = flat and memo is not None
@@ -160,6 +168,8 @@ def flatten(value: Any, memo: Any = None) -> tuple[list[Any], Any]:
         leaves, spec = nest.tree_flatten(value)
     except RecursionError as exc:  # raised on this rank alone: it must travel through the handshake
         raise too_deep() from exc
+    if spec.is_leaf():  # another type of leaf (a variable, a float16): the same structure
+        return leaves, LEAF_SPEC
     children = list(value.values()) if kind is dict else value
     if flat and packing.all_numpy(children) and len(leaves) == len(value):  # each child is a leaf
         order = None
@@ -169,10 +179,27 @@ def flatten(value: Any, memo: Any = None) -> tuple[list[Any], Any]:
     return leaves, spec
 
 
+def unflatten(spec: Any, leaves: list[Any]) -> Any:
+    """The nest of structure ``spec`` (:func:`flatten`'s) holding ``leaves``.
+
+    >>> unflatten(flatten(np.ones(2))[1], [3.0]), unflatten(flatten((1, [2]))[1], [3, 4])
+    (3.0, (3, [4]))
+    """
+    if spec is LEAF_SPEC:
+        return leaves[0]
+    import optree  # loaded already: it made ``spec``
+
+    return optree.tree_unflatten(spec, leaves)
+
+
 def too_deep() -> InvalidArgumentError:
     """The error for a nest deeper than optree (and Python) will walk."""
+    import optree  # loaded already: its walk raised
+
+    # optree refuses to walk deeper than this (a RecursionError), whatever sys.getrecursionlimit() says.
+    depth = getattr(optree, "MAX_RECURSION_DEPTH", 1000)
     return InvalidArgumentError(
-        f"the nest is too deep: more than about {MAX_DEPTH} levels of containers "
+        f"the nest is too deep: more than about {depth} levels of containers "
         "(optree's and Python's recursion limit); pass a flatter nest"
     )
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 
 from mpistrat.collectives import exact_sum
 from mpistrat.collectives import leaves as lv
@@ -85,7 +84,7 @@ def reduce_along_axis(
         )
         if op is ReduceOp.MEAN:
             total_sums = [mean_of(s, c) for s, c in zip(total_sums, total_counts, strict=True)]
-        return optree.tree_unflatten(treespec, total_sums)
+        return lv.unflatten(treespec, total_sums)
     moved = [lv.moveaxis_to_front(a, int(axis) % a.ndim) for a in arrays]
     rest = [(packing.dtype_name(a), a.shape[1:]) for a in moved]
     fingerprint = code_of(op, "axis", treespec, *rest, memo=self.caches.codes)
@@ -109,7 +108,7 @@ def reduce_along_axis(
             out[i] = mean_of(s, c) if op is ReduceOp.MEAN else s
     for dtype in dict.fromkeys(moved[i].dtype for i in exact):  # one pack per dtype, in first-seen order
         _exact_pack(self, [i for i in exact if moved[i].dtype == dtype], moved, op, out)
-    return optree.tree_unflatten(treespec, out)
+    return lv.unflatten(treespec, out)
 
 
 def mean_of(total: Any, count: Any) -> Any:

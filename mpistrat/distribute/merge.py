@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 
 from mpistrat import nest
 from mpistrat.collectives import check_level
@@ -123,6 +122,8 @@ def _strip_shared(leaf: Any) -> Any:
 
 def regroup(local: Any, gathered: list[Any]) -> Any:
     """Rank 0's args with each leaf replaced by ``PerReplica`` of every rank's value."""
+    import optree  # loaded already: the arguments were walked to be sent
+
     from mpistrat.collectives.objects import Unsendable  # loaded already: ``gathered`` came through it
 
     leaves, spec = nest.tree_flatten(local)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import optree
-
 from mpistrat import nest
 from mpistrat.collectives import leaves
 from mpistrat.collectives.closing import close_step
@@ -31,13 +29,14 @@ if TYPE_CHECKING:
 __all__ = ["agree_on_result", "fits", "form"]
 
 KIND = "strategy.run (result)"
+# By the names of optree's PyTreeKind (a result that is one array never imports optree).
 _SEQUENCES = {
-    optree.PyTreeKind.LIST: "list",
-    optree.PyTreeKind.TUPLE: "tuple",
-    optree.PyTreeKind.NAMEDTUPLE: "tuple",  # tf's regroup takes a namedtuple for a tuple
-    optree.PyTreeKind.STRUCTSEQUENCE: "tuple",
+    "LIST": "list",
+    "TUPLE": "tuple",
+    "NAMEDTUPLE": "tuple",  # tf's regroup takes a namedtuple for a tuple
+    "STRUCTSEQUENCE": "tuple",
 }
-_MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT)
+_MAPPINGS = ("DICT", "ORDEREDDICT", "DEFAULTDICT")
 
 
 def agree_on_result(collectives: Collectives, result: Any, error: Exception | None) -> None:
@@ -107,10 +106,10 @@ def form(value: Any) -> Any:
 
 
 def _form(spec: Any) -> Any:
-    if spec.is_leaf():
+    if spec is leaves.LEAF_SPEC or spec.is_leaf():
         return None
     children = tuple(_form(c) for c in spec.children())
-    kind = spec.kind
+    kind = spec.kind.name
     if kind in _SEQUENCES:
         return (_SEQUENCES[kind], children)
     if kind in _MAPPINGS:

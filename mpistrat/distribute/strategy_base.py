@@ -12,8 +12,6 @@ import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import optree
-
 from mpistrat import nest, values
 from mpistrat.distribute import reductions, results
 from mpistrat.distribute.extended import StrategyExtended
@@ -215,11 +213,17 @@ class Strategy:
         """``arguments`` with PerReplica/Mirrored leaves replaced by this rank's component.
 
         Rebuilt only when there is something to unwrap: the user's objects pass through as
-        they are, and a large argument nest costs one flatten in C.
+        they are, and a large argument nest costs one flatten in C (arguments that are arrays and
+        numbers, none).
         """
+        values = arguments.values() if type(arguments) is dict else arguments
+        if nest.LEAF_TYPES.issuperset(map(type, values)):
+            return arguments
         leaves, spec = nest.tree_flatten(arguments)
         if not any(isinstance(leaf, (PerReplica, Mirrored)) for leaf in leaves):
             return arguments
+        import optree  # loaded already: it flattened them
+
         return optree.tree_unflatten(spec, [self._local_component(leaf, rank) for leaf in leaves])
 
     def _local_component(self, value: Any, rank: int) -> Any:
