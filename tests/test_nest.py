@@ -102,3 +102,17 @@ def test_without_check_types_mappings_pair_by_sorted_key():
     # check_types=False) == {"a": (1, 10), "c": (2, 20)}: keys may differ, sorted order pairs them.
     got = nest.map_structure(lambda a, b: (a, b), {"a": 1, "c": 2}, {"b": 10, "d": 20}, check_types=False)
     assert got == {"a": (1, 10), "c": (2, 20)}
+
+
+@pytest.mark.parametrize("rest", [None, 5, [1, (2, None)], {"a": 1}])
+def test_tree_map_of_one_leaf_is_optree_tree_map(rest):
+    """A value of LEAF_TYPES is mapped without a walk: the same as optree's map, rests whole."""
+    import numpy as np
+    import optree
+
+    for leaf in (np.ones(2), None, True, 3, 2.5, np.float32(1), np.float64(2), np.int32(3), np.int64(4)):
+        assert type(leaf) in nest.LEAF_TYPES
+        want = optree.tree_map(lambda x, r: (x, r), leaf, rest, none_is_leaf=True, namespace="mpistrat")
+        got = nest.tree_map(lambda x, r: (x, r), leaf, rest)
+        assert got[0] is want[0] and got[1] == want[1]
+        assert optree.tree_structure(leaf, none_is_leaf=True, namespace="mpistrat").is_leaf()
