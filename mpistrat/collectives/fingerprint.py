@@ -14,8 +14,10 @@ True
 
 from __future__ import annotations
 
-import hashlib
 import zlib
+
+# hashlib's blake2b itself: importing hashlib would also load OpenSSL (libcrypto) at every rank's start.
+from _blake2 import blake2b
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +35,7 @@ def hash64(text: str) -> int:
     >>> hash64("all_reduce") == hash64("all_reduce") != hash64("all_gather")
     True
     """
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+    return int.from_bytes(blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
 def cached_code(memo: Any, key: Any, text: Callable[[], str]) -> int:

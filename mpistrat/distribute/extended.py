@@ -33,7 +33,7 @@ from mpistrat.collectives import FREED, Collectives
 from mpistrat.comm import devices
 from mpistrat.diagnostics import watchdog
 from mpistrat.diagnostics.stragglers import Stragglers
-from mpistrat.distribute import merge, reductions
+from mpistrat.distribute import reductions
 from mpistrat.distribute.reductions import LocalReducer, SpmdReducer
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, InvalidArgumentError
@@ -487,6 +487,8 @@ class StrategyExtended:
     ) -> Any:
         """Run ``merge_fn(strategy, *args, **kwargs)`` as ``ReplicaContext.merge_call`` does, once it
         checked the replica context: where ``merge_call`` says (see :mod:`mpistrat.distribute.merge`)."""
+        from mpistrat.distribute import merge  # a job that never calls merge_call never loads it
+
         strategy = self._container_strategy
         if self.merge_call_mode == "every_rank":
             return merge.merge_on_every_rank(strategy, merge_fn, args, kwargs)

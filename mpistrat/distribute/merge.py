@@ -48,9 +48,7 @@ if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
     from mpistrat.distribute.strategy_base import Strategy
 
-__all__ = ["MODES", "merge_on_root", "merge_on_every_rank", "regroup", "select"]
-
-MODES = ("root", "every_rank")
+__all__ = ["merge_on_root", "merge_on_every_rank", "regroup", "select"]
 
 
 class _SameEverywhere:

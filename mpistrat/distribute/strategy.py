@@ -12,7 +12,6 @@ from mpi4py import MPI
 
 from mpistrat import config
 from mpistrat.diagnostics import abort, launch, watchdog
-from mpistrat.distribute import merge
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.strategy_base import Strategy
 from mpistrat.errors import (
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["Strategy", "MPIStrategy", "MultiWorkerMirroredStrategy"]
 
 _ALWAYS = CommunicationOptions(check=True)  # the check holds whatever MPISTRAT_CHECK says
+MERGE_CALLS = ("root", "every_rank")  # where merge_call runs merge_fn (distribute/merge.py)
 
 
 class MPIStrategy(Strategy):
@@ -68,7 +68,7 @@ class MPIStrategy(Strategy):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise UnsupportedTypeError(f"MPIStrategy: comm must be an mpi4py intracommunicator; got {comm!r}")
-        if merge_call not in merge.MODES:
+        if merge_call not in MERGE_CALLS:
             raise InvalidArgumentError(
                 f"MPIStrategy: merge_call must be 'root' or 'every_rank'; got {merge_call!r}"
             )

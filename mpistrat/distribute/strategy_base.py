@@ -17,13 +17,6 @@ from mpistrat.distribute import reductions, results
 from mpistrat.distribute.extended import StrategyExtended
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.errors import ContextError, UnsupportedTypeError
-from mpistrat.input.contexts import (
-    InputContext,
-    InputOptions,
-    InputReplicationMode,
-    ValueContext,
-    distribute_values_from_function,
-)
 from mpistrat.interface import modes
 from mpistrat.reduce_op import ReduceOp
 from mpistrat.values import Mirrored, PerReplica
@@ -31,6 +24,7 @@ from mpistrat.values import Mirrored, PerReplica
 if TYPE_CHECKING:
     from mpistrat.distribute.cluster_resolver import ClusterResolver
     from mpistrat.input import datasets as _datasets
+    from mpistrat.input.contexts import InputContext, InputOptions, InputReplicationMode, ValueContext
 
 __all__ = ["Strategy"]
 
@@ -302,7 +296,7 @@ class Strategy:
     def make_input_fn_iterator(
         self,
         input_fn: Callable[[InputContext], Iterable[Any]],
-        replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
+        replication_mode: InputReplicationMode | str = "PER_WORKER",
     ) -> _datasets.InputIterator:
         """An iterator (``initialize()``, ``get_next()``) over one ``input_fn`` pipeline per rank."""
         self._require_own("make_input_fn_iterator")
@@ -312,6 +306,8 @@ class Strategy:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """This replica's ``value_fn(ValueContext(rank, num_replicas))``, to pass to ``run``."""
+        from mpistrat.input.contexts import distribute_values_from_function
+
         return distribute_values_from_function(self._collectives, value_fn)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
