@@ -166,7 +166,9 @@ def test_fast_flatten_is_optree_flatten(value):
         )
         rebuilt = unflatten(spec, leaves)
         assert optree.tree_structure(rebuilt, none_is_leaf=True, namespace="mpistrat") == want_spec
-        assert all(a is b for a, b in zip(optree.tree_leaves(rebuilt, none_is_leaf=True), leaves, strict=True))
+        assert all(
+            a is b for a, b in zip(optree.tree_leaves(rebuilt, none_is_leaf=True), leaves, strict=True)
+        )
 
 
 def test_large_buffers_are_recycled_only_when_nothing_refers_to_them():
