@@ -238,3 +238,21 @@ def test_import_mpistrat_makes_few_file_system_calls_of_its_own(tmp_path):
     base = strace_count("import numpy, mpi4py.MPI", tmp_path)
     with_mpistrat = strace_count("import numpy, mpi4py.MPI, mpistrat", tmp_path)
     assert with_mpistrat - base <= 475, (base, with_mpistrat)
+
+
+DEFERRED = """
+import importlib
+from mpistrat.collectives import Collectives
+deferred = {n: v for n, v in vars(Collectives).items() if type(v).__name__ == "_Deferred"}
+for name, method in sorted(deferred.items()):
+    module = importlib.import_module("mpistrat.collectives." + method.module)
+    print(name, getattr(Collectives, name) is getattr(module, {"failed_in_mpi": "from_mpi"}.get(name, name)))
+"""
+
+
+def test_each_deferred_collective_is_the_function_of_its_file():
+    """A method imported at first use (``_Deferred``) is the function its file defines, under the
+    method's own name unless renamed: a misspelt name would fail only at a job's first call."""
+    out = fresh(DEFERRED).split()
+    answers = dict(zip(out[::2], out[1::2], strict=True))
+    assert len(answers) == 15 and set(answers.values()) == {"True"}, answers
