@@ -15,11 +15,13 @@ True
 from __future__ import annotations
 
 import zlib
-
-# hashlib's blake2b itself: importing hashlib would also load OpenSSL (libcrypto) at every rank's start.
-from _blake2 import blake2b
 from collections.abc import Callable
 from typing import Any
+
+try:  # hashlib's blake2b itself: importing hashlib would also load OpenSSL (libcrypto) at every start
+    from _blake2 import blake2b
+except ImportError:  # an interpreter without CPython's module
+    from hashlib import blake2b
 
 import numpy as np
 
