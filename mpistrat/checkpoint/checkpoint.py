@@ -40,12 +40,13 @@ from mpistrat.checkpoint.format import Table, renamed
 from mpistrat.checkpoint.tracking import name_before_escaping, tracked
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.errors import ContextError, InvalidArgumentError, PeerFailedError
-from mpistrat.input.position import InputPosition
 from mpistrat.interface import modes
 from mpistrat.interface.protocols import StrategyProtocol
+from mpistrat.interface.saved_entry import PositionEntry, SavedEntry
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
 from mpistrat.training.optimizers import LossScaleOptimizer, Optimizer
+from mpistrat.training.saved_variable import SavedVariable, saved_slot
 from mpistrat.training.variables import Variable, plain_variable
 
 if TYPE_CHECKING:
@@ -78,14 +79,14 @@ class Checkpoint:
     def __init__(self, **trackables: Any):
         self._variables: dict[str, Variable] = {}
         self._optimizers: dict[str, Optimizer | LossScaleOptimizer] = {}
-        self._inputs: dict[str, InputPosition] = {}
+        self._positions: dict[str, PositionEntry] = {}
         for key, value in trackables.items():
             if key.startswith("__") or key == SAVE_COUNTER:
                 raise InvalidArgumentError(
                     f"Checkpoint: {SAVE_COUNTER!r} and names starting with '__' are reserved; got {key!r}"
                 )
             for name, leaf in tracked(key, value):
-                if name in self._variables or name in self._optimizers or name in self._inputs:
+                if name in self._variables or name in self._optimizers or name in self._positions:
                     raise InvalidArgumentError(
                         f"Checkpoint: two tracked objects are named {name!r} (keys whose text is the same, "
                         "such as 1 and '1'); rename one"
@@ -95,7 +96,7 @@ class Checkpoint:
                 elif isinstance(leaf, (Optimizer, LossScaleOptimizer)):
                     self._optimizers[name] = leaf
                 else:
-                    self._inputs[name] = leaf
+                    self._positions[name] = leaf
         # Plain on every rank: saves and restores are collective, so every rank holds the same count.
         self._save_counter = plain_variable(np.zeros((), np.int64), SAVE_COUNTER)
         self._warned_mid_window = False  # said once: a save part-way through an accumulation window
@@ -107,13 +108,14 @@ class Checkpoint:
 
     # -- what is saved --------------------------------------------------------------------
 
-    def _entries(self) -> dict[str, Any]:
-        """Every entry (a variable, a sharded optimizer's slot, an input's position), in name order
-        (the same on every rank)."""
-        entries: dict[str, Any] = {**self._variables, **self._inputs}
+    def _entries(self) -> dict[str, SavedEntry]:
+        """Every entry (``interface/saved_entry.py``: a variable, an optimizer's slot or cycle, an
+        input's position), in name order (the same on every rank)."""
+        entries: dict[str, SavedEntry] = {n: SavedVariable(v) for n, v in self._variables.items()}
+        entries.update(self._positions)
         names = {id(v): n for n, v in self._variables.items()}
         for opt_name, opt in self._optimizers.items():
-            entries.update((f"{opt_name}/{name}", var) for name, var in opt.tracked().items())
+            entries.update((f"{opt_name}/{name}", SavedVariable(v)) for name, v in opt.tracked().items())
             for var, slots in opt.slots_by_variable():
                 if id(var) not in names:
                     raise InvalidArgumentError(
@@ -121,10 +123,10 @@ class Checkpoint:
                         "checkpoint does not track; pass that variable to Checkpoint(...) too"
                     )
                 for slot_name, slot in slots.items():
-                    entries[f"{opt_name}/slots/{names[id(var)]}/{slot_name}"] = slot
+                    entries[f"{opt_name}/slots/{names[id(var)]}/{slot_name}"] = saved_slot(slot)
             if (cycle := opt.accumulation_state()) is not None:  # saved mid-cycle
                 count, shares = cycle
-                entries[f"{opt_name}/accumulation/count"] = count
+                entries[f"{opt_name}/accumulation/count"] = SavedVariable(count)
                 for var, share in shares:
                     entries[f"{opt_name}/accumulation/{self._tracked_name(names, opt_name, var)}"] = share
         return dict(sorted(entries.items()))
@@ -156,7 +158,7 @@ class Checkpoint:
     def _strategy(self, method: str) -> StrategyProtocol:
         """The strategy whose ranks take part: the tracked variables' (all one), else the current one."""
         owners = {id(s): s for v in self._variables.values() if (s := v.distribute_strategy) is not None}
-        owners.update((id(p.owner), p.owner) for p in self._inputs.values())
+        owners.update((id(p.owner), p.owner) for p in self._positions.values())
         if len(owners) > 1:
             raise InvalidArgumentError(
                 f"Checkpoint.{method}: the tracked variables and inputs belong to different strategies"

@@ -33,12 +33,7 @@ from mpistrat.checkpoint.format import Entry, Table, corrupt
 from mpistrat.checkpoint.pieces import Piece, bytes_of, calls, joined, share, spans_of_share
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.input.position import InputPosition
-from mpistrat.training.accumulation import RankShare
-from mpistrat.training.optimizer_state import storage_place
-from mpistrat.training.sharded_slot import ShardedSlot
-from mpistrat.training.variables import Variable, VariableSynchronization, Writable
-from mpistrat.values import local_variable
+from mpistrat.interface.saved_entry import PARTS, POSITION, WHOLE, FlatMemory, SavedEntry
 
 if TYPE_CHECKING:
     from mpistrat.checkpoint.local_copies import Copies
@@ -68,21 +63,23 @@ class _Window:
 
 def load(
     table: Table,
-    targets: dict[str, Any],
+    targets: dict[str, SavedEntry],
     collectives: Collectives,
     writes_in_sync: Callable[[], AbstractContextManager[None]],
     hints: dict[str, str],
     method: str,
     copies: Copies | None = None,
 ) -> None:
-    """Read the entries of ``table`` that ``targets`` (name: variable, sharded slot or dataset
-    position, shapes already checked) restore, check them, and assign them (collective; ``hints``:
+    """Read the entries of ``table`` that ``targets`` (by name: ``interface/saved_entry.py``,
+    shapes already checked) restore, check them, and assign them (collective; ``hints``:
     the MPI-IO hints the ranks agreed on; ``copies``: node-local copies to read instead of the file)."""
     wanted = [table.entries[n] for n in table.entries if n in targets]  # file order
-    parted = [e for e in wanted if isinstance(targets[e.name], (ShardedSlot, RankShare)) and not e.fortran]
-    windows = _windows([e for e in wanted if e not in parted], collectives.size, _adjacent(targets))
+    parted = {e.name: t for e in wanted if (t := targets[e.name]).holding == PARTS and not e.fortran}
+    windows = _windows([e for e in wanted if e.name not in parted], collectives.size, _adjacent(targets))
     rank, size = collectives.rank, collectives.size
-    parts = [(e, at, part) for e in parted for at, part in targets[e.name].local_parts(writable=True)]
+    parts = [
+        (table.entries[n], at, part) for n, t in parted.items() for at, part in t.local_parts(writable=True)
+    ]
     sizes = [share(w.nbytes, size, rank) for w in windows]
     staging = np.empty(sum(b - a for a, b in sizes) + sum(int(p.nbytes) for _, _, p in parts), np.uint8)
     pieces, at = [], 0
@@ -124,9 +121,9 @@ def load(
         lambda: _verify(table, wanted, reports or [], method), kind=f"checkpoint.{method} (check)"
     )
     positions = {  # checked before anything is assigned: a dataset that changed is refused first
-        name: target.check(np.asarray(table.positions[name], np.int64))
+        name: (target, target.check(np.asarray(table.positions[name], np.int64)))
         for name, target in targets.items()
-        if isinstance(target, InputPosition) and name in table.positions
+        if target.holding == POSITION and name in table.positions
     }
     with writes_in_sync():
         temporaries: dict[str, np.ndarray] = {}
@@ -137,20 +134,21 @@ def load(
             host = staging[at : at + int(part.nbytes)].view(entry.dtype)
             part[...] = host if packing.array_module(part) is np else packing.array_module(part).asarray(host)
             at += int(part.nbytes)
-        for name, saved in positions.items():
-            targets[name].apply(saved)
+        for target, saved in positions.values():
+            target.apply(saved)
 
 
-def _adjacent(targets: dict[str, Any]) -> Callable[[Entry, Entry], bool]:
+def _place(target: SavedEntry) -> tuple[FlatMemory, int, int] | None:
+    """Where a whole entry lies in memory shared with others (None: not shared, or not whole)."""
+    return target.place if target.holding == WHOLE else None
+
+
+def _adjacent(targets: dict[str, SavedEntry]) -> Callable[[Entry, Entry], bool]:
     """Whether two entries' variables follow each other in one flat buffer (their bytes then go
     straight into it together)."""
 
-    def place(entry: Entry) -> tuple[Any, int, int] | None:
-        target = targets[entry.name]
-        return storage_place(target) if isinstance(target, Variable) else None
-
     def adjacent(first: Entry, second: Entry) -> bool:
-        a, b = place(first), place(second)
+        a, b = _place(targets[first.name]), _place(targets[second.name])
         elements = first.nbytes // max(first.dtype.itemsize, 1)
         return a is not None and b is not None and a[0] is b[0] and b[2] == a[2] + elements
 
@@ -231,7 +229,11 @@ def _verify(table: Table, wanted: list[Entry], reports: list[Any], method: str) 
 
 
 def _gather(
-    window: _Window, targets: dict[str, Any], collectives: Collectives, kind: str, temporaries: dict[str, Any]
+    window: _Window,
+    targets: dict[str, SavedEntry],
+    collectives: Collectives,
+    kind: str,
+    temporaries: dict[str, Any],
 ) -> None:
     """Every rank's 1/R of ``window`` put together and into place: one ``Allgather(v)``, straight into
     the variables' memory when the window's ranges lie end to end there (a flat buffer's variables
@@ -260,14 +262,13 @@ def _gather(
             at += dest.size
 
 
-def _flat_region(window: _Window, targets: dict[str, Any]) -> np.ndarray | None:
+def _flat_region(window: _Window, targets: dict[str, SavedEntry]) -> np.ndarray | None:
     """The bytes of one optimizer's flat buffer that ``window`` fills, claimed for an in-place write
     (copied first if something holds a view of it), when its ranges are that buffer's variables in
     order; else None."""
-    places: list[tuple[Any, int, int]] = []
+    places: list[tuple[FlatMemory, int, int]] = []
     for entry, _, _ in window.ranges:
-        target = targets[entry.name]
-        place = storage_place(target) if isinstance(target, Variable) else None
+        place = _place(targets[entry.name])
         if place is None or entry.fortran or place[0] is not (places[0][0] if places else place[0]):
             return None
         places.append(place)
@@ -283,13 +284,14 @@ def _flat_region(window: _Window, targets: dict[str, Any]) -> np.ndarray | None:
 
 
 @contextlib.contextmanager
-def _into(entry: Entry, target: Any, temporaries: dict[str, Any], a: int, b: int) -> Iterator[np.ndarray]:
+def _into(
+    entry: Entry, target: SavedEntry, temporaries: dict[str, Any], a: int, b: int
+) -> Iterator[np.ndarray]:
     """Where bytes ``[a, b)`` of ``entry`` go: ``target``'s own memory when it can take them as they
-    are (a NumPy variable of the entry's dtype, not sync-on-read), else a temporary, assigned to
-    ``target`` once all of its bytes are in."""
-    on_read = getattr(target, "synchronization", None) is VariableSynchronization.ON_READ
-    if isinstance(target, Variable) and not on_read and not entry.fortran:
-        with Writable(local_variable(target)) as array:
+    are (a NumPy array of the entry's dtype, not a sync-on-read variable's), else a temporary, set
+    into ``target`` once all of its bytes are in."""
+    if target.holding == WHOLE and not entry.fortran:
+        with target.memory() as array:
             if type(array) is np.ndarray and array.dtype == entry.dtype and array.flags.c_contiguous:
                 yield bytes_of(array)[a:b]
                 return
@@ -302,14 +304,23 @@ def _into(entry: Entry, target: Any, temporaries: dict[str, Any], a: int, b: int
         temporaries[entry.name] = (data, missing)
         return
     temporaries.pop(entry.name, None)
-    target.assign(data.view(entry.dtype).reshape(entry.shape, order="F" if entry.fortran else "C"))
+    value = data.view(entry.dtype).reshape(entry.shape, order="F" if entry.fortran else "C")
+    if target.holding == WHOLE:
+        target.assign(value)
+    elif target.holding == POSITION:  # a format-1 file holds positions as entries
+        target.apply(target.check(value))
+    else:  # an earlier version's entry in Fortran order: this rank's parts of it
+        flat = np.ascontiguousarray(value).reshape(-1)
+        for element, part in target.local_parts(writable=True):
+            host = flat[element : element + int(part.size)]
+            part[...] = host if packing.array_module(part) is np else packing.array_module(part).asarray(host)
 
 
-def check_shapes(what: str, entries: dict[str, Any], index: Index) -> None:
+def check_shapes(what: str, entries: dict[str, SavedEntry], index: Index) -> None:
     """Refuse (naming them) the ``entries`` whose shape or dtype differ from the file's ``index``."""
     mismatched = [
         f"{n} ({v.mismatch(*index[n])})"
-        if isinstance(v, InputPosition)
+        if v.holding == POSITION
         else f"{n} (checkpoint: {index[n][0]}{list(index[n][1])}, here: {v.dtype}{list(v.shape)})"
         for n, v in entries.items()
         if n in index and (tuple(index[n][1]) != tuple(v.shape) or index[n][0] != v.dtype)

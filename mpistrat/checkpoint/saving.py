@@ -41,12 +41,8 @@ from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.handshake import check_enabled
 from mpistrat.comm import packing
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError, MpistratError
-from mpistrat.input.position import InputPosition
+from mpistrat.interface.saved_entry import PARTS, POSITION, PartsEntry, SavedEntry, WholeEntry
 from mpistrat.options import CommunicationOptions
-from mpistrat.training.accumulation import RankShare
-from mpistrat.training.optimizer_state import storage_place
-from mpistrat.training.sharded_slot import ShardedSlot
-from mpistrat.training.variables import Variable, VariableSynchronization
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -99,7 +95,7 @@ class Save:
 
 
 def begin(
-    entries: dict[str, Any],
+    entries: dict[str, SavedEntry],
     collectives: Collectives,
     path: str,
     method: str,
@@ -107,9 +103,9 @@ def begin(
     io_hints: dict[str, str] | None,
     after: Callable[[], None] | None = None,
 ) -> Save:
-    """Agree on ``entries`` (name: variable, sharded slot or dataset position) and the MPI-IO
-    hints, lay the file out, create it (collective). Errors found on any rank are raised on every
-    rank before anything is written."""
+    """Agree on ``entries`` (by name: ``interface/saved_entry.py``) and the MPI-IO hints, lay the
+    file out, create it (collective). Errors found on any rank are raised on every rank before
+    anything is written."""
     hints = mpiio.hints(io_hints)  # part of the plan: ranks that open a file with other hints may hang
     described: list[Any] = [(n, str(v.dtype), v.shape) for n, v in entries.items()]
     described.append(mpiio.described(hints))
@@ -117,7 +113,7 @@ def begin(
     error: MpistratError | None = None
     try:
         for name, value in entries.items():
-            if not isinstance(value, InputPosition):
+            if value.holding != POSITION:
                 dtype_code(value.dtype, name)
     except InvalidArgumentError as exc:
         error = exc
@@ -135,21 +131,21 @@ def begin(
     )
     positions: dict[str, Any] = {}
     datasets: dict[str, Any] = {}  # the split input's positions in words, for people (inspect)
-    whole: dict[str, Any] = {}
-    sharded: dict[str, ShardedSlot | RankShare] = {}
+    whole: dict[str, WholeEntry] = {}
+    values: dict[str, Any] = {}  # what the whole entries save
+    parted: dict[str, PartsEntry] = {}
     for name, value in entries.items():  # collective for positions and sync-on-read variables
-        if isinstance(value, InputPosition):
+        if value.holding == POSITION:
             row, words = value.saved()
             positions[name] = row.tolist()
             if words is not None:
                 datasets[name] = words
-        elif isinstance(value, (ShardedSlot, RankShare)):
-            sharded[name] = value
+        elif value.holding == PARTS:
+            parted[name] = value
         else:
-            whole[name] = value.value()
-    order = sorted(whole, key=lambda n: _memory_order(n, entries[n])) + sorted(
-        sharded, key=lambda n: sharded[n].section
-    )
+            whole[name], values[name] = value, value.saved_value()
+    order = sorted(whole, key=lambda n: _memory_order(n, whole[n]))
+    order += sorted(parted, key=lambda n: parted[n].layout)
     metadata = {
         "num_replicas": str(collectives.size),
         "save_counter": str(counter),
@@ -161,13 +157,11 @@ def begin(
     keep: list[Any] = []
     pieces: list[Piece] = []
     others: list[Piece] = []
-    # What a sync-on-read variable saves is its aggregate, the same everywhere: not compared.
-    on_read = VariableSynchronization.ON_READ
-    compared = [n for n in whole if getattr(entries[n], "synchronization", None) is not on_read]
+    compared = [n for n, value in whole.items() if value.compared]
     if collectives.size == 1 or not check_enabled(collectives):
         compared = []
     try:
-        pieces, others = _my_pieces(table, whole, sharded, compared, collectives.rank, collectives.size, keep)
+        pieces, others = _my_pieces(table, values, parted, compared, collectives.rank, collectives.size, keep)
     except Exception as exc:  # a device-to-host copy: every rank must hear of it
         error = InvalidArgumentError(f"Checkpoint.{method}: {type(exc).__name__}: {exc}")
     mine = mpiio.write_calls(pieces)
@@ -213,24 +207,24 @@ def _differing_copies(save: Save, copies: list[list[tuple[str, int]]]) -> Mpistr
     )
 
 
-def _memory_order(name: str, value: Any) -> tuple[int, int, int, str]:
+def _memory_order(name: str, value: WholeEntry) -> tuple[int, int, int, str]:
     """Values in an optimizer's flat storage first, in the storage's order (a rank's share is then
     one run of memory, and a restore into the same model gathers straight into it), then by name."""
-    place = storage_place(value) if isinstance(value, Variable) else None
+    place = value.place
     return (0, place[1], place[2], "") if place is not None else (1, 0, 0, name)
 
 
 def _my_pieces(
     table: Table,
     whole: dict[str, Any],
-    sharded: dict[str, ShardedSlot | RankShare],
+    parted: dict[str, PartsEntry],
     compared: list[str],
     rank: int,
     size: int,
     keep: list[Any],
 ) -> tuple[list[Piece], list[Piece]]:
-    """This rank's pieces: its even share of the values every rank holds (one run of the file: they
-    come first in it), its parts of sharded slots; and the rest of its copy of the ``compared``
+    """This rank's pieces: its even share of the ``whole`` values, every rank's (one run of the file:
+    they come first in it), its parts of the ``parted`` entries; and the rest of its copy of the ``compared``
     values, which it checksums but does not write."""
     entries = [e for e in table.entries.values() if e.name in whole]  # in file order
     total = sum(e.nbytes for e in entries)
@@ -242,9 +236,9 @@ def _my_pieces(
             entry = entries[i]
             if out is pieces or entry.name in compared:
                 out.append(Piece(entry.name, a, entry.offset + a, _host_bytes(whole[entry.name], a, b, keep)))
-    for name, slot in sharded.items():
+    for name, value in parted.items():
         entry = table.entries[name]
-        for element, part in slot.local_parts():
+        for element, part in value.local_parts():
             start = element * entry.dtype.itemsize
             pieces.append(Piece(name, start, entry.offset + start, _host_bytes(part, 0, None, keep)))
     return pieces, others

@@ -20,12 +20,13 @@ may be of another size now), and the checkpoint row says which dataset it was
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from mpistrat.errors import CollectiveMismatchError, InvalidArgumentError
 from mpistrat.input import saved_row
+from mpistrat.interface.saved_entry import POSITION
 from mpistrat.options import CommunicationOptions
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ class InputPosition:
     whose ranks take part); nothing here uses it.
     """
 
+    holding: Literal["position"] = POSITION  # a checkpoint entry (interface/saved_entry.py)
     dtype = np.dtype(np.int64)
 
     def __init__(

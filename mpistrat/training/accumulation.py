@@ -34,13 +34,14 @@ from __future__ import annotations
 import contextlib
 import numbers
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from mpistrat.collectives.sum_modes import EXACT, sum_mode
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.interface.saved_entry import PARTS
 from mpistrat.options import CommunicationOptions
 from mpistrat.training.variables import Variable, Writable, plain_variable
 from mpistrat.values import local_variable
@@ -226,7 +227,9 @@ class Accumulator:
 
 class RankShare:
     """One rank's accumulation buffer as its row of a ``[size, ...]`` checkpoint entry: written and
-    read by that rank alone, as a sharded slot's parts are (the checkpoint treats it as one)."""
+    read by that rank alone (a :class:`~mpistrat.interface.saved_entry.PartsEntry`)."""
+
+    holding: Literal["parts"] = PARTS
 
     def __init__(self, var: Variable, buffer: Any, rank: int, size: int):
         self._var, self._buffer, self._rank = var, buffer, rank
@@ -235,9 +238,10 @@ class RankShare:
         self.name = f"{var.name}/accumulation"
 
     @property
-    def section(self) -> tuple[int, str, str, int]:
-        """Where a checkpoint lays it out, the same on every rank (after the sharded slots' keys)."""
-        return (int(getattr(self._var, "synced_key", 0)), self.dtype.str, "~accumulation", 0)
+    def layout(self) -> tuple[int, str, int, str, int]:
+        """Where a checkpoint lays it out, the same on every rank: after the sharded slots of its
+        variable's creation order and dtype."""
+        return (int(getattr(self._var, "synced_key", 0)), self.dtype.str, 1, "", 0)
 
     def local_parts(self, writable: bool = False) -> list[tuple[int, Any]]:
         """This rank's row: ``(offset in the flattened entry, a view of the buffer)``."""

@@ -15,13 +15,14 @@ rank's parts are not.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from mpistrat.collectives.fingerprint import checksum
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError, MpistratError
+from mpistrat.interface.saved_entry import PARTS
 from mpistrat.training.optimizer_state import creation_order
 
 if TYPE_CHECKING:
@@ -54,15 +55,18 @@ class ShardedSlot:
         a, b = self._group.params.spans[self._index]
         return [(lo - a, hi - a, at) for lo, hi, at in self._group.layout.pieces(a, b, rank)]
 
+    holding: Literal["parts"] = PARTS  # a checkpoint entry (interface/saved_entry.py)
+
     @property
-    def section(self) -> tuple[int, str, str, int]:
-        """Where a checkpoint lays this slot out: ``(group, dtype, slot name, first element)``, the same
-        on every rank. Ordered by it, a group's slots of one name tile the group's flat buffer, so
-        each rank's parts of them follow each other in the file."""
+    def layout(self) -> tuple[int, str, int, str, int]:
+        """Where a checkpoint lays this slot out: ``(group, dtype, 0, slot name, first element)``, the
+        same on every rank. Ordered by it, a group's slots of one name tile the group's flat buffer,
+        so each rank's parts of them follow each other in the file."""
         group = self._group
         return (
             creation_order(group.variables[0]),
             group.dtype.str,
+            0,
             self._slot,
             group.params.spans[self._index][0],
         )

@@ -698,6 +698,28 @@ def test_format_1_members_in_fortran_order_and_damaged_members(group, tmp_path):
         all_ranks_agree(group.comm, not a.numpy().any(), "assigned before the error")
 
 
+def test_format_1_slots_in_fortran_order_restore_into_the_parts_of_sharded_slots(group, tmp_path):
+    """A member in Fortran order is gathered whole; each rank keeps its parts of a sharded slot."""
+    directory = shared_dir(group, tmp_path)
+    path = os.path.join(directory, "slots")
+    value = np.arange(12.0).reshape(3, 4)
+    slots = {"m": value + 100.0, "v": value * value}
+    if group.rank == 0:
+        members = {f"opt/slots/w/{n}": np.asfortranarray(v) for n, v in slots.items()}
+        format_1_file(path, {"w": np.asfortranarray(value), **members})
+    group.comm.Barrier()
+    with group.strategy.scope():
+        w = mpistrat.Variable(np.zeros((3, 4)), name="w")
+        opt = Adam(0.01, shard_state=True)
+    mpistrat.Checkpoint(w=w, opt=opt).restore(path)
+    with group.strategy.scope():
+        got = {n: opt.get_slot(w, n).numpy() for n in slots}
+        checks = RankChecks()
+        checks.that(np.array_equal(w.numpy(), value))
+    checks.that(all(np.array_equal(got[n], v) for n, v in slots.items()))
+    checks.agree(group.comm, repr(got))
+
+
 def test_read_table_names_the_file_and_what_is_wrong(tmp_path):
     """One rank reads the table: a missing file is FileNotFoundError, a foreign one None."""
     with pytest.raises(FileNotFoundError):
