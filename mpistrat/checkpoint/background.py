@@ -37,7 +37,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,10 +61,9 @@ POLL = "checkpoint (background save written?)"
 
 @dataclasses.dataclass
 class Writer:
-    """One background save on this rank: the save, its thread, and what runs once it is in place."""
+    """One background save on this rank: the save and its thread."""
 
     save: Save
-    on_success: Callable[[], None]
     thread: threading.Thread
 
     @property
@@ -88,7 +86,7 @@ class BackgroundSaves:
         self.writers: list[Writer] = []
         self.failure: BaseException | None = None  # from a finish at a step's end, raised at the next call
 
-    def start(self, save: Save, on_success: Callable[[], None]) -> None:
+    def start(self, save: Save) -> None:
         """Copy this rank's pieces aside and write them in a thread (:func:`start`)."""
         close(save)  # collective; the thread writes with POSIX calls
         _stage(save)
@@ -96,7 +94,7 @@ class BackgroundSaves:
         thread = threading.Thread(target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True)
         save.thread = thread
         thread.start()
-        self.writers.append(Writer(save, on_success, thread))
+        self.writers.append(Writer(save, thread))
         self.collectives.pending["checkpoint saves"] = self.wait
         self.collectives.after_step["checkpoint saves"] = self.poll
         self.collectives.abandon["checkpoint saves"] = self.abandon
@@ -120,7 +118,7 @@ class BackgroundSaves:
 
     def finish(self) -> None:
         """Finish every save (collective): wait for its writers, put it in place (rank 0 completes
-        the header and renames the file), run its ``on_success``; raise the first failure."""
+        the header and renames the file), run its ``in_place``; raise the first failure."""
         for work in (self.collectives.after_step, self.collectives.pending, self.collectives.abandon):
             work.pop("checkpoint saves", None)
         failure: BaseException | None = None
@@ -143,7 +141,7 @@ class BackgroundSaves:
                 save.nbytes / 2**20,
                 seconds or 0.0,
             )
-            writer.on_success()
+            save.in_place()
             local_copies.keep(save, self.collectives)
         if failure is not None:
             raise failure
@@ -206,12 +204,12 @@ def saves_of(collectives: Collectives) -> BackgroundSaves:
     return saves
 
 
-def start(save: Save, collectives: Collectives, on_success: Callable[[], None]) -> None:
+def start(save: Save, collectives: Collectives) -> None:
     """Copy this rank's pieces aside and write them in a thread; the file is put in place at the end
     of the first step after which every rank's share is written, or by the next checkpoint call
-    (or the end of the job), which then runs ``on_success`` on every rank."""
+    (or the end of the job), which then runs its ``in_place`` on every rank."""
     global _exit_hook
-    saves_of(collectives).start(save, on_success)
+    saves_of(collectives).start(save)
     if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
         atexit.register(_finish_at_exit)
         _exit_hook = True

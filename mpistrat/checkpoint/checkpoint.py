@@ -27,7 +27,6 @@ leaves the previous checkpoint intact; errors on any rank reach every rank.
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -35,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat.checkpoint import background, local_copies, mpiio, restoring, saving
-from mpistrat.checkpoint.files import INDEX, checkpoint_state, read_table, write_index
+from mpistrat.checkpoint.files import INDEX, Listing, checkpoint_state, read_table
 from mpistrat.checkpoint.format import Table, renamed
+from mpistrat.checkpoint.status import CheckpointLoadStatus
 from mpistrat.checkpoint.tracking import name_before_escaping, tracked
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.errors import ContextError, InvalidArgumentError, PeerFailedError
@@ -155,26 +155,43 @@ class Checkpoint:
             )
         return names[id(var)]
 
-    def _strategy(self, method: str) -> StrategyProtocol:
-        """The strategy whose ranks take part: the tracked variables' (all one), else the current one."""
+    # -- what CheckpointManager and PreemptionCheckpointHandler use ---------------------------
+
+    def strategy(self, caller: str) -> StrategyProtocol:
+        """The strategy whose ranks save and restore this checkpoint: the tracked variables' and
+        inputs' (all one), else the current one. ``caller`` names the method in the errors (called
+        outside cross-replica context, or objects of several strategies)."""
         owners = {id(s): s for v in self._variables.values() if (s := v.distribute_strategy) is not None}
         owners.update((id(p.owner), p.owner) for p in self._positions.values())
         if len(owners) > 1:
             raise InvalidArgumentError(
-                f"Checkpoint.{method}: the tracked variables and inputs belong to different strategies"
+                f"Checkpoint.{caller}: the tracked variables and inputs belong to different strategies"
             )
         mode = modes.current_mode()
         strategy = next(iter(owners.values())) if owners else mode.strategy
         if mode.kind in (modes.REPLICA, modes.MERGE):
             raise ContextError(
-                f"Checkpoint.{method} is collective: call it on every rank in cross-replica context "
+                f"Checkpoint.{caller} is collective: call it on every rank in cross-replica context "
                 "(outside strategy.run and merge_fn)"
             )
         if mode.kind is not modes.DEFAULT and mode.strategy is not strategy:
             raise ContextError(
-                f"Checkpoint.{method}: the variables belong to {strategy}, not to {mode.strategy}"
+                f"Checkpoint.{caller}: the variables belong to {strategy}, not to {mode.strategy}"
             )
         return strategy
+
+    def track(self, name: str, variable: Variable) -> None:
+        """Save and restore ``variable`` under ``name`` too (the preemption handler's run count)."""
+        self._variables[name] = variable
+
+    def accumulating(self) -> list[str]:
+        """The tracked optimizers part-way through a gradient accumulation window, as ``'opt' (1 of 4
+        calls)`` (the same on every rank: every rank calls ``apply_gradients`` alike)."""
+        return [
+            f"{name!r} ({int(cycle[0].numpy())} of {opt.gradient_accumulation_steps} calls)"
+            for name, opt in self._optimizers.items()
+            if (cycle := opt.accumulation_state()) is not None
+        ]
 
     # -- save / write / restore / read -------------------------------------------------------
 
@@ -186,22 +203,31 @@ class Checkpoint:
         file as the latest, for :func:`latest_checkpoint` (use :class:`CheckpointManager` to keep
         several).
         """
-        collectives = collectives_of(self, "save")
-        background.wait_for_saves(collectives)  # a background save first: it may take a number
-        number = int(self._save_counter.numpy()) + 1
-        path = f"{os.fspath(file_prefix)}-{number}"
-        directory = os.path.dirname(path) or "."
-
-        def record() -> None:  # on rank 0, once the file is in place
-            write_index(directory, [os.path.basename(path)])
-
-        self._save_counter.assign(np.int64(number))
-        try:
-            write_file(self, collectives, path, "save", number, options, record)
-        except BaseException:
-            self._save_counter.assign(np.int64(number - 1))  # a failed save does not count
-            raise
+        background.wait_for_saves(self.strategy("save").extended.collectives)  # it may take a number
+        path = f"{os.fspath(file_prefix)}-{int(self._save_counter.numpy()) + 1}"
+        self.save_as(path, options, Listing(os.path.dirname(path) or ".", [path]))
         return path
+
+    def save_as(
+        self,
+        path: str | os.PathLike[str],
+        options: CheckpointOptions | None = None,
+        listing: Listing | None = None,
+        in_place: Callable[[], None] = lambda: None,
+    ) -> None:
+        """:meth:`save` to ``path`` (collective; :class:`CheckpointManager` names its files): counted
+        in ``save_counter`` (not if it fails); once the file is in place, rank 0 records ``listing``
+        in the directory's index, then every rank runs ``in_place`` (with ``options.enable_async``:
+        when the background save is put in place)."""
+        collectives = self.strategy("save").extended.collectives
+        background.wait_for_saves(collectives)
+        counter = int(self._save_counter.numpy()) + 1
+        self._save_counter.assign(np.int64(counter))
+        try:
+            self._write(collectives, os.fspath(path), "save", counter, options, listing, in_place)
+        except BaseException:
+            self._save_counter.assign(np.int64(counter - 1))  # a failed save does not count
+            raise
 
     def write(self, file_path: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
         """Write a checkpoint to exactly ``file_path`` (collective); returns it.
@@ -213,14 +239,56 @@ class Checkpoint:
             raise InvalidArgumentError(
                 f"Checkpoint.write: {INDEX!r} is the index file's name; pick another name"
             )
-        collectives = collectives_of(self, "write")
-        write_file(self, collectives, path, "write", int(self._save_counter.numpy()), options)
+        collectives = self.strategy("write").extended.collectives
+        self._write(collectives, path, "write", int(self._save_counter.numpy()), options)
         return path
+
+    def _write(
+        self,
+        collectives: Collectives,
+        path: str,
+        method: str,
+        counter: int,
+        options: CheckpointOptions | None,
+        listing: Listing | None = None,
+        in_place: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Every rank writes its share to rank 0's ``path`` (collective), then :meth:`save_as`'s
+        ``listing`` and ``in_place``. With ``options.enable_async`` it returns once this rank's share
+        is copied aside: the next checkpoint call (or a step's end, or the end of the job) finishes
+        the file. A background save still being written is finished first."""
+        options = _checked_options(options, f"Checkpoint.{method}")
+        background.wait_for_saves(collectives)
+        if not self._warned_mid_window and (windows := self.accumulating()):
+            self._warned_mid_window = True
+            logger.warning(
+                "Checkpoint.%s: saved part-way through a gradient accumulation window (optimizer %s): the "
+                "file holds each rank's accumulated gradients, so it restores only at %d ranks. Saved "
+                "after a window's last apply_gradients, it restores at any rank count: "
+                "CheckpointManager(..., save_at_window_end=True) waits for it (said once)",
+                method,
+                ", ".join(windows),
+                collectives.size,
+            )
+        save = saving.begin(
+            self._entries(), collectives, path, method, counter, options.io_hints, listing, in_place
+        )
+        if options.enable_async:
+            background.start(save, collectives)
+            return
+        try:
+            saving.write(save, collectives)
+            saving.finish(save, collectives)
+        except PeerFailedError:  # a rank died mid-save: nothing stays open (MPI_Finalize would wait on it)
+            saving.abandon(save, collectives)
+            raise
+        in_place()
+        local_copies.keep(save, collectives)
 
     def sync(self) -> None:
         """Wait until every background save (``CheckpointOptions(enable_async=True)``) is written
         and in place (collective); a failed one raises here, on every rank."""
-        background.wait_for_saves(collectives_of(self, "sync"))
+        background.wait_for_saves(self.strategy("sync").extended.collectives)
 
     def restore(
         self, save_path: str | os.PathLike[str] | None, options: CheckpointOptions | None = None
@@ -234,7 +302,7 @@ class Checkpoint:
         nothing is assigned then. ``save_counter`` is restored too. ``None`` (nothing saved
         yet) restores nothing. A background save still being written is finished first.
         """
-        strategy = self._strategy("restore")
+        strategy = self.strategy("restore")
         collectives = strategy.extended.collectives
         background.wait_for_saves(collectives)
         hints = _agree_to_read(collectives, save_path, options, "restore")
@@ -250,7 +318,7 @@ class Checkpoint:
         """Load a file written by :meth:`write` (collective); as :meth:`restore`, but ``None`` is an error."""
         if save_path is None:
             raise InvalidArgumentError("Checkpoint.read: save_path must be a path; got None")
-        strategy = self._strategy("read")
+        strategy = self.strategy("read")
         collectives = strategy.extended.collectives
         background.wait_for_saves(collectives)
         hints = _agree_to_read(collectives, save_path, options, "read")
@@ -310,71 +378,6 @@ class Checkpoint:
         return CheckpointLoadStatus(path, missing, [n for n in index if n not in entries])
 
 
-# -- what CheckpointManager and PreemptionCheckpointHandler share ------------------------------
-
-
-def track(checkpoint: Checkpoint, name: str, variable: Variable) -> None:
-    """Save and restore ``variable`` under ``name`` with ``checkpoint``'s variables (the preemption
-    handler's own counter)."""
-    checkpoint._variables[name] = variable
-
-
-def collectives_of(checkpoint: Checkpoint, method: str) -> Collectives:
-    """The collectives of the ranks that save and restore ``checkpoint`` (``method`` names the
-    caller in errors: outside cross-replica context, or variables of several strategies)."""
-    return strategy_of(checkpoint, method).extended.collectives
-
-
-def strategy_of(checkpoint: Checkpoint, method: str) -> StrategyProtocol:
-    """The strategy whose ranks save and restore ``checkpoint`` (errors as :func:`collectives_of`)."""
-    return checkpoint._strategy(method)
-
-
-def write_file(
-    checkpoint: Checkpoint,
-    collectives: Collectives,
-    path: str,
-    method: str,
-    counter: int,
-    options: CheckpointOptions | None,
-    after: Callable[[], None] | None = None,
-    on_success: Callable[[], None] | None = None,
-) -> None:
-    """Every rank writes its share of ``checkpoint`` to rank 0's ``path`` (collective); rank 0 then
-    runs ``after`` (the index's update) and every rank ``on_success``.
-
-    With ``options.enable_async`` the call returns once this rank's share is copied aside: the
-    next checkpoint call (or the end of the job) finishes the file, then runs both. A background
-    save still being written is finished first.
-    """
-    options = _checked_options(options, f"Checkpoint.{method}")
-    background.wait_for_saves(collectives)
-    if not checkpoint._warned_mid_window and (windows := accumulating(checkpoint)):
-        checkpoint._warned_mid_window = True
-        logger.warning(
-            "Checkpoint.%s: saved part-way through a gradient accumulation window (optimizer %s): the file "
-            "holds each rank's accumulated gradients, so it restores only at %d ranks. Saved after a "
-            "window's last apply_gradients, it restores at any rank count: CheckpointManager(..., "
-            "save_at_window_end=True) waits for it (said once)",
-            method,
-            ", ".join(windows),
-            collectives.size,
-        )
-    save = saving.begin(checkpoint._entries(), collectives, path, method, counter, options.io_hints, after)
-    if options.enable_async:
-        background.start(save, collectives, on_success or (lambda: None))
-        return
-    try:
-        saving.write(save, collectives)
-        saving.finish(save, collectives)
-    except PeerFailedError:  # a rank died mid-save: nothing stays open (MPI_Finalize would wait on it)
-        saving.abandon(save, collectives)
-        raise
-    if on_success is not None:
-        on_success()
-    local_copies.keep(save, collectives)
-
-
 def _agree_to_read(
     collectives: Collectives, save_path: Any, options: CheckpointOptions | None, method: str
 ) -> dict[str, str]:
@@ -403,16 +406,6 @@ def _agree_to_read(
     return hints
 
 
-def accumulating(checkpoint: Checkpoint) -> list[str]:
-    """The tracked optimizers part-way through a gradient accumulation window, as ``'opt' (1 of 4
-    calls)`` (the same on every rank: every rank calls ``apply_gradients`` alike)."""
-    return [
-        f"{name!r} ({int(cycle[0].numpy())} of {opt.gradient_accumulation_steps} calls)"
-        for name, opt in checkpoint._optimizers.items()
-        if (cycle := opt.accumulation_state()) is not None
-    ]
-
-
 def _checked_options(options: CheckpointOptions | None, where: str) -> CheckpointOptions:
     if options is None:
         return CheckpointOptions()
@@ -421,58 +414,6 @@ def _checked_options(options: CheckpointOptions | None, where: str) -> Checkpoin
             f"{where}: options must be an mpistrat.CheckpointOptions (or None); got {type(options).__name__}"
         )
     return options
-
-
-class CheckpointLoadStatus:
-    """What :meth:`Checkpoint.restore` matched, as tf's load status (the same on every rank).
-
-    ``assert_consumed()`` raises ``AssertionError`` unless every entry of the file was
-    restored into a tracked object and every tracked object got a value;
-    ``assert_existing_objects_matched()`` only checks the second. ``expect_partial()``
-    silences the warning about unused entries. Each returns the status.
-    """
-
-    def __init__(self, path: str | None, missing: list[str], unused: list[str]):
-        self._path, self._missing, self._unused = path, missing, unused
-        self._silenced = [False]  # shared with the finalizer, which must not hold the status
-        if unused:
-            weakref.finalize(self, _warn_unused, path, unused, self._silenced)
-
-    def assert_consumed(self) -> CheckpointLoadStatus:
-        """Every entry of the file restored, every tracked object matched; else ``AssertionError``."""
-        self.assert_existing_objects_matched()
-        if self._unused:
-            raise AssertionError(
-                f"Checkpoint.restore({self._path!r}): values in the checkpoint that nothing here tracks: "
-                f"{', '.join(self._unused)}"
-            )
-        return self
-
-    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
-        """Every tracked object got a value from the file; else ``AssertionError`` naming the others."""
-        if self._path is None:
-            raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
-        if self._missing:
-            raise AssertionError(
-                f"Checkpoint.restore({self._path!r}): tracked objects with no value in the checkpoint "
-                f"(they keep their values): {', '.join(self._missing)}"
-            )
-        return self
-
-    def expect_partial(self) -> CheckpointLoadStatus:
-        """Say that a partial restore is intended: no warning about unused entries."""
-        self._silenced[0] = True
-        return self
-
-
-def _warn_unused(path: str | None, unused: list[str], silenced: list[bool]) -> None:
-    if not silenced[0]:
-        logger.warning(
-            "Checkpoint.restore(%r): values in the checkpoint that nothing here tracks were not restored: %s "
-            "(call expect_partial() on the status restore returns to silence this)",
-            path,
-            ", ".join(unused),
-        )
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:

@@ -20,6 +20,7 @@ file holds is :mod:`mpistrat.checkpoint.format`'s; who writes which bytes,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -35,10 +36,12 @@ from mpistrat.log import logger
 
 __all__ = [
     "INDEX",
+    "Listing",
     "checkpoint_state",
     "is_valid",
     "open_regular",
     "read_table",
+    "record",
     "remove_stale_temporaries",
     "replace_durably",
     "temporary",
@@ -145,6 +148,28 @@ def is_valid(path: str) -> bool:
 def write_index(directory: str, names: list[str]) -> None:
     """Record checkpoint file names (oldest first; the last is the latest) in the directory's index."""
     _write_atomic(os.path.join(directory, INDEX), json.dumps({"latest": names[-1], "all": names}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What a save records in ``directory``'s index once its file is in place: the checkpoints
+    ``kept`` (paths, oldest first; the last is the new one), after deleting those ``dropped``
+    (the oldest beyond a manager's ``max_to_keep``)."""
+
+    directory: str
+    kept: list[str]
+    dropped: list[str] = dataclasses.field(default_factory=list)
+
+
+def record(listing: Listing) -> None:
+    """On rank 0, once the new file is in place: the index names it before anything is deleted (a
+    job killed while deleting still finds it), then once more without the deleted files."""
+    write_index(listing.directory, [os.path.basename(p) for p in [*listing.dropped, *listing.kept]])
+    if listing.dropped:
+        for old in listing.dropped:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+        write_index(listing.directory, [os.path.basename(p) for p in listing.kept])
 
 
 def checkpoint_state(directory: str) -> tuple[str | None, list[str]]:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import TYPE_CHECKING, Any
@@ -18,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpistrat.checkpoint import background
-from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, write_file
-from mpistrat.checkpoint.files import checkpoint_state, write_index
+from mpistrat.checkpoint.checkpoint import Checkpoint
+from mpistrat.checkpoint.files import Listing, checkpoint_state
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.log import logger
 from mpistrat.options import CheckpointOptions
@@ -93,7 +92,7 @@ class CheckpointManager:
         self._max_to_keep = max_to_keep
         self.save_at_window_end = save_at_window_end
         self._waiting: tuple[int, CheckpointOptions | None] | None = None  # a save for a window's end
-        collectives = collectives_of(checkpoint, "CheckpointManager")
+        collectives = checkpoint.strategy("CheckpointManager").extended.collectives
         background.wait_for_saves(collectives)
         collectives.agree("checkpoint.manager")
         prefix = os.path.join(self._directory, checkpoint_name)
@@ -133,44 +132,26 @@ class CheckpointManager:
         the deletions follow when the file is in place (the next checkpoint call, ``sync()`` or
         the end of the job). ``check_interval`` is tf's and has no effect (no interval is set).
         """
-        collectives = collectives_of(self._checkpoint, "save")
+        collectives = self._checkpoint.strategy("save").extended.collectives
         background.wait_for_saves(collectives)
         counter = int(self._checkpoint.save_counter.numpy()) + 1
         number = counter if checkpoint_number is None else _integer(checkpoint_number)
-        if self.save_at_window_end and (windows := accumulating(self._checkpoint)):
+        if self.save_at_window_end and (windows := self._checkpoint.accumulating()):
             return self._wait_for_window_end(collectives, number, options, windows)
         self._waiting = None  # a save waiting for a window's end is overtaken by this one
         return self._save_now(collectives, number, options)
 
     def _save_now(self, collectives: Collectives, number: int, options: CheckpointOptions | None) -> str:
         """Write ``<prefix>-<number>`` (collective): :meth:`save`'s work."""
-        counter = int(self._checkpoint.save_counter.numpy()) + 1
         path = f"{self._prefix}-{number}"
         kept = [p for p in self._checkpoints if p != path] + [path]
-        doomed = kept[: -self._max_to_keep] if self._max_to_keep else []
-        kept = kept[len(doomed) :]
+        dropped = kept[: -self._max_to_keep] if self._max_to_keep else []
+        kept = kept[len(dropped) :]
 
-        def record_and_sweep() -> None:  # rank 0, once the new file is in place
-            # The index names the new checkpoint before anything is deleted, so a job killed
-            # while deleting still finds it; then once more without the deleted files.
-            write_index(self._directory, [os.path.basename(p) for p in [*doomed, *kept]])
-            if doomed:
-                for old in doomed:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(old)
-                write_index(self._directory, [os.path.basename(p) for p in kept])
-
-        def kept_now() -> None:  # every rank, once the file is in place
+        def in_place() -> None:  # every rank, once the file is in place
             self._latest, self._checkpoints = path, kept
 
-        self._checkpoint.save_counter.assign(np.int64(counter))
-        try:
-            write_file(
-                self._checkpoint, collectives, path, "save", counter, options, record_and_sweep, kept_now
-            )
-        except BaseException:
-            self._checkpoint.save_counter.assign(np.int64(counter - 1))  # a failed save does not count
-            raise
+        self._checkpoint.save_as(path, options, Listing(self._directory, kept, dropped), in_place)
         if collectives.rank != 0 and os.path.dirname(self._prefix) != self._directory:
             os.makedirs(self._directory, exist_ok=True)  # as tf's save creates it (left empty here)
         return path
@@ -178,7 +159,7 @@ class CheckpointManager:
     def sync(self) -> None:
         """Wait for a background save to be written and in place (collective), as tf's; a save waiting
         for the end of an accumulation window (``save_at_window_end``) is made now."""
-        self._save_waiting(collectives_of(self._checkpoint, "sync"))
+        self._save_waiting(self._checkpoint.strategy("sync").extended.collectives)
         self._checkpoint.sync()
 
     def _wait_for_window_end(
@@ -195,7 +176,7 @@ class CheckpointManager:
         return path
 
     def _at_step_end(self, collectives: Collectives) -> None:
-        if not accumulating(self._checkpoint):  # on every rank alike
+        if not self._checkpoint.accumulating():  # on every rank alike
             self._save_waiting(collectives)
 
     def _save_waiting(self, collectives: Collectives) -> None:

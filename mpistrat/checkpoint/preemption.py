@@ -42,7 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import nest
-from mpistrat.checkpoint.checkpoint import Checkpoint, accumulating, collectives_of, strategy_of, track
+from mpistrat.checkpoint.checkpoint import Checkpoint
 from mpistrat.checkpoint.manager import CheckpointManager
 from mpistrat.diagnostics import ulfm, watchdog
 from mpistrat.errors import InvalidArgumentError, PeerFailedError
@@ -156,10 +156,10 @@ class PreemptionCheckpointHandler:
             )
         checkpoint = manager.checkpoint
         self._manager, self._config = manager, config
-        self._strategy = strategy_of(checkpoint, "PreemptionCheckpointHandler")
-        self._collectives = collectives_of(checkpoint, "PreemptionCheckpointHandler")
+        self._strategy = checkpoint.strategy("PreemptionCheckpointHandler")
+        self._collectives = self._strategy.extended.collectives
         self._run_calls = plain_variable(np.zeros((), np.int64), RUN_CALLS)
-        track(checkpoint, RUN_CALLS, self._run_calls)
+        checkpoint.track(RUN_CALLS, self._run_calls)
         self._reasons: list[str] = []  # what this rank saw (filled by signal handlers and the watcher)
         self._reported = 0
         self._checked_at = -1  # handshakes seen at the last check
@@ -280,7 +280,7 @@ class PreemptionCheckpointHandler:
         self._checked_at = collectives.handshakes
         if collectives.stop.agreed:
             manager = self._manager
-            if manager.save_at_window_end and (windows := accumulating(manager.checkpoint)):
+            if manager.save_at_window_end and (windows := manager.checkpoint.accumulating()):
                 if not self._window_said:  # this call's step runs; the check comes again at the next
                     self._window_said = True
                     logger.warning(

@@ -8,7 +8,7 @@ the final header before the one flush that covers everything), or
 :mod:`~mpistrat.checkpoint.background` copies them aside and a thread writes them while
 training goes on. :func:`finish` (every rank, after either) gathers the errors (and a background
 save's checksums); rank 0 completes the header if it must, renames the file into place and
-runs ``after`` (the index's update). Any rank's error, at any step, is raised on every rank
+records it in the directory's index. Any rank's error, at any step, is raised on every rank
 there, and the temporary file is removed: the previous checkpoint stays as it was.
 
 Each rank writes its share of the values every rank holds from its own copy, so the ranks
@@ -77,7 +77,8 @@ class Save:
     rounds: int  # collective write calls: the most any rank makes
     compared: list[str]  # the values every rank holds whose copies the ranks compare
     others: list[Piece]  # the bytes of those values this rank does not write, checksummed to compare
-    after: Callable[[], None] | None  # on rank 0 once the file is in place
+    listing: files.Listing | None  # what rank 0 records in the directory's index once the file is in place
+    in_place: Callable[[], None]  # what every rank runs once the file is in place
     keep: list[Any]  # arrays the pieces view (device copies, aggregated values)
     file: Any = None  # the open MPI file, between begin and write
     final: bool = False  # the header holds the checksums and everything is flushed (a synchronous save)
@@ -101,7 +102,8 @@ def begin(
     method: str,
     counter: int,
     io_hints: dict[str, str] | None,
-    after: Callable[[], None] | None = None,
+    listing: files.Listing | None = None,
+    in_place: Callable[[], None] = lambda: None,
 ) -> Save:
     """Agree on ``entries`` (by name: ``interface/saved_entry.py``) and the MPI-IO hints, lay the
     file out, create it (collective). Errors found on any rank are raised on every rank before
@@ -167,7 +169,9 @@ def begin(
     mine = mpiio.write_calls(pieces)
     most = collectives.agree("checkpoint.save (plan)", maximum=len(mine), error=error, options=ALWAYS)
     target, tmp = collectives.on_root(lambda: _name_temporary(path), kind=f"checkpoint.{method} (prepare)")
-    save = Save(method, target, tmp, table, header, metadata, mine, most, compared, others, after, keep)
+    save = Save(
+        method, target, tmp, table, header, metadata, mine, most, compared, others, listing, in_place, keep
+    )
     _create(save, collectives, hints)
     return save
 
@@ -376,7 +380,7 @@ def finish(save: Save, collectives: Collectives) -> float | None:
 
 
 def _complete(save: Save, reports: list[Any]) -> float | None:
-    """On rank 0: the header with the checksums unless written already, fsync, rename, ``after``;
+    """On rank 0: the header with the checksums unless written already, fsync, rename, the index;
     or the first error. Returns the slowest writer's seconds."""
     try:
         failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e is not None]
@@ -400,6 +404,6 @@ def _complete(save: Save, reports: list[Any]) -> float | None:
         with contextlib.suppress(OSError):
             os.remove(save.tmp)
         raise
-    if save.after is not None:
-        save.after()
+    if save.listing is not None:
+        files.record(save.listing)
     return max((seconds for _, _, seconds in reports if seconds is not None), default=None)
