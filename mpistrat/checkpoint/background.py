@@ -24,8 +24,10 @@ temporary files are removed, never put in place, so the previous checkpoint stay
 recovery does it (``Collectives.abandon``) when the death came elsewhere; a death during a step's
 agreement or the finish raises out of that step (which every survivor applied) to the recovery.
 
-All of a strategy's background saves in flight on this rank are one :class:`BackgroundSaves`
-(:func:`saves_of`): its :class:`Writer` records and a kept failure.
+All of a strategy's background saves in flight on this rank are one :class:`BackgroundSaves` (its
+saves, each with its writer's thread, and a kept failure); all of this process's, with the staging
+buffer they reuse and the exit hook, one :class:`Background`, :data:`BACKGROUND`, whose ``start``
+and ``wait`` are this module's :func:`start` and :func:`wait_for_saves`.
 """
 
 from __future__ import annotations
@@ -51,24 +53,13 @@ from mpistrat.log import logger
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
 
-__all__ = ["BackgroundSaves", "Writer", "saves_of", "start", "wait_for_saves", "writing"]
+__all__ = ["BACKGROUND", "Background", "BackgroundSaves", "start", "wait_for_saves"]
 
 # A background writer's niceness (Linux, this thread only): the training step keeps its CPU.
 WRITER_NICENESS = 10
 # What a step's end agrees on while a save is pending (the name in a mismatch or a stall warning).
 POLL = "checkpoint (background save written?)"
-
-
-@dataclasses.dataclass
-class Writer:
-    """One background save on this rank: the save and its thread."""
-
-    save: Save
-    thread: threading.Thread
-
-    @property
-    def busy(self) -> bool:
-        return self.thread.is_alive()
+WORK = "checkpoint saves"  # their work's name in Collectives.pending, .after_step and .abandon
 
 
 class BackgroundSaves:
@@ -78,30 +69,31 @@ class BackgroundSaves:
     Every rank holds the same saves in the same order (a save is collective), so each decision
     below is taken on every rank alike. States: a save is *written* on a rank once its writer's
     thread ended; it is *in place* once :meth:`finish` ran (collective), and then leaves
-    :attr:`writers`.
+    :attr:`saves`.
     """
 
     def __init__(self, collectives: Collectives):
         self.collectives = collectives
-        self.writers: list[Writer] = []
+        self.saves: list[Save] = []  # each with its writer's thread
         self.failure: BaseException | None = None  # from a finish at a step's end, raised at the next call
 
-    def start(self, save: Save) -> None:
-        """Copy this rank's pieces aside and write them in a thread (:func:`start`)."""
+    def start(self, save: Save, staging: np.ndarray) -> None:
+        """Copy this rank's pieces into ``staging`` and write them in a thread."""
         close(save)  # collective; the thread writes with POSIX calls
-        _stage(save)
+        _stage(save, staging)
         header = save.header if self.collectives.rank == 0 else b""
-        thread = threading.Thread(target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True)
-        save.thread = thread
-        thread.start()
-        self.writers.append(Writer(save, thread))
-        self.collectives.pending["checkpoint saves"] = self.wait
-        self.collectives.after_step["checkpoint saves"] = self.poll
-        self.collectives.abandon["checkpoint saves"] = self.abandon
+        save.thread = threading.Thread(
+            target=_drain, args=(save, header), name="mpistrat-checkpoint", daemon=True
+        )
+        save.thread.start()
+        self.saves.append(save)
+        self.collectives.pending[WORK] = self.wait
+        self.collectives.after_step[WORK] = self.poll
+        self.collectives.abandon[WORK] = self.abandon
 
     def busy(self) -> bool:
         """Whether a writer of this rank is still writing."""
-        return any(w.busy for w in self.writers)
+        return any(save.thread is not None and save.thread.is_alive() for save in self.saves)
 
     def poll(self) -> None:
         """At the end of a step (collective): put the saves in place if every rank's share is written.
@@ -117,18 +109,16 @@ class BackgroundSaves:
             logger.warning("Checkpoint: a background save failed (the next checkpoint call raises): %s", exc)
 
     def finish(self) -> None:
-        """Finish every save (collective): wait for its writers, put it in place (rank 0 completes
+        """Finish every save (collective): wait for its writer, put it in place (rank 0 completes
         the header and renames the file), run its ``in_place``; raise the first failure."""
-        for work in (self.collectives.after_step, self.collectives.pending, self.collectives.abandon):
-            work.pop("checkpoint saves", None)
+        self._unregister()
         failure: BaseException | None = None
-        while self.writers:
-            writer = self.writers.pop(0)
-            save = writer.save
+        while self.saves:
+            save = self.saves.pop(0)
             try:
                 seconds = finish(save, self.collectives)
             except PeerFailedError:  # a rank died: none of them lands
-                self.writers.insert(0, writer)
+                self.saves.insert(0, save)
                 self.abandon()
                 raise
             except BaseException as exc:
@@ -152,16 +142,16 @@ class BackgroundSaves:
         The ranks agree first, so they forget their saves together: a rank that called this alone
         (the others in another collective) fails with them and keeps its saves for the next call.
         """
-        if not self.writers and self.failure is None:
+        if not self.saves and self.failure is None:
             return
         self.collectives.agree(
             "checkpoint (background saves)",
-            fingerprint=len(self.writers),
-            describe=lambda: {"leaves": [("background saves", f"{len(self.writers)} pending", None)]},
+            fingerprint=len(self.saves),
+            describe=lambda: {"leaves": [("background saves", f"{len(self.saves)} pending", None)]},
             options=ALWAYS,
         )
         kept, self.failure = self.failure, None
-        if self.writers:
+        if self.saves:
             self.finish()
         if kept is not None:
             raise kept
@@ -170,12 +160,10 @@ class BackgroundSaves:
         """Drop every save: a rank died, the communicator is lost (local, no communication). Their
         temporary files are removed, never put in place, so the previous checkpoint stays the latest;
         a writer still running ends on its own."""
-        for work in (self.collectives.after_step, self.collectives.pending, self.collectives.abandon):
-            work.pop("checkpoint saves", None)
-        _saves.pop(id(self.collectives), None)
+        self._unregister()
         self.failure = None
-        while self.writers:
-            save = self.writers.pop(0).save
+        while self.saves:
+            save = self.saves.pop(0)
             with contextlib.suppress(OSError):
                 os.remove(save.tmp)
             logger.warning(
@@ -185,56 +173,80 @@ class BackgroundSaves:
                 save.path,
             )
 
-
-# The saves of each strategy's collectives (by id: held while a save is in flight or a failure kept).
-_saves: dict[int, BackgroundSaves] = {}
-_exit_hook = False
-# The last staging buffer, kept for the next background save: a fresh one page-faults on every
-# byte it is copied into (0.23 s for 100 MiB here, longer than writing it to the page cache).
-# The peak is unchanged (a background save holds a staged share anyway); between saves the rank
-# keeps one share more.
-_staging: np.ndarray | None = None
+    def _unregister(self) -> None:
+        for work in (self.collectives.after_step, self.collectives.pending, self.collectives.abandon):
+            work.pop(WORK, None)
 
 
-def saves_of(collectives: Collectives) -> BackgroundSaves:
-    """The background saves over ``collectives`` (made at the first)."""
-    saves = _saves.get(id(collectives))
-    if saves is None:
-        saves = _saves[id(collectives)] = BackgroundSaves(collectives)
-    return saves
+class Background:
+    """All of this process's background saves: each strategy's (a :class:`BackgroundSaves`, by its
+    collectives: kept while a save is in flight or a failure is kept), the staging buffer a save
+    reuses, and whether the exit hook that finishes them is registered. One per process
+    (:data:`BACKGROUND`)."""
+
+    def __init__(self) -> None:
+        self.strategies: dict[int, BackgroundSaves] = {}
+        # The last staging buffer, kept for the next background save: a fresh one page-faults on every
+        # byte it is copied into (0.23 s for 100 MiB here, longer than writing it to the page cache).
+        # The peak is unchanged (a background save holds a staged share anyway); between saves the
+        # rank keeps one share more.
+        self.staging: np.ndarray | None = None
+        self.exit_hook = False
+
+    def start(self, save: Save, collectives: Collectives) -> None:
+        """Copy this rank's pieces aside and write them in a thread; the file is put in place at the
+        end of the first step after which every rank's share is written, or by the next checkpoint
+        call (or the end of the job), which then runs its ``in_place`` on every rank."""
+        saves = self.strategies.get(id(collectives))
+        if saves is None:
+            saves = self.strategies[id(collectives)] = BackgroundSaves(collectives)
+        saves.start(save, self._staging_buffer(sum(p.nbytes for call in save.calls for p in call)))
+        if not self.exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
+            atexit.register(self.finish_at_exit)
+            self.exit_hook = True
+
+    def wait(self, collectives: Collectives) -> None:
+        """Finish every background save over ``collectives`` (collective); raise the first failure.
+        Called on one rank alone, it fails on every rank, and each keeps its saves."""
+        saves = self.strategies.get(id(collectives))
+        if saves is not None:
+            saves.wait()
+            del self.strategies[id(collectives)]
+
+    def writing(self) -> bool:
+        """Whether a background save is still being written on this rank (its thread has not ended)."""
+        return any(saves.busy() for saves in list(self.strategies.values()))
+
+    def _staging_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes to stage a share in: the last save's buffer when no writer still reads it."""
+        if self.staging is None or self.staging.nbytes < nbytes or self.writing():
+            self.staging = np.empty(nbytes, np.uint8)
+        return self.staging[:nbytes]
+
+    def finish_at_exit(self) -> None:
+        """At the end of the job: finish what is still being written (every rank is here)."""
+        while self.strategies:
+            saves = self.strategies.popitem()[1]
+            if not saves.saves:  # a failure kept from a step's end was logged there
+                continue
+            if MPI.Is_finalized() or saves.collectives.freed:
+                logger.error("Checkpoint: a background save could not finish: MPI is finalized")
+                continue
+            try:
+                saves.finish()
+            except BaseException as exc:
+                logger.error("Checkpoint: a background save failed at exit: %s", exc)
 
 
-def start(save: Save, collectives: Collectives) -> None:
-    """Copy this rank's pieces aside and write them in a thread; the file is put in place at the end
-    of the first step after which every rank's share is written, or by the next checkpoint call
-    (or the end of the job), which then runs its ``in_place`` on every rank."""
-    global _exit_hook
-    saves_of(collectives).start(save)
-    if not _exit_hook:  # registered after MPI's own: runs before MPI is finalized (atexit is LIFO)
-        atexit.register(_finish_at_exit)
-        _exit_hook = True
+BACKGROUND = Background()  # this process's
+start = BACKGROUND.start
+wait_for_saves = BACKGROUND.wait
 
 
-def wait_for_saves(collectives: Collectives) -> None:
-    """Finish every background save over ``collectives`` (collective); raise the first failure.
-    Called on one rank alone, it fails on every rank, and each keeps its saves."""
-    saves = _saves.get(id(collectives))
-    if saves is not None:
-        saves.wait()
-        del _saves[id(collectives)]
-
-
-def writing() -> bool:
-    """Whether a background save is still being written on this rank (its thread has not ended)."""
-    return any(saves.busy() for saves in list(_saves.values()))
-
-
-def _stage(save: Save) -> None:
-    """The share at this moment, copied into the staging buffer (training may change the arrays),
-    and the checksums of the rest of this rank's copies, as they are now, computed meanwhile."""
+def _stage(save: Save, staged: np.ndarray) -> None:
+    """The share at this moment, copied into ``staged`` (training may change the arrays), and the
+    checksums of the rest of this rank's copies, as they are now, computed meanwhile."""
     others = crc.in_thread(lambda: records(save.others))
-    total = sum(p.nbytes for call in save.calls for p in call)
-    staged = _staging_buffer(total)
     at, copied = 0, []
     for call in save.calls:
         pieces = []
@@ -245,14 +257,6 @@ def _stage(save: Save) -> None:
         copied.append(pieces)
     save.calls, save.keep = copied, [staged]
     save.other_crcs, save.others = others.result(), []
-
-
-def _staging_buffer(nbytes: int) -> np.ndarray:
-    """``nbytes`` bytes to stage a share in: the last save's buffer when no writer still reads it."""
-    global _staging
-    if _staging is None or _staging.nbytes < nbytes or writing():
-        _staging = np.empty(nbytes, np.uint8)
-    return _staging[:nbytes]
 
 
 def _drain(save: Save, header: bytes) -> None:
@@ -269,18 +273,3 @@ def _drain(save: Save, header: bytes) -> None:
     except BaseException as exc:  # whatever it is, every rank must hear of it at the wait
         save.error = mpiio.os_error(exc, "writing the checkpoint file", save.tmp)
     save.seconds = time.monotonic() - began
-
-
-def _finish_at_exit() -> None:
-    """At the end of the job: finish what is still being written (every rank is here)."""
-    while _saves:
-        saves = _saves.popitem()[1]
-        if not saves.writers:  # a failure kept from a step's end was logged there
-            continue
-        if MPI.Is_finalized() or saves.collectives.freed:
-            logger.error("Checkpoint: a background save could not finish: MPI is finalized")
-            continue
-        try:
-            saves.finish()
-        except BaseException as exc:
-            logger.error("Checkpoint: a background save failed at exit: %s", exc)
