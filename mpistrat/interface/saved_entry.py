@@ -137,4 +137,4 @@ class PositionEntry(Protocol):
         """Move to a position :meth:`check` accepted (on this rank)."""
 
 
-SavedEntry = WholeEntry | PartsEntry | PositionEntry
+SavedEntry = WholeEntry | PartsEntry | PositionEntry  # what a checkpoint saves: `holding` says which
