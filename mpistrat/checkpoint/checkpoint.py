@@ -182,6 +182,9 @@ class Checkpoint:
 
     def track(self, name: str, variable: Variable) -> None:
         """Save and restore ``variable`` under ``name`` too (the preemption handler's run count)."""
+        if not isinstance(variable, Variable):
+            got = type(variable).__name__
+            raise InvalidArgumentError(f"Checkpoint.track: expected a Variable; got {got}")
         self._variables[name] = variable
 
     def accumulating(self) -> list[str]:

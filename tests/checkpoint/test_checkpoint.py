@@ -516,6 +516,8 @@ def test_context_and_argument_rules(world, tmp_path):
         mpistrat.Checkpoint(__mpistrat__=w)
     with pytest.raises(InvalidArgumentError, match="reserved"):
         mpistrat.Checkpoint(save_counter=w)
+    with pytest.raises(InvalidArgumentError, match="track: expected a Variable; got float"):
+        ckpt.track("x", 3.0)
     world.strategy.run(lambda: opt.apply_gradients([(np.ones(3), w)]))
     with pytest.raises(InvalidArgumentError, match="does not track"):
         mpistrat.Checkpoint(opt=opt).save(str(tmp_path / "y"))
