@@ -1,7 +1,7 @@
 """A training step whose backward pass yields gradients: list against generator, beside raw mpi4py.
 
     mpiexec -n 2 python -m benchmarks.overlap [--layers 16] [--size 1M] [--compute-ms 2]
-        [--pack 1M | --pieces N] [--progress-ms MS] [--repeat 20]
+        [--pack 1M | --pieces N] [--pump-ms MS] [--progress-ms MS] [--repeat 20]
 
 Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its gradient takes
 ``--compute-ms`` of NumPy work to compute (the simulated backward pass, last layer first). A step:
@@ -10,6 +10,7 @@ Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its grad
   last gradient.
 * ``generator``: ``SGD.apply_gradients(generator)``: each pack's sum starts once its gradients
   exist, and is tested while the next one is computed.
+* ``gen. no thread``: the same without mpistrat's progress thread (``progress.PERIOD = 0``).
 * ``raw``: the hand-written loop: compute every gradient, concatenate, one ``Allreduce``, update.
 * ``raw overlapped``: the hand-written overlapped loop: an ``Iallreduce`` per pack as soon as its
   layers' gradients exist, ``Testall`` after each layer, ``Waitall``, update.
@@ -18,10 +19,11 @@ Each of ``--layers`` layers has one float32 weight of ``--size`` bytes; its grad
 Without ``--pack`` the strategy has mpistrat's default (no ``bytes_per_pack``: the list step sums
 one pack, the generator step ``overlap.PIECES`` pieces of it, ``--pieces`` to try another number);
 ``--pack`` sets ``CommunicationOptions(bytes_per_pack=...)``. The raw overlapped loop cuts the same
-packs or pieces (in whole layers). ``--progress-ms`` runs a thread beside the generator and raw
-overlapped steps that enters MPI's progress engine every MS (an ``Iprobe`` on a communicator of its
-own, the Python lock let go between), as a user would to move the sums while NumPy computes.
-Times are medians over ``--repeat`` steps, interleaved, on rank
+packs or pieces (in whole layers). The generator step runs mpistrat's progress thread while its sums
+are in flight (``progress.PERIOD``; ``--pump-ms`` sets its period, 0 turns it off). ``--progress-ms``
+runs a thread beside the generator and raw overlapped steps that enters MPI's progress engine every
+MS (an ``Iprobe`` on a communicator of its own, the Python lock let go between), as a user would to
+move the sums while NumPy computes. Times are medians over ``--repeat`` steps, interleaved, on rank
 0's clock; "compute" is the backward pass alone. The last line is the generator step over
 ``max(compute, communication)``, the target's measure.
 """
@@ -38,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
+from mpistrat.collectives import progress as pump
 from mpistrat.optimizers import SGD
 from mpistrat.options import CommunicationOptions
 from mpistrat.tools.sizes import parse_size
@@ -132,13 +135,15 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=2.0)
     parser.add_argument("--pack", type=parse_size, default=None, help="bytes_per_pack (default: none)")
     parser.add_argument("--pieces", type=int, default=overlap.PIECES, help="the generator's pieces, unpacked")
-    parser.add_argument("--progress-ms", type=float, default=0.0, help="a progress thread's period (0: none)")
+    parser.add_argument("--pump-ms", type=float, default=pump.PERIOD * 1e3, help="its thread (0: none)")
+    parser.add_argument("--progress-ms", type=float, default=0.0, help="a user's progress thread (0: none)")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     n, layers = args.size // 4, args.layers
     overlap.PIECES = args.pieces
+    pump.PERIOD = args.pump_ms / 1e3
     options = None if args.pack is None else CommunicationOptions(bytes_per_pack=args.pack)
     strategy = mpistrat.MPIStrategy(comm, communication_options=options)
     with strategy.scope():
@@ -160,6 +165,13 @@ def main() -> None:
         with progress:
             strategy.run(lambda: opt.apply_gradients((g, variables[i]) for i, g in backward.last_first()))
 
+    def alone(step: Callable[[], None]) -> None:
+        period, pump.PERIOD = pump.PERIOD, 0.0
+        try:
+            step()
+        finally:
+            pump.PERIOD = period
+
     def raw_overlapped() -> None:
         with progress:
             raw_overlapped_step(comm, raw_w, raw_flat, backward, n, packs)
@@ -172,6 +184,7 @@ def main() -> None:
         "compute": compute,
         "list": listed,
         "generator": generated,
+        "gen. no thread": lambda: alone(generated),
         "raw": lambda: raw_step(comm, raw_w, backward, n),
         "raw overlapped": raw_overlapped,
         "communication": lambda: comm.Allreduce(MPI.IN_PLACE, summed),
@@ -191,7 +204,8 @@ def main() -> None:
         )
         print(
             f"ranks {comm.Get_size()}, {layers} layers x {args.size} B float32, {args.compute_ms} ms compute "
-            f"per layer, {cut} ({len(packs)} raw), progress thread every {args.progress_ms} ms, "
+            f"per layer, {cut} ({len(packs)} raw), progress threads: mpistrat's every {args.pump_ms} ms, "
+            f"a user's every {args.progress_ms} ms, "
             f"{MPI.Get_library_version().splitlines()[0]}"
         )
         raw = statistics.median(times["raw"])
@@ -201,6 +215,7 @@ def main() -> None:
             print(f"{name:>15} {ms * 1e3:8.2f} {ms / raw:6.2f}")
         bound = max(statistics.median(times["compute"]), statistics.median(times["communication"]))
         print(f"generator / max(compute, communication): {statistics.median(times['generator']) / bound:.2f}")
+        print(f"without the thread: {statistics.median(times['gen. no thread']) / bound:.2f}")
     strategy.experimental_finalize()
 
 

@@ -40,9 +40,9 @@ def start(self: Collectives, buf: Any, *, scatter: bool) -> MPI.Request:
     return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
-def progress(requests: list[MPI.Request]) -> None:
-    """Let MPI move the sums in flight on (completed ones are tested at no cost)."""
-    MPI.Request.Testall(requests)
+def progress(requests: list[MPI.Request]) -> bool:
+    """Let MPI move the sums in flight on (completed ones are tested at no cost); whether all are done."""
+    return bool(MPI.Request.Testall(requests))
 
 
 @watchdog.collective("all_reduce")

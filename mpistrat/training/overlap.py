@@ -9,8 +9,11 @@ sharded), and the sums in flight are tested each time the caller hands over the 
 The pieces: with ``bytes_per_pack`` set (the strategy's or the optimizer's), each pack is one
 piece, and the sums are the list step's. Without it the list step sums one pack per dtype, which
 would leave nothing to overlap: the generator step then cuts each pack into :data:`PIECES` pieces
-of at least :data:`PIECE_BYTES`, so that the sum left after the last gradient is a sixteenth of
-the communication (docs/performance.md measures the choice). Sharded state keeps its packs: a
+of at least :data:`PIECE_BYTES`, so that the sum left after the last gradient is 1/PIECES of
+the communication (docs/performance.md measures the choice). While sums are in flight and
+gradients still to come, a thread enters MPI's progress engine (:mod:`~mpistrat.collectives.progress`):
+an MPI library moves a non-blocking sum on only inside MPI calls, which a backward pass does not
+make; the step stops it once the stream ends or raises. Sharded state keeps its packs: a
 pack's reduce-scatter gives each rank its block, and a piece of every block would span the
 whole group, waiting for its first gradient as the whole pack does; ``bytes_per_pack`` cuts a
 sharded layout into packs that overlap.
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpistrat.collectives import failure, nonblocking
+from mpistrat.collectives import failure, nonblocking, progress
 from mpistrat.collectives.handshake import check_level
 from mpistrat.collectives.sum_modes import PLAIN, sum_mode
 from mpistrat.comm import mpi
@@ -73,7 +76,7 @@ __all__ = ["PIECES", "PIECE_BYTES", "OptimizerView", "apply", "can_stream", "ste
 
 # Without bytes_per_pack, a pack's sum is started in this many pieces, each of at least PIECE_BYTES
 # (a smaller group in fewer): the sum left after the last gradient is then 1/PIECES of them.
-PIECES = 16
+PIECES = 64
 PIECE_BYTES = 1 << 18
 
 
@@ -196,6 +199,7 @@ class _Stream:
             (i, n) for i in reversed(range(len(groups))) for n in reversed(range(len(self.left[i])))
         ]
         self.requests: list[Any] = []
+        self.pump = progress.Pump()  # runs while sums are in flight and gradients still to come
 
     def take(self, i: int, j: int, grad: Any) -> None:
         """Gradient of variable ``j`` of group ``i`` into its place; start the pieces it completes."""
@@ -206,8 +210,8 @@ class _Stream:
         for n in self.staging[i].pieces_of[j]:
             left[n] -= 1
         self.start(final=False)
-        if self.requests:
-            nonblocking.progress(self.requests)
+        if self.requests and not nonblocking.progress(self.requests) and len(self.requests) < len(self.order):
+            self.pump.start()  # sums in flight, gradients to come
 
     def start(self, final: bool) -> None:
         """Start the pieces that are next in order and complete (``final``: all the rest)."""
@@ -305,6 +309,8 @@ def step(
             raise InvalidArgumentError(f"{name}.apply_gradients: no gradients provided for any variable")
     except Exception as exc:  # bad input or the stream itself raised: every rank will raise it
         error = error or exc
+    finally:  # the caller's computation is over (or it raised past this step): MPI calls move the rest
+        stream.pump.stop()
     stream.start(final=True)
     plan = params = slots = None
     if error is None:

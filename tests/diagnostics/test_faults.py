@@ -74,6 +74,27 @@ def test_a_rank_that_leaves_by_an_update_error_inside_a_step_is_named_by_the_oth
     assert "cannot complete: rank 1 exited after collective #6 (an uncaught FloatingPointError)" in out, out
 
 
+@pytest.mark.parametrize("how", ["raise", "caught"])
+def test_a_backward_pass_that_raises_on_one_rank_with_the_progress_thread_running(how):
+    # Rank 1's generator raises with sums in flight and mpistrat's progress thread running: as without
+    # the thread, the error reaches every rank in the step's handshake. Uncaught, the job ends with
+    # rank 1's traceback; caught, every rank goes on, trains alike and exits with no thread left.
+    code, out = run_job("stream_raises.py", how, limit=15)
+    assert (
+        f"rank 1 raises with the progress thread running: {MPI.Query_thread() >= MPI.THREAD_MULTIPLE}" in out
+    )
+    if how == "raise":
+        assert code != 0, out
+        assert "[rank 1] FloatingPointError: the backward pass failed on rank 1" in out, out
+        assert "calling MPI_Abort" in out, out
+        assert "finished" not in out, out
+    else:
+        assert code == 0, out
+        assert on_every_rank(out, "caught the backward pass failed on rank 1"), out
+        # the building step and steps 2 and 3: three sums of RANKS ones, times -0.5
+        assert on_every_rank(out, f"finished, weights {-0.5 * 3 * RANKS}, a progress thread left: False"), out
+
+
 def test_an_update_error_caught_inside_a_step_ends_the_job_by_the_timeout():
     code, out = run_job("update_raises.py", "sharded", "caught", limit=20, env={"MPISTRAT_TIMEOUT": "3"})
     assert code != 0, out

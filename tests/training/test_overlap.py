@@ -12,12 +12,15 @@ timeout so that a hang would fail instead of stalling.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import mpistrat
 from mpistrat import CommunicationOptions, InvalidArgumentError, MpistratError
+from mpistrat.collectives import progress
 from mpistrat.optimizers import SGD, Adam
 from mpistrat.training import overlap
 from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
@@ -446,12 +449,85 @@ def test_without_bytes_per_pack_a_generator_sums_in_pieces_while_it_runs():
         return [c for c in ledger.only(*sum_calls).log if c.sent > 13 * 8]
 
     streamed, listed = sums(ledgers[True]), sums(ledgers[False])
-    if len(listed) != 1 or len(streamed) != overlap.PIECES:
-        bad.append(f"{len(streamed)} sums streamed, {len(listed)} listed; expected {overlap.PIECES} and 1")
+    pieces = min(overlap.PIECES, sum(LAYERS) * 4 // overlap.PIECE_BYTES)
+    if len(listed) != 1 or len(streamed) != pieces:
+        bad.append(f"{len(streamed)} sums streamed, {len(listed)} listed; expected {pieces} and 1")
     if sum(c.sent for c in streamed) != sum(c.sent for c in listed):
         bad.append(f"bytes {sum(c.sent for c in streamed)} streamed, {sum(c.sent for c in listed)} listed")
     starts = [i for i, (what, _) in enumerate(events) if what == "start"]
     yields = [i for i, (what, _) in enumerate(events) if what == "yield"]
     if not (starts and yields and starts[0] < yields[-1]):
         bad.append(f"no sum started before the last gradient: {events}")
+    all_ranks_agree(WORLD, not bad, "; ".join(bad))
+
+
+def pumping() -> bool:
+    return any(t.name == "mpistrat-progress" for t in threading.enumerate())
+
+
+def spied_layers(ws, t: int, rank: int, seen: list[bool]):
+    """``backward_layers``, noting before each yield whether the progress thread runs."""
+    for pair in backward_layers(ws, t, rank):
+        seen.append(pumping())
+        yield pair
+
+
+def pumped_steps(period: float, rank: int) -> tuple[list[np.ndarray], list[bool], bool, Ledger]:
+    """Two generator steps after a building one, with the progress thread's ``period``: the weights,
+    whether the thread ran before each yield and after the steps, the steps' calls."""
+    saved, progress.PERIOD = progress.PERIOD, period
+    try:
+        strategy = mpistrat.MPIStrategy(CountingComm(WORLD))
+        with strategy.scope():
+            ws = [mpistrat.Variable(np.zeros(n, np.float32), name=f"layer{k}") for k, n in enumerate(LAYERS)]
+            opt = SGD(0.5)
+        pairs = [(layer_grad(k, 0, rank), w) for k, w in enumerate(ws)]
+        strategy.run(lambda: opt.apply_gradients(pairs))  # builds
+        seen: list[bool] = []
+        with Ledger.recording() as ledger:
+            for t in (1, 2):
+                grads = spied_layers(ws, t, rank, seen)
+                strategy.run(lambda: opt.apply_gradients(grads))  # noqa: B023
+        after = pumping()
+        with strategy.scope():
+            got = [w.numpy() for w in ws]
+        strategy.experimental_finalize()
+    finally:
+        progress.PERIOD = saved
+    return got, seen, after, ledger
+
+
+def test_the_progress_thread_runs_while_sums_are_in_flight_and_changes_nothing():
+    """Default options, float32 layers of several pieces: where MPI has thread level MULTIPLE and
+    there are 2+ ranks, a thread enters MPI's progress engine while sums are in flight and
+    gradients still to come, and is gone once the step returns. The weights are serial NumPy's
+    exactly (eighths: every sum is exact in float32), and the steps' calls and bytes per rank are
+    the same with the thread and without: one sum per piece moving the parameters' bytes once,
+    at any R."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    want = [
+        np.float32(-0.5) * sum(layer_grad(k, t, r) for t in range(3) for r in range(size))
+        for k in range(len(LAYERS))
+    ]
+    pieces = min(overlap.PIECES, sum(LAYERS) * 4 // overlap.PIECE_BYTES)
+    threads = size > 1 and MPI.Query_thread() >= MPI.THREAD_MULTIPLE  # one rank's sums are done at once
+    bad = []
+    calls = {}
+    for period in (progress.PERIOD, 0.0):
+        got, seen, after, ledger = pumped_steps(period, rank)
+        bad += [
+            f"layer{k} is not NumPy's ({period})"
+            for k in range(len(LAYERS))
+            if got[k].tobytes() != want[k].tobytes()
+        ]
+        if any(seen) != (threads and period > 0) or after:
+            bad.append(f"period {period}: the thread ran before the yields {seen}, after the steps {after}")
+        calls[period] = sorted((c.name, c.sent, c.received) for c in ledger.log)
+        data = [c for c in ledger.log if c.name == "Allreduce" and c.sent > 13 * 8]
+        if len(data) != 2 * pieces or sum(c.sent for c in data) != 2 * 4 * sum(LAYERS):
+            bad.append(
+                f"period {period}: {len(data)} sums of {sum(c.sent for c in data)} B; expected {2 * pieces}"
+            )
+    if calls[progress.PERIOD] != calls[0.0]:
+        bad.append(f"calls with the thread {calls[progress.PERIOD]}, without {calls[0.0]}")
     all_ranks_agree(WORLD, not bad, "; ".join(bad))
