@@ -90,7 +90,9 @@ def test_a_backward_pass_that_raises_on_one_rank_with_the_progress_thread_runnin
         assert "finished" not in out, out
     else:
         assert code == 0, out
-        assert on_every_rank(out, "caught the backward pass failed on rank 1"), out
+        assert on_every_rank(
+            out, "caught apply_gradients (collective #9) failed on rank 1: the backward pass"
+        ), out
         # the building step and steps 2 and 3: three sums of RANKS ones, times -0.5
         assert on_every_rank(out, f"finished, weights {-0.5 * 3 * RANKS}, a progress thread left: False"), out
 
