@@ -13,7 +13,7 @@ import pytest
 import mpistrat
 from mpistrat import CollectiveMismatchError, CommunicationOptions
 from mpistrat.optimizers import SGD
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
 from tests.support.counting import CountingComm, Ledger
 
 pytestmark = pytest.mark.usefixtures("step_twin")  # every test under each twin
@@ -57,9 +57,11 @@ def test_a_repeated_step_sends_one_control_collective_under_step(check):
     handshake = HANDSHAKE
     closing = [handshake] if size > 1 and check else []
     want_control = {"step": closing, True: [handshake] * SMALL + closing, False: []}[check]
-    ok = data == [("Allreduce", 4)] * SMALL and control == want_control
-    ok = ok and [g[0] for g in got] == expected_sums(size)
-    all_ranks_agree(WORLD, ok, f"check={check}: {calls(ledger)}, got {got}")
+    checks = RankChecks()
+    checks.that(data == [("Allreduce", 4)] * SMALL)
+    checks.that(control == want_control)
+    checks.that([g[0] for g in got] == expected_sums(size))
+    checks.agree(WORLD, f"check={check}: {calls(ledger)}, got {got}")
 
 
 def test_the_first_step_is_checked_call_by_call_and_again_after_an_error():
@@ -73,19 +75,20 @@ def test_the_first_step_is_checked_call_by_call_and_again_after_an_error():
     def shapes():
         return mpistrat.get_replica_context().all_reduce("sum", np.ones(3 if rank == 0 else 5, np.float32))
 
+    checks = RankChecks()
     for _ in range(2):  # the first step, then the one after the error
         message = raises_on_every_rank(
             WORLD, CollectiveMismatchError, lambda: strategy.run(shapes), "shape (5,)"
         )
-        ok = "all_reduce (collective #" in message and "unchecked" not in message
+        checks.that("all_reduce (collective #" in message and "unchecked" not in message)
     got = strategy.run(small_step, args=(rank,))  # every rank at the same point after it
     strategy.run(small_step, args=(rank,))
     with Ledger.recording() as ledger:
         again = strategy.run(small_step, args=(rank,))
     strategy.experimental_finalize()
-    ok = ok and [g[0] for g in got] == [g[0] for g in again] == expected_sums(size)
-    ok = ok and calls(ledger).count(HANDSHAKE) == 1  # the first clean step ended the checking call by call
-    all_ranks_agree(WORLD, ok, f"{message}; {calls(ledger)}")
+    checks.that([g[0] for g in got] == [g[0] for g in again] == expected_sums(size))
+    checks.that(calls(ledger).count(HANDSHAKE) == 1)  # the first clean step ended the checking call by call
+    checks.agree(WORLD, f"{message}; {calls(ledger)}")
 
 
 @pytest.mark.parametrize("differ", ["reduce op", "shape"])
@@ -117,11 +120,13 @@ def test_a_divergence_after_the_first_step_raises_on_every_rank_naming_the_first
         lambda: strategy.run(step, args=(rank == size - 1,)),
         match=f"collective #{first} ran unchecked",
     )
-    ok = f"rank {size - 1}: all_reduce" in message
+    checks = RankChecks()
+    checks.that(f"rank {size - 1}: all_reduce" in message)
     got = strategy.run(step, args=(False,))  # the ranks go on together after the error
     strategy.experimental_finalize()
-    ok = ok and np.array_equal(got[0], np.full(4, size, np.float32)) and np.array_equal(got[1], x)
-    all_ranks_agree(WORLD, ok, message)
+    checks.that(np.array_equal(got[0], np.full(4, size, np.float32)))
+    checks.that(np.array_equal(got[1], x))
+    checks.agree(WORLD, message)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -172,11 +177,13 @@ def test_calls_numbered_apart_by_bad_input_on_some_ranks_raise_on_every_rank():
     message = raises_on_every_rank(
         WORLD, CollectiveMismatchError, lambda: strategy.run(step, args=(order,)), match="ran unchecked"
     )
-    ok = f"all_reduce #{first}" in message and f"all_reduce #{first + 1}" in message
+    checks = RankChecks()
+    checks.that(f"all_reduce #{first}" in message)
+    checks.that(f"all_reduce #{first + 1}" in message)
     got = strategy.run(step, args=([True, True],))  # the ranks go on together after the error
     strategy.experimental_finalize()
-    ok = ok and all(np.array_equal(g, np.full(2, size * (i + 1), np.float32)) for i, g in enumerate(got))
-    all_ranks_agree(WORLD, ok, message)
+    checks.that(all(np.array_equal(g, np.full(2, size * (i + 1), np.float32)) for i, g in enumerate(got)))
+    checks.agree(WORLD, message)
 
 
 def test_a_training_step_is_one_control_collective():
@@ -205,9 +212,11 @@ def test_a_training_step_is_one_control_collective():
     for _ in range(3):
         reference = reference - np.float32(0.5) * total
     control = [c for c in calls(ledger) if c == HANDSHAKE]
-    ok = len(control) == 2 and np.allclose(w.numpy(), reference, rtol=1e-6)  # one per step
-    ok = ok and len(calls(ledger)) == 6  # and per step, the loss's sum and the gradients' pack
-    all_ranks_agree(WORLD, ok, f"{calls(ledger)}; w {w.numpy()} vs {reference}")
+    checks = RankChecks()
+    checks.that(len(control) == 2)  # one per step
+    checks.that(np.allclose(w.numpy(), reference, rtol=1e-6))
+    checks.that(len(calls(ledger)) == 6)  # and per step, the loss's sum and the gradients' pack
+    checks.agree(WORLD, f"{calls(ledger)}; w {w.numpy()} vs {reference}")
 
 
 def test_a_step_that_closes_sending_nothing_is_still_the_last_collective_finished():
@@ -222,9 +231,12 @@ def test_a_step_that_closes_sending_nothing_is_still_the_last_collective_finishe
     with Ledger.recording() as ledger:
         strategy.run(lambda: None)
     seq, monitor = collectives.seq, collectives.monitor
-    ok = ledger.log == [] and monitor.completed == seq and monitor.last[:2] == ("strategy.run (result)", seq)
+    checks = RankChecks()
+    checks.that(ledger.log == [])
+    checks.that(monitor.completed == seq)
+    checks.that(monitor.last[:2] == ("strategy.run (result)", seq))
     got = strategy.run(small_step, args=(WORLD.Get_rank(),))
-    closed = monitor.last[:2] == ("strategy.run (result)", seq + SMALL + 1)
-    ok = ok and closed and got == expected_sums(WORLD.Get_size())
+    checks.that(monitor.last[:2] == ("strategy.run (result)", seq + SMALL + 1))
+    checks.that(got == expected_sums(WORLD.Get_size()))
     strategy.experimental_finalize()
-    all_ranks_agree(WORLD, ok, f"seq {seq}, completed {monitor.completed}, last {monitor.last}")
+    checks.agree(WORLD, f"seq {seq}, completed {monitor.completed}, last {monitor.last}")

@@ -25,7 +25,7 @@ from mpistrat import CollectiveMismatchError, CommunicationOptions
 from mpistrat.collectives import step_check
 from mpistrat.collectives.step_check import LIMIT, CompiledStepCheck, PythonStepCheck, PythonStepState
 from mpistrat.diagnostics import stragglers
-from tests.conftest import WORLD, all_ranks_agree, raises_on_every_rank
+from tests.conftest import WORLD, RankChecks, raises_on_every_rank
 
 compiled = step_check.native_step
 needs_compiled = pytest.mark.skipif(CompiledStepCheck is None, reason="the compiled twin was not built")
@@ -174,8 +174,9 @@ def test_ranks_running_either_twin_agree_and_name_the_same_first_difference(monk
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     monkeypatch.setattr(step_check, "twin", PythonStepCheck if rank == 0 else CompiledStepCheck)
     strategy = mpistrat.MPIStrategy(WORLD, communication_options=CommunicationOptions(check="step"))
+    checks = RankChecks()
     sums = [strategy.run(small_step, args=(rank,)) for _ in range(3)]
-    ok = all(s == expected_sums(size) for s in sums)
+    checks.that(all(s == expected_sums(size) for s in sums))
     x = np.ones(4, np.float32)
 
     def step(other):
@@ -190,16 +191,16 @@ def test_ranks_running_either_twin_agree_and_name_the_same_first_difference(monk
         match=f"collective #{first} ran unchecked",
     )
     messages = WORLD.allgather(message)
-    ok = ok and all(m == messages[0] for m in messages)
+    checks.that(all(m == messages[0] for m in messages))
     for _ in range(3):  # checked call by call again, then learned again
-        ok = ok and strategy.run(small_step, args=(rank,)) == expected_sums(size)
+        checks.that(strategy.run(small_step, args=(rank,)) == expected_sums(size))
     closing = strategy.extended.collectives.native_closing
     closes = WORLD.allgather(closing.closes if closing else None)
     strategy.experimental_finalize()
     # closed compiled: the 2nd and 3rd steps before the error and after it (a first step is checked
     # call by call and closes in Python; the divergent step raised)
-    ok = ok and closes == [None] + [4] * (size - 1)
-    all_ranks_agree(WORLD, ok, f"closings done compiled {closes}; {messages}")
+    checks.that(closes == [None] + [4] * (size - 1))
+    checks.agree(WORLD, f"closings done compiled {closes}; {messages}")
 
 
 def marks(strategy, before):
@@ -256,9 +257,13 @@ def test_a_compiled_closing_leaves_the_marks_the_python_closing_leaves(monkeypat
         seen[twin] = steps
     got, want = seen[CompiledStepCheck], seen[PythonStepCheck]
     polled = timeout is not None or environment not in (None, "off")
-    ok = got == want and closes == (None if polled else 2)
-    ok = ok and want[-1]["last"] == (KIND, want[-1]["seq"]) and want[-1]["completed"] == want[-1]["seq"]
-    ok = ok and want[-1]["outgoing"] == (stragglers.NOTHING,) * 2 and want[-1]["record"] == []
-    ok = ok and all(step["sums"] and step["times in order"] for step in want)
-    ok = ok and want[-1]["tallied"] > want[0]["tallied"]  # the checked calls' arrivals were filed
-    all_ranks_agree(WORLD, ok, f"closings done compiled {closes}: {got} != {want}")
+    checks = RankChecks()
+    checks.that(got == want)
+    checks.that(closes == (None if polled else 2))
+    checks.that(want[-1]["last"] == (KIND, want[-1]["seq"]))
+    checks.that(want[-1]["completed"] == want[-1]["seq"])
+    checks.that(want[-1]["outgoing"] == (stragglers.NOTHING,) * 2)
+    checks.that(want[-1]["record"] == [])
+    checks.that(all(step["sums"] and step["times in order"] for step in want))
+    checks.that(want[-1]["tallied"] > want[0]["tallied"])  # the checked calls' arrivals were filed
+    checks.agree(WORLD, f"closings done compiled {closes}: {got} != {want}")
