@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mpi4py import MPI
 
@@ -32,7 +32,12 @@ from mpistrat.diagnostics import timeline
 from mpistrat.diagnostics.callsite import call_site
 from mpistrat.errors import ContextError
 
-__all__ = ["Monitor", "collective", "exited"]
+if TYPE_CHECKING:
+    from mpistrat.diagnostics.channel import Channel
+    from mpistrat.diagnostics.deaths import Watch
+    from mpistrat.diagnostics.flight import Flight
+
+__all__ = ["Monitor", "Watched", "collective", "exited"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,6 +46,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 # ``timeline.writer``: the decorator reads it once per call.
 exited = False
 _monotonic = time.monotonic  # read per call: a global, not a module attribute
+
+
+class Watched(Protocol):
+    """What a monitor reads of the collectives it watches (``collectives.Collectives`` is one)."""
+
+    comm: MPI.Intracomm
+    rank: int
+    size: int
+    seq: int  # the number of the collective under way, or of the last one
+    flight: Flight  # their flight record, which a rank's state shows
 
 
 class Monitor:
@@ -60,20 +75,18 @@ class Monitor:
       ``handled``.
     """
 
-    def __init__(self, collectives: Any):
+    def __init__(self, collectives: Watched):
         # -- set at creation
-        self.owner = weakref.ref(collectives)
+        self.owner: weakref.ref[Watched] = weakref.ref(collectives)
         self.comm: MPI.Intracomm = collectives.comm
         self.rank, self.size = collectives.rank, collectives.size
         self.watched = self.size > 1
         self.env_timeout: float | None = None
         self.env_polled = False  # MPISTRAT_TIMEOUT is set (not the default): polled, so it raises
         self.stall_after: float | None = None
-        # This strategy's side-channel state (a side_channel.Channel; typed Any: that module, which
-        # reads the monitor, sits beside this one); None: no side channel.
-        self.side: Any = None
+        self.side: Channel | None = None  # this strategy's side-channel state; None: no side channel
         self.hosts: tuple[str, ...] = ()  # every rank's host, where they are several (named in diagnoses)
-        self.deaths: Any = None  # the deaths.Watch of another rank's process on this machine (None: none)
+        self.deaths: Watch | None = None  # the watch of another rank's process on this machine (None: none)
         # -- written by the collective's thread, read by the watchdog thread
         self.kind = ""
         self.start: float | None = None  # monotonic time the current collective began; None: idle

@@ -39,7 +39,6 @@ told of to every rank by that one (``died``): R-1 messages per death.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import threading
@@ -50,11 +49,12 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from mpistrat.diagnostics import diagnosis
+from mpistrat.diagnostics.channel import Channel, Diagnosis, Event, Result
 
 if TYPE_CHECKING:
     from mpistrat.diagnostics.monitor import Monitor
 
-__all__ = ["GRACE", "LISTEN", "PATIENCE", "POLL", "TAG", "WAIT", "Channel", "SideChannel"]
+__all__ = ["GRACE", "LISTEN", "PATIENCE", "POLL", "TAG", "WAIT", "SideChannel"]
 
 TAG = 0x6D73  # reserved on the private communicator for the watchdog's messages
 POLL = 0.1  # seconds between the watchdog's looks (and the latency of its answers)
@@ -64,36 +64,6 @@ WAIT = LISTEN + 5 * POLL  # seconds a reporter waits for a result before reporti
 PATIENCE = 2 * WAIT + LISTEN  # seconds after a deadline to wait for its diagnosis (one stand-in fits)
 
 _KEEP = 32  # events remembered per strategy (results, reports)
-
-Event = tuple[int, str, str]  # (seq, kind, "stall" | "timeout"): one event of one collective
-Result = tuple[str, int]  # (who is missing and where, the rank that prints it: -1 each rank)
-
-
-@dataclasses.dataclass
-class Diagnosis:
-    """An event this rank diagnoses: its query, when to stop waiting, who to tell besides the waiting."""
-
-    qid: int
-    began: float
-    reporters: set[int]
-
-
-class Channel:
-    """One strategy's side-channel state (``Monitor.side``), touched with ``SideChannel.lock`` held."""
-
-    def __init__(self) -> None:
-        self.answers: dict[int, dict[int, dict[str, Any]]] = {}  # query id -> rank -> its state
-        self.diagnosing: dict[Event, Diagnosis] = {}  # events this rank diagnoses for everyone
-        self.results: dict[Event, Result] = {}  # made here or sent by the rank that diagnosed
-        self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
-        self.told: dict[Event, set[int]] = {}  # the ranks a result was sent to (each gets it once)
-        self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
-        # rank -> (when this rank heard, what was seen, its world rank): a rank whose process ended
-        # before it said it leaves (diagnostics/deaths.py)
-        self.deaths: dict[int, tuple[float, str, int]] = {}
-        # rank -> its record of collectives left unchecked (MPISTRAT_CHECK=step) when it exited, flat
-        # (seq, kind, code, ...): rank 0 compares them once every rank has left (farewell.py)
-        self.unchecked: dict[int, list[Any]] = {}
 
 
 def _remember(table: dict[Event, Any], event: Event, value: Any) -> None:

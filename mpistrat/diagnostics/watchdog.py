@@ -40,15 +40,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 from mpi4py import MPI
 
 from mpistrat import config
 from mpistrat.diagnostics import abort, diagnosis, farewell, monitor
 from mpistrat.diagnostics.callsite import call_site
-from mpistrat.diagnostics.monitor import Monitor, collective
-from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, Channel, SideChannel
+from mpistrat.diagnostics.channel import Channel
+from mpistrat.diagnostics.monitor import Monitor, Watched, collective
+from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, SideChannel
 from mpistrat.errors import PEER_FAILED_EXIT, CollectiveTimeoutError, PeerFailedError
 from mpistrat.log import ANY_RANK, logger
 
@@ -231,7 +231,7 @@ WATCHDOG = Watchdog()
 abort.run_at_exit(WATCHDOG.shutdown)  # after the program's own exit handlers, whenever this is imported
 
 
-def watch(collectives: Any) -> Monitor:
+def watch(collectives: Watched) -> Monitor:
     """A monitor for ``collectives``; registered with the watchdog thread when there are 2+ ranks.
 
     Reads ``MPISTRAT_TIMEOUT`` and ``MPISTRAT_STALL_WARNING_SECONDS`` now (when the strategy is created).
