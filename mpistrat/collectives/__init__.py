@@ -49,7 +49,7 @@ from mpistrat.collectives.leaves import to_arrays
 from mpistrat.collectives.stop import StopState
 from mpistrat.collectives.sum_modes import route_code, sum_mode
 from mpistrat.comm.transport import Transports
-from mpistrat.diagnostics import flight, startup, stragglers, timeline, watchdog
+from mpistrat.diagnostics import flight, monitor, startup, stragglers, timeline, watchdog
 from mpistrat.errors import ContextError, InvalidArgumentError
 from mpistrat.options import CommunicationOptions
 
@@ -80,6 +80,15 @@ class _Deferred:
         function = getattr(importlib.import_module(f"{__name__}.{self.module}"), self.function)
         setattr(owner, self.name, function)
         return function.__get__(instance, owner)
+
+
+def _monitor_twin(setting: Any) -> type[monitor.Monitor]:
+    """The monitor whose marks a closing under check ``setting`` writes (step_check.monitor_twin)."""
+    if setting != "step":
+        return monitor.PythonMonitor
+    from mpistrat.collectives import step_check  # MPISTRAT_CHECK=step only
+
+    return step_check.monitor_twin()
 
 
 class Collectives:
@@ -167,7 +176,6 @@ class Collectives:
         # A learned step's closing compiled (a native_step.Closing), made at its first;
         # False: none (not built, the step check's Python twin, or not this strategy's kind of watch).
         self.native_closing: Any = None
-        self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
         # The check: the options', else the environment (read once, here). Under ``step`` the
         # handshakes that are sent check at level 1, and repeats are checked once per step.
         setting = config.read("MPISTRAT_CHECK") if self.options.check is None else self.options.check
@@ -187,7 +195,9 @@ class Collectives:
             stragglers.world_ranks(comm),
         )
         self.flight = flight.Flight(config.read("MPISTRAT_FLIGHT_RECORDS"), self.owner, self.size)
-        self.monitor = watchdog.watch(self)  # reads MPISTRAT_TIMEOUT and the stall setting
+        # Its marks are the compiled closing's under MPISTRAT_CHECK=step (where the step check runs
+        # its compiled twin); it reads MPISTRAT_TIMEOUT and the stall setting.
+        self.monitor = watchdog.watch(self, _monitor_twin(setting))
         # Every rank must check alike (a rank that skips the handshake would strand the others).
         route = self.options.implementation.value
         self.agree(
@@ -213,6 +223,11 @@ class Collectives:
         self.seq = self.monitor.completed = 0  # the program's first collective is #1 in messages
         startup.reached("first collective")  # for mpistrat info --startup: the first strategy's is
         self.stragglers.forget()  # ranks arrive at creation as they start up: not a straggler
+
+    @property
+    def handshakes(self) -> int:
+        """Handshakes so far (a preemption check runs one when none came): the monitor counts them."""
+        return self.monitor.handshakes
 
     def locate(self, hosts: tuple[str, ...], processes: tuple[tuple[str, int], ...] = ()) -> None:
         """Every rank's host name (in rank order), named in stall warnings, timeouts and the straggler

@@ -32,6 +32,7 @@ from mpistrat.diagnostics import monitor as monitoring
 from mpistrat.diagnostics import stragglers, timeline, watchdog
 
 if TYPE_CHECKING:
+    from mpistrat.collectives.native_step import Closing
     from mpistrat.collectives.state import CollectiveState
 
 __all__ = ["close_step"]
@@ -58,9 +59,9 @@ def close_step(
             raise error
         return
     code = fingerprint()
-    if learned and error is None and _compiled(self, kind, code, describe):
-        return  # the compiled closing forgot the tally's arrival too
     try:
+        if learned and error is None and _compiled(self, kind, code, describe):
+            return
         _handshake(self, kind, code, describe, error)
         if step is not None:
             step.learned()
@@ -88,16 +89,34 @@ def _compiled(self: CollectiveState, kind: str, fingerprint: int, describe: Call
     closing = self.native_closing
     if closing is None:
         closing = self.native_closing = _native_closing(self, kind)
+    if (
+        not closing
+        or timeline.writer is not None
+        or (monitoring.exited and self.monitor.env_timeout is not None)
+    ):
+        return False  # no compiled closing, or a timeline to write, or a watch that polls after the exit hook
+    self.seq += 1  # numbered as the watched handshake numbers it: a disagreement names it
     try:
-        return bool(closing) and closing.close(self, kind, fingerprint, describe)
-    except MPI.Exception as exc:  # as the watch of every other collective turns it
+        closed = closing.close(
+            self, kind, self.seq, fingerprint, describe, self.stop.requested, self.stragglers.outgoing
+        )
+    except MPI.Exception as exc:  # as the watch of every other collective counts and turns it
+        self.failures += 1
         raise self.failed_in_mpi(exc, kind) from exc
+    except BaseException:
+        self.failures += 1
+        raise
+    if not closed:
+        self.seq -= 1  # nothing done: the watched handshake numbers it
+    return closed
 
 
-def _native_closing(self: CollectiveState, kind: str) -> Any:
+def _native_closing(self: CollectiveState, kind: str) -> Closing | bool:
     """The compiled closing of ``kind`` for these collectives, or False where the closing runs in
     Python: the step check's Python twin, no persistent handshake, or a watch that polls (a timeout
-    chosen in the options, or set in the environment and not ``off``)."""
+    chosen in the options, or set in the environment and not ``off``). It writes the monitor's
+    marks (compiled: ``step_check.CompiledMonitor``) and reads the step check's record, and calls
+    what it is handed here."""
     step = self.step_check
     if step is None:  # the compiled closing runs with the step check's compiled twin alone
         return False
@@ -110,29 +129,30 @@ def _native_closing(self: CollectiveState, kind: str) -> Any:
         compiled is None
         or step_check.CompiledStepCheck is None
         or not isinstance(step, step_check.CompiledStepCheck)
+        or step_check.CompiledMonitor is None
+        or not isinstance(monitor, step_check.CompiledMonitor)
         or not isinstance(request, MPI.Prequest)
         or self.options.timeout_seconds is not None
         or (monitor.env_polled and monitor.env_timeout is not None)
     ):
         return False
     return compiled.Closing(
-        monitor=monitor,
-        busy=monitor.busy,
-        flight=self.flight,
-        tally=self.stragglers,
-        stop=stop,
-        record=step.record,
+        marks=monitor,
+        step=step,
+        acquire=monitor.busy.acquire,
+        release=monitor.busy.release,
+        append=self.flight.append,
+        start=request.Start,
+        wait=request.Wait,
+        file=self.stragglers.file,
+        reached=stop.reached,
+        disagreed=handshake.disagreed,
         send=send,
         recv=recv,
-        request=request,
-        timeline=timeline,
-        monitoring=monitoring,
         kind=kind,
         kind_code=cached_code(self.caches.codes, kind, kind.__str__),
         magic=handshake.MAGIC_NUMBER,
         timeout=monitor.env_timeout,
-        disagreed=handshake.disagreed,
         nothing=stragglers.NOTHING,
-        fold_every=stragglers.FOLD_EVERY,
         mask=step_check.MASK,
     )

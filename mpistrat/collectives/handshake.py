@@ -254,7 +254,7 @@ def exchange(
     tally.learn(top[LAST_ARRIVAL], top[LONGEST_WAIT], ended - began)
     if timeline.writer is not None:
         entry[SITE] = timeline.writer.handshake(self, seq, kind, began, ended)
-    self.handshakes += 1
+    monitor.handshakes += 1
     if top[STOP]:
         stop.reached()
     if top[ERROR] or top[0] + top[4] or top[1] + top[5] or top[2] + top[6] or top[3] + top[7]:

@@ -1,15 +1,16 @@
 /* MPISTRAT_CHECK=step's hot paths, compiled: the state every unchecked collective reads
    (StepState, the base of step_check.CompiledStepCheck: a collective's deferral and the record's
-   code) and a learned step's closing handshake (Closing, closing.close_step's compiled twin).
+   code), the marks every collective leaves (Marks, the base of step_check.CompiledMonitor) and a
+   learned step's closing handshake (Closing, closing.close_step's compiled twin).
 
-   The Python code is the reference: step_check.PythonStepState, and closing.close_step's
-   watched handshake. It runs where this was not built (no C compiler at `pip install .`) or
-   MPISTRAT_NATIVE is off, to the same effect. StepState reads and writes its own fields alone (a
-   kind's first code comes from the function it is made with, step_check.kind_code). Closing does
-   what its twin does in its common case and returns False, having done nothing, for any other: the
-   caller then takes the Python path. It reads and writes the attributes of the objects it is made
-   with, by the names in PyInit_native_step (tests/collectives/test_step_twins.py pins each one);
-   the handshake's slots are handshake.py's (MAGIC ... STOP, in that order). */
+   The Python code is the reference: step_check.PythonStepState, monitor.PythonMarks and
+   closing.close_step's watched handshake. It runs where this was not built (no C compiler at `pip
+   install .`) or MPISTRAT_NATIVE is off, to the same effect. Each type reads and writes its own
+   fields alone: Closing those of the Marks and the StepState it is made with (both this module's),
+   and it calls the functions it is made with (a kind's first code, a handshake's Start and Wait,
+   the tally's filing, ...) and is handed the rest per call. Closing does what its twin does in its
+   common case and returns False, having done nothing, for any other: the caller then takes the
+   Python path. The handshake's slots are handshake.py's (MAGIC ... STOP, in that order). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,21 +24,6 @@
 #endif
 
 enum { SLOTS = 13, ERROR = 8, LAST_ARRIVAL = 10, LONGEST_WAIT = 11, STOP = 12, ENDED = 4 };
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *monitor, *acquire, *release, *append, *tally, *stop, *record;
-    PyObject *start, *wait, *timeline, *monitoring, *kind, *disagreed, *nothing_pair;
-    PyObject *send_owner, *recv_owner;
-    Py_buffer send, recv;
-    int64_t magic, kind_code, nothing, fold_every, mask;
-    double timeout; /* < 0: none */
-    Py_ssize_t closes; /* the closings done here (the others went to Python) */
-} Closing;
-
-static PyObject *s_seq, *s_thread, *s_last_thread, *s_kind, *s_start, *s_deadline,
-    *s_last, *s_agreed, *s_completed, *s_handshakes, *s_failures, *s_outgoing, *s_requested,
-    *s_reached, *s_filed, *s_fold, *s_writer, *s_exited;
 
 static double monotonic(void) {
     struct timespec t;
@@ -84,28 +70,113 @@ static int record_hash(PyObject *record, Py_hash_t *out) {
     return 0;
 }
 
-static int set_float(PyObject *obj, PyObject *name, double value) {
-    PyObject *v = PyFloat_FromDouble(value);
-    if (v == NULL) return -1;
-    int r = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    return r;
+/* Marks: what one communicator's collectives are doing, as Monitor.enter, Monitor.leave, the watch
+   and the handshake mark it (monitor.PythonMarks' fields: see the Monitor's docstring). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *kind, *start, *deadline, *polled, *thread, *last_thread, *last, *agreed, *completed,
+        *handshakes;
+} Marks;
+
+#define MARKS_FIELDS X(kind) X(start) X(deadline) X(polled) X(thread) X(last_thread) X(last) X(agreed) \
+    X(completed) X(handshakes)
+
+static int Marks_init(Marks *self, PyObject *args, PyObject *kwds) {
+    static char *keywords[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "", keywords)) return -1;
+    PyObject *kind = PyUnicode_FromString(""), *zero = PyLong_FromLong(0);
+    if (kind == NULL || zero == NULL) {
+        Py_XDECREF(kind);
+        Py_XDECREF(zero);
+        return -1;
+    }
+    Py_XSETREF(self->kind, kind);
+    Py_XSETREF(self->start, Py_NewRef(Py_None));
+    Py_XSETREF(self->deadline, Py_NewRef(Py_None));
+    Py_XSETREF(self->polled, Py_NewRef(Py_False));
+    Py_XSETREF(self->thread, Py_NewRef(Py_None));
+    Py_XSETREF(self->last_thread, Py_NewRef(Py_None));
+    Py_XSETREF(self->last, Py_NewRef(Py_None));
+    Py_XSETREF(self->agreed, Py_NewRef(Py_None));
+    Py_XSETREF(self->completed, Py_NewRef(zero));
+    Py_XSETREF(self->handshakes, zero);
+    return 0;
 }
 
-static int add_to(PyObject *obj, PyObject *name, long step, long long *out) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) return -1;
-    long long value = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (value == -1 && PyErr_Occurred()) return -1;
-    value += step;
-    v = PyLong_FromLongLong(value);
-    if (v == NULL) return -1;
-    int r = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    if (out != NULL) *out = value;
-    return r;
+static int Marks_traverse(Marks *self, visitproc visit, void *arg) {
+#define X(field) Py_VISIT(self->field);
+    MARKS_FIELDS
+#undef X
+    return 0;
 }
+
+static int Marks_clear(Marks *self) {
+#define X(field) Py_CLEAR(self->field);
+    MARKS_FIELDS
+#undef X
+    return 0;
+}
+
+static void Marks_dealloc(Marks *self) {
+    PyObject_GC_UnTrack(self);
+    Marks_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef Marks_members[] = {
+#define X(field) {#field, T_OBJECT_EX, offsetof(Marks, field), 0, NULL},
+    MARKS_FIELDS
+#undef X
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject MarksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpistrat.collectives.native_step.Marks",
+    .tp_doc = "Marks(): what one communicator's collectives are doing (monitor.PythonMarks' fields).",
+    .tp_basicsize = sizeof(Marks),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Marks_init,
+    .tp_dealloc = (destructor)Marks_dealloc,
+    .tp_traverse = (traverseproc)Marks_traverse,
+    .tp_clear = (inquiry)Marks_clear,
+    .tp_members = Marks_members,
+};
+
+/* StepState: the phase, the record, the kinds' codes, the record's limit, the kind coder. */
+typedef struct {
+    PyObject_HEAD
+    char learning;
+    PyObject *record, *kinds, *coder;
+    Py_ssize_t limit;
+} StepState;
+
+static PyTypeObject StepStateType;
+
+typedef struct {
+    PyObject_HEAD
+    Marks *marks;
+    StepState *step;
+    PyObject *acquire, *release, *append, *start, *wait, *file, *reached, *disagreed, *kind;
+    PyObject *send_owner, *recv_owner;
+    Py_buffer send, recv;
+    int64_t magic, kind_code, nothing, mask;
+    double timeout; /* < 0: none */
+    Py_ssize_t closes; /* the closings done here (the others went to Python) */
+} Closing;
+
+#define CLOSING_OBJECTS X(marks) X(step) X(acquire) X(release) X(append) X(start) X(wait) X(file) \
+    X(reached) X(disagreed) X(kind) X(send_owner) X(recv_owner)
+
+static int set_float(PyObject **field, double value) {
+    PyObject *v = PyFloat_FromDouble(value);
+    if (v == NULL) return -1;
+    Py_XSETREF(*field, v);
+    return 0;
+}
+
+static void set_object(PyObject **field, PyObject *value) { Py_XSETREF(*field, Py_NewRef(value)); }
 
 /* [seq, kind, fingerprint, began, None, None, None]: a flight record's entry (diagnostics/flight.py). */
 static PyObject *flight_entry(long long seq, PyObject *kind, long long fingerprint, double began) {
@@ -118,49 +189,57 @@ static PyObject *flight_entry(long long seq, PyObject *kind, long long fingerpri
     return entry;
 }
 
-/* (kind, seq, ended): the monitor's last collective. */
-static PyObject *last_of(PyObject *kind, long long seq, double ended) {
-    PyObject *number = PyLong_FromLongLong(seq), *end = PyFloat_FromDouble(ended), *last = NULL;
-    if (number != NULL && end != NULL) last = PyTuple_Pack(3, kind, number, end);
-    Py_XDECREF(number);
-    Py_XDECREF(end);
+/* (kind, seq, ended): the last collective. */
+static PyObject *last_of(PyObject *kind, PyObject *seq, double ended) {
+    PyObject *end = PyFloat_FromDouble(ended);
+    if (end == NULL) return NULL;
+    PyObject *last = PyTuple_Pack(3, kind, seq, end);
+    Py_DECREF(end);
     return last;
 }
 
-/* Whether the watch would poll this closing (Monitor.enter's `polled`): then Python waits. */
-static int polled(Closing *self) {
-    if (self->timeout < 0) return 0;
-    PyObject *exited = PyObject_GetAttr(self->monitoring, s_exited);
-    if (exited == NULL) return -1;
-    int r = PyObject_IsTrue(exited);
-    Py_DECREF(exited);
-    return r;
+static PyObject *call_with_two(PyObject *fn, long long a, long long b) {
+    PyObject *x = PyLong_FromLongLong(a), *y = PyLong_FromLongLong(b), *got = NULL;
+    if (x != NULL && y != NULL) got = PyObject_CallFunctionObjArgs(fn, x, y, NULL);
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    return got;
 }
 
-/* close(collectives, kind, fingerprint, describe) -> bool: see the module's comment and
-   closing.close_step, whose arguments these are (its fingerprint computed). */
+/* close(collectives, kind, seq, fingerprint, describe, requested, outgoing) -> bool: see the module's
+   comment and closing._compiled, whose arguments these are (collectives only handed on to
+   disagreed; seq the closing's number, taken already; requested the stop's; outgoing the tally's). */
 static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "close() takes the collectives, a kind, a fingerprint, a describe");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "close() takes the collectives, a kind, a number, a fingerprint, a describe, the stop's "
+                        "request and the tally's outgoing pair");
         return NULL;
     }
-    PyObject *collectives = args[0];
-    if (self->record == NULL) {
+    if (self->marks == NULL) {
         PyErr_SetString(PyExc_TypeError, "close() needs an initialised Closing");
         return NULL;
     }
-    if (args[1] != self->kind) Py_RETURN_FALSE; /* another kind than this closing's */
+    Marks *marks = self->marks;
+    PyObject *kind = args[1], *number = args[2], *outgoing = args[6];
+    if (kind != self->kind) Py_RETURN_FALSE; /* another kind than this closing's */
     int overflow;
-    long long fingerprint = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    long long fingerprint = PyLong_AsLongLongAndOverflow(args[3], &overflow);
     if (fingerprint == -1 && PyErr_Occurred()) return NULL;
     if (overflow) Py_RETURN_FALSE; /* not a 62-bit code: Python raises what packing it raises */
-    int is_polled = polled(self);
-    if (is_polled) return is_polled < 0 ? NULL : Py_NewRef(Py_False);
-    PyObject *writer = PyObject_GetAttr(self->timeline, s_writer);
-    if (writer == NULL) return NULL;
-    int writing = writer != Py_None;
-    Py_DECREF(writer);
-    if (writing) Py_RETURN_FALSE;
+    long long seq = PyLong_AsLongLong(number);
+    if (seq == -1 && PyErr_Occurred()) return NULL;
+    long long last = -1, longest = -1;
+    if (!PyTuple_Check(outgoing) || PyTuple_GET_SIZE(outgoing) != 2) {
+        PyErr_SetString(PyExc_TypeError, "the straggler tally's outgoing is not a pair");
+        return NULL;
+    }
+    last = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 0));
+    if (last == -1 && PyErr_Occurred()) return NULL;
+    longest = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 1));
+    if (longest == -1 && PyErr_Occurred()) return NULL;
+    int stop = PyObject_IsTrue(args[5]);
+    if (stop < 0) return NULL;
     PyObject *got = PyObject_CallOneArg(self->acquire, Py_False);
     if (got == NULL) return NULL;
     int acquired = got == Py_True;
@@ -169,42 +248,28 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
 
     PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     PyObject *entry = NULL, *result = NULL;
-    long long seq = 0;
     double began = monotonic(), ended = began;
     int failed = 1;
-    if (thread == NULL || PyObject_SetAttr(self->monitor, s_thread, thread) < 0) goto release;
-    if (add_to(collectives, s_seq, 1, &seq) < 0) goto release;
-    if (PyObject_SetAttr(self->monitor, s_kind, self->kind) < 0 ||
-        set_float(self->monitor, s_start, began) < 0)
+    if (thread == NULL) goto release;
+    set_object(&marks->thread, thread);
+    /* Monitor.enter, its timeout the environment's (not polled: a closing that would poll runs in
+       Python); start last, as there */
+    set_object(&marks->kind, kind);
+    if (self->timeout < 0) {
+        set_object(&marks->deadline, Py_None);
+    } else if (set_float(&marks->deadline, began + self->timeout) < 0) {
         goto marks;
-    if (self->timeout < 0 ? PyObject_SetAttr(self->monitor, s_deadline, Py_None) < 0
-                          : set_float(self->monitor, s_deadline, began + self->timeout) < 0)
-        goto marks;
-    /* monitor.polled stays False: a closing that would poll runs in Python, and every collective
-       leaves it False */
+    }
+    set_object(&marks->polled, Py_False);
+    if (set_float(&marks->start, began) < 0) goto marks;
 
-    /* the handshake (handshake._exchange) */
-    if (PyList_GET_SIZE(self->record)) {
+    /* the handshake (handshake.exchange) */
+    PyObject *record = self->step->record;
+    if (PyList_GET_SIZE(record)) {
         Py_hash_t h;
-        if (record_hash(self->record, &h) < 0) goto marks;
+        if (record_hash(record, &h) < 0) goto marks;
         fingerprint ^= (long long)(h & self->mask);
     }
-    PyObject *outgoing = PyObject_GetAttr(self->tally, s_outgoing);
-    if (outgoing == NULL) goto marks;
-    long long last = -1, longest = -1;
-    if (PyTuple_Check(outgoing) && PyTuple_GET_SIZE(outgoing) == 2) {
-        last = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 0));
-        if (!(last == -1 && PyErr_Occurred())) longest = PyLong_AsLongLong(PyTuple_GET_ITEM(outgoing, 1));
-    } else {
-        PyErr_SetString(PyExc_TypeError, "the straggler tally's outgoing is not a pair");
-    }
-    Py_DECREF(outgoing);
-    if (PyErr_Occurred()) goto marks;
-    PyObject *requested = PyObject_GetAttr(self->stop, s_requested);
-    if (requested == NULL) goto marks;
-    int stop = PyObject_IsTrue(requested);
-    Py_DECREF(requested);
-    if (stop < 0) goto marks;
     int64_t *send = (int64_t *)self->send.buf;
     const int64_t values[SLOTS] = {
         self->magic, seq, self->kind_code, fingerprint,
@@ -214,7 +279,7 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     memcpy(send, values, sizeof values);
     if ((got = PyObject_CallNoArgs(self->start)) == NULL) goto marks;
     Py_DECREF(got);
-    entry = flight_entry(seq, self->kind, fingerprint, began); /* flight.entry(), as _exchange builds it */
+    entry = flight_entry(seq, kind, fingerprint, began); /* flight.entry(), as exchange builds it */
     if (entry == NULL) goto marks;
     if ((got = PyObject_CallOneArg(self->append, entry)) == NULL) goto marks;
     Py_DECREF(got);
@@ -225,68 +290,54 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     if (end == NULL || PyList_SetItem(entry, ENDED, end) < 0) goto marks;
     int64_t top[SLOTS];
     memcpy(top, self->recv.buf, sizeof top);
-    /* the straggler tally: the previous handshake's arrivals (Tally.learn); then forget(), which
-       close_step does whatever comes of the closing */
+    /* the straggler tally: the previous handshake's arrivals, where it was measured (Tally.learn;
+       this one's the caller forgets, as close_step does whatever comes of the closing) */
     if (top[LAST_ARRIVAL] > self->nothing) {
-        PyObject *filed = PyObject_GetAttr(self->tally, s_filed);
-        if (filed == NULL) goto marks;
-        PyObject *pair[2] = {PyLong_FromLongLong(top[LAST_ARRIVAL]), PyLong_FromLongLong(top[LONGEST_WAIT])};
-        int r = pair[0] == NULL || pair[1] == NULL || PyList_Append(filed, pair[0]) < 0 ||
-                PyList_Append(filed, pair[1]) < 0;
-        Py_XDECREF(pair[0]);
-        Py_XDECREF(pair[1]);
-        Py_ssize_t filed_now = r ? 0 : PyList_GET_SIZE(filed);
-        Py_DECREF(filed);
-        if (r) goto marks;
-        if (filed_now >= self->fold_every) {
-            if ((got = PyObject_CallMethodNoArgs(self->tally, s_fold)) == NULL) goto marks;
-            Py_DECREF(got);
-        }
+        if ((got = call_with_two(self->file, top[LAST_ARRIVAL], top[LONGEST_WAIT])) == NULL) goto marks;
+        Py_DECREF(got);
     }
-    if (PyObject_SetAttr(self->tally, s_outgoing, self->nothing_pair) < 0) goto marks;
-    if (add_to(collectives, s_handshakes, 1, NULL) < 0) goto marks;
+    long long count = PyLong_AsLongLong(marks->handshakes);
+    if (count == -1 && PyErr_Occurred()) goto marks;
+    PyObject *handshakes = PyLong_FromLongLong(count + 1);
+    if (handshakes == NULL) goto marks;
+    Py_SETREF(marks->handshakes, handshakes);
     if (top[STOP]) {
-        if ((got = PyObject_CallMethodNoArgs(self->stop, s_reached)) == NULL) goto marks;
+        if ((got = PyObject_CallNoArgs(self->reached)) == NULL) goto marks;
         Py_DECREF(got);
     }
     int differ = top[ERROR] != 0;
     for (int i = 0; i < 4; i++) differ |= top[i] + top[4 + i] != 0;
     if (differ) { /* raises on every rank alike, naming what differed */
-        got = PyObject_CallFunctionObjArgs(self->disagreed, collectives, self->kind, args[3], Py_None, entry,
-                                           NULL);
+        got = PyObject_CallFunctionObjArgs(self->disagreed, args[0], kind, args[4], Py_None, entry, NULL);
         Py_XDECREF(got);
         if (got != NULL) PyErr_SetString(PyExc_AssertionError, "the ranks disagreed, and nothing raised");
         goto marks;
     }
-    if (set_float(self->monitor, s_agreed, began) < 0) goto marks;
-    if (PyList_SetSlice(self->record, 0, PyList_GET_SIZE(self->record), NULL) < 0) goto marks;
-    PyObject *completed = PyLong_FromLongLong(seq);
-    if (completed == NULL) goto marks;
-    int r = PyObject_SetAttr(self->monitor, s_completed, completed);
-    Py_DECREF(completed);
-    if (r < 0) goto marks;
+    set_object(&marks->agreed, marks->start);
+    if (PyList_SetSlice(record, 0, PyList_GET_SIZE(record), NULL) < 0) goto marks;
+    set_object(&marks->completed, number);
     failed = 0;
     self->closes++;
 
-marks: /* close_step's finally clauses, keeping the exception that is under way */
+marks: /* Monitor.leave, keeping the exception that is under way */
     {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         if (failed) ended = monotonic();
-        PyObject *last_marks = last_of(self->kind, seq, ended);
-        if (PyObject_SetAttr(self->monitor, s_start, Py_None) < 0) PyErr_Clear();
-        if (PyObject_SetAttr(self->monitor, s_deadline, Py_None) < 0) PyErr_Clear();
-        if (last_marks == NULL || PyObject_SetAttr(self->monitor, s_last, last_marks) < 0) PyErr_Clear();
-        if (failed && add_to(collectives, s_failures, 1, NULL) < 0) PyErr_Clear();
-        Py_XDECREF(last_marks);
+        PyObject *last_marks = last_of(kind, number, ended);
+        set_object(&marks->start, Py_None);
+        set_object(&marks->deadline, Py_None);
+        set_object(&marks->polled, Py_False);
+        if (last_marks == NULL) PyErr_Clear();
+        else Py_XSETREF(marks->last, last_marks);
         PyErr_Restore(type, value, traceback);
     }
-release:
+release: /* the watch's last words */
     {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
-        if (thread == NULL || PyObject_SetAttr(self->monitor, s_last_thread, thread) < 0) PyErr_Clear();
-        if (PyObject_SetAttr(self->monitor, s_thread, Py_None) < 0) PyErr_Clear();
+        if (thread != NULL) set_object(&marks->last_thread, thread);
+        set_object(&marks->thread, Py_None);
         PyObject *released = PyObject_CallNoArgs(self->release);
         if (released == NULL) PyErr_Clear();
         Py_XDECREF(released);
@@ -298,46 +349,19 @@ release:
     return result;
 }
 
-
 static int Closing_traverse(Closing *self, visitproc visit, void *arg) {
-    Py_VISIT(self->monitor);
-    Py_VISIT(self->acquire);
-    Py_VISIT(self->release);
-    Py_VISIT(self->append);
-    Py_VISIT(self->tally);
-    Py_VISIT(self->stop);
-    Py_VISIT(self->record);
-    Py_VISIT(self->start);
-    Py_VISIT(self->wait);
-    Py_VISIT(self->timeline);
-    Py_VISIT(self->monitoring);
-    Py_VISIT(self->kind);
-    Py_VISIT(self->disagreed);
-    Py_VISIT(self->nothing_pair);
-    Py_VISIT(self->send_owner);
-    Py_VISIT(self->recv_owner);
+#define X(field) Py_VISIT(self->field);
+    CLOSING_OBJECTS
+#undef X
     return 0;
 }
 
 static int Closing_clear(Closing *self) {
     if (self->send.obj != NULL) PyBuffer_Release(&self->send);
     if (self->recv.obj != NULL) PyBuffer_Release(&self->recv);
-    Py_CLEAR(self->monitor);
-    Py_CLEAR(self->acquire);
-    Py_CLEAR(self->release);
-    Py_CLEAR(self->append);
-    Py_CLEAR(self->tally);
-    Py_CLEAR(self->stop);
-    Py_CLEAR(self->record);
-    Py_CLEAR(self->start);
-    Py_CLEAR(self->wait);
-    Py_CLEAR(self->timeline);
-    Py_CLEAR(self->monitoring);
-    Py_CLEAR(self->kind);
-    Py_CLEAR(self->disagreed);
-    Py_CLEAR(self->nothing_pair);
-    Py_CLEAR(self->send_owner);
-    Py_CLEAR(self->recv_owner);
+#define X(field) Py_CLEAR(self->field);
+    CLOSING_OBJECTS
+#undef X
     return 0;
 }
 
@@ -359,53 +383,47 @@ static int take_buffer(PyObject *owner, Py_buffer *view, const char *name) {
 }
 
 static int Closing_init(Closing *self, PyObject *args, PyObject *kwds) {
-    static char *keywords[] = {"monitor", "busy", "flight", "tally", "stop", "record",
-                               "send", "recv", "request", "timeline", "monitoring", "kind", "kind_code",
-                               "magic", "timeout", "disagreed", "nothing", "fold_every", "mask", NULL};
-    PyObject *monitor, *busy, *flight, *tally, *stop, *record, *send, *recv, *request;
-    PyObject *timeline, *monitoring, *kind, *timeout, *disagreed;
-    long long kind_code, magic, nothing, fold_every, mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOOOOO!OOOOOULLOOLLL", keywords, &monitor,
-                                     &busy, &flight, &tally, &stop, &PyList_Type, &record, &send, &recv,
-                                     &request, &timeline, &monitoring, &kind, &kind_code, &magic, &timeout,
-                                     &disagreed, &nothing, &fold_every, &mask))
+    static char *keywords[] = {"marks", "step", "acquire", "release", "append", "start", "wait", "file",
+                               "reached", "disagreed", "send", "recv", "kind", "kind_code", "magic",
+                               "timeout", "nothing", "mask", NULL};
+    PyObject *marks, *step, *acquire, *release, *append, *start, *wait, *file, *reached, *disagreed;
+    PyObject *send, *recv, *kind, *timeout;
+    long long kind_code, magic, nothing, mask;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O!OOOOOOOOOOULLOLL", keywords, &MarksType, &marks,
+                                     &StepStateType, &step, &acquire, &release, &append, &start, &wait, &file,
+                                     &reached, &disagreed, &send, &recv, &kind, &kind_code, &magic, &timeout,
+                                     &nothing, &mask))
         return -1;
     Closing_clear(self);
-    if (take_buffer(send, &self->send, "send") < 0 || take_buffer(recv, &self->recv, "receive") < 0)
+    if (((StepState *)step)->record == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Closing() needs an initialised StepState");
         return -1;
-    self->send_owner = Py_NewRef(send);
-    self->recv_owner = Py_NewRef(recv);
-    if ((self->acquire = PyObject_GetAttrString(busy, "acquire")) == NULL ||
-        (self->release = PyObject_GetAttrString(busy, "release")) == NULL ||
-        (self->append = PyObject_GetAttrString(flight, "append")) == NULL ||
-        (self->start = PyObject_GetAttrString(request, "Start")) == NULL ||
-        (self->wait = PyObject_GetAttrString(request, "Wait")) == NULL)
+    }
+    if (take_buffer(send, &self->send, "send") < 0 || take_buffer(recv, &self->recv, "receive") < 0)
         return -1;
     if (timeout == Py_None) {
         self->timeout = -1.0;
     } else if ((self->timeout = PyFloat_AsDouble(timeout)) == -1.0 && PyErr_Occurred()) {
         return -1;
     }
-    self->monitor = Py_NewRef(monitor);
-    self->tally = Py_NewRef(tally);
-    self->stop = Py_NewRef(stop);
-    self->record = Py_NewRef(record);
-    self->timeline = Py_NewRef(timeline);
-    self->monitoring = Py_NewRef(monitoring);
-    self->kind = Py_NewRef(kind);
-    self->disagreed = Py_NewRef(disagreed);
+    self->marks = (Marks *)Py_NewRef(marks);
+    self->step = (StepState *)Py_NewRef(step);
+#define X(field) self->field = Py_NewRef(field);
+    X(acquire) X(release) X(append) X(start) X(wait) X(file) X(reached) X(disagreed) X(kind)
+#undef X
+    self->send_owner = Py_NewRef(send);
+    self->recv_owner = Py_NewRef(recv);
     self->kind_code = kind_code;
     self->magic = magic;
     self->nothing = nothing;
-    self->fold_every = fold_every;
     self->mask = mask;
-    self->nothing_pair = Py_BuildValue("(LL)", nothing, nothing);
-    return self->nothing_pair == NULL ? -1 : 0;
+    return 0;
 }
 
 static PyMethodDef Closing_methods[] = {
     {"close", (PyCFunction)(void (*)(void))Closing_close, METH_FASTCALL,
-     "close(collectives, kind, fingerprint, describe) -> bool: close the step here (True), or do nothing (False)."},
+     "close(collectives, kind, seq, fingerprint, describe, requested, outgoing) -> bool: close the step "
+     "here (True), or do nothing (False)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -429,13 +447,6 @@ static PyTypeObject ClosingType = {
     .tp_members = Closing_members,
 };
 
-/* StepState: the phase, the record, the kinds' codes, the record's limit, the kind coder. */
-typedef struct {
-    PyObject_HEAD
-    char learning;
-    PyObject *record, *kinds, *coder;
-    Py_ssize_t limit;
-} StepState;
 
 static int StepState_init(StepState *self, PyObject *args, PyObject *kwds) {
     static char *keywords[] = {"limit", "coder", NULL};
@@ -560,27 +571,18 @@ static PyTypeObject StepStateType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "native_step",
-    "MPISTRAT_CHECK=step's hot paths, compiled: StepState (a call's deferral), Closing (a step's closing).", -1,
+    "MPISTRAT_CHECK=step's hot paths, compiled: StepState (a call's deferral), Marks (what the collectives "
+    "are doing), Closing (a step's closing).", -1,
     NULL, NULL, NULL, NULL, NULL,
 };
 
-/* The attributes Closing reads and writes of the objects it is made with (pinned by
-   tests/collectives/test_step_twins.py: a rename in Python fails there, not silently here). */
-#define CLOSING_NAMES                                                                                 \
-    X(s_seq, "seq") X(s_thread, "thread") X(s_last_thread, "last_thread") X(s_kind, "kind")            \
-    X(s_start, "start") X(s_deadline, "deadline") X(s_last, "last") X(s_agreed, "agreed")              \
-    X(s_completed, "completed") X(s_handshakes, "handshakes") X(s_failures, "failures")                \
-    X(s_outgoing, "outgoing") X(s_requested, "requested") X(s_reached, "reached") X(s_filed, "_filed") \
-    X(s_fold, "_fold") X(s_writer, "writer") X(s_exited, "exited")
-
 PyMODINIT_FUNC PyInit_native_step(void) {
-#define X(name, text) if ((name = PyUnicode_InternFromString(text)) == NULL) return NULL;
-    CLOSING_NAMES
-#undef X
-    if (PyType_Ready(&ClosingType) < 0 || PyType_Ready(&StepStateType) < 0) return NULL;
+    if (PyType_Ready(&MarksType) < 0 || PyType_Ready(&ClosingType) < 0 || PyType_Ready(&StepStateType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Closing", (PyObject *)&ClosingType) < 0 ||
+    if (PyModule_AddObjectRef(m, "Marks", (PyObject *)&MarksType) < 0 ||
+        PyModule_AddObjectRef(m, "Closing", (PyObject *)&ClosingType) < 0 ||
         PyModule_AddObjectRef(m, "StepState", (PyObject *)&StepStateType) < 0) {
         Py_DECREF(m);
         return NULL;

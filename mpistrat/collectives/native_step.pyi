@@ -1,33 +1,54 @@
 from collections.abc import Callable
 from typing import Any
 
+class Marks:
+    kind: str
+    start: float | None
+    deadline: float | None
+    polled: bool
+    thread: int | None
+    last_thread: int | None
+    last: tuple[str, int, float] | None
+    agreed: float | None
+    completed: int
+    handshakes: int
+    def __init__(self) -> None: ...
+
 class Closing:
     @property
     def closes(self) -> int: ...
     def __init__(
         self,
         *,
-        monitor: Any,
-        busy: Any,
-        flight: Any,
-        tally: Any,
-        stop: Any,
-        record: list[Any],
+        marks: Marks,
+        step: StepState,
+        acquire: Callable[[bool], bool],
+        release: Callable[[], None],
+        append: Callable[[list[Any]], None],
+        start: Callable[[], None],
+        wait: Callable[[], Any],
+        file: Callable[[int, int], None],
+        reached: Callable[[], None],
+        disagreed: Callable[..., Any],
         send: Any,
         recv: Any,
-        request: Any,
-        timeline: Any,
-        monitoring: Any,
         kind: str,
         kind_code: int,
         magic: int,
         timeout: float | None,
-        disagreed: Callable[..., Any],
         nothing: int,
-        fold_every: int,
         mask: int,
     ) -> None: ...
-    def close(self, collectives: Any, kind: str, fingerprint: int, describe: Callable[[], Any]) -> bool: ...
+    def close(
+        self,
+        collectives: Any,
+        kind: str,
+        seq: int,
+        fingerprint: int,
+        describe: Callable[[], Any],
+        requested: bool,
+        outgoing: tuple[int, int],
+    ) -> bool: ...
 
 class StepState:
     learning: bool

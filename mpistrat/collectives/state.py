@@ -50,7 +50,6 @@ class CollectiveState(Protocol):
     seq: int
     disagreements: int
     failures: int
-    handshakes: int
     caches: Caches
     transports: Transports
     stragglers: Tally
@@ -64,6 +63,9 @@ class CollectiveState(Protocol):
     after_step: dict[str, Callable[[], None]]
     requests: list[MPI.Prequest]  # MPI requests freed with the communicator
     native_closing: Any  # the compiled closing (closing.py), False: none, None: not yet made
+
+    @property
+    def handshakes(self) -> int: ...
 
     def agree(
         self,

@@ -40,17 +40,20 @@ from mpi4py import MPI
 from mpistrat import config
 from mpistrat.collectives.fingerprint import hash64
 from mpistrat.collectives.mismatch import by_rank
+from mpistrat.diagnostics.monitor import Monitor, PythonMonitor
 from mpistrat.errors import CollectiveMismatchError
 
 __all__ = [
     "LIMIT",
     "MASK",
+    "CompiledMonitor",
     "CompiledStepCheck",
     "PythonStepCheck",
     "StepCheck",
     "chosen",
     "describe",
     "kind_code",
+    "monitor_twin",
     "native_step",
     "twin",
 ]
@@ -217,6 +220,7 @@ def describe() -> str:
 
 if TYPE_CHECKING or native_step is None:
     CompiledStepCheck: type[StepCheck] | None = None  # not built: the Python twin runs
+    CompiledMonitor: type[Monitor] | None = None
 else:
 
     class CompiledStepCheck(StepCheck, native_step.StepState):
@@ -227,7 +231,16 @@ else:
         def __init__(self) -> None:
             native_step.StepState.__init__(self, LIMIT, kind_code)
 
+    class CompiledMonitor(Monitor, native_step.Marks):
+        """A monitor over the compiled twin of its marks, which the compiled closing writes."""
+
 
 # The twin a ``Collectives`` makes under ``MPISTRAT_CHECK=step``: compiled where it was built and
 # ``MPISTRAT_NATIVE`` is on; a test may set either.
 twin: type[StepCheck] = CompiledStepCheck if CompiledStepCheck and chosen else PythonStepCheck
+
+
+def monitor_twin() -> type[Monitor]:
+    """The monitor a ``Collectives`` makes: over the compiled marks where its step check would run
+    the compiled twin (``twin``), the compiled closing's; else over the Python marks."""
+    return CompiledMonitor if CompiledMonitor is not None and twin is CompiledStepCheck else PythonMonitor

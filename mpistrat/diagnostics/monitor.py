@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mpistrat.diagnostics.deaths import Watch
     from mpistrat.diagnostics.flight import Flight
 
-__all__ = ["Monitor", "Watched", "collective", "exited"]
+__all__ = ["Monitor", "PythonMarks", "PythonMonitor", "Watched", "collective", "exited"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,8 +58,49 @@ class Watched(Protocol):
     flight: Flight  # their flight record, which a rank's state shows
 
 
+class PythonMarks:
+    """What one strategy's collectives are doing, marked on every call (the fields of a
+    :class:`Monitor` its collectives' thread writes): the reference twin of the compiled
+    ``native_step.Marks``, which the compiled closing writes (``collectives/native_step.c``).
+
+    >>> marks = PythonMarks()
+    >>> marks.kind, marks.start, marks.completed, marks.handshakes
+    ('', None, 0, 0)
+    """
+
+    __slots__ = (
+        "agreed",
+        "completed",
+        "deadline",
+        "handshakes",
+        "kind",
+        "last",
+        "last_thread",
+        "polled",
+        "start",
+        "thread",
+    )
+
+    def __init__(self) -> None:
+        self.kind = ""
+        self.start: float | None = None  # monotonic time the current collective began; None: idle
+        self.deadline: float | None = None
+        self.polled = False  # the current collective's timeout was chosen: its handshake polls, to raise
+        self.thread: int | None = None  # the thread inside a collective
+        self.last_thread: int | None = None  # the thread of the last collective (where the program is)
+        self.last: tuple[str, int, float] | None = None  # (kind, seq, end time) of the last collective
+        self.agreed: float | None = None  # start of the collective whose opening handshake completed
+        self.completed = 0  # the last collective this rank completed (not one it left by an error)
+        self.handshakes = 0  # handshakes so far (a preemption check runs one when none came)
+
+
 class Monitor:
     """What one strategy's collectives are doing: written by their thread, read by the watchdog's.
+
+    Its marks (``kind`` ... ``handshakes``) are a base's, one of two twins: :class:`PythonMonitor`
+    holds them in :class:`PythonMarks`, ``step_check.CompiledMonitor`` in the compiled
+    ``native_step.Marks`` that the compiled closing writes; ``Collectives`` makes the one whose
+    twin its step check runs.
 
     Fields by who writes them (the watchdog thread reads all of them):
 
@@ -69,13 +110,27 @@ class Monitor:
       ``watched`` is cleared when the strategy is finalized or collected;
     * the collective's thread, on every call: ``thread`` and ``last_thread`` (:func:`collective`),
       ``kind``, ``start``, ``deadline``, ``polled`` (:meth:`enter`), ``last``, ``completed``
-      (:meth:`leave`), ``agreed`` (the handshake); ``polling`` while it waits in ``watchdog.wait``;
+      (:meth:`leave`), ``agreed`` and ``handshakes`` (the handshake); ``polling`` while it waits in
+      ``watchdog.wait``;
     * the watchdog thread, for the collective's thread to raise: ``expired``, ``lost``;
     * the watchdog thread, for itself (one stall or timeout acted on once): ``warned``,
       ``handled``.
     """
 
+    if TYPE_CHECKING:  # the marks, a twin's (PythonMarks says what each holds)
+        kind: str
+        start: float | None
+        deadline: float | None
+        polled: bool
+        thread: int | None
+        last_thread: int | None
+        last: tuple[str, int, float] | None
+        agreed: float | None
+        completed: int
+        handshakes: int
+
     def __init__(self, collectives: Watched):
+        super().__init__()  # the twin's marks
         # -- set at creation
         self.owner: weakref.ref[Watched] = weakref.ref(collectives)
         self.comm: MPI.Intracomm = collectives.comm
@@ -87,18 +142,9 @@ class Monitor:
         self.side: Channel | None = None  # this strategy's side-channel state; None: no side channel
         self.hosts: tuple[str, ...] = ()  # every rank's host, where they are several (named in diagnoses)
         self.deaths: Watch | None = None  # the watch of another rank's process on this machine (None: none)
-        # -- written by the collective's thread, read by the watchdog thread
-        self.kind = ""
-        self.start: float | None = None  # monotonic time the current collective began; None: idle
-        self.deadline: float | None = None
-        self.polled = False  # the current collective's timeout was chosen: its handshake polls, to raise
+        # -- written by the collective's thread, read by the watchdog thread (and the marks)
         self.busy = threading.Lock()  # held by the thread inside a collective: one thread at a time
-        self.thread: int | None = None  # that thread
-        self.last_thread: int | None = None  # the thread of the last collective (where the program is)
-        self.last: tuple[str, int, float] | None = None  # (kind, seq, end time) of the last collective
         self.polling = False  # the collective's thread waits in watchdog.wait(), so it can raise
-        self.agreed: float | None = None  # start of the collective whose opening handshake completed
-        self.completed = 0  # the last collective this rank completed (not one it left by an error)
         # -- written by the watchdog thread, read by the collective's thread
         self.expired: str | None = None  # the timeout message (watchdog.wait raises it)
         self.lost: int | None = None  # with it, the world rank whose death it waits for
@@ -150,6 +196,10 @@ class Monitor:
             "flight": _flight(self, now, start),
             "entries": _entries(self),
         }
+
+
+class PythonMonitor(Monitor, PythonMarks):
+    """A monitor over the Python twin of its marks."""
 
 
 def _flight(mon: Monitor, now: float, start: float | None) -> str | None:

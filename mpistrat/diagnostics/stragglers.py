@@ -198,13 +198,17 @@ class Tally:
     def learn(self, last: int, longest: int, waited: float) -> None:
         """Take the previous handshake's result from this one, and this rank's wait (seconds) in it."""
         if last > NOTHING:
-            filed = self._filed
-            filed += (last, longest)
-            if len(filed) >= FOLD_EVERY:
-                self._fold()
+            self.file(last, longest)
         if self.enabled:
             shifted = (int(waited * 1e6) if waited < _MAX_WAIT_S else _MAX_WAIT_US) << RANK_BITS
             self.outgoing = (self.rank - shifted, shifted + self.rank)
+
+    def file(self, last: int, longest: int) -> None:
+        """File a measured handshake's last arrival and longest wait (as the handshake combined them)."""
+        filed = self._filed
+        filed += (last, longest)
+        if len(filed) >= FOLD_EVERY:
+            self._fold()
 
     def _fold(self) -> None:
         filed, self._filed = self._filed, []

@@ -231,12 +231,13 @@ WATCHDOG = Watchdog()
 abort.run_at_exit(WATCHDOG.shutdown)  # after the program's own exit handlers, whenever this is imported
 
 
-def watch(collectives: Watched) -> Monitor:
-    """A monitor for ``collectives``; registered with the watchdog thread when there are 2+ ranks.
+def watch(collectives: Watched, twin: type[Monitor]) -> Monitor:
+    """A monitor for ``collectives`` over ``twin``'s marks (``monitor.PythonMonitor`` or
+    ``step_check.CompiledMonitor``); registered with the watchdog thread when there are 2+ ranks.
 
     Reads ``MPISTRAT_TIMEOUT`` and ``MPISTRAT_STALL_WARNING_SECONDS`` now (when the strategy is created).
     """
-    mon = Monitor(collectives)
+    mon = twin(collectives)
     mon.env_timeout = config.read("MPISTRAT_TIMEOUT")
     mon.env_polled = config.given("MPISTRAT_TIMEOUT")
     mon.stall_after = config.read("MPISTRAT_STALL_WARNING_SECONDS")

@@ -1,10 +1,10 @@
 """The two twins of ``MPISTRAT_CHECK=step``'s hot paths: the compiled ``native_step.c`` against the
-Python reference (``step_check.PythonStepState``, ``closing.close_step``'s watched handshake). The
-record's code against Python's own hash of the record's tuples, each deferral's record against
-the Python twin's, the names each state exposes, every name the C reads pinned, a compiled
-closing's marks against the Python closing's, and ranks running either twin in one job agreeing
-on every step and naming the same first difference. (``tests/collectives/test_step_check.py``
-runs whole under each twin.)"""
+Python reference (``step_check.PythonStepState``, ``monitor.PythonMarks``, ``closing.close_step``'s
+watched handshake). The record's code against Python's own hash of the record's tuples, each
+deferral's record against the Python twin's, the fields each state exposes (the C reads no
+attribute of another object), a compiled closing's marks against the Python closing's, and ranks
+running either twin in one job agreeing on every step and naming the same first difference.
+(``tests/collectives/test_step_check.py`` runs whole under each twin.)"""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from mpistrat import CollectiveMismatchError, CommunicationOptions
 from mpistrat.collectives import step_check
 from mpistrat.collectives.step_check import LIMIT, CompiledStepCheck, PythonStepCheck, PythonStepState
 from mpistrat.diagnostics import stragglers
+from mpistrat.diagnostics.monitor import PythonMarks
 from tests.conftest import WORLD, RankChecks, raises_on_every_rank
 
 compiled = step_check.native_step
@@ -42,51 +43,20 @@ def test_the_compiled_twin_is_built_where_a_c_compiler_is():
     import mpistrat.collectives.native_step  # noqa: F401  # raises where the build failed
 
 
-# Every attribute the compiled closing reads or writes, by the object it is made with: a rename of
-# one in Python fails here instead of passing the C by (it looks them up by name, at run time).
-CLOSING_READS = {
-    "monitor": {"thread", "last_thread", "kind", "start", "deadline", "last", "agreed", "completed"},
-    "collectives": {"seq", "handshakes", "failures"},
-    "tally": {"outgoing", "_filed", "_fold"},
-    "stop": {"requested", "reached"},
-    "timeline": {"writer"},
-    "monitoring": {"exited"},
-    "busy": {"acquire", "release"},
-    "flight": {"append"},
-    "request": {"Start", "Wait"},
-}
-
-
-def test_every_name_the_c_reads_is_pinned_and_exists():
-    """The names in ``native_step.c`` are this table's, no more and none fewer (StepState reads none:
-    a kind's first code comes from the function it is made with), and each object the closing is
-    made with has each of its names."""
-    from mpi4py import MPI
-
-    from mpistrat.collectives import Collectives
-    from mpistrat.diagnostics import monitor, timeline
-
+def test_the_c_reads_and_writes_no_attribute_of_another_object():
+    """``native_step.c`` looks up no attribute, method or module by name: its types read and write
+    their own fields, and the closing calls what it is made with and is handed per call (a rename
+    in Python then fails in Python, where the closing is made). StepState's kind coder is one."""
     source = SOURCE.read_text()
-    interned = set(re.findall(r'X\(s_\w+, "(\w+)"\)', source))
-    by_string = set(re.findall(r'PyObject_GetAttrString\(\w+, "(\w+)"\)', source))
-    assert interned | by_string == set().union(*CLOSING_READS.values())
+    assert re.findall(r"\b(Py\w*(?:Attr|Method)\w*|PyImport\w*)\(", source) == []
     assert "PyObject_CallFunctionObjArgs(self->coder, self->kinds, kind, NULL)" in source
-    collectives = Collectives(MPI.COMM_SELF.Dup(), CommunicationOptions(check="step"))
-    request = MPI.COMM_SELF.Allreduce_init(np.zeros(1), np.zeros(1), MPI.MAX)
-    objects = {
-        "monitor": collectives.monitor,
-        "collectives": collectives,
-        "tally": collectives.stragglers,
-        "stop": collectives.stop,
-        "timeline": timeline,
-        "monitoring": monitor,
-        "busy": collectives.monitor.busy,
-        "flight": collectives.flight,
-        "request": request,
-    }
-    missing = [(o, n) for o, names in CLOSING_READS.items() for n in names if not hasattr(objects[o], n)]
-    request.Free()
-    assert missing == []
+
+
+def test_the_marks_are_the_same_fields_in_c_and_python():
+    """The compiled marks' fields, as the C declares them, are the Python twin's slots."""
+    declared = re.search(r"#define MARKS_FIELDS (.*?)\n\n", SOURCE.read_text(), re.S)
+    assert declared is not None
+    assert set(re.findall(r"X\((\w+)\)", declared.group(1))) == set(PythonMarks.__slots__)
 
 
 @needs_compiled
@@ -102,6 +72,44 @@ def test_both_twins_expose_the_same_names():
         assert step.coder is step_check.kind_code
         step.learned()
         assert step.learning is False
+
+
+@needs_compiled
+def test_both_monitors_start_with_the_same_marks_and_keep_what_is_written():
+    """A monitor over either twin's marks: each mark readable and writable by its name, the same at
+    creation on both, and a collective's marks (its watch, ``enter`` and ``leave``) alike."""
+    from mpi4py import MPI
+
+    from mpistrat.collectives import Collectives
+    from mpistrat.diagnostics.monitor import PythonMonitor
+
+    fields = set(PythonMarks.__slots__)
+    assert {name for name in dir(compiled.Marks) if not name.startswith("_")} == fields
+    seen = {}
+    for twin in (step_check.CompiledMonitor, PythonMonitor):
+        monitor = twin(Collectives(MPI.COMM_SELF.Dup()))
+        created = {name: getattr(monitor, name) for name in sorted(fields)}
+        monitor.enter("all_reduce", 30.0)
+        inside = (monitor.kind, monitor.polled, monitor.deadline - monitor.start)
+        monitor.leave("all_reduce", 7, completed=True)
+        monitor.handshakes += 2
+        left = (monitor.start, monitor.deadline, monitor.polled, monitor.last[:2], monitor.completed)
+        seen[twin] = (created, inside, left, monitor.handshakes)
+    compiled_marks, python_marks = seen.values()
+    assert compiled_marks == python_marks
+    assert python_marks[0] == {
+        "agreed": None,
+        "completed": 0,
+        "deadline": None,
+        "handshakes": 0,
+        "kind": "",
+        "last": None,
+        "last_thread": None,
+        "polled": False,
+        "start": None,
+        "thread": None,
+    }
+    assert python_marks[1:] == (("all_reduce", True, 30.0), (None, None, False, ("all_reduce", 7), 7), 2)
 
 
 # records as defer leaves them (number, kind, code), and any list of such items
