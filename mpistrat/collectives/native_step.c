@@ -136,7 +136,8 @@ static PyTypeObject MarksType = {
     .tp_doc = "Marks(): what one communicator's collectives are doing (monitor.PythonMarks' fields).",
     .tp_basicsize = sizeof(Marks),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
+    /* .tp_new: object's (PyInit_native_step), so that a subclass's instance dict is laid out
+       inline as a plain class's is (CPython specializes the monitor's other attributes on it) */
     .tp_init = (initproc)Marks_init,
     .tp_dealloc = (destructor)Marks_dealloc,
     .tp_traverse = (traverseproc)Marks_traverse,
@@ -577,6 +578,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit_native_step(void) {
+    MarksType.tp_new = PyBaseObject_Type.tp_new;
     if (PyType_Ready(&MarksType) < 0 || PyType_Ready(&ClosingType) < 0 || PyType_Ready(&StepStateType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
