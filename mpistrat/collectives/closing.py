@@ -95,7 +95,10 @@ def _compiled(self: CollectiveState, kind: str, fingerprint: int, describe: Call
         or (monitoring.exited and self.monitor.env_timeout is not None)
     ):
         return False  # no compiled closing, or a timeline to write, or a watch that polls after the exit hook
-    self.seq += 1  # numbered as the watched handshake numbers it: a disagreement names it
+    busy = self.monitor.busy
+    if not busy.acquire(False):
+        return False  # another collective is under way: the watch says what to do
+    self.seq += 1  # before the wait: a stall warning or a disagreement names the closing by it
     try:
         closed = closing.close(
             self, kind, self.seq, fingerprint, describe, self.stop.requested, self.stragglers.outgoing
@@ -106,6 +109,8 @@ def _compiled(self: CollectiveState, kind: str, fingerprint: int, describe: Call
     except BaseException:
         self.failures += 1
         raise
+    finally:
+        busy.release()
     if not closed:
         self.seq -= 1  # nothing done: the watched handshake numbers it
     return closed
@@ -115,8 +120,8 @@ def _native_closing(self: CollectiveState, kind: str) -> Closing | bool:
     """The compiled closing of ``kind`` for these collectives, or False where the closing runs in
     Python: the step check's Python twin, no persistent handshake, or a watch that polls (a timeout
     chosen in the options, or set in the environment and not ``off``). It writes the monitor's
-    marks (compiled: ``step_check.CompiledMonitor``) and reads the step check's record, and calls
-    what it is handed here."""
+    marks (compiled: ``step_check.CompiledMonitor``) and the step check's record, and calls what it
+    is handed here."""
     step = self.step_check
     if step is None:  # the compiled closing runs with the step check's compiled twin alone
         return False
@@ -139,8 +144,6 @@ def _native_closing(self: CollectiveState, kind: str) -> Closing | bool:
     return compiled.Closing(
         marks=monitor,
         step=step,
-        acquire=monitor.busy.acquire,
-        release=monitor.busy.release,
         append=self.flight.append,
         start=request.Start,
         wait=request.Wait,

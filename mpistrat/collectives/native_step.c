@@ -159,7 +159,7 @@ typedef struct {
     PyObject_HEAD
     Marks *marks;
     StepState *step;
-    PyObject *acquire, *release, *append, *start, *wait, *file, *reached, *disagreed, *kind;
+    PyObject *append, *start, *wait, *file, *reached, *disagreed, *kind;
     PyObject *send_owner, *recv_owner;
     Py_buffer send, recv;
     int64_t magic, kind_code, nothing, mask;
@@ -167,8 +167,8 @@ typedef struct {
     Py_ssize_t closes; /* the closings done here (the others went to Python) */
 } Closing;
 
-#define CLOSING_OBJECTS X(marks) X(step) X(acquire) X(release) X(append) X(start) X(wait) X(file) \
-    X(reached) X(disagreed) X(kind) X(send_owner) X(recv_owner)
+#define CLOSING_OBJECTS X(marks) X(step) X(append) X(start) X(wait) X(file) X(reached) X(disagreed) \
+    X(kind) X(send_owner) X(recv_owner)
 
 static int set_float(PyObject **field, double value) {
     PyObject *v = PyFloat_FromDouble(value);
@@ -209,7 +209,8 @@ static PyObject *call_with_two(PyObject *fn, long long a, long long b) {
 
 /* close(collectives, kind, seq, fingerprint, describe, requested, outgoing) -> bool: see the module's
    comment and closing._compiled, whose arguments these are (collectives only handed on to
-   disagreed; seq the closing's number, taken already; requested the stop's; outgoing the tally's). */
+   disagreed; seq the closing's number, taken already; requested the stop's; outgoing the tally's),
+   called with the monitor's lock held. */
 static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
@@ -241,13 +242,8 @@ static PyObject *Closing_close(Closing *self, PyObject *const *args, Py_ssize_t 
     if (longest == -1 && PyErr_Occurred()) return NULL;
     int stop = PyObject_IsTrue(args[5]);
     if (stop < 0) return NULL;
-    PyObject *got = PyObject_CallOneArg(self->acquire, Py_False);
-    if (got == NULL) return NULL;
-    int acquired = got == Py_True;
-    Py_DECREF(got);
-    if (!acquired) Py_RETURN_FALSE; /* another collective is under way: Python says what to do */
 
-    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    PyObject *got, *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     PyObject *entry = NULL, *result = NULL;
     double began = monotonic(), ended = began;
     int failed = 1;
@@ -333,17 +329,9 @@ marks: /* Monitor.leave, keeping the exception that is under way */
         else Py_XSETREF(marks->last, last_marks);
         PyErr_Restore(type, value, traceback);
     }
-release: /* the watch's last words */
-    {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        if (thread != NULL) set_object(&marks->last_thread, thread);
-        set_object(&marks->thread, Py_None);
-        PyObject *released = PyObject_CallNoArgs(self->release);
-        if (released == NULL) PyErr_Clear();
-        Py_XDECREF(released);
-        PyErr_Restore(type, value, traceback);
-    }
+release: /* the watch's last marks (the caller releases the lock) */
+    if (thread != NULL) set_object(&marks->last_thread, thread);
+    set_object(&marks->thread, Py_None);
     Py_XDECREF(thread);
     Py_XDECREF(entry);
     if (!failed) result = Py_NewRef(Py_True);
@@ -384,16 +372,14 @@ static int take_buffer(PyObject *owner, Py_buffer *view, const char *name) {
 }
 
 static int Closing_init(Closing *self, PyObject *args, PyObject *kwds) {
-    static char *keywords[] = {"marks", "step", "acquire", "release", "append", "start", "wait", "file",
-                               "reached", "disagreed", "send", "recv", "kind", "kind_code", "magic",
-                               "timeout", "nothing", "mask", NULL};
-    PyObject *marks, *step, *acquire, *release, *append, *start, *wait, *file, *reached, *disagreed;
-    PyObject *send, *recv, *kind, *timeout;
+    static char *keywords[] = {"marks", "step", "append", "start", "wait", "file", "reached", "disagreed",
+                               "send", "recv", "kind", "kind_code", "magic", "timeout", "nothing", "mask",
+                               NULL};
+    PyObject *marks, *step, *append, *start, *wait, *file, *reached, *disagreed, *send, *recv, *kind, *timeout;
     long long kind_code, magic, nothing, mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O!OOOOOOOOOOULLOLL", keywords, &MarksType, &marks,
-                                     &StepStateType, &step, &acquire, &release, &append, &start, &wait, &file,
-                                     &reached, &disagreed, &send, &recv, &kind, &kind_code, &magic, &timeout,
-                                     &nothing, &mask))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$O!O!OOOOOOOOULLOLL", keywords, &MarksType, &marks,
+                                     &StepStateType, &step, &append, &start, &wait, &file, &reached, &disagreed,
+                                     &send, &recv, &kind, &kind_code, &magic, &timeout, &nothing, &mask))
         return -1;
     Closing_clear(self);
     if (((StepState *)step)->record == NULL) {
@@ -410,7 +396,7 @@ static int Closing_init(Closing *self, PyObject *args, PyObject *kwds) {
     self->marks = (Marks *)Py_NewRef(marks);
     self->step = (StepState *)Py_NewRef(step);
 #define X(field) self->field = Py_NewRef(field);
-    X(acquire) X(release) X(append) X(start) X(wait) X(file) X(reached) X(disagreed) X(kind)
+    X(append) X(start) X(wait) X(file) X(reached) X(disagreed) X(kind)
 #undef X
     self->send_owner = Py_NewRef(send);
     self->recv_owner = Py_NewRef(recv);

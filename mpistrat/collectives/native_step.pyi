@@ -22,8 +22,6 @@ class Closing:
         *,
         marks: Marks,
         step: StepState,
-        acquire: Callable[[bool], bool],
-        release: Callable[[], None],
         append: Callable[[list[Any]], None],
         start: Callable[[], None],
         wait: Callable[[], Any],
