@@ -17,6 +17,7 @@ False
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -33,11 +34,21 @@ from mpistrat.diagnostics.callsite import call_site
 from mpistrat.errors import ContextError
 
 if TYPE_CHECKING:
-    from mpistrat.diagnostics.channel import Channel
     from mpistrat.diagnostics.deaths import Watch
     from mpistrat.diagnostics.flight import Flight
 
-__all__ = ["Monitor", "PythonMarks", "PythonMonitor", "Watched", "collective", "exited"]
+__all__ = [
+    "Channel",
+    "Diagnosis",
+    "Event",
+    "Monitor",
+    "PythonMarks",
+    "PythonMonitor",
+    "Result",
+    "Watched",
+    "collective",
+    "exited",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,6 +57,38 @@ F = TypeVar("F", bound=Callable[..., Any])
 # ``timeline.writer``: the decorator reads it once per call.
 exited = False
 _monotonic = time.monotonic  # read per call: a global, not a module attribute
+
+
+Event = tuple[int, str, str]  # (seq, kind, "stall" | "timeout"): one event of one collective
+Result = tuple[str, int]  # (who is missing and where, the rank that prints it: -1 each rank)
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """An event this rank diagnoses: its query, when to stop waiting, who to tell besides the waiting."""
+
+    qid: int
+    began: float
+    reporters: set[int]
+
+
+class Channel:
+    """One strategy's side-channel state (``Monitor.side``), touched with ``SideChannel.lock`` held:
+    what its side channel (``side_channel.py``) has asked, heard and told."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, dict[int, dict[str, Any]]] = {}  # query id -> rank -> its state
+        self.diagnosing: dict[Event, Diagnosis] = {}  # events this rank diagnoses for everyone
+        self.results: dict[Event, Result] = {}  # made here or sent by the rank that diagnosed
+        self.reported: dict[Event, tuple[int, float]] = {}  # (rank reported to, when)
+        self.told: dict[Event, set[int]] = {}  # the ranks a result was sent to (each gets it once)
+        self.departed: dict[int, tuple[int, str]] = {}  # rank -> (its last collective, why) after it exited
+        # rank -> (when this rank heard, what was seen, its world rank): a rank whose process ended
+        # before it said it leaves (diagnostics/deaths.py)
+        self.deaths: dict[int, tuple[float, str, int]] = {}
+        # rank -> its record of collectives left unchecked (MPISTRAT_CHECK=step) when it exited, flat
+        # (seq, kind, code, ...): rank 0 compares them once every rank has left (farewell.py)
+        self.unchecked: dict[int, list[Any]] = {}
 
 
 class Watched(Protocol):
@@ -99,8 +142,8 @@ class Monitor:
 
     Its marks (``kind`` ... ``handshakes``) are a base's, one of two twins: :class:`PythonMonitor`
     holds them in :class:`PythonMarks`, ``step_check.CompiledMonitor`` in the compiled
-    ``native_step.Marks`` that the compiled closing writes; ``Collectives`` makes the one whose
-    twin its step check runs.
+    ``native_step.Marks`` that the compiled closing writes, which ``Collectives`` makes where its
+    step check (``MPISTRAT_CHECK=step``) runs its compiled twin.
 
     Fields by who writes them (the watchdog thread reads all of them):
 

@@ -44,15 +44,12 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mpi4py import MPI
 
 from mpistrat.diagnostics import diagnosis
-from mpistrat.diagnostics.channel import Channel, Diagnosis, Event, Result
-
-if TYPE_CHECKING:
-    from mpistrat.diagnostics.monitor import Monitor
+from mpistrat.diagnostics.monitor import Channel, Diagnosis, Event, Monitor, Result
 
 __all__ = ["GRACE", "LISTEN", "PATIENCE", "POLL", "TAG", "WAIT", "SideChannel"]
 

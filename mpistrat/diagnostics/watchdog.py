@@ -46,8 +46,7 @@ from mpi4py import MPI
 from mpistrat import config
 from mpistrat.diagnostics import abort, diagnosis, farewell, monitor
 from mpistrat.diagnostics.callsite import call_site
-from mpistrat.diagnostics.channel import Channel
-from mpistrat.diagnostics.monitor import Monitor, Watched, collective
+from mpistrat.diagnostics.monitor import Channel, Monitor, Watched, collective
 from mpistrat.diagnostics.side_channel import GRACE, PATIENCE, POLL, SideChannel
 from mpistrat.errors import PEER_FAILED_EXIT, CollectiveTimeoutError, PeerFailedError
 from mpistrat.log import ANY_RANK, logger
