@@ -1,4 +1,5 @@
-"""30 all_reduce steps, rank ``argv[1]`` (-1: none) 20 ms late at each; the job ends normally.
+"""30 all_reduce steps, rank ``argv[1]`` (-1: none) 50 ms late at each (more than a loaded machine
+usually deschedules another rank); the job ends normally.
 
 Every rank first sleeps 10 ms a step, as a step's computation would: with none late, the ranks
 then arrive in an order that varies, instead of one rank being last at every step because the
@@ -17,7 +18,7 @@ rank = strategy.extended.collectives.rank
 ctx_sum = lambda: mpistrat.get_replica_context().all_reduce("sum", np.ones(4))  # noqa: E731
 for _ in range(30):
     with mpistrat.trace("step"):
-        time.sleep(0.01 + (0.02 if rank == late else 0.0))
+        time.sleep(0.01 + (0.05 if rank == late else 0.0))
         strategy.run(ctx_sum)
 strategy.run(ctx_sum)
 print(f"rank {rank} finished", flush=True)
