@@ -88,10 +88,24 @@ def reference(steps: int, accumulate: int = 1, floats: bool = False) -> np.ndarr
     return params
 
 
+# Open MPI 5.0.11 dereferences a null pointer (ompi_comm_revoke_local, on a communicator whose
+# collectives are not yet chosen) when a rank's death is reported while a survivor is still
+# activating a communicator that holds it: a rank that dies just as its own MPI_Comm_shrink
+# returned takes a slower survivor, still inside the same shrink, down with it (about 1 run in 25
+# of the recovery-time kill under load). That is MPI's crash, not the recovery's (docs/
+# fault-tolerance.md, "What is not"): a job that ends that way, and only that way, is run again.
+OPEN_MPI_SHRINK_CRASH = ("Segmentation fault", "ompi_comm_revoke_local", "MPIX_Comm_shrink")
+ATTEMPTS = 3
+
+
 def survive(ranks: int, *args: str, limit: float = 60, env: dict[str, str] | None = None) -> tuple[int, str]:
-    return launch.run_job(
-        JOB, *args, ranks=ranks, limit=limit, env=env, options=launch.ulfm_options(), no_strays=True
-    )
+    for _ in range(ATTEMPTS):
+        code, out = launch.run_job(
+            JOB, *args, ranks=ranks, limit=limit, env=env, options=launch.ulfm_options(), no_strays=True
+        )
+        if not all(sign in out for sign in OPEN_MPI_SHRINK_CRASH):
+            break
+    return code, out
 
 
 def results(out: str) -> dict[int, tuple[int, int, np.ndarray]]:
