@@ -45,7 +45,7 @@ class CollectiveState(Protocol):
     size: int
     options: CommunicationOptions
     sum_mode: SumMode  # how float sums travel by default
-    check: int  # the check level (0, 1, 2), or handshake.STEP (MPISTRAT_CHECK=step)
+    check: int  # the check level: 0 off, 1 the handshake (also under MPISTRAT_CHECK=step), 2 strict
     step_check: StepCheck | None  # MPISTRAT_CHECK=step's record of unchecked collectives
     seq: int
     disagreements: int
