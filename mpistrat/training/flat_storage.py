@@ -34,6 +34,7 @@ import numpy as np
 
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.training import placement
 
 if TYPE_CHECKING:
     from mpistrat.training.variables import Variable
@@ -72,7 +73,7 @@ class FlatBuffer:
         self.size = self.spans[-1][1]
         self.xp = packing.array_module(values[0])
         self._index = {id(m): i for i, m in enumerate(members)}
-        array = self.xp.zeros(max(length, self.size), dtype=self.dtype)
+        array = placement.zeros(max(length, self.size), self.dtype, self.xp)
         for value, (a, b) in zip(values, self.spans, strict=True):
             array[a:b] = value.reshape(-1)
         self.views: list[Any] = []
@@ -126,7 +127,7 @@ class FlatBuffer:
                 )
         held = self._held(attached)
         if held or detached:
-            self._bind(self.array.copy() if held else self.array)
+            self._bind(placement.copy(self.array) if held else self.array)
         for i, value in moved.items():  # through the array: a view may have been read (read-only)
             a, b = self.spans[i]
             self.array[a:b] = value.reshape(-1)

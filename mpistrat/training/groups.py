@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from mpistrat.training import placement
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.values import local_variable
 
@@ -38,10 +39,10 @@ class Group:
         self.slots: dict[str, Any] = {}  # FlatBuffer (unsharded) or this rank's array (sharded)
         for name in slot_names:
             if slot_variables is None:  # sharded (at one rank: this rank's part is all of it)
-                self.slots[name] = xp.zeros(layout.slot_length, dtype)
+                self.slots[name] = placement.zeros(layout.slot_length, dtype, xp)
             else:
                 self.slots[name] = FlatBuffer([local_variable(s) for s in slot_variables[name]])
-        self.staging = xp.empty(layout.pack, dtype)
+        self.staging = placement.empty(layout.pack, dtype, xp)
         self.rewritten = False  # slots written outside a step (a restore): other ranks' copies are stale
         self._rows: Any = None  # [K, pack]: an accumulation cycle's packs, for an exact mean
         self.stream: Staging | None = None  # a streamed step's staging (training/overlap.py makes it)
@@ -49,7 +50,7 @@ class Group:
     def row_staging(self, rows: int) -> Any:
         """A ``[rows, pack]`` staging buffer (made at the first exact accumulated step, then kept)."""
         if self._rows is None or self._rows.shape[0] != rows:
-            self._rows = self.xp.empty((rows, self.layout.pack), self.dtype)
+            self._rows = placement.empty(rows * self.layout.pack, self.dtype, self.xp).reshape(rows, -1)
         return self._rows
 
     @property

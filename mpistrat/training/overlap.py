@@ -54,7 +54,7 @@ from mpistrat.comm import mpi
 from mpistrat.diagnostics import ulfm
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.options import CommunicationImplementation
-from mpistrat.training import pack_step
+from mpistrat.training import pack_step, placement
 from mpistrat.training.groups import Group, Staging
 from mpistrat.training.layout import Layout
 from mpistrat.training.optimizer_checks import compare_copies, own_replica_strategy
@@ -178,7 +178,7 @@ def staging_of(group: Group, packed: bool) -> Staging:
         for n, held in enumerate(members):
             for j in held:
                 pieces_of[j].append(n)
-        group.stream = Staging(packed, np.zeros(lay.length, group.dtype), pieces, members, pieces_of)
+        group.stream = Staging(packed, placement.zeros(lay.length, group.dtype), pieces, members, pieces_of)
     return group.stream
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from mpistrat.comm import mpi, packing
 from mpistrat.errors import PeerFailedError
-from mpistrat.training import pack_step
+from mpistrat.training import pack_step, placement
 from mpistrat.training.flat_storage import FlatBuffer
 
 if TYPE_CHECKING:
@@ -115,9 +115,10 @@ class Copies:
             n, xp = g.layout.slot_length, g.xp
             parts = 1 + len(g.slots)
             self.groups[id(g)] = Copy(
-                [xp.zeros(n, g.dtype) for _ in range(parts)], [xp.zeros(n, g.dtype) for _ in range(parts)],
-                xp.zeros(n, g.dtype),
-            )  # fmt: skip
+                [placement.zeros(n, g.dtype, xp) for _ in range(parts)],
+                [placement.zeros(n, g.dtype, xp) for _ in range(parts)],
+                placement.zeros(n, g.dtype, xp),
+            )
         self.version = -1  # steps the replica holds (-1: none yet: made whole at the next step)
         self.pending_step = -1  # the step whose gradients from the partner all arrived (-1: none)
         self.call: Call | None = None  # that step (None: nothing to replay)
@@ -303,13 +304,13 @@ def recover(state: Any, recovery: Any, found: list[Facts]) -> None:
         buffer.array[: new.size] = xp.asarray(full[0][: new.size])
         g.layout, g.params = new, buffer
         g.slots = {name: xp.asarray(slot) for name, slot in zip(g.slots, mine, strict=True)}
-        g.staging, g.stream = xp.empty(new.pack, g.dtype), None
+        g.staging, g.stream = placement.empty(new.pack, g.dtype, xp), None
         if state.copies is not None:
             n = new.slot_length
             state.copies.groups[id(g)] = Copy(
-                [xp.zeros(n, g.dtype) for _ in replica],
+                [placement.zeros(n, g.dtype, xp) for _ in replica],
                 [xp.asarray(r) for r in replica],
-                xp.zeros(n, g.dtype),
+                placement.zeros(n, g.dtype, xp),
             )
     state.steps = steps
     if state.copies is not None:
