@@ -42,6 +42,7 @@ import numpy as np
 from mpistrat.collectives.fingerprint import code_of
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.training import placement
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.norms import Norms
 from mpistrat.training.optimizer_state import FlatState, creation_order
@@ -184,7 +185,7 @@ class StepRule:
         if self._scale is not None:
             g *= self._scale
         if self._decay_rate:
-            w -= w * self._decay_rate
+            w -= packing.array_module(w).multiply(w, self._decay_rate, out=placement.empty_like(w))
         self._inner(w, g, slots[: self.own_slots], lr, step)
 
     # -- before the update: the gradient's transforms, weight decay ------------------------

@@ -29,7 +29,7 @@ from typing import Any
 
 from mpistrat.comm import packing
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.training import schedules
+from mpistrat.training import placement, schedules
 from mpistrat.training.loss_scale import LossScaleOptimizer
 from mpistrat.training.optimizer_base import Optimizer
 from mpistrat.training.sharded_slot import ShardedSlot
@@ -206,7 +206,7 @@ class RMSprop(Optimizer):
     def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
         xp, rho = packing.array_module(w), self.rho
         velocity = slots[0]
-        tmp = xp.square(g)  # velocity = rho velocity + (1 - rho) g^2
+        tmp = xp.square(g, out=placement.empty_like(g))  # velocity = rho velocity + (1 - rho) g^2
         tmp *= 1 - rho
         velocity *= rho
         velocity += tmp
@@ -267,7 +267,7 @@ class Adagrad(Optimizer):
     def _update_flat(self, w: Any, g: Any, slots: list[Any], lr: float, step: int) -> None:
         xp = packing.array_module(w)
         (accumulator,) = slots
-        tmp = xp.square(g)
+        tmp = xp.square(g, out=placement.empty_like(g))
         accumulator += tmp
         xp.add(accumulator, self.epsilon, out=tmp)
         xp.sqrt(tmp, out=tmp)
@@ -310,7 +310,7 @@ class Lamb(Optimizer):
         xp, (m, v) = packing.array_module(w), slots
         t = step + 1
         b1, b2 = self.beta_1, self.beta_2
-        tmp = xp.square(g)  # v = b2 v + (1 - b2) g^2
+        tmp = xp.square(g, out=placement.empty_like(g))  # v = b2 v + (1 - b2) g^2
         tmp *= 1.0 - b2
         v *= b2
         v += tmp

@@ -30,7 +30,7 @@ import numpy as np
 
 from mpistrat.comm import packing
 
-__all__ = ["HUGE_PAGE", "LARGE", "copy", "empty", "zeros"]
+__all__ = ["HUGE_PAGE", "LARGE", "copy", "empty", "empty_like", "zeros"]
 
 HUGE_PAGE = 2 << 20
 LARGE = 4 << 20  # bytes from which NumPy asks for huge pages (and the lead-in costs at most half)
@@ -55,8 +55,14 @@ def zeros(count: int, dtype: Any, xp: Any = np) -> Any:
     return out
 
 
+def empty_like(array: Any) -> Any:
+    """:func:`empty` of ``array``'s size, dtype and array module: an update's temporary, whose
+    passes cost as the buffers' do."""
+    return empty(array.size, array.dtype, packing.array_module(array))
+
+
 def copy(array: Any) -> Any:
     """A copy of the 1-D ``array``, placed as :func:`empty` places a new one."""
-    out = empty(array.size, array.dtype, packing.array_module(array))
+    out = empty_like(array)
     out[...] = array
     return out
