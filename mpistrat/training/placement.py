@@ -5,10 +5,10 @@ gradients), each a few MiB: on 4 KiB pages every pass walks thousands of pages t
 hold. A buffer that starts on a 2 MiB boundary is made of whole transparent huge pages, where
 Linux gives them: NumPy asks for them (``madvise(MADV_HUGEPAGE)``) on every allocation of 4 MiB
 or more, but a buffer from ``malloc`` starts anywhere, so that its first and last 2 MiB are
-4 KiB pages, and on the heap only some of it may be huge. Measured on Adam's update of 1M
-float32 parameters, the same passes take 1.75 ms on 2 MiB-aligned buffers and 2.1-2.4 ms on
-``np.zeros`` ones (``python -m benchmarks.update_placement``); where the buffers start modulo
-4 KiB (4K aliasing between the streams) makes no difference there.
+4 KiB pages, and on the heap only some of it may be huge. Adam's update of 1M float32
+parameters takes 1.82-1.86 ms on 2 MiB-aligned buffers, 2.08 ms on ``np.zeros`` ones (CPU time,
+``python -m benchmarks.update_placement``); where the buffers start modulo 4 KiB (4K aliasing
+between the streams) makes no difference there.
 
 :func:`empty` allocates a buffer of ``LARGE`` bytes or more as a 2 MiB-aligned view of a NumPy
 allocation 2 MiB longer (so ``tracemalloc`` counts it, the untouched lead-in included); smaller
