@@ -1,0 +1,208 @@
+"""What a save's guarantees cost over raw MPI-IO, each part alone:
+
+    mpiexec -n 2 python -m benchmarks.save_parts --params 16M --rounds 15 --dir /tmp/bench
+
+A model of ``--params`` float32 parameters in 16 variables with Adam (sharded with ``--shard``),
+saved in interleaved rounds, each into a new file renamed into place as a save does, by: ``raw``
+(``Write_at_all`` of 1/R of the file's bytes from a buffer kept between rounds, ``Sync``); ``raw,
+durable`` (the same, the rename then made durable by an fsync of the folder, as a save's is);
+``layout`` (this rank's pieces of the checkpoint as ``Checkpoint.write`` lays them out, through the
+same MPI-IO calls: a view over its runs, ``Write_at_all``, ``Sync``); ``checksum line`` and
+``checksum thread`` (the layout and the CRC-32C of its pieces and of the rest of its copies of the
+values every rank holds, before the write or in a thread beside it); ``checksum in Sync`` (the same
+in a thread started after the write, while ``Sync`` waits for the disk; rank 0 then writes the
+header and flushes it alone); ``begin`` (``saving.begin`` alone: the agreements, the layout, the
+file created and its header written, then closed and removed); ``Checkpoint.write`` and its phases
+(``begin``, the collective writes, the rest of ``saving.write``: the checksums waited for and
+gathered, the final header, ``Sync``; ``finish``: the errors gathered, the rename, the directory's
+fsync). Reported: the median over rounds of the slowest rank's time, its ratio to raw, and rank 0's
+CPU time (user + system, every thread) per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+import mpistrat
+from mpistrat.checkpoint import crc, mpiio, saving
+from mpistrat.tools.sizes import parse_size
+
+PHASES = ("  begin", "  writes", "  checksums, Sync", "  finish")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=parse_size, default=16 << 20, help="float32 parameters (default 16M)")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--shard", action="store_true")
+    p.add_argument(
+        "--dir", default=None, help="where the files go (default: a new folder in the current one)"
+    )
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    strategy = mpistrat.MPIStrategy()
+    collectives = strategy.extended.collectives
+    per_variable = args.params // 16
+    with strategy.scope():
+        ws = [mpistrat.Variable(np.full(per_variable, 0.5, np.float32), name=f"w{i}") for i in range(16)]
+        opt = mpistrat.optimizers.Adam(1e-3, shard_state=args.shard)
+        opt.build(ws)
+    folder = comm.bcast(tempfile.mkdtemp(dir=args.dir or os.getcwd()) if rank == 0 else None)
+    ckpt = mpistrat.Checkpoint(model=ws, opt=opt)
+    path = ckpt.write(os.path.join(folder, "ckpt"))
+    nbytes = os.path.getsize(path)
+    lo, hi = nbytes * rank // size, nbytes * (rank + 1) // size
+    kept = np.full(hi - lo, rank % 251, np.uint8)
+    hints = mpiio.hints(None)
+    plan = saving.begin(ckpt._entries(), collectives, path, "write", 0, None)  # this rank's pieces
+    calls, rounds = plan.calls, plan.rounds
+    saving.close(plan)
+    if rank == 0:
+        os.remove(plan.tmp)
+    pieces = [piece for call in calls for piece in call]
+    target = os.path.join(folder, "parts")
+
+    def written(
+        write: Callable[[Any], None], durable: bool = False, after: Callable[[], None] | None = None
+    ) -> None:
+        """``write(fh)`` into a new file, ``Sync``, ``Close``, ``after()``, renamed into place by
+        rank 0 (and the rename made durable, the folder's fsync, if ``durable``)."""
+        fh, error = mpiio.open_file(comm, target + ".tmp", MPI.MODE_CREATE | MPI.MODE_WRONLY, hints)
+        assert fh is not None, error
+        write(fh)
+        fh.Sync()
+        fh.Close()
+        if after is not None:
+            after()
+        if rank == 0:
+            os.replace(target + ".tmp", target)
+            if durable:
+                fd = os.open(folder, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+        comm.Barrier()
+
+    def raw(fh: Any) -> None:
+        fh.Write_at_all(lo, kept)
+
+    def layout(fh: Any) -> None:
+        assert mpiio.write_rounds(fh, calls, rounds, target) is None
+
+    def checksums() -> object:
+        return crc.records(pieces), crc.records(plan.others)
+
+    def checksum_line(fh: Any) -> None:
+        checksums()
+        layout(fh)
+
+    def checksum_thread(fh: Any) -> None:
+        work = crc.in_thread(checksums)
+        layout(fh)
+        work.result()
+
+    during: list[Any] = []
+
+    def checksum_during_sync(fh: Any) -> None:  # the thread runs while Sync waits for the disk
+        layout(fh)
+        during.append(crc.in_thread(checksums))
+
+    def header_after() -> None:  # the checksums gathered, rank 0 writes the header and flushes it
+        comm.gather(during.pop().result())
+        if rank == 0:
+            fd = os.open(target + ".tmp", os.O_WRONLY)
+            os.pwrite(fd, plan.header, 0)
+            os.fsync(fd)
+            os.close(fd)
+
+    def begin() -> None:
+        save = saving.begin(ckpt._entries(), collectives, target, "write", 0, None)
+        saving.close(save)
+        if rank == 0:
+            os.remove(save.tmp)
+
+    phase = _Phases()
+    sides: dict[str, Callable[[], object]] = {
+        "raw": lambda: written(raw),
+        "raw, durable": lambda: written(raw, durable=True),
+        "layout": lambda: written(layout),
+        "checksum line": lambda: written(checksum_line),
+        "checksum thread": lambda: written(checksum_thread),
+        "checksum in Sync": lambda: written(checksum_during_sync, after=header_after),
+        "begin": begin,
+        "Checkpoint.write": lambda: phase.timed(lambda: ckpt.write(path)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in [*sides, *PHASES]}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    for i in range(args.rounds + 1):  # the first round warms up
+        names = list(sides)
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            comm.Barrier()
+            used, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            sides[name]()
+            elapsed, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+            if i:
+                times[name].append(comm.allreduce(elapsed, op=MPI.MAX))
+                cpu[name].append(after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime)
+                if name == "Checkpoint.write":
+                    for k, seconds in zip(PHASES, phase.last, strict=True):
+                        times[k].append(comm.allreduce(seconds, op=MPI.MAX))
+    comm.Barrier()
+    if rank == 0:
+        base = statistics.median(times["raw"])
+        shard = ", sharded" if args.shard else ""
+        print(f"{size} ranks{shard}, {nbytes / 2**20:.0f} MiB, load {os.getloadavg()[0]:.1f}")
+        print(f"{'':>18} {'ms':>8} {'x raw':>6} {'CPU ms':>7}")
+        for name in times:
+            t = statistics.median(times[name])
+            used = f"{statistics.median(cpu[name]) * 1e3:7.1f}" if name in cpu else ""
+            print(f"{name:>18} {t * 1e3:8.1f} {t / base:6.2f} {used}")
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+        os.rmdir(folder)
+
+
+class _Phases:
+    """The seconds of each of :data:`PHASES` in the last ``Checkpoint.write`` timed, on this rank."""
+
+    def __init__(self) -> None:
+        self.last: list[float] = [0.0] * len(PHASES)
+
+    def timed(self, save: Callable[[], object]) -> None:
+        clock: dict[str, float] = {}
+
+        def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_fn(*a: Any, **k: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    clock[name] = clock.get(name, 0.0) + time.perf_counter() - start
+
+            return timed_fn
+
+        originals = (saving.begin, saving.write, saving.finish, mpiio.write_rounds)
+        saving.begin, saving.write, saving.finish, mpiio.write_rounds = (
+            wrap(n, f) for n, f in zip(("begin", "write", "finish", "writes"), originals, strict=True)
+        )
+        try:
+            save()
+        finally:
+            saving.begin, saving.write, saving.finish, mpiio.write_rounds = originals
+        with contextlib.suppress(KeyError):
+            self.last = [clock["begin"], clock["writes"], clock["write"] - clock["writes"], clock["finish"]]
+
+
+if __name__ == "__main__":
+    main()
