@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -179,12 +179,14 @@ def in_thread(fn: Callable[[], Any], beside: bool = True) -> Future[Any]:
     return _worker.submit(fn)
 
 
-def spare_core(ranks_here: int) -> bool:
-    """Whether this process has a second core of its own, given ``ranks_here`` ranks on its node:
-    where the ranks take every core (one bound to each, or more ranks than cores), a checksum thread
-    only takes turns with them, and the switches cost more than they hide (docs/performance.md).
+def spare_core(hosts: Sequence[str], rank: int) -> bool:
+    """Whether rank ``rank`` has a second core of its own, given every rank's host (``hosts``; none
+    known: alone on its node): where the ranks take every core (one bound to each, or more ranks
+    than cores), a checksum thread only takes turns with them, and the switches cost more than they
+    hide (docs/performance.md). A restore checksums in line there, a save while it flushes.
     """
+    ranks_here = hosts.count(hosts[rank]) if hosts else 1
     cores = os.cpu_count() or 1
     mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     unbound = mine >= cores  # every rank of the node may run on every core: they share them
-    return (mine // max(ranks_here, 1) if unbound else mine) >= 2
+    return (mine // ranks_here if unbound else mine) >= 2

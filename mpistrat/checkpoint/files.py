@@ -88,12 +88,10 @@ def temporary(path: str) -> str:
     return f"{path}.tmp{os.getpid()}-{_host()}"
 
 
-def replace_durably(tmp: str, path: str, flushed: bool = False) -> None:
-    """fsync the finished ``tmp`` (unless it is ``flushed`` already), rename it over ``path`` and
-    make the rename itself durable."""
-    if not flushed:
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+def replace_durably(tmp: str, path: str) -> None:
+    """fsync the finished ``tmp``, rename it over ``path`` and make the rename itself durable."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
     _before_rename(tmp, path)
     os.replace(tmp, path)
     with contextlib.suppress(OSError):

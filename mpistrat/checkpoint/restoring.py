@@ -95,7 +95,7 @@ def load(
         pieces.append(Piece(entry.name, start, entry.offset + start, staging[at : at + int(part.nbytes)]))
         at += int(part.nbytes)
     work: list[Future[list[tuple[str, int, int, int]]]] = []
-    beside = spare_core(collectives.hosts.count(collectives.hosts[rank]) if collectives.hosts else 1)
+    beside = spare_core(collectives.hosts, rank)
 
     def checksum_beside(call: list[Piece]) -> None:  # while the next call is read
         work.append(in_thread(lambda: records(call, table.checksum), beside))

@@ -1,19 +1,19 @@
 """A save: every rank writes its share of one file, then rank 0 names it (collective).
 
-:func:`begin` agrees on what is saved, lays the file out (:mod:`~mpistrat.checkpoint.format`)
-and picks this rank's pieces (:mod:`~mpistrat.checkpoint.pieces`); rank 0 names the temporary
-file and every rank creates it together. Then either :func:`write` writes the pieces with
-MPI-IO at once (their CRC-32C computed in a thread meanwhile, then gathered, so rank 0 writes
-the final header before the one flush that covers everything), or
-:mod:`~mpistrat.checkpoint.background` copies them aside and a thread writes them while
-training goes on. :func:`finish` (every rank, after either) gathers the errors (and a background
-save's checksums); rank 0 completes the header if it must, renames the file into place and
-records it in the directory's index. Any rank's error, at any step, is raised on every rank
-there, and the temporary file is removed: the previous checkpoint stays as it was.
+:func:`begin` agrees on what is saved, lays the file out (:mod:`~mpistrat.checkpoint.format`) and
+picks this rank's pieces (:mod:`~mpistrat.checkpoint.pieces`); rank 0 names the temporary file and
+every rank creates it together. Then either :func:`write` writes the pieces with MPI-IO at once and
+flushes them (their CRC-32C computed in a thread meanwhile: beside the writes where the rank has a
+core to spare, else while the flush waits for the disk), or
+:mod:`~mpistrat.checkpoint.background` copies them aside and a thread writes them while training
+goes on. :func:`finish` (every rank, after either) gathers the errors and the checksums; rank 0
+writes the final header, flushes it, renames the file into place and records it in the directory's
+index. Any rank's error, at any step, is raised on every rank there, and the temporary file is
+removed: the previous checkpoint stays as it was.
 
 Each rank writes its share of the values every rank holds from its own copy, so the ranks
-compare their copies: each checksums the rest of its copy too (beside the write, in the same
-thread), and rank 0 refuses the file if the copies' checksums differ.
+compare their copies: each checksums the rest of its copy too (in the same thread), and rank 0
+refuses the file if the copies' checksums differ.
 
 Memory: a save copies nothing of a NumPy array (MPI-IO writes from it), a device array's
 share through the host.
@@ -81,9 +81,7 @@ class Save:
     in_place: Callable[[], None]  # what every rank runs once the file is in place
     keep: list[Any]  # arrays the pieces view (device copies, aggregated values)
     file: Any = None  # the open MPI file, between begin and write
-    final: bool = False  # the header holds the checksums and everything is flushed (a synchronous save)
     error: OSError | None = None
-    refusal: MpistratError | None = None  # rank 0's: why the file is not kept (copies that differ)
     # (entry, start, CRC-32C, length) of each piece written, and of ``others``: once checksummed
     crcs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     other_crcs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
@@ -316,32 +314,29 @@ def close(save: Save) -> None:
 def write(save: Save, collectives: Collectives) -> None:
     """Write this rank's pieces now, with collective MPI-IO (every rank calls it), and flush them.
 
-    A thread checksums the pieces (and the rest of this rank's copies) while MPI-IO writes them;
-    rank 0 gathers the checksums and writes the final header, and one flush covers it all."""
-    work = crc.in_thread(lambda: (records(p for call in save.calls for p in call), records(save.others)))
+    A thread checksums the pieces (and the rest of this rank's copies): beside the writes where the
+    rank has a core to spare, else once they are written, while the flush waits for the disk (a
+    thread beside the writes would only take turns with the ranks). :func:`finish` gathers the
+    checksums with the errors; rank 0 writes the final header then, and flushes it."""
+
+    def checksums() -> tuple[list[tuple[str, int, int, int]], list[tuple[str, int, int, int]]]:
+        return records(p for call in save.calls for p in call), records(save.others)
+
+    beside = crc.spare_core(collectives.hosts, collectives.rank)
+    work = crc.in_thread(checksums) if beside else None
     error = mpiio.write_rounds(save.file, save.calls, save.rounds, save.tmp)
+    if work is None:
+        work = crc.in_thread(checksums)
+    try:
+        save.file.Sync()
+    except MPI.Exception as exc:
+        error = error or mpiio.os_error(exc, "flushing the checkpoint file", save.tmp)
     try:
         save.crcs, save.other_crcs = work.result()
     except Exception as exc:  # every rank must hear of it: finish() reports it
         error = error or mpiio.os_error(exc, "checksumming the checkpoint", save.tmp)
     save.error = save.error or error
-    gathered = collectives.gather_to_root(
-        (save.crcs, copies_of(save)), kind=f"checkpoint.{save.method} (checksums)"
-    )
-    if gathered is not None:  # rank 0
-        try:
-            save.header = _final_header(save, gathered)
-            save.file.Write_at(0, np.frombuffer(save.header, np.uint8))
-        except MpistratError as exc:  # kept for finish() to raise everywhere
-            save.refusal = exc
-        except MPI.Exception as exc:
-            save.error = save.error or mpiio.os_error(exc, "writing the checkpoint's header", save.tmp)
-    try:
-        save.file.Sync()
-    except MPI.Exception as exc:
-        save.error = save.error or mpiio.os_error(exc, "flushing the checkpoint file", save.tmp)
     close(save)
-    save.final = True
 
 
 def _final_header(save: Save, reports: list[tuple[list[tuple[str, int, int, int]], Any]]) -> bytes:
@@ -364,15 +359,14 @@ def _final_header(save: Save, reports: list[tuple[list[tuple[str, int, int, int]
 
 
 def finish(save: Save, collectives: Collectives) -> float | None:
-    """Every rank's errors (and a background save's checksums) to rank 0, which completes the file
-    and renames it into place (or removes it); raises the first error on every rank (collective).
+    """Every rank's errors and checksums to rank 0, which completes the file and renames it into
+    place (or removes it); raises the first error on every rank (collective).
     Returns how long the slowest background writer took (None for a save written at once)."""
     if save.thread is not None:
         save.thread.join()
     error = None if save.error is None else (save.error.errno, str(save.error))
-    checked = None if save.final else (save.crcs, copies_of(save))
     reports = collectives.gather_to_root(
-        (error, checked, save.seconds), kind=f"checkpoint.{save.method} (errors)"
+        (error, (save.crcs, copies_of(save)), save.seconds), kind=f"checkpoint.{save.method} (errors)"
     )
     return collectives.on_root(
         lambda: _complete(save, reports or []), kind=f"checkpoint.{save.method} (rename)"
@@ -380,26 +374,21 @@ def finish(save: Save, collectives: Collectives) -> float | None:
 
 
 def _complete(save: Save, reports: list[Any]) -> float | None:
-    """On rank 0: the header with the checksums unless written already, fsync, rename, the index;
-    or the first error. Returns the slowest writer's seconds."""
+    """On rank 0: the header with the checksums, fsync, rename, the index; or the first error.
+    Returns the slowest writer's seconds."""
     try:
         failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e is not None]
         if failed:
             rank, (code, text) = failed[0]
             others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
             raise OSError(code or None, f"Checkpoint.{save.method} failed on rank {rank}{others}: {text}")
-        if save.refusal is not None:
-            raise save.refusal
-        if save.final:  # written with the data and flushed with it
-            files.replace_durably(save.tmp, save.path, flushed=True)
-        else:
-            header = save.header = _final_header(save, [checked for _, checked, _ in reports])
-            fd = os.open(save.tmp, os.O_WRONLY)
-            try:
-                os.pwrite(fd, header, 0)
-            finally:
-                os.close(fd)
-            files.replace_durably(save.tmp, save.path)
+        header = save.header = _final_header(save, [checked for _, checked, _ in reports])
+        fd = os.open(save.tmp, os.O_WRONLY)
+        try:
+            os.pwrite(fd, header, 0)
+        finally:
+            os.close(fd)
+        files.replace_durably(save.tmp, save.path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(save.tmp)

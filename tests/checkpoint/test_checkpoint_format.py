@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 import mpistrat
 from mpistrat import InvalidArgumentError
-from mpistrat.checkpoint import crc, restoring
+from mpistrat.checkpoint import crc, restoring, saving
 from mpistrat.checkpoint.files import read_table
 from mpistrat.checkpoint.pieces import Piece, calls, share, spans_of_share
 from mpistrat.optimizers import Adam
@@ -144,7 +144,9 @@ def test_a_rank_has_a_spare_core_bound_to_two_or_sharing_twice_its_nodes_ranks(
 ):
     monkeypatch.setattr(crc.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(crc.os, "sched_getaffinity", lambda _: set(range(mine)), raising=False)
-    assert crc.spare_core(ranks) is spare
+    hosts = ["here"] * ranks + ["there"] * 5  # the other node's ranks change nothing here
+    assert crc.spare_core(hosts, ranks - 1) is spare
+    assert crc.spare_core([], 0) is (mine >= 2)  # no host known: alone on its node
 
 
 def flipped_in_data(group, path, name):
@@ -163,7 +165,7 @@ def flipped_in_data(group, path, name):
 def test_a_restore_checksums_where_it_should_and_refuses_a_flipped_byte_either_way(
     group, tmp_path, monkeypatch, beside
 ):
-    monkeypatch.setattr(restoring, "spare_core", lambda _: beside)
+    monkeypatch.setattr(restoring, "spare_core", lambda *_: beside)
     in_main_thread = []
     checksummed = restoring.records
 
@@ -193,7 +195,7 @@ def test_a_restore_checksums_where_it_should_and_refuses_a_flipped_byte_either_w
 
 @pytest.mark.parametrize("beside", [True, False], ids=["thread", "in-line"])
 def test_an_error_while_one_rank_checksums_is_an_error_on_every_rank(group, tmp_path, monkeypatch, beside):
-    monkeypatch.setattr(restoring, "spare_core", lambda _: beside)
+    monkeypatch.setattr(restoring, "spare_core", lambda *_: beside)
     checksummed = restoring.records
 
     def failing(pieces, checksum):
@@ -210,6 +212,75 @@ def test_an_error_while_one_rank_checksums_is_an_error_on_every_rank(group, tmp_
         v.assign(np.zeros(1000))
     raises_on_every_rank(group.comm, InvalidArgumentError, lambda: ckpt.read(path), "no memory left")
     all_ranks_agree(group.comm, not v.numpy().any(), "assigned after a failed checksum")
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["beside-writes", "after-writes"])
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_save_checksums_where_it_should_and_the_files_checksums_are_the_references(
+    group, tmp_path, monkeypatch, beside, shard
+):
+    """A thread checksums beside the writes where a rank has a core to spare, once they are written
+    (while the flush waits for the disk) where not: the same file either way."""
+    monkeypatch.setattr(saving.crc, "spare_core", lambda *_: beside)
+    events = []
+    checksummed, submit, write_rounds = saving.records, saving.crc.in_thread, saving.mpiio.write_rounds
+
+    def recording(pieces):
+        events.append("checksum" if threading.current_thread() is not threading.main_thread() else "in line")
+        return checksummed(pieces)
+
+    def submitting(fn, *args):
+        events.append("thread")
+        return submit(fn, *args)
+
+    def writing(*args):
+        events.append("writes")
+        done = write_rounds(*args)
+        events.append("written")
+        return done
+
+    monkeypatch.setattr(saving, "records", recording)
+    monkeypatch.setattr(saving.crc, "in_thread", submitting)
+    monkeypatch.setattr(saving.mpiio, "write_rounds", writing)
+    ckpt, *_ = saved_state(group, shard)
+    path = ckpt.write(os.path.join(shared_dir(group, tmp_path), "ckpt"))
+    order = ["thread", "writes"] if beside else ["writes", "written", "thread"]
+    problems = [] if [e for e in events if e in order] == order else [f"events {events}"]
+    problems += [] if events.count("checksum") == 2 and "in line" not in events else [f"events {events}"]
+    if group.rank == 0:
+        got = load_file(path)
+        with safe_open(path, framework="numpy") as f:
+            checksums = json.loads(f.metadata()["crc32c"])
+        problems += [k for k, v in got.items() if int(checksums[k], 16) != crc32c.crc32c(v.tobytes())]
+    all_ranks_agree(group.comm, not problems, f"{problems}")
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["beside-writes", "after-writes"])
+def test_an_error_while_one_rank_checksums_a_save_is_an_error_on_every_rank(
+    group, tmp_path, monkeypatch, beside
+):
+    monkeypatch.setattr(saving.crc, "spare_core", lambda *_: beside)
+    checksummed = saving.records
+
+    def failing(pieces):
+        if group.rank == group.size - 1:
+            raise MemoryError("no memory left for the checksum")
+        return checksummed(pieces)
+
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(1000.0), name="v")
+    ckpt = mpistrat.Checkpoint(v=v)
+    directory = shared_dir(group, tmp_path)
+    good = ckpt.write(os.path.join(directory, "ckpt"))
+    before = Path(good).read_bytes()
+    with group.strategy.scope():
+        v.assign(np.zeros(1000))
+    monkeypatch.setattr(saving, "records", failing)
+    raises_on_every_rank(group.comm, OSError, lambda: ckpt.write(good), "no memory left")
+    kept = Path(good).read_bytes() == before and sorted(os.listdir(directory)) == ["ckpt"]
+    all_ranks_agree(
+        group.comm, kept, f"the previous file changed, or a temporary is left: {os.listdir(directory)}"
+    )
 
 
 # -- the file is standard safetensors ------------------------------------------------------------
