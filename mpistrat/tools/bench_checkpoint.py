@@ -1,10 +1,13 @@
 """The checkpoint operations ``mpistrat bench`` measures: a save and a restore of a model with Adam,
-each next to raw MPI-IO moving the same bytes with the same durability.
+each next to raw MPI-IO moving the same bytes, bare (``raw``) and with the same guarantees (``raw2``).
 
 The state is ``P = nbytes / itemsize`` parameters in ``s.leaves`` variables and Adam's two slots
 (sharded with ``--shard``): a file of about ``3 nbytes``. ``raw`` saves as a hand-written
 parallel writer would: every rank writes its 1/R of the file's bytes with one ``Write_at_all``,
-``Sync``, and rank 0 renames the file into place. ``raw`` restores with one ``Read_at_all`` of
+``Sync``, and rank 0 renames the file into place; ``raw2`` as one that keeps a save's guarantees
+must: each rank also checksums its share (CRC-32C, gathered to rank 0, which a header would
+hold), and rank 0 makes the rename durable (an fsync of the folder, so that a crash after the
+save returns cannot bring the previous file back). ``raw`` restores with one ``Read_at_all`` of
 1/R and one ``Allgather`` of the whole; ``raw2`` as a hand-written restore that keeps a restore's
 guarantees must: it reads into a buffer of its own (the variables keep their values until the bytes
 are checked), checksums it (CRC-32C) and shares the checksums before the ``Allgather``. The files
@@ -73,8 +76,10 @@ def _directory(s: Setup) -> str:
     return folder
 
 
-def _raw_save(s: Setup, path: str, nbytes: int) -> Any:
-    """Every rank writes its 1/R of ``nbytes`` with one collective call, syncs; rank 0 renames."""
+def _raw_save(s: Setup, path: str, nbytes: int, checked: bool = False) -> Any:
+    """Every rank writes its 1/R of ``nbytes`` with one collective call, syncs; rank 0 renames.
+    ``checked``: each rank's CRC-32C gathered to rank 0 first, and the rename made durable (an
+    fsync of the folder), as a save's guarantees need."""
     lo, hi = nbytes * s.rank // s.size, nbytes * (s.rank + 1) // s.size
     mine = np.full(hi - lo, s.rank % 251, np.uint8)
     comm, tmp = s.comm, path + ".tmp"
@@ -82,10 +87,16 @@ def _raw_save(s: Setup, path: str, nbytes: int) -> Any:
     def save() -> int:
         fh = MPI.File.Open(comm, tmp, MPI.MODE_CREATE | MPI.MODE_WRONLY)
         fh.Write_at_all(lo, mine)
+        if checked:
+            comm.gather(CRC32C(mine.data))
         fh.Sync()
         fh.Close()
         if s.rank == 0:
             os.replace(tmp, path)
+            if checked:
+                folder = os.open(os.path.dirname(path), os.O_RDONLY)
+                os.fsync(folder)
+                os.close(folder)
         comm.Barrier()
         return os.path.getsize(path)
 
@@ -93,7 +104,8 @@ def _raw_save(s: Setup, path: str, nbytes: int) -> Any:
 
 
 def checkpoint_save(s: Setup) -> Case:
-    """``Checkpoint.write`` of the model, and raw MPI-IO writing as many bytes."""
+    """``Checkpoint.write`` of the model, raw MPI-IO writing as many bytes, and raw MPI-IO checked
+    (the CRC-32C of each share gathered, the rename made durable)."""
     model, folder = _Model(s), _directory(s)
     path = os.path.join(folder, "mpistrat")
     model.checkpoint.write(path)
@@ -106,8 +118,12 @@ def checkpoint_save(s: Setup) -> Case:
     def written(size: int) -> bool:
         return size == nbytes
 
-    raw = _raw_save(s, os.path.join(folder, "raw"), nbytes)
-    return Case(nbytes, model.count, s.leaves, {"mpistrat": (save, written), "raw": (raw, written)})
+    sides: dict[str, tuple[Callable[[], Any], Check]] = {
+        "mpistrat": (save, written),
+        "raw": (_raw_save(s, os.path.join(folder, "raw"), nbytes), written),
+        "raw2": (_raw_save(s, os.path.join(folder, "raw2"), nbytes, checked=True), written),
+    }
+    return Case(nbytes, model.count, s.leaves, sides)
 
 
 def checkpoint_restore(s: Setup) -> Case:

@@ -392,7 +392,7 @@ OPS: dict[str, Op] = {
             "checkpoint_save",
             "Checkpoint.write: K variables + Adam slots, every rank its share (busbw: per rank)",
             "Write_at_all of 1/R of the same bytes + Sync + rename",
-            None,
+            "the same + its CRC-32C gathered, the rename made durable (fsync of the folder)",
             "none",
             io_factor,
             checkpoint_save,
