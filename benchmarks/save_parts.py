@@ -13,10 +13,10 @@ values every rank holds, before the write or in a thread beside it); ``checksum 
 in a thread started after the write, while ``Sync`` waits for the disk; rank 0 then writes the
 header and flushes it alone); ``begin`` (``saving.begin`` alone: the agreements, the layout, the
 file created and its header written, then closed and removed); ``Checkpoint.write`` and its phases
-(``begin``, the collective writes, the rest of ``saving.write``: the checksums waited for and
-gathered, the final header, ``Sync``; ``finish``: the errors gathered, the rename, the directory's
-fsync). Reported: the median over rounds of the slowest rank's time, its ratio to raw, and rank 0's
-CPU time (user + system, every thread) per round.
+(``begin``, the collective writes, the rest of ``saving.write``: ``Sync`` and the checksums waited
+for; ``finish``: the errors and checksums gathered, rank 0's header written and flushed, the rename,
+the folder's fsync). Reported: the median over rounds of the slowest rank's time, its ratio to raw,
+and rank 0's CPU time (user + system, every thread) per round.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import mpistrat
 from mpistrat.checkpoint import crc, mpiio, saving
 from mpistrat.tools.sizes import parse_size
 
-PHASES = ("  begin", "  writes", "  checksums, Sync", "  finish")
+PHASES = ("  begin", "  writes", "  Sync, checksums", "  finish")
 
 
 def main() -> None:
