@@ -21,12 +21,8 @@ and rank 0's CPU time (user + system, every thread) per round.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import resource
-import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,34 +30,18 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-import mpistrat
+from benchmarks.checkpoint_rounds import adam_checkpoint, arguments, interleaved, report
 from mpistrat.checkpoint import crc, mpiio, saving
-from mpistrat.tools.sizes import parse_size
 
 PHASES = ("  begin", "  writes", "  Sync, checksums", "  finish")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=parse_size, default=16 << 20, help="float32 parameters (default 16M)")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--shard", action="store_true")
-    p.add_argument(
-        "--dir", default=None, help="where the files go (default: a new folder in the current one)"
-    )
-    args = p.parse_args()
-    comm = MPI.COMM_WORLD
+    args = arguments(__doc__)
+    model = adam_checkpoint(args)
+    comm, ckpt, path, folder = model.comm, model.checkpoint, model.path, model.folder
     rank, size = comm.Get_rank(), comm.Get_size()
-    strategy = mpistrat.MPIStrategy()
-    collectives = strategy.extended.collectives
-    per_variable = args.params // 16
-    with strategy.scope():
-        ws = [mpistrat.Variable(np.full(per_variable, 0.5, np.float32), name=f"w{i}") for i in range(16)]
-        opt = mpistrat.optimizers.Adam(1e-3, shard_state=args.shard)
-        opt.build(ws)
-    folder = comm.bcast(tempfile.mkdtemp(dir=args.dir or os.getcwd()) if rank == 0 else None)
-    ckpt = mpistrat.Checkpoint(model=ws, opt=opt)
-    path = ckpt.write(os.path.join(folder, "ckpt"))
+    collectives = model.strategy.extended.collectives
     nbytes = os.path.getsize(path)
     lo, hi = nbytes * rank // size, nbytes * (rank + 1) // size
     kept = np.full(hi - lo, rank % 251, np.uint8)
@@ -143,34 +123,15 @@ def main() -> None:
         "begin": begin,
         "Checkpoint.write": lambda: phase.timed(lambda: ckpt.write(path)),
     }
-    times: dict[str, list[float]] = {k: [] for k in [*sides, *PHASES]}
-    cpu: dict[str, list[float]] = {k: [] for k in sides}
-    for i in range(args.rounds + 1):  # the first round warms up
-        names = list(sides)
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            comm.Barrier()
-            used, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            sides[name]()
-            elapsed, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-            if i:
-                times[name].append(comm.allreduce(elapsed, op=MPI.MAX))
-                cpu[name].append(after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime)
-                if name == "Checkpoint.write":
-                    for k, seconds in zip(PHASES, phase.last, strict=True):
-                        times[k].append(comm.allreduce(seconds, op=MPI.MAX))
-    comm.Barrier()
-    if rank == 0:
-        base = statistics.median(times["raw"])
-        shard = ", sharded" if args.shard else ""
-        print(f"{size} ranks{shard}, {nbytes / 2**20:.0f} MiB, load {os.getloadavg()[0]:.1f}")
-        print(f"{'':>18} {'ms':>8} {'x raw':>6} {'CPU ms':>7}")
-        for name in times:
-            t = statistics.median(times[name])
-            used = f"{statistics.median(cpu[name]) * 1e3:7.1f}" if name in cpu else ""
-            print(f"{name:>18} {t * 1e3:8.1f} {t / base:6.2f} {used}")
-        for name in os.listdir(folder):
-            os.remove(os.path.join(folder, name))
-        os.rmdir(folder)
+    phases: dict[str, list[float]] = {k: [] for k in PHASES}
+
+    def phases_of(name: str) -> None:
+        if name == "Checkpoint.write":
+            for k, seconds in zip(PHASES, phase.last, strict=True):
+                phases[k].append(comm.allreduce(seconds, op=MPI.MAX))
+
+    times, cpu = interleaved(comm, sides, args.rounds, after=phases_of)
+    report(model, args, times | phases, cpu)
 
 
 class _Phases:
