@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import linecache
 import logging
@@ -55,6 +56,13 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if WORLD.Get_rank() > 0:  # one readable report: other ranks print failures and the summary only
         config.option.verbose = -1
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The collected suite lives until the end: frozen, it is left out of every later collection (the
+    tests' own ``gc.collect()``, the watchdog's, Python's), which then scans what tests made since."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -21,6 +21,8 @@ from mpistrat.interface.protocols import StrategyExtendedProtocol
 PACKAGE = Path(__file__).resolve().parent.parent / "mpistrat"
 ROOT = PACKAGE.parent
 
+pytestmark = pytest.mark.serial("reads only the source: one pass proves it")
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
