@@ -89,10 +89,16 @@ def temporary(path: str) -> str:
 
 
 def replace_durably(tmp: str, path: str) -> None:
-    """fsync the finished ``tmp``, rename it over ``path`` and make the rename itself durable."""
+    """fsync the finished ``tmp``, rename it over ``path`` and make the rename itself durable.
+
+    The file replaced keeps a second name (a temporary's) until the rename is durable, so the
+    folder's fsync frees none of its blocks: a file system that discards freed blocks as it commits
+    (ext4 with ``discard``: 35-40 ms for 192 MiB) does so at a later commit, after the save returns.
+    """
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     _before_rename(tmp, path)
+    previous = _second_name(path)
     os.replace(tmp, path)
     with contextlib.suppress(OSError):
         fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
@@ -100,6 +106,20 @@ def replace_durably(tmp: str, path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+    if previous is not None:
+        with contextlib.suppress(OSError):
+            os.remove(previous)
+
+
+def _second_name(path: str) -> str | None:
+    """A hard link to the file at ``path`` named as a temporary (a killed save's is removed as one),
+    or None: no file there, or a file system without hard links."""
+    name = temporary(path + ".replaced")
+    try:
+        os.link(path, name, follow_symlinks=False)
+    except OSError:
+        return None
+    return name
 
 
 def read_table(path: str) -> Table | None:

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -214,6 +215,77 @@ def test_interrupted_save_keeps_the_previous_checkpoint(group, tmp_path, monkeyp
     # The failed save did not count: the next one is ckpt-2 again.
     ok = latest == path and int(ckpt.save_counter) == 1 and files == ["checkpoint", "ckpt-1", "fixed"]
     all_ranks_agree(group.comm, ok, f"{latest} {int(ckpt.save_counter)} {files}")
+
+
+def test_a_replaced_file_keeps_a_name_until_its_replacement_is_durable(group, tmp_path, monkeypatch):
+    """The folder's fsync after the rename frees nothing (a file system that discards freed blocks
+    would do it then): the file replaced still has a name, removed once the rename is durable."""
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4, dtype=np.float32))
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.write(os.path.join(directory, "model"))
+    replaced = os.stat(path).st_ino
+    seen: list[set[int]] = []  # the folder's inodes at each fsync of a folder
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            seen.append({entry.inode() for entry in os.scandir(directory)})
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint_files.os, "fsync", fsync)
+    with group.strategy.scope():
+        v.assign(np.full(4, 7, np.float32))
+    ckpt.write(path)
+    monkeypatch.undo()
+    with group.strategy.scope():
+        v.assign(np.zeros(4, np.float32))
+    ckpt.read(path).assert_consumed()
+    if group.rank == 0:  # rank 0 renames
+        ok = bool(seen) and replaced in seen[-1] and os.stat(path).st_ino != replaced
+        ok = ok and os.listdir(directory) == ["model"]
+    else:
+        ok = not seen
+    all_ranks_agree(group.comm, ok and v.numpy().tolist() == [7] * 4, f"{seen} {os.listdir(directory)} {v!r}")
+
+
+def test_a_save_killed_while_the_replaced_file_has_two_names_leaves_nothing_after_the_next(group, tmp_path):
+    directory = shared_dir(group, tmp_path)
+    ckpt = mpistrat.Checkpoint(v=make_state(group)[0])
+    path = ckpt.write(os.path.join(directory, "model"))
+    if group.rank == 0:  # the second name a process gave the file before it died
+        second = checkpoint_files._second_name(path)
+        assert second is not None
+        dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+        os.rename(second, second.replace(f".tmp{os.getpid()}-", f".tmp{dead}-"))
+    group.comm.Barrier()
+    left = sorted(os.listdir(directory))
+    ckpt.write(path)
+    ok = len(left) == 2 and sorted(os.listdir(directory)) == ["model"]
+    all_ranks_agree(group.comm, ok, f"after the killed save: {left}; after the next: {os.listdir(directory)}")
+
+
+def test_a_file_system_without_hard_links_replaces_the_file_all_the_same(group, tmp_path, monkeypatch):
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4, dtype=np.float32))
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.write(os.path.join(directory, "model"))
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted (simulated)")
+
+    monkeypatch.setattr(checkpoint_files.os, "link", no_links)
+    with group.strategy.scope():
+        v.assign(np.full(4, 3, np.float32))
+    ckpt.write(path)
+    monkeypatch.undo()
+    with group.strategy.scope():
+        v.assign(np.zeros(4, np.float32))
+    ckpt.read(path).assert_consumed()
+    ok = v.numpy().tolist() == [3] * 4 and os.listdir(directory) == ["model"]
+    all_ranks_agree(group.comm, ok, f"{v!r} {os.listdir(directory)}")
 
 
 def test_reading_errors_reach_every_rank(group, tmp_path):
