@@ -104,6 +104,8 @@ def _measure(comm: MPI.Intracomm, case: Case, iters: int, warmup: int) -> dict[s
                 times[name][i - warmup] = elapsed
             if ok[name] and not check(out):
                 ok[name] = False
+            if case.settle is not None:
+                case.settle()
     return {name: (times[name], ok[name]) for name in names}
 
 

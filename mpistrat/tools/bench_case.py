@@ -49,6 +49,7 @@ class Case:
     count: int  # elements in that result
     leaves: int
     variants: dict[str, tuple[Callable[[], Any], Check]]
+    settle: Callable[[], None] | None = None  # after each variant's call, untimed: what it left pending
 
 
 @dataclasses.dataclass

@@ -7,12 +7,15 @@ parallel writer would: every rank writes its 1/R of the file's bytes with one ``
 ``Sync``, and rank 0 renames the file into place; ``raw2`` as one that keeps a save's guarantees
 must: each rank also checksums its share (CRC-32C, gathered to rank 0, which a header would
 hold), and rank 0 makes the rename durable (an fsync of the folder, so that a crash after the
-save returns cannot bring the previous file back). ``raw`` restores with one ``Read_at_all`` of
-1/R and one ``Allgather`` of the whole; ``raw2`` as a hand-written restore that keeps a restore's
-guarantees must: it reads into a buffer of its own (the variables keep their values until the bytes
-are checked), checksums it (CRC-32C) and shares the checksums before the ``Allgather``. The files
-go to ``--checkpoint-dir`` (default: a new folder in the current directory, on the file system a
-job would use), removed afterwards.
+save returns cannot bring the previous file back). After each save, untimed, rank 0 flushes the
+file systems (``os.sync``): what a side leaves to the next commit (raw's rename, the blocks of
+the file it replaced) is charged to no side, as in a job whose saves are minutes apart.
+
+``raw`` restores with one ``Read_at_all`` of 1/R and one ``Allgather`` of the whole; ``raw2`` as a
+hand-written restore that keeps a restore's guarantees must: it reads into a buffer of its own (the
+variables keep their values until the bytes are checked), checksums it (CRC-32C) and shares the
+checksums before the ``Allgather``. The files go to ``--checkpoint-dir`` (default: a new folder in
+the current directory, on the file system a job would use), removed afterwards.
 """
 
 from __future__ import annotations
@@ -123,7 +126,15 @@ def checkpoint_save(s: Setup) -> Case:
         "raw": (_raw_save(s, os.path.join(folder, "raw"), nbytes), written),
         "raw2": (_raw_save(s, os.path.join(folder, "raw2"), nbytes, checked=True), written),
     }
-    return Case(nbytes, model.count, s.leaves, sides)
+    return Case(nbytes, model.count, s.leaves, sides, settle=_flush(s))
+
+
+def _flush(s: Setup) -> Callable[[], None]:
+    def flush() -> None:
+        if s.rank == 0:
+            os.sync()
+
+    return flush
 
 
 def checkpoint_restore(s: Setup) -> Case:

@@ -25,6 +25,7 @@ import mpistrat
 from mpistrat.tools import (
     bench,
     bench_args,
+    bench_case,
     bench_load,
     bench_meta,
     bench_optimizer,
@@ -742,6 +743,33 @@ def test_checkpoint_ops_save_and_restore_a_model_with_adam_beside_raw_mpi_io(tmp
         if os.listdir(folder):
             problems.append(f"left behind: {os.listdir(folder)}")
     all_ranks_agree(WORLD, not problems, "; ".join(problems))
+
+
+def test_a_cases_settle_runs_after_each_variant_outside_its_time(monkeypatch):
+    """What one side leaves pending (the checkpoint ops: a flush of the file systems) is settled
+    after each call, every side alike, and no side's time holds it (a clock the settle moves by 100 s)."""
+    clock, calls = [0.0], []
+
+    def variant(name):
+        def call():
+            calls.append(name)
+            clock[0] += 1.0
+
+        return call
+
+    def settle():
+        calls.append("settle")
+        clock[0] += 100.0
+
+    monkeypatch.setattr(bench.MPI, "Wtime", lambda: clock[0])
+    variants = {name: (variant(name), lambda _: True) for name in ("mpistrat", "raw")}
+    case = bench_case.Case(8, 2, 1, variants, settle=settle)
+    timed = bench._measure(MPI.COMM_SELF, case, iters=3, warmup=1)
+    assert calls == ["mpistrat", "settle", "raw", "settle", "raw", "settle", "mpistrat", "settle"] * 2
+    assert {name: times.tolist() for name, (times, _) in timed.items()} == {
+        "mpistrat": [1.0] * 3,
+        "raw": [1.0] * 3,
+    }
 
 
 def test_a_largest_size_that_does_not_fit_in_memory_is_refused_before_the_sweep(capsys):
