@@ -145,6 +145,11 @@ def mode_title(mode: str) -> str:
 OVERSUBSCRIBED = (
     "oversubscribed: the ranks took turns on the cores, so the times measure that sharing, not mpistrat"
 )
+THREADS_UNSET = (
+    "no thread variable was set (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, ...) and ranks shared a host: "
+    "each rank's BLAS may start a thread per core, and the optimizer steps' norms then wait for cores "
+    "the other ranks hold; a job with a rank per core sets one thread per rank (jobs/bench.sbatch does)"
+)
 SKEWED = "skewed"  # the mark of a row whose mean is more than SKEW times its median
 SKEW = 2.0
 
@@ -186,6 +191,8 @@ def warnings(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 
     out = [f"{load}: {OVERSUBSCRIBED}" for load in oversubscription(meta)]
     out += bench_load.warnings(meta.get("load") or [])
+    if _threads_unset(meta, rows):
+        out.append(THREADS_UNSET)
     odd = [r for r in rows if skewed(r)]
     if odd:
         shown = "; ".join(
@@ -203,6 +210,14 @@ def warnings(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     if meta.get("partial"):
         out.append(f"partial results: {meta['partial']}")
     return out
+
+
+def _threads_unset(meta: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
+    """Optimizer steps timed with several ranks on a host and no thread-count variable set (files
+    written before bench recorded the variables: never)."""
+    shared = meta.get("ranks", 1) > meta.get("nodes", 1)
+    stepped = any(str(r.get("op", "")).startswith("apply_gradients") for r in rows)
+    return shared and stepped and meta.get("threads") == {}
 
 
 def head(meta: dict[str, Any]) -> list[str]:

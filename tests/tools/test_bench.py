@@ -855,6 +855,16 @@ def test_the_cores_others_kept_busy_come_from_proc_stat_and_the_ranks_own_cpu_ti
     assert "the load average was 6.6 before the sweep, with 6 of its 8 logical cores left free" in warned
 
 
+def test_optimizer_rows_of_ranks_sharing_a_host_without_a_thread_variable_are_warned_about():
+    step, sum_ = {"op": "apply_gradients_lamb", "bytes": 4}, {"op": "all_reduce", "bytes": 4}
+    shared = {"ranks": 2, "nodes": 1, "threads": {}}
+    assert bench_report.warnings(shared, [sum_, step]) == [bench_report.THREADS_UNSET]
+    assert bench_report.warnings({**shared, "threads": {"OMP_NUM_THREADS": "1"}}, [step]) == []
+    assert bench_report.warnings(shared, [sum_]) == []  # no BLAS in the step
+    assert bench_report.warnings({**shared, "ranks": 2, "nodes": 2}, [step]) == []  # a rank per host
+    assert bench_report.warnings({"ranks": 2, "nodes": 1}, [step]) == []  # an older file: unknown
+
+
 def test_rows_whose_mean_is_over_twice_their_median_are_marked_and_warned_about():
     def row(avg, p50, raw_avg=10.0, raw_p50=10.0):
         side = lambda a, p: {"time_us": {"avg": a, "p50": p, "min": a, "max": a}}  # noqa: E731
