@@ -46,7 +46,8 @@ from mpistrat.training import placement
 from mpistrat.training.flat_storage import FlatBuffer
 from mpistrat.training.norms import Norms
 from mpistrat.training.optimizer_state import FlatState, creation_order
-from mpistrat.training.pack_step import Pack, Update, joined, update_pack
+from mpistrat.training.pack_step import Pack, Read, Update, joined, update_pack
+from mpistrat.training.trust_ratio import TrustRatios
 
 if TYPE_CHECKING:
     from mpistrat.collectives import Collectives
@@ -172,7 +173,7 @@ class StepRule:
         # scale (one for the global norm, one per variable for clipnorm), LAMB's ratios.
         self._numbers: Norms | None = None
         self._clip_scales: float | np.ndarray | None = None
-        self._ratios: np.ndarray | None = None
+        self._trust: TrustRatios | None = None
 
     def decays(self, s: Any, p: int) -> bool:
         """Whether variable ``p`` of group step ``s`` decays."""
@@ -210,7 +211,15 @@ class StepRule:
         elif bad:
             return False
         self._transform(packs)
+        if self.trust_ratio:
+            norms = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
+            self._trust = TrustRatios(norms, self.lr)
         return True
+
+    def each_block(self, pack: Pack) -> Read | None:
+        """LAMB's: its sums of squares of each block the update's pass wrote (see
+        :mod:`~mpistrat.training.trust_ratio`); None for the other rules."""
+        return None if self._trust is None else self._trust.each_block(pack)
 
     def _unscale(self, packs: list[Pack]) -> None:
         if self.loss_scale is not None:
@@ -247,7 +256,7 @@ class StepRule:
     def _clip(self, packs: list[Pack], scales: np.ndarray) -> None:
         """``clipnorm``: each variable's gradient by its own scale."""
         assert self._numbers is not None
-        factors = scales.tolist()  # floats, as in _trust
+        factors = scales.tolist()  # floats: a multiply in the variables' dtype, not a float64 pass
         for s, k, grad, base, _, _ in packs:
             first = self._numbers.index(s, 0)
             for a, b, p in s.segments[k]:
@@ -265,14 +274,8 @@ class StepRule:
     # -- after the update: LAMB's trust ratios, the moving average ---------------------------
 
     def after(self, packs: list[Pack]) -> None:
-        if self.trust_ratio:
-            norms = self._numbers = Norms(packs, self.collectives, self.sharded, self.exact, self.kind)
-            (weights, updates), _ = norms.squares(["weights", "grad"], per_variable=True)
-            w_norm, u_norm = np.sqrt(weights), np.sqrt(updates)
-            self._ratios = np.where(
-                (w_norm > 0) & (u_norm > 0), w_norm / np.where(u_norm > 0, u_norm, 1.0), 1.0
-            )
-            self._trust(packs)
+        if self._trust is not None:
+            self._trust.finish(packs)
         if self.args.use_ema:
             self._average(packs)
 
@@ -285,22 +288,10 @@ class StepRule:
         self._transform(packs)
         for s, k, grad, base, params, slots in packs:
             update_pack(s, k, grad, base, params, slots, self.update, self.lr, self.step)
-        if self.trust_ratio:
-            self._trust(packs)
+        if self._trust is not None:
+            self._trust.step(packs)
         if self.args.use_ema:
             self._average(packs)
-
-    def _trust(self, packs: list[Pack]) -> None:
-        """``w -= ratio * lr * u`` per variable, ``ratio = ||w|| / ||u||`` (1 when either is 0)."""
-        ratios, numbers = self._ratios, self._numbers
-        assert ratios is not None and numbers is not None
-        factors = (ratios * self.lr).tolist()  # floats: a multiply in the variables' dtype, not float64
-        for s, k, grad, base, params, _ in packs:
-            first = numbers.index(s, 0)
-            for a, b, p in s.segments[k]:
-                u, w = grad[a - base : b - base], params[a:b]
-                u *= factors[first + p]
-                w -= u
 
     def _average(self, packs: list[Pack]) -> None:
         """``average = m * average + (1 - m) * w`` (``average = w`` at the first step), then every

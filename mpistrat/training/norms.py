@@ -88,7 +88,12 @@ class Norms:
         (``"grad"``) or the weights (``"weights"``), and ``flag`` summed over the ranks."""
         if self.exact:
             return self._exact(sources, per_variable, flag)
-        local = np.array(self._local(sources, per_variable), np.float64)
+        return self.summed(self._local(sources, per_variable), flag)
+
+    def summed(self, partial: list[list[float]], flag: float | None = None) -> tuple[np.ndarray, float]:
+        """This rank's ``partial`` sums (a row per source) and ``flag``, summed over the ranks when
+        sharded: one all-reduce of a float64 each."""
+        local = np.array(partial, np.float64)
         vector = local.ravel() if flag is None else np.append(local.ravel(), flag)
         if self.sharded:
             assert self.collectives is not None

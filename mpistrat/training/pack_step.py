@@ -17,8 +17,9 @@ scaling, clipping, weight decay, EMA, LAMB's trust ratios). A rule that needs a 
 variables (``whole``) runs :func:`run_whole`: every pack reduced and kept, then ``before`` over
 all of them (its per-variable partial norms summed over the ranks in one all-reduce when
 sharded), the updates, ``after``, and the gathers; ``before`` may skip the step on every rank
-alike (a loss-scaled step whose gradient is not finite). Otherwise ``before`` and ``after``
-run pack by pack in :func:`run`.
+alike (a loss-scaled step whose gradient is not finite). A rule may read each block right after
+its update, while it is in cache (``each_block``: LAMB sums its norms there). Otherwise
+``before`` and ``after`` run pack by pack in :func:`run`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "GroupStep",
     "Pack",
     "Piece",
+    "Read",
     "Rule",
     "Run",
     "Update",
@@ -56,12 +58,15 @@ __all__ = [
 # A range of more than WHOLE elements is updated BLOCK elements at a time, so that each block's
 # parameters, gradients and slots stay in cache across the update's passes. Measured
 # (docs/performance.md): at 16M float32 parameters Adam's update takes 0.6x the time in 256K
-# blocks; at 1M, whole passes are as fast or faster.
+# blocks; at 1M, whole passes are as fast or faster. A rule that reads each block right after its
+# update (LAMB's norms) takes BLOCK at a time whatever the range's size: it reads it from cache.
 BLOCK = 1 << 18
 WHOLE = 1 << 20
 
 # update(w, g, slots, lr, step): one step on matching 1-D blocks, in place; g is theirs to overwrite.
 Update = Callable[[Any, Any, list[Any], float, int], None]
+# read(start, stop): what follows the update of parameters start:stop while they are in cache.
+Read = Callable[[int, int], None]
 
 
 class Piece(NamedTuple):
@@ -124,6 +129,10 @@ class Rule(Protocol):
 
     def before(self, packs: list[Pack]) -> bool:
         """Gradient transforms and weight decay; False skips the step (the same on every rank)."""
+        ...
+
+    def each_block(self, pack: Pack) -> Read | None:
+        """What reads each block of ``pack`` right after its update (LAMB's norms), or None."""
         ...
 
     def after(self, packs: list[Pack]) -> None: ...
@@ -189,8 +198,8 @@ def update_reduced(
     gathers; nothing is written when ``before`` skips the step (on every rank alike)."""
     if not rule.before(packs):
         return False
-    for s, k, grad, base, params, slots in packs:
-        update_pack(s, k, grad, base, params, slots, rule.update, lr, step)
+    for pack in packs:
+        update_pack(*pack, rule.update, lr, step, rule.each_block(pack))
     rule.after(packs)
     for s, k, _, _, params, _ in packs:
         gather_pack(collectives, s, k, params, kind, options)
@@ -309,11 +318,13 @@ def update_pack(
     update: Update,
     lr: float,
     step: int,
+    read: Read | None = None,
 ) -> None:
-    """This rank's elements of pack ``k`` updated from ``grad``, whose element 0 is parameter ``base``."""
+    """This rank's elements of pack ``k`` updated from ``grad``, whose element 0 is parameter ``base``;
+    ``read(start, stop)`` after each block's update (blocks of at most ``BLOCK`` elements then)."""
     shift = s.group.layout.slot_start(k) - base  # a slot's index minus its parameter's
     for a, b in s.updates[k]:
-        block = b - a if b - a <= WHOLE else BLOCK
+        block = b - a if b - a <= WHOLE and read is None else BLOCK
         for start in range(a, b, block):
             stop = min(start + block, b)
             update(
@@ -323,6 +334,8 @@ def update_pack(
                 lr,
                 step,
             )
+            if read is not None:
+                read(start, stop)
 
 
 def gather_pack(
