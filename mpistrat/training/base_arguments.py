@@ -15,11 +15,13 @@ on this rank's elements of each pack. A norm over whole variables (``clipnorm``,
 ``global_clipnorm``, LAMB's trust ratios) is a sum of this rank's partial sums of squares per
 variable: sharded, one all-reduce of that vector (a float64 per variable, or one scalar for the
 global norm), never a gather of gradients; unsharded, every rank holds every element and nothing
-is sent. A loss-scaled step whose summed gradient is not finite is skipped on every rank: the
-flag rides in that all-reduce, or is one scalar of its own when sharded (unsharded every rank
-holds the same sums, and so the same answer). :meth:`StepRule.replay` does the step again on other
-elements of the same variables with the norms it found, without communication: a keeper's replica
-of its partner's part of sharded slots (:mod:`~mpistrat.training.shard_copies`).
+is sent. LAMB's sums are taken in the update's pass, block by block, while each block is in cache
+(:mod:`~mpistrat.training.trust_ratio`). A loss-scaled step whose summed gradient is not finite is
+skipped on every rank: the flag rides in that all-reduce, or is one scalar of its own when sharded
+(unsharded every rank holds the same sums, and so the same answer). :meth:`StepRule.replay` does
+the step again on other elements of the same variables with the norms it found, without
+communication: a keeper's replica of its partner's part of sharded slots
+(:mod:`~mpistrat.training.shard_copies`).
 
 >>> BaseArguments.checked("SGD", clipnorm=1.0).whole
 True
