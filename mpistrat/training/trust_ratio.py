@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any
 
 import numpy as np
 
@@ -70,18 +69,21 @@ class TrustRatios:
         their squares added to their variables' sums; a variable held whole that ends here stepped."""
         s, k, grad, base, params, _ = pack
         segments, first = s.segments[k], self.norms.index(s, 0)
-        weights, direction = self.partial
+        (weights, direction), early, sizes = self.partial, self.early, self._sizes
         i = bisect.bisect_right(stops, start)  # the first variable that ends after start
-        while i < len(segments) and segments[i][0] < stop:
+        while i < len(segments) and segments[i][0] < stop:  # a Python loop per variable: kept lean
             a, b, p = segments[i]
-            n, lo, hi = first + p, max(a, start), min(b, stop)
+            n, i = first + p, i + 1
+            lo, hi = (a, b) if start <= a and b <= stop else (max(a, start), min(b, stop))
             w, u = params[lo:hi], grad[lo - base : hi - base]
-            weights[n] += float(np.vdot(w, w))
-            direction[n] += float(np.vdot(u, u))
-            if self.early and b <= stop and b - a == self._sizes[n]:  # its last block: w and u in cache
-                self._step(params[a:b], grad[a - base : b - base], factor(weights[n], direction[n], self.lr))
+            weights[n] += float(w.dot(w))  # 1-D: a BLAS dot, as np.vdot, with less around it
+            direction[n] += float(u.dot(u))
+            if early and b <= stop and b - a == sizes[n]:  # its last block: w and u in cache
+                if lo != a:
+                    w, u = params[a:b], grad[a - base : b - base]
+                u *= factor(weights[n], direction[n], self.lr)
+                w -= u
                 self.stepped[n] = True
-            i += 1
 
     def finish(self, packs: list[Pack]) -> None:
         """The ratios over the ranks, and every variable not stepped yet stepped."""
@@ -102,9 +104,6 @@ class TrustRatios:
             first = numbers.index(s, 0)
             for a, b, p in s.segments[k]:
                 if skip is None or not skip[first + p]:
-                    self._step(params[a:b], grad[a - base : b - base], factors[first + p])
-
-    @staticmethod
-    def _step(w: Any, u: Any, f: float) -> None:
-        u *= f  # a float: a multiply in the variables' dtype, not a float64 pass
-        w -= u
+                    w, u = params[a:b], grad[a - base : b - base]
+                    u *= factors[first + p]  # a float: a multiply in the variables' dtype, not float64
+                    w -= u
