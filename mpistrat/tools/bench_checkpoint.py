@@ -7,9 +7,10 @@ parallel writer would: every rank writes its 1/R of the file's bytes with one ``
 ``Sync``, and rank 0 renames the file into place; ``raw2`` as one that keeps a save's guarantees
 must: each rank also checksums its share (CRC-32C, gathered to rank 0, which a header would
 hold), and rank 0 makes the rename durable (an fsync of the folder, so that a crash after the
-save returns cannot bring the previous file back). After each save, untimed, rank 0 flushes the
-file systems (``os.sync``): what a side leaves to the next commit (raw's rename, the blocks of
-the file it replaced) is charged to no side, as in a job whose saves are minutes apart.
+save returns cannot bring the previous file back). After each save, untimed, rank 0 waits for
+the replaced file's removal (``Checkpoint.write`` leaves it to a thread) and flushes the file
+systems (``os.sync``): what a side leaves to the next commit (raw's rename, the blocks of the file
+it replaced) or to a thread is charged to no side, as in a job whose saves are minutes apart.
 
 ``raw`` restores with one ``Read_at_all`` of 1/R and one ``Allgather`` of the whole; ``raw2`` as a
 hand-written restore that keeps a restore's guarantees must: it reads into a buffer of its own (the
@@ -31,8 +32,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
+from mpistrat.checkpoint import files
 from mpistrat.checkpoint.crc import CRC32C
-from mpistrat.checkpoint.files import read_table
 from mpistrat.tools.bench_case import Case, Check, Setup, split
 
 __all__ = ["checkpoint_restore", "checkpoint_save", "io_factor"]
@@ -132,6 +133,7 @@ def checkpoint_save(s: Setup) -> Case:
 def _flush(s: Setup) -> Callable[[], None]:
     def flush() -> None:
         if s.rank == 0:
+            files.wait_for_removals()
             os.sync()
 
     return flush
@@ -149,7 +151,7 @@ def checkpoint_restore(s: Setup) -> Case:
     whole2 = np.empty_like(whole)
     first = model.variables[0]
     want = model.initial[: first.shape[0]]
-    at = read_table(path).entries["model/0"].offset  # type: ignore[union-attr]
+    at = files.read_table(path).entries["model/0"].offset  # type: ignore[union-attr]
 
     def restore() -> bool:
         model.checkpoint.read(path)

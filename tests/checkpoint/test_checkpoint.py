@@ -8,6 +8,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -248,6 +249,41 @@ def test_a_replaced_file_keeps_a_name_until_its_replacement_is_durable(group, tm
     else:
         ok = not seen
     all_ranks_agree(group.comm, ok and v.numpy().tolist() == [7] * 4, f"{seen} {os.listdir(directory)} {v!r}")
+
+
+def test_a_large_replaced_file_is_removed_after_the_save_returns(group, tmp_path, monkeypatch):
+    """The kernel drops a removed file's cached pages as it goes: for a large file a thread does it,
+    and the save returns without waiting (here the removal waits until the save has returned)."""
+    directory = shared_dir(group, tmp_path)
+    with group.strategy.scope():
+        v = mpistrat.Variable(np.arange(4, dtype=np.float32))
+    ckpt = mpistrat.Checkpoint(v=v)
+    path = ckpt.write(os.path.join(directory, "model"))
+    returned, real_remove = threading.Event(), os.remove
+
+    def remove(name, *args, **kwargs):
+        if ".replaced.tmp" in str(name):
+            assert returned.wait(60), "the save waited for the removal"
+        real_remove(name, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_files, "_REMOVED_BESIDE", 0)  # every file counts as large
+    monkeypatch.setattr(checkpoint_files.os, "remove", remove)
+    with group.strategy.scope():
+        v.assign(np.full(4, 7, np.float32))
+    try:
+        ckpt.write(path)
+        during = sorted(os.listdir(directory))
+    finally:
+        returned.set()
+        checkpoint_files.wait_for_removals()
+        monkeypatch.undo()
+    with group.strategy.scope():
+        v.assign(np.zeros(4, np.float32))
+    ckpt.read(path).assert_consumed()
+    ok = v.numpy().tolist() == [7] * 4 and os.listdir(directory) == ["model"]
+    if group.rank == 0:  # rank 0 renames, and removes the replaced file's second name
+        ok = ok and len(during) == 2 and "model" in during
+    all_ranks_agree(group.comm, ok, f"during: {during}; after: {os.listdir(directory)}; {v!r}")
 
 
 def test_a_save_killed_while_the_replaced_file_has_two_names_leaves_nothing_after_the_next(group, tmp_path):
