@@ -21,7 +21,7 @@ from mpistrat import ContextError, InvalidArgumentError
 from mpistrat.optimizers import SGD
 from mpistrat.values import local_variable
 from tests.conftest import WORLD, RankChecks, all_ranks_agree, raises_on_every_rank
-from tests.support.launch import launcher_options
+from tests.support.launch import launcher_options, run_job
 from tests.training.test_optimizers import CONFIGS, numpy_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,6 +284,43 @@ def test_a_large_replaced_file_is_removed_after_the_save_returns(group, tmp_path
     if group.rank == 0:  # rank 0 renames, and removes the replaced file's second name
         ok = ok and len(during) == 2 and "model" in during
     all_ranks_agree(group.comm, ok, f"during: {during}; after: {os.listdir(directory)}; {v!r}")
+
+
+SAVE_TWICE_AND_EXIT = """
+import os, sys, time
+import numpy as np
+import mpistrat
+
+remove = os.remove
+def slow_remove(name, *args, **kwargs):  # the replaced file's removal outlasts the program
+    if ".replaced.tmp" in str(name):
+        time.sleep(1.0)
+    remove(name, *args, **kwargs)
+os.remove = slow_remove
+
+strategy = mpistrat.MPIStrategy()
+with strategy.scope():
+    v = mpistrat.Variable(np.arange(5 << 20, dtype=np.float32))  # 20 MiB: removed by a thread
+ckpt = mpistrat.Checkpoint(v=v)
+ckpt.write(sys.argv[1] + "/model")
+with strategy.scope():
+    v.assign_add(np.ones(5 << 20, np.float32))
+ckpt.write(sys.argv[1] + "/model")
+print("written", flush=True)
+"""
+
+
+@pytest.mark.serial
+def test_a_job_that_ends_right_after_replacing_a_large_file_leaves_only_the_new_one(tmp_path):
+    script, folder = tmp_path / "job.py", tmp_path / "files"
+    script.write_text(SAVE_TWICE_AND_EXIT)
+    folder.mkdir()
+    code, out = run_job(script, str(folder), ranks=3, limit=60)
+    assert code == 0 and "written" in out, out
+    assert os.listdir(folder) == ["model"]
+    v = mpistrat.Variable(np.zeros(5 << 20, np.float32))
+    mpistrat.Checkpoint(v=v).read(str(folder / "model")).assert_consumed()
+    assert np.array_equal(v.numpy(), np.arange(5 << 20, dtype=np.float32) + 1)
 
 
 def test_a_save_killed_while_the_replaced_file_has_two_names_leaves_nothing_after_the_next(group, tmp_path):
