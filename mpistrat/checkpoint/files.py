@@ -216,12 +216,16 @@ class Listing:
 
 def record(listing: Listing) -> None:
     """On rank 0, once the new file is in place: the index names it before anything is deleted (a
-    job killed while deleting still finds it), then once more without the deleted files."""
+    job killed while deleting still finds it), then once more without the deleted files. A large
+    deleted file's blocks and pages are freed in a thread (see :func:`replace_durably`)."""
     write_index(listing.directory, [os.path.basename(p) for p in [*listing.dropped, *listing.kept]])
     if listing.dropped:
         for old in listing.dropped:
+            second = _second_name(old)  # freed beside the training, as a replaced file
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)
+            if second is not None:
+                _remove(second)
         write_index(listing.directory, [os.path.basename(p) for p in listing.kept])
 
 

@@ -1,11 +1,13 @@
 """Numbered saves, CheckpointManager and latest_checkpoint against what tf.train does (TensorFlow 2.21)."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
 
 import mpistrat
+import mpistrat.checkpoint.files as checkpoint_files
 from mpistrat import ContextError, InvalidArgumentError
 from tests.checkpoint.test_checkpoint import shared_dir
 from tests.conftest import RankChecks
@@ -83,6 +85,41 @@ def test_manager_keeps_the_newest_and_deletes_the_oldest_first(group, tmp_path):
         restored = (float(v.numpy()), float(seen.numpy()))
     checks.that(restored == (3.0, 3.0 * group.size))
     checks.agree(group.comm, f"{empty} {saved} {numbered} {manager.checkpoints} {restored}")
+
+
+def test_a_large_deleted_checkpoint_is_freed_after_the_save_returns(group, tmp_path, monkeypatch):
+    """The oldest file beyond max_to_keep leaves the directory's listing and index at once; its last
+    name (a temporary's) goes in a thread, which the save does not wait for (held until it returned)."""
+    directory = shared_dir(group, tmp_path)
+    *_, ckpt = state(group)
+    manager = mpistrat.CheckpointManager(ckpt, directory, max_to_keep=1)
+    first = manager.save()
+    returned, real_remove = threading.Event(), os.remove
+
+    def remove(name, *args, **kwargs):
+        if ".replaced.tmp" in str(name):
+            assert returned.wait(60), "the save waited for the removal"
+        real_remove(name, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_files, "_REMOVED_BESIDE", 0)  # every file counts as large
+    monkeypatch.setattr(checkpoint_files.os, "remove", remove)
+    try:
+        second = manager.save()
+        during = files(group, directory)
+    finally:
+        returned.set()
+        checkpoint_files.wait_for_removals()
+        monkeypatch.undo()
+    checks = RankChecks()
+    checks.that(names([first, second]) == ["ckpt-1", "ckpt-2"] and manager.checkpoints == [second])
+    settled = [n for n in during if ".replaced.tmp" not in n]  # the index's old file is set aside too
+    checks.that(
+        settled == ["checkpoint", "ckpt-2"] and any(n.startswith("ckpt-1.replaced.tmp") for n in during)
+    )
+    checks.that(files(group, directory) == ["checkpoint", "ckpt-2"])
+    with group.strategy.scope():
+        checks.that(mpistrat.latest_checkpoint(directory) == second)
+    checks.agree(group.comm, f"{during} {files(group, directory)} {manager.checkpoints}")
 
 
 def test_a_restarted_job_finds_the_checkpoints_and_continues_after_restoring(group, tmp_path):
