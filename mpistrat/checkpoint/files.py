@@ -114,8 +114,10 @@ def replace_durably(tmp: str, path: str) -> None:
         _remove(previous)
 
 
-# From this size a replaced file's last name is removed beside the training (see replace_durably).
+# From this size a replaced file's last name is removed beside the training (see replace_durably),
+# by a thread of this name.
 _REMOVED_BESIDE = 16 << 20
+_REMOVER = "mpistrat-remove"
 
 
 def _remove(name: str) -> None:
@@ -129,9 +131,6 @@ def _remove(name: str) -> None:
         threading.Thread(target=_remove_quietly, args=(name,), name=_REMOVER).start()
     else:
         _remove_quietly(name)
-
-
-_REMOVER = "mpistrat-remove"
 
 
 def wait_for_removals() -> None:
