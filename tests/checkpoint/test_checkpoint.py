@@ -1,5 +1,6 @@
 """Checkpoints: round trips at every size, clear errors, atomic saves, and restoring at another size."""
 
+import contextlib
 import json
 import os
 import re
@@ -251,6 +252,27 @@ def test_a_replaced_file_keeps_a_name_until_its_replacement_is_durable(group, tm
     all_ranks_agree(group.comm, ok and v.numpy().tolist() == [7] * 4, f"{seen} {os.listdir(directory)} {v!r}")
 
 
+@contextlib.contextmanager
+def removals_held(monkeypatch):
+    """Within the block every file counts as large, and the removal of its second name waits until
+    the block ends (a save that waited for it fails); then the removals finish."""
+    returned, real_remove = threading.Event(), os.remove
+
+    def remove(name, *args, **kwargs):
+        if ".replaced.tmp" in str(name):
+            assert returned.wait(60), "the save waited for the removal"
+        real_remove(name, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_files, "_REMOVED_BESIDE", 0)
+    monkeypatch.setattr(checkpoint_files.os, "remove", remove)
+    try:
+        yield
+    finally:
+        returned.set()
+        checkpoint_files.wait_for_removals()
+        monkeypatch.undo()
+
+
 def test_a_large_replaced_file_is_removed_after_the_save_returns(group, tmp_path, monkeypatch):
     """The kernel drops a removed file's cached pages as it goes: for a large file a thread does it,
     and the save returns without waiting (here the removal waits until the save has returned)."""
@@ -259,24 +281,11 @@ def test_a_large_replaced_file_is_removed_after_the_save_returns(group, tmp_path
         v = mpistrat.Variable(np.arange(4, dtype=np.float32))
     ckpt = mpistrat.Checkpoint(v=v)
     path = ckpt.write(os.path.join(directory, "model"))
-    returned, real_remove = threading.Event(), os.remove
-
-    def remove(name, *args, **kwargs):
-        if ".replaced.tmp" in str(name):
-            assert returned.wait(60), "the save waited for the removal"
-        real_remove(name, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_files, "_REMOVED_BESIDE", 0)  # every file counts as large
-    monkeypatch.setattr(checkpoint_files.os, "remove", remove)
     with group.strategy.scope():
         v.assign(np.full(4, 7, np.float32))
-    try:
+    with removals_held(monkeypatch):
         ckpt.write(path)
         during = sorted(os.listdir(directory))
-    finally:
-        returned.set()
-        checkpoint_files.wait_for_removals()
-        monkeypatch.undo()
     with group.strategy.scope():
         v.assign(np.zeros(4, np.float32))
     ckpt.read(path).assert_consumed()

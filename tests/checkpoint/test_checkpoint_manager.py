@@ -1,15 +1,13 @@
 """Numbered saves, CheckpointManager and latest_checkpoint against what tf.train does (TensorFlow 2.21)."""
 
 import os
-import threading
 
 import numpy as np
 import pytest
 
 import mpistrat
-import mpistrat.checkpoint.files as checkpoint_files
 from mpistrat import ContextError, InvalidArgumentError
-from tests.checkpoint.test_checkpoint import shared_dir
+from tests.checkpoint.test_checkpoint import removals_held, shared_dir
 from tests.conftest import RankChecks
 
 
@@ -94,22 +92,9 @@ def test_a_large_deleted_checkpoint_is_freed_after_the_save_returns(group, tmp_p
     *_, ckpt = state(group)
     manager = mpistrat.CheckpointManager(ckpt, directory, max_to_keep=1)
     first = manager.save()
-    returned, real_remove = threading.Event(), os.remove
-
-    def remove(name, *args, **kwargs):
-        if ".replaced.tmp" in str(name):
-            assert returned.wait(60), "the save waited for the removal"
-        real_remove(name, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_files, "_REMOVED_BESIDE", 0)  # every file counts as large
-    monkeypatch.setattr(checkpoint_files.os, "remove", remove)
-    try:
+    with removals_held(monkeypatch):
         second = manager.save()
         during = files(group, directory)
-    finally:
-        returned.set()
-        checkpoint_files.wait_for_removals()
-        monkeypatch.undo()
     checks = RankChecks()
     checks.that(names([first, second]) == ["ckpt-1", "ckpt-2"] and manager.checkpoints == [second])
     settled = [n for n in during if ".replaced.tmp" not in n]  # the index's old file is set aside too
